@@ -1,0 +1,8 @@
+// Bindings of the copy part (placeholder until the part lands).
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace nereus {
+void register_copy(py::module_& m) { (void)m; }
+}  // namespace nereus

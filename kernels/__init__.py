@@ -1,0 +1,1 @@
+"""Triton pack/unpack kernels over region tables (installed as nereus_comm.kernels)."""

@@ -1,0 +1,38 @@
+"""Exceptions raised by nereus_comm.
+
+Every user error is raised before any byte moves and says what was wrong and
+what to do about it. Most derive from ValueError so that callers that only
+know the standard library still catch them.
+"""
+
+
+class NereusCommError(Exception):
+    """Base class of every nereus_comm error."""
+
+
+class LayoutError(NereusCommError, ValueError):
+    """A layout or tensor spec is malformed (degrees, ranks, shapes, split dims)."""
+
+
+class PlanError(NereusCommError, ValueError):
+    """A reshard cannot be planned (a destination byte no source holds, mismatched specs)."""
+
+
+class TensorMismatchError(NereusCommError, ValueError):
+    """A tensor handed to reshard does not match its spec (shape, dtype, device, missing)."""
+
+
+class TransportError(NereusCommError, RuntimeError):
+    """A transport failed to move bytes."""
+
+
+class PeerTimeoutError(TransportError, TimeoutError):
+    """A peer did not answer in time (it may have died). The message names the peer."""
+
+
+class NcclNotFoundError(NereusCommError, RuntimeError):
+    """libnccl.so.2 could not be loaded. The message lists every place that was tried."""
+
+
+class MembershipError(NereusCommError, RuntimeError):
+    """Joining, leaving or watching a World failed (store unreachable, stale generation)."""
