@@ -240,7 +240,7 @@ def test_train_matches_single_process(pool, tp, pp, dp, num_micro, critic):
     # Communication counts per rank: tp all-reduces per micro-batch are embedding 1,
     # 2 forward + 2 backward per layer, lm head's f 1 and the log-prob's 2; dp adds 1.
     for r in res:
-        d, p, t = r["coords"]
+        _, p, _ = r["coords"]
         first, last = p == 0, p == pp - 1
         if tp > 1:
             per_mb = first + 4 * len(r["layers"]) + last * (0 if critic else 3)
