@@ -382,7 +382,7 @@ class WarmStartResult:
 def _sft_batch(task: Task, level: int, n: int, rng: random.Random, tokenizer: CharTokenizer):
     problems = task.sample(n, level, rng)
     prompts = encode_prompts(problems, tokenizer)
-    answers = torch.tensor([tokenizer.encode(p.answer) + [tokenizer.EOS] for p in problems])
+    answers = torch.tensor([[*tokenizer.encode(p.answer), tokenizer.EOS] for p in problems])
     seq = torch.cat([prompts, answers], 1)
     # Predict the answer and EOS only: targets are seq[1:], masked before the answer.
     mask = torch.zeros(seq.shape[0], seq.shape[1] - 1)
