@@ -94,16 +94,15 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads="
                 f"{self.num_kv_heads}; grouped-query attention needs whole groups"
             )
-        if (self.hidden // self.num_heads) % 2:
-            raise ValueError(f"head_dim={self.hidden // self.num_heads} must be even for rotary")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
-    def num_params(self, value_head: bool = False) -> int:
-        """Parameter count of the full model (policy head, or value head if asked)."""
-        return sum(math.prod(s.shape) for s in state_specs(self, value_head=value_head))
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the full policy model (as ``ModelSpec.num_params``)."""
+        return sum(math.prod(s.shape) for s in state_specs(self))
 
     def __repr__(self) -> str:
         return (
@@ -113,13 +112,14 @@ class ModelConfig:
         )
 
 
+# The same shapes as ``nereus_rl.spec.MODEL_PRESETS`` (decision layer) of these names.
 PRESETS: dict[str, ModelConfig] = {
     # Tests and the default CPU job. ~0.1M parameters.
     "tiny": ModelConfig("tiny", 2, 64, 4, 2, 176, 64, 128),
-    # ~4.8M parameters: CPU runs where compute should dominate overheads.
-    "small": ModelConfig("small", 6, 256, 8, 4, 688, 64, 256),
-    # ~200M parameters: benchmarks on a device.
-    "medium": ModelConfig("medium", 16, 1024, 16, 8, 2816, 64, 1024),
+    # ~4.5M parameters: CPU runs where compute should dominate overheads.
+    "small": ModelConfig("small", 6, 256, 8, 4, 688, 256, 256),
+    # ~142M parameters: benchmarks on a device.
+    "medium": ModelConfig("medium", 12, 1024, 16, 8, 2816, 256, 1024),
 }
 
 
@@ -363,8 +363,12 @@ class Decoder(nn.Module):
         dtype: parameter dtype (fp32 on CPU).
         device: where the parameters live.
 
+    ``config`` may be any object with ModelConfig's fields and ``head_dim`` (e.g. the
+    decision layer's ``ModelSpec``).
+
     Raises:
-        ValueError: tp does not divide the heads, ffn or vocab; pp exceeds the layers.
+        ValueError: tp does not divide the heads, ffn or vocab; pp exceeds the layers; an odd
+            head_dim.
     """
 
     def __init__(
@@ -380,6 +384,8 @@ class Decoder(nn.Module):
         super().__init__()
         groups = groups or ParallelGroups.single()
         check_tp_divisible(config, groups.tp_size)
+        if config.head_dim % 2:
+            raise ValueError(f"head_dim={config.head_dim} must be even for rotary embeddings")
         self.config = config
         self.groups = groups
         self.is_critic = value_head

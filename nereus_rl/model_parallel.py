@@ -226,6 +226,27 @@ def vocab_parallel_logprobs(
     return _VocabParallelLogProb.apply(logits, targets, groups.tp_group, start)
 
 
+def response_logprobs(
+    logits: torch.Tensor, sequences: torch.Tensor, prompt_len: int, groups: ParallelGroups
+) -> torch.Tensor:
+    """Log-probs [B, N] of the response tokens ``sequences[:, prompt_len:]``.
+
+    Arguments:
+        logits: the last stage's logits shard for ``sequences`` [B, P + N, vocab/tp]
+            (position ``i`` predicts token ``i + 1``).
+        sequences: prompt and response ids [B, P + N].
+        prompt_len: P.
+        groups: this rank's groups.
+    """
+    predicting = logits[:, prompt_len - 1 : -1]
+    return vocab_parallel_logprobs(predicting, sequences[:, prompt_len:], groups)
+
+
+def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Critic values [B, N] of the states before each response token (positions P-1 .. -2)."""
+    return values[:, prompt_len - 1 : -1]
+
+
 @torch.no_grad()
 def vocab_parallel_entropy(logits: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """Entropy of softmax(logits) [...] from vocab shards (no gradient; for metrics)."""

@@ -1,6 +1,8 @@
 """Single-process checks of nereus_rl.model: presets, specs and shard naming, state
 dicts, deterministic init, KV-cache generation, vocab-parallel log-probs."""
 
+import math
+
 import pytest
 import torch
 
@@ -15,7 +17,13 @@ from nereus_rl.model import (
     get_preset,
     state_specs,
 )
-from nereus_rl.model_parallel import ParallelGroups, stage_layers, vocab_parallel_logprobs
+from nereus_rl.model_parallel import (
+    ParallelGroups,
+    response_logprobs,
+    response_values,
+    stage_layers,
+    vocab_parallel_logprobs,
+)
 
 TINY = get_preset("tiny")
 
@@ -24,10 +32,11 @@ def test_presets_and_param_counts():
     # tiny by hand: embed 64*64 + head 64*64 + final norm 64
     #   + 2 layers * (norms 2*64 + q 64*64 + k,v 2*32*64 + o 64*64 + gate/up/down 3*176*64)
     per_layer = 128 + 4096 + 2 * 2048 + 4096 + 3 * 176 * 64
-    assert TINY.num_params() == 4096 + 4096 + 64 + 2 * per_layer == 100_672
-    assert TINY.num_params(value_head=True) == 100_672 - 4096 + 64
-    assert 3e6 < PRESETS["small"].num_params() < 6e6
-    assert 1e8 < PRESETS["medium"].num_params() < 3e8
+    assert TINY.num_params == 4096 + 4096 + 64 + 2 * per_layer == 100_672
+    critic = sum(math.prod(s.shape) for s in state_specs(TINY, value_head=True))
+    assert critic == 100_672 - 4096 + 64
+    assert 3e6 < PRESETS["small"].num_params < 6e6
+    assert 1e8 < PRESETS["medium"].num_params < 3e8
     assert repr(TINY) == "ModelConfig(tiny: L2 h64 heads4/2 ffn176 V64 T128)"
     with pytest.raises(UnknownPresetError, match="tiny"):
         get_preset("huge")
@@ -117,6 +126,17 @@ def test_deterministic_init_and_state_dict_roundtrip():
 def test_dtype_is_a_parameter():
     m = Decoder(TINY, dtype=torch.float64)
     assert m(torch.randint(0, 64, (1, 5))).dtype == torch.float64
+
+
+def test_response_logprobs_and_values_slice_the_response():
+    m = Decoder(TINY, seed=1)
+    seq = torch.randint(2, 64, (2, 9))
+    logits = m(seq)
+    lp = response_logprobs(logits, seq, 6, ParallelGroups.single())
+    want = torch.log_softmax(logits, -1)[0, 5].gather(-1, seq[0, 6:7])  # pos 5 predicts 6
+    assert lp.shape == (2, 3) and torch.allclose(lp[0, 0:1], want)
+    values = Decoder(TINY, value_head=True)(seq)
+    assert torch.equal(response_values(values, 6), values[:, 5:8])
 
 
 def test_vocab_parallel_logprobs_single_process():
