@@ -25,7 +25,7 @@ from nereus_rl.model_parallel import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from nereus_rl.model_pipeline import pipeline_forward, pipeline_forward_backward
+from nereus_rl.model_pipeline import LAST_PASS, pipeline_forward, pipeline_forward_backward
 
 WORLD = 4
 # Three layers, so pp=2 splits them 2 + 1 (earlier stage takes the remainder).
@@ -56,7 +56,7 @@ def _critic_loss(values, targets, scale):
     return ((values - targets) ** 2).sum() * scale
 
 
-def case_train(tp, pp, dp, num_micro, critic):
+def case_train(tp, pp, dp, num_micro, critic, schedule="1f1b"):
     """Forward/backward of a (dp, pp, tp) layout vs the single-process full batch."""
     groups = _groups(tp, pp, dp)
     tokens, vt = _batch()
@@ -88,7 +88,7 @@ def case_train(tp, pp, dp, num_micro, critic):
         return _policy_loss(y, mbs[m], groups, scale)
 
     before = COMM_COUNTS.copy()
-    losses = pipeline_forward_backward(model, mbs, loss_fn, groups)
+    losses = pipeline_forward_backward(model, mbs, loss_fn, groups, schedule=schedule)
     allreduce_gradients(model, groups)
     comms = dict(COMM_COUNTS - before)
     # Sum of every replica's micro-batch losses is the reference loss.
@@ -111,6 +111,7 @@ def case_train(tp, pp, dp, num_micro, critic):
         "layers": model.layer_ids,
         "comms": comms,
         "coords": (groups.dp_rank, groups.pp_rank, groups.tp_rank),
+        "max_live": LAST_PASS["max_live_micro_batches"],
     }
 
 
@@ -219,17 +220,18 @@ TOL = 2e-5
 
 
 @pytest.mark.parametrize(
-    "tp,pp,dp,num_micro,critic",
+    "tp,pp,dp,num_micro,critic,schedule",
     [
-        (2, 1, 2, 1, False),
-        (1, 2, 2, 2, False),
-        (2, 2, 1, 2, False),
-        (2, 2, 1, 1, True),
-        (1, 1, 4, 2, False),
+        (2, 1, 2, 1, False, "1f1b"),
+        (1, 2, 2, 2, False, "1f1b"),
+        (1, 2, 2, 4, False, "gpipe"),
+        (2, 2, 1, 4, False, "1f1b"),
+        (2, 2, 1, 1, True, "1f1b"),
+        (1, 1, 4, 2, False, "1f1b"),
     ],
 )
-def test_train_matches_single_process(pool, tp, pp, dp, num_micro, critic):
-    res = pool.run("case_train", tp, pp, dp, num_micro, critic)
+def test_train_matches_single_process(pool, tp, pp, dp, num_micro, critic, schedule):
+    res = pool.run("case_train", tp, pp, dp, num_micro, critic, schedule)
     for r in res:
         assert r["init_equal"], r
         assert r["loss_err"] < TOL, r
@@ -249,6 +251,9 @@ def test_train_matches_single_process(pool, tp, pp, dp, num_micro, critic):
         assert r["comms"].get("all_reduce", 0) == num_micro * per_mb + (dp > 1), r
         assert r["comms"].get("send", 0) == num_micro * ((not last) + (not first)) * (pp > 1)
         assert r["comms"].get("broadcast", 0) == (pp > 1)
+        # 1F1B holds at most (stages from here to the end) micro-batches; GPipe holds all.
+        live = num_micro if schedule == "gpipe" else min(num_micro, pp - p)
+        assert r["max_live"] == live, r
 
 
 def test_wrong_grads_are_detected(pool):
