@@ -83,7 +83,7 @@ class ParallelGroups:
 
 def init_parallel_groups(
     tp: int, pp: int, dp: int, ranks: Sequence[int] | None = None
-) -> ParallelGroups:
+) -> ParallelGroups | None:
     """Create the tp/pp/dp groups of a (dp, pp, tp) layout; collective over the whole world.
 
     Every process of the default group must call it with the same arguments (that is
@@ -95,7 +95,7 @@ def init_parallel_groups(
         ranks: global ranks of the layout (default: 0 .. tp*pp*dp-1).
 
     Returns:
-        The calling rank's groups (all None and sizes 1 if it is not in ``ranks``).
+        The calling rank's groups, or None if it is not in ``ranks``.
 
     Raises:
         ValueError: the rank count does not equal tp*pp*dp.
@@ -128,7 +128,7 @@ def init_parallel_groups(
         for t in range(tp):
             make("dp", [at(d, p, t) for d in range(dp)])
     if me not in coords:
-        return ParallelGroups.single()
+        return None
     d, p, t = coords[me]
     return ParallelGroups(
         tp_group=found["tp"],
