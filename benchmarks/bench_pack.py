@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     num_threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(num_threads)
-    reps = 7 if args.quick else 21
+    reps = 15 if args.quick else 31
     rows = []
     header = (
         f"{'region':>8} {'regions':>7} {'memcpy':>8} {'pack':>8} {'unpack':>8} {'table':>8}"
