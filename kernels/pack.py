@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ TABLE_COLUMNS = 6
 """Columns of a region table: src_addr, dst_addr, num_rows, row_bytes, src_stride_bytes,
 dst_stride_bytes (all int64, addresses are raw data pointers)."""
 
-_BLOCK = 4096  # units per program: 16 KiB per program for 4-byte units
+_MAX_BLOCK = 4096  # units per program: 16 KiB per program for 4-byte units
+_MIN_BLOCK = 512
 _NUM_WARPS = 4
 _MAX_FLAT_UNITS = 1 << 30  # short-row regions are split below this so int32 indices suffice
 _UNIT_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
@@ -42,6 +44,7 @@ def _copy_regions_kernel(
     ALIGN_BYTES: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROW_MIN: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     """Copy one tile (BLOCK units) of one region of a table.
@@ -49,8 +52,9 @@ def _copy_regions_kernel(
     table_ptr: int64 [num_regions, 6] in units of UNIT: src_addr and dst_addr (bytes),
     num_rows, row_units, src_stride_units, dst_stride_units. tile_start_ptr: int64
     [num_regions + 1], the first tile of each region (a prefix sum). Regions with
-    row_units >= BLOCK get one tile per BLOCK-chunk of each row (contiguous, vectorized);
-    shorter rows are tiled over their flattened rows (an index division per element).
+    row_units >= ROW_MIN get one tile per BLOCK-chunk of each row (contiguous,
+    vectorized); shorter rows are tiled over their flattened rows (an index division
+    per element).
 
     Worked example, BLOCK=4, bytes as units: table [[s, d, 2, 3, 8, 3]] (two rows of 3
     bytes, 8 apart, packed back to back) has one flat tile: elements 0..5 map to
@@ -75,7 +79,7 @@ def _copy_regions_kernel(
     src_stride = tl.load(row_ptr + 4)
     dst_stride = tl.load(row_ptr + 5)
     local = pid - tl.load(tile_start_ptr + lo)
-    if row_units >= BLOCK:
+    if row_units >= ROW_MIN:
         tiles_per_row = tl.cdiv(row_units, BLOCK)
         row = local // tiles_per_row
         col = (local - row * tiles_per_row) * BLOCK + tl.arange(0, BLOCK)
@@ -112,10 +116,10 @@ def _alignment(table: np.ndarray) -> int:
     return bits & -bits
 
 
-def _split_long_flat(table: np.ndarray, block_units: int, unit: int) -> np.ndarray:
+def _split_long_flat(table: np.ndarray, row_min: int, unit: int) -> np.ndarray:
     """Split short-row regions with >= 2**30 units by rows (the flat path indexes in int32)."""
     row_units = table[:, 3] // unit
-    too_big = (row_units < block_units) & (table[:, 2] * row_units >= _MAX_FLAT_UNITS)
+    too_big = (row_units < row_min) & (table[:, 2] * row_units >= _MAX_FLAT_UNITS)
     if not too_big.any():
         return table
     pieces = [table[~too_big]]
@@ -141,8 +145,45 @@ def _split_long_flat(table: np.ndarray, block_units: int, unit: int) -> np.ndarr
     return np.concatenate(pieces)
 
 
-def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
-    """Copy every region of a table whose memory lives on `device`, in one launch.
+class CopyLaunch(NamedTuple):
+    """A region table prepared for the device: run() queues the copy (again and again)."""
+
+    meta: torch.Tensor  # int64 on the device: the table in units, then the tile prefix
+    num_regions: int
+    num_tiles: int
+    unit_bytes: int
+    align_bytes: int
+    block: int
+    device: torch.device
+
+    def run(self) -> None:
+        """Queue the copy on the current stream of the device (nothing if no tiles)."""
+        if self.num_tiles == 0:
+            return
+        cols = self.num_regions * TABLE_COLUMNS
+        ctx = (
+            torch.cuda.device(self.device)
+            if self.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            _copy_regions_kernel[(self.num_tiles,)](
+                self.meta[:cols],
+                self.meta[cols:],
+                self.num_regions,
+                UNIT=_UNIT_DTYPES[self.unit_bytes],
+                UNIT_BYTES=self.unit_bytes,
+                ALIGN_BYTES=self.align_bytes,
+                VEC=self.align_bytes // self.unit_bytes,
+                BLOCK=self.block,
+                ROW_MIN=self.block // 8,
+                SEARCH_STEPS=max(1, self.num_regions.bit_length()),
+                num_warps=_NUM_WARPS,
+            )
+
+
+def plan_copy(*, table: torch.Tensor, device: torch.device) -> CopyLaunch:
+    """Check a region table, choose access width and tiling, and upload it to `device`.
 
     Arguments:
         table: CPU int64 tensor of shape (num_regions, 6): src_addr, dst_addr, num_rows,
@@ -152,8 +193,7 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
         device: a CUDA device (a CPU device too when TRITON_INTERPRET=1).
 
     Returns:
-        The number of programs launched (0 when the table moves no byte). The copy is
-        queued on the current stream of `device`.
+        A CopyLaunch whose run() queues the copy.
 
     Raises:
         ValueError: a malformed table (dtype, shape, device, negative sizes, null
@@ -177,6 +217,8 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
             f"Triton copies need a CUDA device, got {device}; use the host path for CPU "
             "memory (or set TRITON_INTERPRET=1 before importing triton to test on CPU)"
         )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     rows = table.contiguous().numpy()
     if (rows[:, 2:4] < 0).any():
         raise ValueError("table has a negative num_rows or row_bytes; sizes must be >= 0")
@@ -184,7 +226,7 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
     if (rows[:, :2] == 0).any():
         raise ValueError("table has a null address; pass data_ptr() of live tensors")
     if len(rows) == 0:
-        return 0
+        return CopyLaunch(torch.zeros(1, dtype=torch.int64), 0, 0, 1, 1, _MIN_BLOCK, device)
     rows = rows.copy()
     # Rows that follow each other on both sides are one long row: vectorized row tiles.
     packed = (rows[:, 2] > 1) & (rows[:, 4] == rows[:, 3]) & (rows[:, 5] == rows[:, 3])
@@ -192,33 +234,41 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
     rows[packed, 2] = 1
     align = _alignment(rows)
     unit = min(align, 4)
-    rows = _split_long_flat(rows, _BLOCK, unit)
+    # Programs as wide as the longest row (up to _MAX_BLOCK): few programs for long rows,
+    # few idle lanes when every row is short.
+    longest = int(rows[:, 3].max()) // unit
+    block = min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(0, longest - 1).bit_length()))
+    row_min = block // 8
+    rows = _split_long_flat(rows, row_min, unit)
     units = rows.copy()
     units[:, 3:6] //= unit
     row_units = units[:, 3]
-    long_rows = row_units >= _BLOCK
     tiles = np.where(
-        long_rows,
-        units[:, 2] * -(-row_units // _BLOCK),
-        -(-(units[:, 2] * row_units) // _BLOCK),
+        row_units >= row_min,
+        units[:, 2] * -(-row_units // block),
+        -(-(units[:, 2] * row_units) // block),
     )
     tile_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int64)
     num_tiles = int(tile_start[-1])
     if num_tiles >= 2**31:
         raise ValueError(f"table needs {num_tiles} programs, over the grid limit; split it")
     meta = torch.from_numpy(np.concatenate([units.ravel(), tile_start])).to(device)
-    num_regions = len(units)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _copy_regions_kernel[(num_tiles,)](
-            meta[: num_regions * TABLE_COLUMNS],
-            meta[num_regions * TABLE_COLUMNS :],
-            num_regions,
-            UNIT=_UNIT_DTYPES[unit],
-            UNIT_BYTES=unit,
-            ALIGN_BYTES=align,
-            VEC=align // unit,
-            BLOCK=_BLOCK,
-            SEARCH_STEPS=max(1, num_regions.bit_length()),
-            num_warps=_NUM_WARPS,
-        )
-    return num_tiles
+    return CopyLaunch(meta, len(units), num_tiles, unit, align, block, device)
+
+
+def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
+    """Copy every region of a table whose memory lives on `device`, in one launch.
+
+    Arguments:
+        table, device: as for plan_copy().
+
+    Returns:
+        The number of programs launched (0 when the table moves no byte). The copy is
+        queued on the current stream of `device`.
+
+    Raises:
+        ValueError: as for plan_copy().
+    """
+    launch = plan_copy(table=table, device=device)
+    launch.run()
+    return launch.num_tiles

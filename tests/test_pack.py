@@ -332,9 +332,29 @@ def triton_long_rows_bf16() -> None:
     gen = torch.Generator().manual_seed(1)
     t = random_tensor(gen, (3, 9000), torch.bfloat16)
     u = random_tensor(gen, (1, 20_000), torch.float32)
+    # 700 units >= BLOCK // 8: one masked row tile each.
     check_triton(
-        [Region(t, 0, 3, 9000, 9000), Region(u, 4, 1, 19_990, 0), Region(t, 3, 2, 8996, 9000)]
+        [
+            Region(t, 0, 3, 9000, 9000),
+            Region(u, 4, 1, 19_990, 0),
+            Region(t, 3, 2, 8996, 9000),
+            Region(u, 0, 5, 700, 1000),
+        ]
     )
+
+
+@triton_case
+def triton_aligned_16_bytes_vector_path() -> None:
+    from nereus_comm.kernels import pack as kernels
+
+    gen = torch.Generator().manual_seed(4)
+    x = random_tensor(gen, (4, 4096), torch.float32)
+    regions = [Region(x, 4, 3, 2048, 4096), Region(x, 0, 4, 4096, 4096), Region(x, 8, 2, 4, 8)]
+    buf = torch.empty(packed_nbytes(regions), dtype=torch.uint8)
+    table = torch.tensor([[x.data_ptr() + 16, buf.data_ptr(), 3, 8192, 16384, 8192]])
+    launch = kernels.plan_copy(table=table, device=torch.device("cpu"))
+    assert (launch.align_bytes, launch.unit_bytes, launch.block) == (16, 4, 4096), launch[1:]
+    check_triton(regions)
 
 
 @triton_case
