@@ -353,7 +353,7 @@ def triton_aligned_16_bytes_vector_path() -> None:
     buf = torch.empty(packed_nbytes(regions), dtype=torch.uint8)
     table = torch.tensor([[x.data_ptr() + 16, buf.data_ptr(), 3, 8192, 16384, 8192]])
     launch = kernels.plan_copy(table=table, device=torch.device("cpu"))
-    assert (launch.align_bytes, launch.unit_bytes, launch.block) == (16, 4, 4096), launch[1:]
+    assert (launch.align_bytes, launch.unit_bytes, launch.block) == (16, 4, 2048), launch[1:]
     check_triton(regions)
 
 
