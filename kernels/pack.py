@@ -45,7 +45,6 @@ def _copy_regions_kernel(
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
     ROW_MIN: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
 ):
     """Copy one tile (BLOCK units) of one region of a table.
 
@@ -64,9 +63,10 @@ def _copy_regions_kernel(
     pid = tl.program_id(0).to(tl.int64)
     # Region of this tile: the last i with tile_start[i] <= pid (empty regions have no
     # tiles, so they are never chosen). Invariant: tile_start[lo] <= pid < tile_start[hi].
+    # A runtime loop, not a static one, so tables of any length share one compiled kernel.
     lo = pid * 0
     hi = lo + num_regions
-    for _ in tl.static_range(SEARCH_STEPS):
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         right = (tl.load(tile_start_ptr + mid) <= pid).to(tl.int64)
         lo = lo + (mid - lo) * right
@@ -177,7 +177,6 @@ class CopyLaunch(NamedTuple):
                 VEC=self.align_bytes // self.unit_bytes,
                 BLOCK=self.block,
                 ROW_MIN=self.block // 8,
-                SEARCH_STEPS=max(1, self.num_regions.bit_length()),
                 num_warps=_NUM_WARPS,
             )
 
