@@ -84,21 +84,24 @@ def _copy_regions_kernel(
         row = local // tiles_per_row
         col = (local - row * tiles_per_row) * BLOCK + tl.arange(0, BLOCK)
         mask = col < row_units
-        src_row = tl.multiple_of(src_addr + row * src_stride * UNIT_BYTES, ALIGN_BYTES)
-        dst_row = tl.multiple_of(dst_addr + row * dst_stride * UNIT_BYTES, ALIGN_BYTES)
-        src = src_row.to(tl.pointer_type(UNIT)) + col
-        dst = dst_row.to(tl.pointer_type(UNIT)) + col
+        # The alignment hint goes on the pointer (after the int->pointer cast); a hint on
+        # the integer address does not survive the cast and leaves 4-byte accesses.
+        src_row = (src_addr + row * src_stride * UNIT_BYTES).to(tl.pointer_type(UNIT))
+        dst_row = (dst_addr + row * dst_stride * UNIT_BYTES).to(tl.pointer_type(UNIT))
+        src = tl.multiple_of(src_row, ALIGN_BYTES) + col
+        dst = tl.multiple_of(dst_row, ALIGN_BYTES) + col
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
     else:
+        # Names differ from the other branch: the compiler unifies same-named values.
         # int32 indices: the host keeps num_rows * row_units of short-row regions < 2**30.
         idx = local.to(tl.int32) * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < (num_rows * row_units).to(tl.int32)
+        in_region = idx < (num_rows * row_units).to(tl.int32)
         row_units32 = row_units.to(tl.int32)
-        row = idx // row_units32
-        col = idx - row * row_units32
-        src = src_addr.to(tl.pointer_type(UNIT)) + row.to(tl.int64) * src_stride + col
-        dst = dst_addr.to(tl.pointer_type(UNIT)) + row.to(tl.int64) * dst_stride + col
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        idx_row = idx // row_units32
+        idx_col = idx - idx_row * row_units32
+        src_ptrs = src_addr.to(tl.pointer_type(UNIT)) + idx_row.to(tl.int64) * src_stride + idx_col
+        dst_ptrs = dst_addr.to(tl.pointer_type(UNIT)) + idx_row.to(tl.int64) * dst_stride + idx_col
+        tl.store(dst_ptrs, tl.load(src_ptrs, mask=in_region), mask=in_region)
 
 
 def _interpreting() -> bool:
