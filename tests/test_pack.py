@@ -159,6 +159,33 @@ def test_host_concurrent_callers_are_correct():
         assert torch.equal(out, pack_reference([Region(t, 3, 63, 16000, 16384)]))
 
 
+def test_host_pool_survives_fork():
+    # The pool's threads do not exist in a forked child; the child must build its own
+    # pool instead of waiting forever on the parent's.
+    import signal
+    import time
+
+    src = torch.arange(4 << 20, dtype=torch.uint8)
+    regions = [Region(src, 0, 1, src.numel(), 0)]
+    assert torch.equal(pack(regions, num_threads=2), src)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:
+        # numpy compares: torch's OpenMP threads are not fork-safe (its bug, not ours).
+        ok = np.array_equal(pack(regions, num_threads=2).numpy(), src.numpy())
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in pack()")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_pack_into_given_buffer_returns_exact_prefix():
     _, regions = random_table(5, [torch.float32], num_tensors=4)
     n = packed_nbytes(regions)
