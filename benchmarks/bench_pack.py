@@ -10,7 +10,7 @@ that load on a shared machine hits all three alike; the figures are medians.
     python benchmarks/bench_pack.py --quick --json /tmp/bench_pack.json
 
 Columns: pack_vs_memcpy_x = memcpy seconds / pack seconds (1.0 = as fast as memcpy),
-from medians; *_best_x from the fastest rep of each (least disturbed by other load);
+from medians (a single fastest rep swings too much on a shared machine to compare);
 table_copy is the native copy of a prebuilt table (pack minus the Python table build).
 """
 
@@ -74,7 +74,6 @@ def bench_size(region_bytes: int, total_bytes: int, reps: int, num_threads: int)
         times["unpack"].append(_time(lambda: unpack(buf, regions, num_threads=num_threads)))
         times["table_copy"].append(_time(lambda: _C.copy_regions(table, num_threads)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
     gbps = {k: total / v / 1e9 for k, v in med.items()}
     return {
         "region_bytes": region_bytes,
@@ -88,9 +87,6 @@ def bench_size(region_bytes: int, total_bytes: int, reps: int, num_threads: int)
         "pack_vs_memcpy_x": round(med["memcpy"] / med["pack"], 3),
         "unpack_vs_memcpy_x": round(med["memcpy"] / med["unpack"], 3),
         "table_copy_vs_memcpy_x": round(med["memcpy"] / med["table_copy"], 3),
-        # Fastest rep of each: on a loaded machine, the least disturbed estimate.
-        "pack_vs_memcpy_best_x": round(best["memcpy"] / best["pack"], 3),
-        "unpack_vs_memcpy_best_x": round(best["memcpy"] / best["unpack"], 3),
     }
 
 
@@ -110,7 +106,7 @@ def main() -> None:
     rows = []
     header = (
         f"{'region':>8} {'regions':>7} {'memcpy':>8} {'pack':>8} {'unpack':>8} {'table':>8}"
-        "  pack/memcpy unpack/memcpy (median; best-of)"
+        "  pack/memcpy unpack/memcpy"
     )
     print(f"threads={num_threads} reps={reps} (GB/s, medians)")
     print(header)
@@ -123,8 +119,7 @@ def main() -> None:
             f"{label:>8} {row['num_regions']:>7} {row['memcpy_gb_per_s']:>8.2f} "
             f"{row['pack_gb_per_s']:>8.2f} {row['unpack_gb_per_s']:>8.2f} "
             f"{row['table_copy_gb_per_s']:>8.2f}  "
-            f"{row['pack_vs_memcpy_x']:>6.2f};{row['pack_vs_memcpy_best_x']:<5.2f}"
-            f"{row['unpack_vs_memcpy_x']:>8.2f};{row['unpack_vs_memcpy_best_x']:<5.2f}",
+            f"{row['pack_vs_memcpy_x']:>11.2f} {row['unpack_vs_memcpy_x']:>13.2f}",
             flush=True,
         )
     if args.json:
