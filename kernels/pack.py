@@ -254,7 +254,11 @@ def plan_copy(*, table: torch.Tensor, device: torch.device) -> CopyLaunch:
     num_tiles = int(tile_start[-1])
     if num_tiles >= 2**31:
         raise ValueError(f"table needs {num_tiles} programs, over the grid limit; split it")
-    meta = torch.from_numpy(np.concatenate([units.ravel(), tile_start])).to(device)
+    meta = torch.from_numpy(np.concatenate([units.ravel(), tile_start]))
+    if device.type == "cuda":
+        # Pinned + non_blocking: a pageable upload would wait for the whole stream. The
+        # caching host allocator keeps the pinned block until the copy has run.
+        meta = meta.pin_memory().to(device, non_blocking=True)
     return CopyLaunch(meta, len(units), num_tiles, unit, align, block, device)
 
 

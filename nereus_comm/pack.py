@@ -248,13 +248,12 @@ def _pair_table(src: _Table, dst: _Table) -> np.ndarray:
     like_dst = ~same & src.contiguous
     like_src = ~same & ~like_dst & dst.contiguous
     general = keep & ~same & ~like_dst & ~like_src
-    use_dst = like_dst
     table = np.stack(
         [
             src.addr,
             dst.addr,
-            np.where(use_dst, dst.num_rows, src.num_rows),
-            np.where(use_dst, dst.row_bytes, src.row_bytes),
+            np.where(like_dst, dst.num_rows, src.num_rows),
+            np.where(like_dst, dst.row_bytes, src.row_bytes),
             np.where(like_dst, dst.row_bytes, src.stride),
             np.where(like_src, src.row_bytes, dst.stride),
         ],
