@@ -312,7 +312,7 @@ def packed_nbytes(regions: Sequence[Region]) -> int:
     Returns:
         The sum of the regions' bytes.
     """
-    return sum(r.num_rows * r.row_elems * r.tensor.element_size() for r in regions)
+    return sum(int(r[2]) * int(r[3]) * r[0].element_size() for r in regions)
 
 
 def pack(
@@ -386,6 +386,8 @@ def copy_regions(
     """Copy src_regions[i] onto dst_regions[i] for every i, in one call.
 
     Pairs may differ in dtype and row shape; each pair must hold the same bytes.
+    Destinations must not overlap each other or any source (they are copied in
+    parallel, in no particular order).
 
     Arguments:
         src_regions, dst_regions: equally long tables, all on one device.

@@ -242,6 +242,13 @@ def test_region_view_is_zero_copy():
         region_view(Region(t, 0, 2, 4, 8))
 
 
+def test_numpy_int_sizes_and_plain_tuples_are_accepted():
+    t = torch.arange(24, dtype=torch.int32).view(4, 6)
+    regions = [(t, np.int64(1), np.int32(3), 2, np.int64(6)), Region(t, 0, 1, 6, 6)]
+    assert pack(regions).view(torch.int32).tolist() == [1, 2, 7, 8, 13, 14, 0, 1, 2, 3, 4, 5]
+    assert packed_nbytes(regions) == 48
+
+
 def test_region_repr_is_short():
     r = Region(torch.zeros(3, 4, dtype=torch.bfloat16), 1, 3, 2, 4)
     assert repr(r) == "Region(bfloat16[3, 4]@cpu, offset=1, rows=3x2, stride=4)"
