@@ -55,10 +55,11 @@ def _copy_regions_kernel(
     vectorized); shorter rows are tiled over their flattened rows (an index division
     per element).
 
-    Worked example, BLOCK=4, bytes as units: table [[s, d, 2, 3, 8, 3]] (two rows of 3
-    bytes, 8 apart, packed back to back) has one flat tile: elements 0..5 map to
-    (row, col) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2), read s+0 s+1 s+2 s+8 s+9 s+10 and
-    written to d+0..d+5; elements 6 and 7 are masked off.
+    Worked example, BLOCK=8, ROW_MIN=4, bytes as units: table [[s, d, 2, 3, 8, 3]] (two
+    rows of 3 bytes, 8 apart, packed back to back; 3 < ROW_MIN) has one flat tile:
+    elements 0..5 map to (row, col) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2), read s+0 s+1
+    s+2 s+8 s+9 s+10 and written to d+0..d+5; elements 6 and 7 are masked off. A row of
+    20 bytes would instead get 3 row tiles: columns 0..7, 8..15 and 16..19 (masked).
     """
     pid = tl.program_id(0).to(tl.int64)
     # Region of this tile: the last i with tile_start[i] <= pid (empty regions have no
