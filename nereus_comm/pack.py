@@ -1,0 +1,472 @@
+"""Pack and unpack 2-D strided regions of many tensors, one call per table.
+
+A Region is num_rows rows of row_elems contiguous elements inside a contiguous
+tensor's storage, row r starting at element offset + r * row_stride (elements of the
+tensor's dtype, counted from tensor.data_ptr()). Every piece of a reshard plan is
+such a region (only one dim is ever split), so a whole message of pieces from many
+tensors is one table:
+
+    >>> w = torch.arange(12.0).view(3, 4)
+    >>> buf = pack([Region(w, 1, 3, 2, 4)])          # w[:, 1:3], 3 rows of 2
+    >>> buf.view(torch.float32)
+    tensor([ 1.,  2.,  5.,  6.,  9., 10.])
+    >>> unpack(buf, [Region(w, 2, 3, 2, 4)])         # writes them into w[:, 2:4]
+
+CPU memory is copied by the C++ host path (nereus_comm._C.copy_regions: a persistent
+thread pool splits the table's bytes evenly, GIL released); CUDA memory by one Triton
+launch (nereus_comm.kernels.pack). A contiguous region needs no packing at all:
+region_view() gives a 1-D view that a transport sends from or receives into directly.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nereus_comm import _C
+from nereus_comm.errors import NereusCommError
+
+__all__ = [
+    "PackError",
+    "Region",
+    "copy_regions",
+    "is_contiguous_region",
+    "pack",
+    "pack_reference",
+    "packed_nbytes",
+    "region_view",
+    "unpack",
+    "unpack_reference",
+]
+
+_BACKENDS = ("host", "triton")
+
+
+class PackError(NereusCommError, ValueError):
+    """A region table cannot be copied (region outside storage, device or size mismatch)."""
+
+
+class Region(NamedTuple):
+    """num_rows rows of row_elems elements of `tensor`, row r at offset + r * row_stride.
+
+    All counts are in elements of tensor.dtype, relative to tensor.data_ptr(); the
+    tensor must be contiguous and its storage must hold every row.
+    """
+
+    tensor: torch.Tensor
+    offset: int
+    num_rows: int
+    row_elems: int
+    row_stride: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the region holds."""
+        return self.num_rows * self.row_elems * self.tensor.element_size()
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        dtype = str(t.dtype).removeprefix("torch.")
+        return (
+            f"Region({dtype}{list(t.shape)}@{t.device}, offset={self.offset}, "
+            f"rows={self.num_rows}x{self.row_elems}, stride={self.row_stride})"
+        )
+
+
+class _TensorInfo(NamedTuple):
+    """What a table needs of a tensor, looked up once per tensor per call."""
+
+    data_ptr: int
+    element_size: int
+    available: int  # elements the storage holds from data_ptr()
+    device: torch.device
+
+
+def _tensor_info(t: object, index: int, what: str) -> _TensorInfo:
+    if not isinstance(t, torch.Tensor):
+        raise PackError(f"{what} {index}: tensor is a {type(t).__name__}, expected torch.Tensor")
+    if not t.is_contiguous():
+        raise PackError(
+            f"{what} {index}: tensor of shape {tuple(t.shape)} is not contiguous; region "
+            "offsets count elements from data_ptr(), so pass a contiguous tensor"
+        )
+    es = t.element_size()
+    available = t.untyped_storage().nbytes() // es - t.storage_offset()
+    return _TensorInfo(t.data_ptr(), es, available, t.device)
+
+
+def _check_region(
+    region: Region, index: int, what: str, info: _TensorInfo | None = None
+) -> tuple[int, int, int, int]:
+    """Validate one region; return (addr, num_rows, row_bytes, stride_bytes)."""
+    if not isinstance(region, tuple) or len(region) != 5:
+        raise PackError(f"{what} {index} is {region!r}; expected a Region")
+    t, *sizes = region
+    if info is None:
+        info = _tensor_info(t, index, what)
+    try:
+        offset, num_rows, row_elems, row_stride = map(operator.index, sizes)
+    except TypeError:
+        raise PackError(f"{what} {index}: sizes {sizes!r} must be ints") from None
+    if offset < 0 or num_rows < 0 or row_elems < 0:
+        raise PackError(
+            f"{what} {index}: offset={offset}, num_rows={num_rows}, row_elems={row_elems}; "
+            "each must be >= 0"
+        )
+    if num_rows > 1 and row_stride < row_elems:
+        raise PackError(
+            f"{what} {index}: row_stride={row_stride} < row_elems={row_elems}; rows overlap"
+        )
+    if num_rows == 0 or row_elems == 0:
+        return (info.data_ptr, 0, 0, 0)
+    end = offset + (num_rows - 1) * row_stride + row_elems
+    if end > info.available:
+        raise PackError(
+            f"{what} {index}: {region!r} ends at element {end} but the tensor's storage holds "
+            f"{info.available} elements from data_ptr(); the region lies outside the storage"
+        )
+    es = info.element_size
+    return (info.data_ptr + offset * es, num_rows, row_elems * es, row_stride * es)
+
+
+class _Table(NamedTuple):
+    """A validated table in bytes, one array entry per region (int64 arrays)."""
+
+    addr: np.ndarray
+    num_rows: np.ndarray
+    row_bytes: np.ndarray
+    stride: np.ndarray
+    device: torch.device | None  # None for an empty table
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self.num_rows * self.row_bytes
+
+    @property
+    def contiguous(self) -> np.ndarray:
+        return (self.num_rows <= 1) | (self.stride == self.row_bytes)
+
+    @staticmethod
+    def flat(addr: int, nbytes: np.ndarray, device: torch.device | None) -> _Table:
+        """Back-to-back regions of `nbytes` from `addr` (a packed buffer)."""
+        starts = addr + np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+        return _Table(starts[: len(nbytes)], np.ones_like(nbytes), nbytes, nbytes, device)
+
+
+def _check_all(regions: Sequence[Region], what: str) -> _Table:
+    """Validate a table; every region must be on one device.
+
+    The common case is vectorized: one Python pass pulls the fields out, numpy checks
+    them (a table may hold 10,000 regions, a few microseconds each would show). Any
+    failure re-checks the first offending region one by one for a precise message.
+    """
+    n = len(regions)
+    if not all(type(r) is Region or (isinstance(r, tuple) and len(r) == 5) for r in regions):
+        for i, r in enumerate(regions):
+            _check_region(r, i, what)
+    # Many regions share a tensor (a message holds pieces of few tensors): look each
+    # tensor up once. The regions keep the tensors alive, so id() is a safe key.
+    index_of: dict[int, int] = {}
+    infos: list[_TensorInfo] = []
+    which = []
+    device = None
+    for i, r in enumerate(regions):
+        key = id(r[0])
+        j = index_of.get(key)
+        if j is None:
+            info = _tensor_info(r[0], i, what)
+            if device is None:
+                device = info.device
+            elif info.device != device:
+                raise PackError(
+                    f"{what} {i} is on {info.device} but {what} 0 is on {device}; one table "
+                    "holds one device's memory, so split the table by device"
+                )
+            j = index_of[key] = len(infos)
+            infos.append(info)
+        which.append(j)
+    try:
+        # No dtype given: a float or an oversized int shows up as a non-integer dtype.
+        sizes = np.array([r[1:] for r in regions]).reshape(n, 4)
+    except (TypeError, ValueError, OverflowError):
+        sizes = None
+    if sizes is None or (n and sizes.dtype.kind not in "iu"):
+        checked = [_check_region(r, i, what, infos[which[i]]) for i, r in enumerate(regions)]
+        cols = np.array(checked, dtype=np.int64).reshape(n, 4)
+        return _Table(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
+    sizes = sizes.astype(np.int64, copy=False)
+    which = np.array(which, dtype=np.int64)
+    base = np.array([x.data_ptr for x in infos], dtype=np.int64)[which]
+    es = np.array([x.element_size for x in infos], dtype=np.int64)[which]
+    available = np.array([x.available for x in infos], dtype=np.int64)[which]
+    offset, num_rows, row_elems, row_stride = sizes.T
+    empty = (num_rows == 0) | (row_elems == 0)
+    end = offset + (num_rows - 1) * row_stride + row_elems
+    bad = (offset < 0) | (num_rows < 0) | (row_elems < 0)
+    bad |= (num_rows > 1) & (row_stride < row_elems)
+    bad |= ~empty & (end > available)
+    if bad.any():
+        i = int(np.argmax(bad))
+        _check_region(regions[i], i, what)
+        raise AssertionError(f"{what} {i} failed the vectorized check but not the exact one")
+    num_rows = np.where(empty, 0, num_rows)
+    return _Table(
+        np.where(empty, base, base + offset * es),
+        num_rows,
+        np.where(empty, 0, row_elems * es),
+        np.where(empty, 0, row_stride * es),
+        device,
+    )
+
+
+def _check_buffer(buf: torch.Tensor, nbytes: int, device: torch.device | None, what: str) -> None:
+    if not isinstance(buf, torch.Tensor):
+        raise PackError(f"{what} is a {type(buf).__name__}, expected a uint8 torch.Tensor")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise PackError(
+            f"{what} must be a contiguous 1-D uint8 tensor, got {buf.dtype} of shape "
+            f"{tuple(buf.shape)}; use torch.empty(n, dtype=torch.uint8) or .view(torch.uint8)"
+        )
+    if device is not None and buf.device != device:
+        raise PackError(f"{what} is on {buf.device} but the regions are on {device}")
+    if buf.numel() < nbytes:
+        raise PackError(
+            f"{what} holds {buf.numel()} bytes but the regions need {nbytes}; "
+            "size it with packed_nbytes(regions)"
+        )
+
+
+def _pair_table(src: _Table, dst: _Table) -> np.ndarray:
+    """The (k, 6) copy table moving src region i onto dst region i (same bytes each)."""
+    keep = src.nbytes > 0
+    same = (src.num_rows == dst.num_rows) & (src.row_bytes == dst.row_bytes)
+    # A contiguous side can take the other side's row shape.
+    like_dst = ~same & src.contiguous
+    like_src = ~same & ~like_dst & dst.contiguous
+    general = keep & ~same & ~like_dst & ~like_src
+    table = np.stack(
+        [
+            src.addr,
+            dst.addr,
+            np.where(like_dst, dst.num_rows, src.num_rows),
+            np.where(like_dst, dst.row_bytes, src.row_bytes),
+            np.where(like_dst, dst.row_bytes, src.stride),
+            np.where(like_src, src.row_bytes, dst.stride),
+        ],
+        axis=1,
+    )[keep & ~general]
+    if not general.any():
+        return table
+    # Both strided with different row lengths (a reshard plan never makes these: its two
+    # sides split the same dim): one row per run that stays inside a row of each.
+    runs = []
+    for i in np.flatnonzero(general).tolist():
+        s_rb, d_rb = int(src.row_bytes[i]), int(dst.row_bytes[i])
+        s_st, d_st = int(src.stride[i]), int(dst.stride[i])
+        pos, nbytes = 0, int(src.nbytes[i])
+        while pos < nbytes:
+            s_row, s_col = divmod(pos, s_rb)
+            d_row, d_col = divmod(pos, d_rb)
+            n = min(s_rb - s_col, d_rb - d_col)
+            s_addr = int(src.addr[i]) + s_row * s_st + s_col
+            runs.append((s_addr, int(dst.addr[i]) + d_row * d_st + d_col, 1, n, n, n))
+            pos += n
+    return np.concatenate([table, np.array(runs, dtype=np.int64)])
+
+
+def _run(
+    table: np.ndarray, device: torch.device | None, num_threads: int | None, backend: str | None
+) -> None:
+    """Copy a table on the backend that owns `device`'s memory."""
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise PackError(f"num_threads={num_threads!r}, expected None or an int >= 1")
+    if backend is not None and backend not in _BACKENDS:
+        raise PackError(f"backend={backend!r}, expected None or one of {_BACKENDS}")
+    if len(table) == 0 or device is None:
+        return
+    if backend is None:
+        backend = "host" if device.type == "cpu" else "triton"
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    if backend == "host":
+        if device.type != "cpu":
+            raise PackError(f"the host path copies CPU memory only, got {device}")
+        _C.copy_regions(table, num_threads or 0)
+        return
+    if device.type not in ("cuda", "cpu"):
+        raise PackError(f"no pack path for {device}; regions must be on CPU or CUDA")
+    from nereus_comm.kernels import pack as kernels  # imports triton: only when needed
+
+    kernels.copy_regions(table=torch.from_numpy(table), device=device)
+
+
+def packed_nbytes(regions: Sequence[Region]) -> int:
+    """Bytes pack() produces for `regions`.
+
+    Arguments:
+        regions: the table.
+
+    Returns:
+        The sum of the regions' bytes.
+    """
+    return sum(int(r[2]) * int(r[3]) * r[0].element_size() for r in regions)
+
+
+def pack(
+    regions: Sequence[Region],
+    out: torch.Tensor | None = None,
+    *,
+    num_threads: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Concatenate the regions' bytes, in order, into a flat uint8 tensor.
+
+    Arguments:
+        regions: the table; every region on the same device.
+        out: optional contiguous 1-D uint8 buffer of at least packed_nbytes(regions)
+            bytes on that device (reused across calls to avoid allocation).
+        num_threads: host threads to use (None: one per CPU of this process).
+        backend: None picks by device ("host" for CPU, "triton" for CUDA); "triton"
+            on CPU tensors is for tests under TRITON_INTERPRET=1.
+
+    Returns:
+        A uint8 tensor of exactly packed_nbytes(regions) bytes (a prefix of `out`
+        when given), on the regions' device (CPU when the table is empty).
+
+    Raises:
+        PackError: a region outside its tensor's storage, a non-contiguous tensor,
+            regions on different devices, a bad or too small `out`.
+    """
+    src = _check_all(regions, "region")
+    nbytes = int(src.nbytes.sum())
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=src.device or "cpu")
+    else:
+        _check_buffer(out, nbytes, src.device, "out")
+    table = _pair_table(src, _Table.flat(out.data_ptr(), src.nbytes, src.device))
+    _run(table, src.device, num_threads, backend)
+    return out[:nbytes]
+
+
+def unpack(
+    buf: torch.Tensor,
+    regions: Sequence[Region],
+    *,
+    num_threads: int | None = None,
+    backend: str | None = None,
+) -> None:
+    """Scatter a packed buffer back into the regions (the inverse of pack).
+
+    Arguments:
+        buf: contiguous 1-D uint8 tensor on the regions' device holding at least
+            packed_nbytes(regions) bytes; its prefix is read in region order.
+        regions: the table; destinations must not overlap each other.
+        num_threads, backend: as for pack().
+
+    Raises:
+        PackError: as for pack(), with `buf` in place of `out`.
+    """
+    dst = _check_all(regions, "region")
+    nbytes = int(dst.nbytes.sum())
+    _check_buffer(buf, nbytes, dst.device, "buf")
+    table = _pair_table(_Table.flat(buf.data_ptr(), dst.nbytes, dst.device), dst)
+    _run(table, dst.device, num_threads, backend)
+
+
+def copy_regions(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    *,
+    num_threads: int | None = None,
+    backend: str | None = None,
+) -> None:
+    """Copy src_regions[i] onto dst_regions[i] for every i, in one call.
+
+    Pairs may differ in dtype and row shape; each pair must hold the same bytes.
+    Destinations must not overlap each other or any source (they are copied in
+    parallel, in no particular order).
+
+    Arguments:
+        src_regions, dst_regions: equally long tables, all on one device.
+        num_threads, backend: as for pack().
+
+    Raises:
+        PackError: the tables differ in length, a pair differs in bytes, or as for pack().
+    """
+    if len(src_regions) != len(dst_regions):
+        raise PackError(
+            f"{len(src_regions)} source regions but {len(dst_regions)} destination regions; "
+            "pass one destination per source"
+        )
+    src = _check_all(src_regions, "source region")
+    dst = _check_all(dst_regions, "destination region")
+    if src.device is not None and src.device != dst.device:
+        raise PackError(f"source regions are on {src.device} but destinations on {dst.device}")
+    differ = src.nbytes != dst.nbytes
+    if differ.any():
+        i = int(np.argmax(differ))
+        raise PackError(
+            f"pair {i}: source holds {src.nbytes[i]} bytes, destination {dst.nbytes[i]}; "
+            "a pair must hold the same bytes"
+        )
+    _run(_pair_table(src, dst), src.device, num_threads, backend)
+
+
+def is_contiguous_region(region: Region) -> bool:
+    """Whether the region's bytes follow each other (so it can be sent without packing).
+
+    Arguments:
+        region: any region.
+
+    Returns:
+        True for at most one row, empty rows, or rows that follow each other.
+    """
+    return region.num_rows <= 1 or region.row_elems == 0 or region.row_stride == region.row_elems
+
+
+def region_view(region: Region) -> torch.Tensor:
+    """A 1-D view (the tensor's dtype) of a contiguous region: zero-copy send/recv.
+
+    Arguments:
+        region: a region for which is_contiguous_region() holds.
+
+    Returns:
+        A view sharing the tensor's storage; writing it writes the region.
+
+    Raises:
+        PackError: the region is strided or lies outside the tensor's storage.
+    """
+    _check_region(region, 0, "region")
+    if not is_contiguous_region(region):
+        raise PackError(f"{region!r} is strided; pack() it instead of viewing it")
+    t = region.tensor
+    numel = region.num_rows * region.row_elems
+    return t.as_strided((numel,), (1,), t.storage_offset() + region.offset)
+
+
+def _reference_view(region: Region) -> torch.Tensor:
+    t = region.tensor
+    shape = (region.num_rows, region.row_elems)
+    return t.as_strided(shape, (region.row_stride, 1), t.storage_offset() + region.offset)
+
+
+def pack_reference(regions: Sequence[Region]) -> torch.Tensor:
+    """pack() by torch slicing, one region at a time: the reference tests compare to."""
+    parts = [_reference_view(r).contiguous().view(-1).view(torch.uint8) for r in regions]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([p.to(parts[0].device) for p in parts])
+
+
+def unpack_reference(buf: torch.Tensor, regions: Sequence[Region]) -> None:
+    """unpack() by torch slicing, one region at a time: the reference tests compare to."""
+    pos = 0
+    for r in regions:
+        n = r.num_rows * r.row_elems * r.tensor.element_size()
+        # clone: a uint8 slice at an odd offset cannot be viewed as a wider dtype.
+        values = buf[pos : pos + n].clone().view(r.tensor.dtype).view(r.num_rows, r.row_elems)
+        _reference_view(r).copy_(values)
+        pos += n
