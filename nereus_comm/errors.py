@@ -22,6 +22,10 @@ class TensorMismatchError(NereusCommError, ValueError):
     """A tensor handed to reshard does not match its spec (shape, dtype, device, missing)."""
 
 
+class PackError(NereusCommError, ValueError):
+    """A region table cannot be copied (region outside storage, device or size mismatch)."""
+
+
 class TransportError(NereusCommError, RuntimeError):
     """A transport failed to move bytes."""
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from nereus_comm import _C
-from nereus_comm.errors import NereusCommError
+from nereus_comm.errors import PackError
 
 __all__ = [
     "PackError",
@@ -44,10 +44,6 @@ __all__ = [
 ]
 
 _BACKENDS = ("host", "triton")
-
-
-class PackError(NereusCommError, ValueError):
-    """A region table cannot be copied (region outside storage, device or size mismatch)."""
 
 
 class Region(NamedTuple):
