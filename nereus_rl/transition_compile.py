@@ -1,0 +1,651 @@
+"""Plan diff and the transition DAG compiler.
+
+The diff maps the current units onto the target plan, moving as little state as
+possible: a unit whose layout and devices already match stays; two units whose
+devices make up one target unit are merged in place; one unit whose devices make
+up two target units is split in place; a unit re-laid-out on the same devices is
+split into halves and merged back; every other target unit is an ``extend`` (a
+copy from a live unit of the same model) and every other current unit a
+``destroy``.
+
+The compiler simulates the primitives one at a time on the device resources
+(memory and per-stage slots), which yields a safe sequential order. Acquisitions
+run first, in stage order (the deterministic tie-break). When every remaining
+acquisition is blocked, it chooses an *executable* destroy (never the last live
+holder of a state) that frees a device the first blocked acquisition needs.
+Every acquisition is then *funded* by memory free before the transition or by
+releases earlier in the order; a resource edge ``release -> acquire`` is added
+only where the funding release is not already an ancestor (release-before-
+acquire). The funding is kept as a certificate: it proves that every
+topological execution of the DAG keeps each device within capacity and gives no
+stage slot to two units. All edges point forward in the simulated order, so the
+DAG is acyclic by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+
+from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+from nereus_rl.transition import (
+    DEFAULT_CAPACITY,
+    CapacityLike,
+    Edge,
+    Funding,
+    InfeasibleTargetError,
+    Placement,
+    Primitive,
+    StateLossError,
+    TransitionDAG,
+    Unit,
+    UnitMemoryFn,
+    capacity_of,
+    default_unit_memory,
+)
+
+_TOL = 1e-3  # bytes: slack for float sums of memory
+
+
+@dataclass(frozen=True)
+class TransitionDiff:
+    """Which current units stay, split, merge, relayout, extend or go.
+
+    Attributes:
+        kept: current units that stay as they are (also target units).
+        splits: ``(unit, (half_a, half_b))``: one unit split in place into two target units.
+        merges: ``((unit_a, unit_b), unit)``: two units merged in place into one target unit.
+        relayouts: ``(unit, (half_a, half_b), target_unit)``: same devices, new layout,
+            through a split into halves and a merge.
+        extends: target units created by copying state from a live unit.
+        destroys: current units no target unit keeps.
+        lost: current units on lost devices (their state there is gone).
+        target: the target placement (kept units keep their uid).
+    """
+
+    kept: tuple[Unit, ...]
+    splits: tuple[tuple[Unit, tuple[Unit, Unit]], ...]
+    merges: tuple[tuple[tuple[Unit, Unit], Unit], ...]
+    relayouts: tuple[tuple[Unit, tuple[Unit, Unit], Unit], ...]
+    extends: tuple[Unit, ...]
+    destroys: tuple[Unit, ...]
+    lost: tuple[Unit, ...]
+    target: Placement
+
+    def __repr__(self) -> str:
+        return (
+            f"TransitionDiff(kept {len(self.kept)}, split {len(self.splits)}, "
+            f"merge {len(self.merges)}, relayout {len(self.relayouts)}, "
+            f"extend {len(self.extends)}, destroy {len(self.destroys)}, lost {len(self.lost)})"
+        )
+
+
+def _half_layout(u: Unit) -> tuple[int, int]:
+    return (u.tp // 2, u.pp) if u.tp % 2 == 0 else (u.tp, u.pp // 2)
+
+
+def diff_plans(
+    current: Placement | GlobalPlan, target: GlobalPlan, *, lost_devices: Collection[int] = ()
+) -> TransitionDiff:
+    """Map the current units onto ``target``, keeping every unit that already fits.
+
+    Arguments:
+        current: the live units (or the plan they were made from).
+        target: the plan to reach.
+        lost_devices: devices that died; units on them are lost.
+    Returns:
+        the diff.
+    Raises:
+        StateLossError: some state (a model's weights, a training stage's optimizer
+            state) would have no holder: the target plan drops it, or all its holders
+            are on lost devices.
+    """
+    cur = current if isinstance(current, Placement) else Placement.from_plan(current)
+    lost_set = frozenset(lost_devices)
+    lost = tuple(u for u in cur.units if lost_set.intersection(u.devices))
+    alive = [u for u in cur.units if not lost_set.intersection(u.devices)]
+
+    # Every state must survive: held by a live unit now, and by some target unit.
+    target_states = {
+        s for sp in target.stages for s in Unit("", sp.stage, sp.model, sp.trains, 1, 1, ()).states
+    }
+    alive_states = {s for u in alive for s in u.states}
+    for u in cur.units:
+        for s in u.states:
+            if s not in target_states:
+                holders = [v for v in cur.units if s in v.states]
+                raise StateLossError(
+                    f"target plan keeps no holder of {s[0]} of {s[1]!r}: destroying "
+                    f"{holders} would lose it; keep a stage with that state in the target plan"
+                )
+    for sp in target.stages:
+        for s in Unit("", sp.stage, sp.model, sp.trains, 1, 1, ()).states:
+            if s not in alive_states:
+                holders = [v for v in lost if s in v.states]
+                where = (
+                    f"was held only by {holders} on lost devices {_fmt_devices(sorted(lost_set))}"
+                    if holders
+                    else "is held by no current unit"
+                )
+                raise StateLossError(
+                    f"stage {sp.stage!r} needs {s[0]} of {s[1]!r}, which {where}; "
+                    "restore it from a checkpoint before this transition"
+                )
+
+    kept: list[Unit] = []
+    splits: list[tuple[Unit, tuple[Unit, Unit]]] = []
+    merges: list[tuple[tuple[Unit, Unit], Unit]] = []
+    relayouts: list[tuple[Unit, tuple[Unit, Unit], Unit]] = []
+    extends: list[Unit] = []
+    destroys: list[Unit] = []
+    final: list[Unit] = []
+    by_stage: dict[str, list[Unit]] = {}
+    for u in alive:
+        by_stage.setdefault(u.stage, []).append(u)
+
+    for sp in target.stages:
+        rem = by_stage.pop(sp.stage, [])
+        by_layout = {u.layout: u for u in rem}
+        todo: list[tuple[int, ...]] = []
+        for devs in sp.units:
+            u = by_layout.pop((sp.tp, sp.pp, devs), None)
+            if u is not None:
+                kept.append(u)
+                final.append(u)
+            else:
+                todo.append(devs)
+        rem = [u for u in rem if u.layout in by_layout]
+        used_idx = {int(u.uid.rsplit("#", 1)[1]) for u in rem + kept if "#" in u.uid}
+        nxt = max([*used_idx, -1]) + 1
+        new: list[Unit] = []
+        for devs in todo:
+            while f"{sp.stage}#{nxt}" in {u.uid for u in cur.units}:
+                nxt += 1
+            new.append(Unit(f"{sp.stage}#{nxt}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs))
+            nxt += 1
+        final.extend(new)
+
+        # Relayout in place: same device set, other layout.
+        by_set = {frozenset(u.devices): u for u in rem}
+        left: list[Unit] = []
+        for t in new:
+            u = by_set.get(frozenset(t.devices))
+            if u is not None and len(u.devices) % 2 == 0:
+                del by_set[frozenset(u.devices)]
+                tp, pp = _half_layout(u)
+                k = len(u.devices) // 2
+                ha = Unit(f"{u.uid}a", u.stage, u.model, u.trains, tp, pp, u.devices[:k])
+                hb = Unit(f"{u.uid}b", u.stage, u.model, u.trains, tp, pp, u.devices[k:])
+                relayouts.append((u, (ha, hb), t))
+            else:
+                left.append(t)
+        rem = list(by_set.values())
+        new = left
+
+        # Merge: two current units whose devices make up one target unit.
+        dev_u = {d: u for u in rem for d in u.devices}
+        left = []
+        for t in new:
+            tset = set(t.devices)
+            u1 = dev_u.get(t.devices[0])
+            if u1 is not None and 2 * len(u1.devices) == len(tset) and tset.issuperset(u1.devices):
+                rest = tset.difference(u1.devices)
+                u2 = dev_u.get(min(rest))
+                if u2 is not None and set(u2.devices) == rest:
+                    merges.append(((u1, u2), t))
+                    for d in tset:
+                        del dev_u[d]
+                    continue
+            left.append(t)
+        new = left
+        rem = [u for u in rem if u.devices[0] in dev_u]
+
+        # Split: one current unit whose devices make up two target units.
+        dev_t = {d: t for t in new for d in t.devices}
+        left_u = []
+        for u in rem:
+            uset = set(u.devices)
+            t1 = dev_t.get(u.devices[0])
+            if t1 is not None and 2 * len(t1.devices) == len(uset) and uset.issuperset(t1.devices):
+                rest = uset.difference(t1.devices)
+                t2 = dev_t.get(min(rest))
+                if t2 is not None and set(t2.devices) == rest:
+                    splits.append((u, (t1, t2)))
+                    for d in uset:
+                        del dev_t[d]
+                    continue
+            left_u.append(u)
+        extends.extend(t for t in new if t.devices[0] in dev_t)
+        destroys.extend(left_u)
+    for rest_units in by_stage.values():  # stages the target drops
+        destroys.extend(rest_units)
+
+    return TransitionDiff(
+        tuple(kept),
+        tuple(splits),
+        tuple(merges),
+        tuple(relayouts),
+        tuple(extends),
+        tuple(destroys),
+        lost,
+        Placement(tuple(final)),
+    )
+
+
+def compile_transition(
+    current: Placement | GlobalPlan,
+    target: GlobalPlan,
+    *,
+    devices: Collection[int] | None = None,
+    lost_devices: Collection[int] = (),
+    unit_memory: UnitMemoryFn = default_unit_memory,
+    capacity: CapacityLike = DEFAULT_CAPACITY,
+) -> TransitionDAG:
+    """Compile the change ``current -> target`` into a deadlock-free DAG of primitives.
+
+    Arguments:
+        current: the live units (or the plan they were made from).
+        target: the plan to reach; its stage order is the tie-break.
+        devices: the devices that exist after the change (default: every device of
+            ``current`` and ``target``); lost devices are removed from it. Devices of
+            ``current`` not in it leave gracefully: their units are destroyed.
+        lost_devices: devices that died; units on them are lost and destroyed first.
+        unit_memory: bytes per device a unit holds (the cost model's estimate plugs in).
+        capacity: memory per device, one number or a mapping device -> bytes.
+    Returns:
+        the DAG, with a safe order and the funding certificate.
+    Raises:
+        InfeasibleTargetError: the target uses devices that do not exist (or are lost),
+            a device's target memory exceeds its capacity, the current units already
+            exceed it, or no order reaches the target without overfilling a device.
+        StateLossError: the target would lose a state (see :func:`diff_plans`).
+    """
+    cur = current if isinstance(current, Placement) else Placement.from_plan(current)
+    lost_set = frozenset(lost_devices)
+    after = (frozenset(devices) if devices is not None else cur.devices | target.devices) - lost_set
+    # Devices that leave gracefully still hold their units until those are destroyed.
+    exist = after | (cur.devices - lost_set)
+    missing = sorted(target.devices - after)
+    if missing:
+        stages = [sp.stage for sp in target.stages if sp.devices.intersection(missing)]
+        raise InfeasibleTargetError(
+            f"target plan needs {len(target.devices)} devices but devices "
+            f"{_fmt_devices(missing)} (used by {stages}) do not exist or are lost; "
+            f"{len(after)} devices exist ({_fmt_devices(sorted(after))}): plan over those"
+        )
+    diff = diff_plans(cur, target, lost_devices=lost_set)
+    return _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity).run()
+
+
+class _Compiler:
+    """One compilation: the sequential simulation that orders, funds and anchors."""
+
+    def __init__(
+        self,
+        cur: Placement,
+        diff: TransitionDiff,
+        target: GlobalPlan,
+        exist: frozenset[int],
+        lost: frozenset[int],
+        unit_memory: UnitMemoryFn,
+        capacity: CapacityLike,
+    ) -> None:
+        self.cur, self.diff, self.exist, self.lostdev = cur, diff, exist, lost
+        self.capacity = capacity
+        self.cap = {d: capacity_of(capacity, d) for d in exist}
+        self._mem: dict[str, float] = {}
+        self.unit_memory = unit_memory
+        self.rank = {name: i for i, name in enumerate(target.stage_names)}
+        for u in cur.units:
+            self.rank.setdefault(u.stage, len(self.rank))
+
+    def mem(self, u: Unit) -> float:
+        m = self._mem.get(u.uid)
+        if m is None:
+            m = self._mem[u.uid] = float(self.unit_memory(u))
+        return m
+
+    def _prim(self, kind: str, stage: str, ins: tuple[Unit, ...], outs: tuple[Unit, ...]) -> int:
+        pid = len(self.prims)
+        acq = tuple((d, self.mem(u)) for u in outs for d in u.devices)
+        rel = tuple((d, self.mem(u)) for u in ins for d in u.devices if d not in self.lostdev)
+        lost = kind == "destroy" and bool(self.lostdev.intersection(ins[0].devices))
+        self.prims.append(Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost))
+        return pid
+
+    # -- building blocks -------------------------------------------------
+    def _check_memory(self) -> None:
+        used = dict.fromkeys(self.exist, 0.0)
+        for u in self.cur.units:
+            for d in u.devices:
+                if d in used:
+                    used[d] += self.mem(u)
+        for d, b in used.items():
+            if b > self.cap[d] + _TOL:
+                on = [u for u in self.cur.units if d in u.devices]
+                raise InfeasibleTargetError(
+                    f"current units {on} already hold {b:.3g} bytes on device {d}, over its "
+                    f"capacity {self.cap[d]:.3g}; give the real capacity or unit memory"
+                )
+        self.used = used
+        tgt = dict.fromkeys(self.exist, 0.0)
+        for u in self.diff.target.units:
+            for d in u.devices:
+                tgt[d] += self.mem(u)
+        for d, b in tgt.items():
+            if b > self.cap[d] + _TOL:
+                on = [u for u in self.diff.target.units if d in u.devices]
+                raise InfeasibleTargetError(
+                    f"target plan puts {b:.3g} bytes on device {d} ({on}), over its capacity "
+                    f"{self.cap[d]:.3g}; choose a plan that fits memory"
+                )
+
+    def _edge(self, src: int, dst: int, kind: str, reason: str) -> None:
+        if (src, dst) in self.edge_set:
+            return
+        self.edge_set.add((src, dst))
+        self.edges.append(Edge(src, dst, kind, reason))
+        self.in_preds[dst].append(src)
+
+    def run(self) -> TransitionDAG:
+        self.prims: list[Primitive] = []
+        for u in self.cur.units + self.diff.target.units:
+            self.mem(u)
+        self._check_memory()
+        diff = self.diff
+        lost_pids = [self._prim("destroy", u.stage, (u,), ()) for u in diff.lost]
+        acquirers: list[int] = []
+        self.destroy_of: dict[str, int] = {}
+        self.consumer: dict[str, int] = {}
+        for u, (a, b) in diff.splits:
+            acquirers.append(self._prim("split", u.stage, (u,), (a, b)))
+            self.consumer[u.uid] = acquirers[-1]
+        for u, (a, b), t in diff.relayouts:
+            s = self._prim("split", u.stage, (u,), (a, b))
+            m = self._prim("merge", u.stage, (a, b), (t,))
+            acquirers += [s, m]
+            self.consumer[u.uid] = s
+            self.consumer[a.uid] = self.consumer[b.uid] = m
+        for (a, b), t in diff.merges:
+            acquirers.append(self._prim("merge", t.stage, (a, b), (t,)))
+            self.consumer[a.uid] = self.consumer[b.uid] = acquirers[-1]
+        for t in diff.extends:
+            acquirers.append(self._prim("extend", t.stage, (), (t,)))
+        for u in diff.destroys:
+            self.destroy_of[u.uid] = self._prim("destroy", u.stage, (u,), ())
+        kind_rank = {"split": 0, "merge": 1, "extend": 2}
+        acquirers.sort(
+            key=lambda p: (self.rank[self.prims[p].stage], kind_rank[self.prims[p].kind], p)
+        )
+
+        n = len(self.prims)
+        self.edges: list[Edge] = []
+        self.edge_set: set[tuple[int, int]] = set()
+        self.in_preds: list[list[int]] = [[] for _ in range(n)]
+        self.anc = [0] * n
+        self.order: list[int] = []
+        self.done: set[int] = set()
+        self.funding: list[Funding] = []
+        self.anchors: list[tuple[int, tuple[str, str], str]] = []
+        self.notes: list[str] = []
+        self.funds: dict[int, list[list[float]]] = {
+            d: [[-1, self.cap[d] - self.used[d]]] for d in self.exist
+        }
+        self.final = {u.uid for u in diff.target.units}
+        self.creator: dict[str, int] = {}
+        self.live: dict[str, Unit] = {}
+        self.holders: dict[tuple[str, str], dict[str, None]] = {}
+        self.slot: dict[tuple[str, int], str] = {}
+        self.slot_free_by: dict[tuple[str, int], int] = {}
+        self.dev_units: dict[int, dict[str, None]] = {d: {} for d in self.exist}
+        self.uses: dict[str, int] = {}
+        lost_uids = {u.uid for u in diff.lost}
+        for u in self.cur.units:
+            if u.uid not in lost_uids:
+                self._add_live(u)
+        for p in lost_pids:  # their surviving devices are freed at once
+            self._run(p)
+
+        pending = acquirers
+        while pending:
+            blocked = []
+            for p in pending:
+                if self._ready(p):
+                    self._run(p)
+                else:
+                    blocked.append(p)
+            if len(blocked) == len(pending):
+                self._unblock(blocked)
+            pending = blocked
+        for p in sorted(
+            self.destroy_of.values(), key=lambda q: (self.rank[self.prims[q].stage], q)
+        ):
+            if p not in self.done:
+                assert self._destroy_ok(p) is not None, "final holders exist for every state"
+                self._run(p)
+
+        prims = tuple(self.prims)
+        target = diff.target
+        return TransitionDAG(
+            current=self.cur,
+            target=target,
+            primitives=prims,
+            edges=tuple(self.edges),
+            order=tuple(self.order),
+            capacity=self.capacity,
+            devices=self.exist,
+            unit_bytes=tuple(sorted(self._mem.items())),
+            funding=tuple(self.funding),
+            anchors=tuple(self.anchors),
+            notes=tuple(self.notes),
+        )
+
+    # -- liveness ----------------------------------------------------------
+    def _add_live(self, u: Unit) -> None:
+        self.live[u.uid] = u
+        for s in u.states:
+            self.holders.setdefault(s, {})[u.uid] = None
+        for d in u.devices:
+            self.slot[(u.stage, d)] = u.uid
+            if d in self.dev_units:
+                self.dev_units[d][u.uid] = None
+
+    def _drop_live(self, u: Unit) -> None:
+        del self.live[u.uid]
+        for s in u.states:
+            del self.holders[s][u.uid]
+        for d in u.devices:
+            if self.slot.get((u.stage, d)) == u.uid:
+                del self.slot[(u.stage, d)]
+            if d in self.dev_units:
+                self.dev_units[d].pop(u.uid, None)
+
+    # -- readiness ---------------------------------------------------------
+    def _fits(self, p: int) -> bool:
+        prim = self.prims[p]
+        for d, a in prim.acquire:
+            if self.used[d] + a > self.cap[d] + _TOL:
+                return False
+        return all(s not in self.slot for s in prim.slots_acquired())
+
+    def _pick_source(self, t: Unit) -> str | None:
+        key = ("optimizer", t.stage) if t.trains else ("weights", t.model)
+        best, best_key = None, None
+        for uid in self.holders.get(key, ()):
+            u = self.live[uid]
+            k = (
+                uid in self.creator,
+                uid in self.consumer,
+                u.stage != t.stage,
+                self.uses.get(uid, 0),
+                self.rank[u.stage],
+            )
+            if best_key is None or k < best_key:
+                best, best_key = uid, k
+        return best
+
+    def _ready(self, p: int) -> bool:
+        prim = self.prims[p]
+        if prim.kind == "merge" and not all(u.uid in self.live for u in prim.inputs):
+            return False
+        if prim.kind == "extend" and self._pick_source(prim.outputs[0]) is None:
+            return False
+        return self._fits(p)
+
+    def _destroy_ok(self, p: int) -> list[tuple[tuple[str, str], str]] | None:
+        """Anchors keeping each state of the destroyed unit alive; None for a last holder."""
+        u = self.prims[p].inputs[0]
+        out = []
+        for s in u.states:
+            best, best_key = None, None
+            for uid in self.holders.get(s, ()):
+                if uid == u.uid:
+                    continue
+                k = (
+                    0
+                    if uid in self.final and uid not in self.creator
+                    else 1
+                    if uid in self.final
+                    else 2
+                    if uid in self.consumer
+                    else 3
+                )
+                if best_key is None or k < best_key:
+                    best, best_key = uid, k
+                    if k == 0:
+                        break
+            if best is None:
+                return None
+            out.append((s, best))
+        return out
+
+    def _unblock(self, blocked: list[int]) -> None:
+        """Every acquisition is blocked: run an executable destroy that frees a needed device."""
+        done = self.done
+        for p in blocked:
+            prim = self.prims[p]
+            cands: dict[str, None] = {}
+            for s in prim.slots_acquired():
+                if s in self.slot:
+                    cands[self.slot[s]] = None
+            for d, a in prim.acquire:
+                if self.used[d] + a > self.cap[d] + _TOL:
+                    cands.update(self.dev_units[d])
+            order = sorted(
+                (self.destroy_of[uid] for uid in cands if uid in self.destroy_of),
+                key=lambda q: (self.rank[self.prims[q].stage], q),
+            )
+            for q in order:
+                if q not in done and self._destroy_ok(q) is not None:
+                    self.notes.append(f"{prim!r} blocked: destroy {self.prims[q]!r} first")
+                    self._run(q)
+                    return
+        for q in sorted(
+            self.destroy_of.values(), key=lambda q: (self.rank[self.prims[q].stage], q)
+        ):
+            if q not in done and self._destroy_ok(q) is not None:
+                self.notes.append(f"all acquisitions blocked: destroy {self.prims[q]!r} first")
+                self._run(q)
+                return
+        lines = []
+        for p in blocked:
+            prim = self.prims[p]
+            short = [
+                f"device {d} needs {a:.3g} bytes, free {self.cap[d] - self.used[d]:.3g}, "
+                f"held by {[self.live[uid] for uid in self.dev_units[d]]}"
+                for d, a in prim.acquire
+                if self.used[d] + a > self.cap[d] + _TOL
+            ]
+            slots = [
+                f"{s} owned by {self.slot[s]}" for s in prim.slots_acquired() if s in self.slot
+            ]
+            lines.append(f"{prim!r}: " + "; ".join(short + slots or ["waits for its inputs"]))
+        raise InfeasibleTargetError(
+            "no order reaches the target without overfilling a device or destroying the last "
+            "holder of a state; blocked: " + " | ".join(lines) + ". Give the transition more "
+            "free memory (an intermediate plan) or keep one more unit of the blocking stage"
+        )
+
+    # -- running one primitive in the simulation -----------------------------
+    def _fund(self, p: int, anc: int, need: float, entries: list[list[float]], res) -> int:
+        """Take ``need`` from ``entries``: initial first, then ancestors, then earliest."""
+        if need <= _TOL:
+            return anc
+        for pass_ in range(3):
+            for e in entries:
+                f, rem = int(e[0]), e[1]
+                if rem <= _TOL:
+                    continue
+                if pass_ == 0 and f != -1:
+                    continue
+                if pass_ == 1 and (f == -1 or not (anc >> f) & 1):
+                    continue
+                take = min(rem, need)
+                e[1] = rem - take
+                need -= take
+                self.funding.append(Funding(p, res, f, take))
+                if f != -1 and not (anc >> f) & 1:
+                    self._edge(f, p, "resource", f"release-before-acquire on device {res}")
+                    anc |= self.anc[f] | (1 << f)
+                if need <= _TOL:
+                    entries[:] = [e for e in entries if e[1] > _TOL]
+                    return anc
+        raise AssertionError(f"funding short by {need} on {res}: simulation and funds disagree")
+
+    def _run(self, p: int) -> None:
+        prim = self.prims[p]
+        anc = 0
+        # data edges into p
+        if prim.kind == "extend":
+            t = prim.outputs[0]
+            src_uid = self._pick_source(t)
+            assert src_uid is not None
+            src = self.live[src_uid]
+            self.uses[src_uid] = self.uses.get(src_uid, 0) + 1
+            prim = self.prims[p] = replace(prim, source=src)
+            if src_uid in self.creator:
+                self._edge(self.creator[src_uid], p, "data", f"{src_uid} is created before copy")
+            if src_uid in self.destroy_of:
+                self._edge(p, self.destroy_of[src_uid], "data", f"{src_uid} lives until copied")
+            if src_uid in self.consumer:
+                self._edge(p, self.consumer[src_uid], "data", f"{src_uid} lives until copied")
+        elif prim.kind == "merge":
+            for u in prim.inputs:
+                if u.uid in self.creator:
+                    self._edge(self.creator[u.uid], p, "data", f"{u.uid} is created before merge")
+        elif prim.kind == "destroy" and not prim.lost:
+            anchors = self._destroy_ok(p)
+            assert anchors is not None
+            for s, uid in anchors:
+                self.anchors.append((p, s, uid))
+                if uid in self.creator:
+                    self._edge(self.creator[uid], p, "data", f"{uid} holds {s[0]} of {s[1]}")
+                elif uid in self.destroy_of:
+                    self._edge(p, self.destroy_of[uid], "data", f"{uid} holds {s[0]} of {s[1]}")
+        for q in self.in_preds[p]:
+            anc |= self.anc[q] | (1 << q)
+        # acquisitions, funded
+        for d, a in prim.acquire:
+            anc = self._fund(p, anc, a, self.funds[d], d)
+            self.used[d] += a
+        for s in prim.slots_acquired():
+            f = self.slot_free_by.pop(s, -1)
+            self.funding.append(Funding(p, s, f, 1.0))
+            if f != -1 and not (anc >> f) & 1:
+                self._edge(f, p, "resource", f"release-before-acquire on slot {s[0]}@{s[1]}")
+                anc |= self.anc[f] | (1 << f)
+        self.anc[p] = anc
+        # effects
+        for u in prim.inputs:
+            if u.uid in self.live:
+                self._drop_live(u)
+        for u in prim.outputs:
+            self._add_live(u)
+            self.creator[u.uid] = p
+        for d, r in prim.release:
+            self.used[d] -= r
+            self.funds[d].append([p, r])
+        for s in prim.slots_released():
+            self.slot_free_by[s] = p
+        self.order.append(p)
+        self.done.add(p)
