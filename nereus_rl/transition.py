@@ -25,8 +25,8 @@ plug in; the defaults here are plain tables.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from nereus_rl.globalplan import GlobalPlan, _fmt_devices
 
@@ -58,8 +58,7 @@ class TransitionExecutionError(RuntimeError):
 # Placement
 
 
-@dataclass(frozen=True)
-class Unit:
+class Unit(NamedTuple):
     """One Elastic Model Unit: a replica of one model-stage on ``tp * pp`` devices.
 
     Attributes:
@@ -186,8 +185,7 @@ def capacity_of(capacity: CapacityLike, device: int) -> float:
 KINDS = ("extend", "destroy", "split", "merge")
 
 
-@dataclass(frozen=True)
-class Primitive:
+class Primitive(NamedTuple):
     """One EMU primitive: a node of the transition DAG.
 
     Attributes:
@@ -239,8 +237,7 @@ class Primitive:
         return f"{tag}{self.pid}[{ins + ' -> ' if ins else ''}{outs}{src}]"
 
 
-@dataclass(frozen=True)
-class Edge:
+class Edge(NamedTuple):
     """A DAG edge ``src -> dst`` (primitive ids); ``kind`` is ``"data"`` or ``"resource"``."""
 
     src: int
@@ -252,8 +249,7 @@ class Edge:
         return f"{self.src}->{self.dst} {self.kind}: {self.reason}"
 
 
-@dataclass(frozen=True)
-class Funding:
+class Funding(NamedTuple):
     """Certificate that an acquisition is covered: ``amount`` of ``resource`` from ``funder``.
 
     ``funder`` is ``-1`` for the memory (or slot) free before the transition, else the
@@ -285,7 +281,8 @@ class TransitionDAG:
             every topological execution (see :mod:`nereus_rl.transition_safety`).
         anchors: for each non-lost destroy, ``(pid, state, holder uid)``: which unit keeps
             each state alive.
-        notes: why each resource edge or early destroy was added.
+        early_destroys: ``(destroy pid, blocked pid)``: destroys the compiler brought
+            forward because an acquisition was blocked (``-1``: every one was).
     """
 
     current: Placement
@@ -298,7 +295,16 @@ class TransitionDAG:
     unit_bytes: tuple[tuple[str, float], ...]
     funding: tuple[Funding, ...] | None = None
     anchors: tuple[tuple[int, tuple[str, str], str], ...] = ()
-    notes: tuple[str, ...] = field(default=())
+    early_destroys: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Why each early destroy was chosen, in words."""
+        out = []
+        for q, p in self.early_destroys:
+            who = f"{self.primitives[p]!r}" if p >= 0 else "every acquisition"
+            out.append(f"{who} blocked: destroy {self.primitives[q]!r} first")
+        return tuple(out)
 
     @property
     def num_resource_edges(self) -> int:

@@ -24,8 +24,9 @@ DAG is acyclic by construction.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from nereus_rl.globalplan import GlobalPlan, _fmt_devices
 from nereus_rl.transition import (
@@ -132,6 +133,7 @@ def diff_plans(
                     "restore it from a checkpoint before this transition"
                 )
 
+    cur_uids = {u.uid for u in cur.units}
     kept: list[Unit] = []
     splits: list[tuple[Unit, tuple[Unit, Unit]]] = []
     merges: list[tuple[tuple[Unit, Unit], Unit]] = []
@@ -159,7 +161,7 @@ def diff_plans(
         nxt = max([*used_idx, -1]) + 1
         new: list[Unit] = []
         for devs in todo:
-            while f"{sp.stage}#{nxt}" in {u.uid for u in cur.units}:
+            while f"{sp.stage}#{nxt}" in cur_uids:
                 nxt += 1
             new.append(Unit(f"{sp.stage}#{nxt}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs))
             nxt += 1
@@ -292,7 +294,10 @@ class _Compiler:
     ) -> None:
         self.cur, self.diff, self.exist, self.lostdev = cur, diff, exist, lost
         self.capacity = capacity
-        self.cap = {d: capacity_of(capacity, d) for d in exist}
+        if isinstance(capacity, Mapping):
+            self.cap = {d: capacity_of(capacity, d) for d in exist}
+        else:
+            self.cap = dict.fromkeys(exist, float(capacity))
         self._mem: dict[str, float] = {}
         self.unit_memory = unit_memory
         self.rank = {name: i for i, name in enumerate(target.stage_names)}
@@ -307,19 +312,23 @@ class _Compiler:
 
     def _prim(self, kind: str, stage: str, ins: tuple[Unit, ...], outs: tuple[Unit, ...]) -> int:
         pid = len(self.prims)
-        acq = tuple((d, self.mem(u)) for u in outs for d in u.devices)
-        rel = tuple((d, self.mem(u)) for u in ins for d in u.devices if d not in self.lostdev)
+        mem = self._mem  # every unit's memory is known before primitives are built
+        acq = tuple((d, mem[u.uid]) for u in outs for d in u.devices)
+        rel = tuple((d, mem[u.uid]) for u in ins for d in u.devices if d not in self.lostdev)
         lost = kind == "destroy" and bool(self.lostdev.intersection(ins[0].devices))
-        self.prims.append(Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost))
+        prim = Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost)
+        self.prims.append(prim)
+        self.slot_acq.append(prim.slots_acquired())
         return pid
 
     # -- building blocks -------------------------------------------------
     def _check_memory(self) -> None:
         used = dict.fromkeys(self.exist, 0.0)
         for u in self.cur.units:
+            m = self.mem(u)
             for d in u.devices:
                 if d in used:
-                    used[d] += self.mem(u)
+                    used[d] += m
         for d, b in used.items():
             if b > self.cap[d] + _TOL:
                 on = [u for u in self.cur.units if d in u.devices]
@@ -330,8 +339,9 @@ class _Compiler:
         self.used = used
         tgt = dict.fromkeys(self.exist, 0.0)
         for u in self.diff.target.units:
+            m = self.mem(u)
             for d in u.devices:
-                tgt[d] += self.mem(u)
+                tgt[d] += m
         for d, b in tgt.items():
             if b > self.cap[d] + _TOL:
                 on = [u for u in self.diff.target.units if d in u.devices]
@@ -349,7 +359,9 @@ class _Compiler:
 
     def run(self) -> TransitionDAG:
         self.prims: list[Primitive] = []
-        for u in self.cur.units + self.diff.target.units:
+        self.slot_acq: list[tuple[tuple[str, int], ...]] = []
+        halves = tuple(h for _, hs, _ in self.diff.relayouts for h in hs)
+        for u in self.cur.units + self.diff.target.units + halves:
             self.mem(u)
         self._check_memory()
         diff = self.diff
@@ -387,18 +399,26 @@ class _Compiler:
         self.done: set[int] = set()
         self.funding: list[Funding] = []
         self.anchors: list[tuple[int, tuple[str, str], str]] = []
-        self.notes: list[str] = []
+        self.early: list[tuple[int, int]] = []
         self.funds: dict[int, list[list[float]]] = {
             d: [[-1, self.cap[d] - self.used[d]]] for d in self.exist
         }
         self.final = {u.uid for u in diff.target.units}
         self.creator: dict[str, int] = {}
         self.live: dict[str, Unit] = {}
-        self.holders: dict[tuple[str, str], dict[str, None]] = {}
+        # Live holders of each state by preference class (OrderedDicts: O(1) round-robin).
+        self.src_groups: dict[tuple[tuple[str, str], str], tuple[OrderedDict, ...]] = {}
+        self.anchor_groups: dict[tuple[str, str], tuple[OrderedDict, ...]] = {}
+        self.model_stages: dict[str, list[str]] = {}
+        for u in [*self.cur.units, *diff.target.units]:
+            ms = self.model_stages.setdefault(u.model, [])
+            if u.stage not in ms:
+                ms.append(u.stage)
+        for ms in self.model_stages.values():
+            ms.sort(key=self.rank.__getitem__)
         self.slot: dict[tuple[str, int], str] = {}
         self.slot_free_by: dict[tuple[str, int], int] = {}
         self.dev_units: dict[int, dict[str, None]] = {d: {} for d in self.exist}
-        self.uses: dict[str, int] = {}
         lost_uids = {u.uid for u in diff.lost}
         for u in self.cur.units:
             if u.uid not in lost_uids:
@@ -437,14 +457,26 @@ class _Compiler:
             unit_bytes=tuple(sorted(self._mem.items())),
             funding=tuple(self.funding),
             anchors=tuple(self.anchors),
-            notes=tuple(self.notes),
+            early_destroys=tuple(self.early),
         )
 
     # -- liveness ----------------------------------------------------------
     def _add_live(self, u: Unit) -> None:
         self.live[u.uid] = u
+        created = u.uid in self.creator
+        consumed = u.uid in self.consumer
+        final = u.uid in self.final
+        src_cat = 2 * created + consumed
+        anchor_cat = (0 if not created else 1) if final else (2 if consumed else 3)
         for s in u.states:
-            self.holders.setdefault(s, {})[u.uid] = None
+            g = self.src_groups.get((s, u.stage))
+            if g is None:
+                g = self.src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
+            g[src_cat][u.uid] = None
+            g = self.anchor_groups.get(s)
+            if g is None:
+                g = self.anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
+            g[anchor_cat][u.uid] = None
         for d in u.devices:
             self.slot[(u.stage, d)] = u.uid
             if d in self.dev_units:
@@ -453,7 +485,10 @@ class _Compiler:
     def _drop_live(self, u: Unit) -> None:
         del self.live[u.uid]
         for s in u.states:
-            del self.holders[s][u.uid]
+            for g in self.src_groups[(s, u.stage)]:
+                g.pop(u.uid, None)
+            for g in self.anchor_groups[s]:
+                g.pop(u.uid, None)
         for d in u.devices:
             if self.slot.get((u.stage, d)) == u.uid:
                 del self.slot[(u.stage, d)]
@@ -462,89 +497,103 @@ class _Compiler:
 
     # -- readiness ---------------------------------------------------------
     def _fits(self, p: int) -> bool:
-        prim = self.prims[p]
-        for d, a in prim.acquire:
-            if self.used[d] + a > self.cap[d] + _TOL:
+        used, cap = self.used, self.cap
+        for d, a in self.prims[p].acquire:
+            if used[d] + a > cap[d] + _TOL:
                 return False
-        return all(s not in self.slot for s in prim.slots_acquired())
+        slot = self.slot
+        return all(s not in slot for s in self.slot_acq[p])
 
-    def _pick_source(self, t: Unit) -> str | None:
-        key = ("optimizer", t.stage) if t.trains else ("weights", t.model)
-        best, best_key = None, None
-        for uid in self.holders.get(key, ()):
-            u = self.live[uid]
-            k = (
-                uid in self.creator,
-                uid in self.consumer,
-                u.stage != t.stage,
-                self.uses.get(uid, 0),
-                self.rank[u.stage],
-            )
-            if best_key is None or k < best_key:
-                best, best_key = uid, k
-        return best
+    def _pick_source(self, t: Unit, commit: bool = False) -> str | None:
+        """Copy source for ``t``: an original unit before a created one, one that stays
+        before one about to be split or merged, the same stage before another stage of
+        the same model (weights only), round-robin within each group."""
+        if t.trains:
+            key, stages = ("optimizer", t.stage), (t.stage,)
+        else:
+            key = ("weights", t.model)
+            stages = (t.stage, *(x for x in self.model_stages[t.model] if x != t.stage))
+        for cat in range(4):
+            for st in stages:
+                groups = self.src_groups.get((key, st))
+                if groups and groups[cat]:
+                    g = groups[cat]
+                    uid = next(iter(g))
+                    if commit:  # round-robin: the next extend prefers another source
+                        g.move_to_end(uid)
+                    return uid
+        return None
 
     def _ready(self, p: int) -> bool:
+        if not self._fits(p):
+            return False
         prim = self.prims[p]
-        if prim.kind == "merge" and not all(u.uid in self.live for u in prim.inputs):
-            return False
-        if prim.kind == "extend" and self._pick_source(prim.outputs[0]) is None:
-            return False
-        return self._fits(p)
+        if prim.kind == "merge":
+            return all(u.uid in self.live for u in prim.inputs)
+        if prim.kind == "extend":
+            return self._pick_source(prim.outputs[0]) is not None
+        return True
 
     def _destroy_ok(self, p: int) -> list[tuple[tuple[str, str], str]] | None:
-        """Anchors keeping each state of the destroyed unit alive; None for a last holder."""
+        """Anchors keeping each state of the destroyed unit alive; None for a last holder.
+
+        Preference: a unit that stays, then a created target unit, then one whose state
+        moves on through a split or merge, then one destroyed later (which gets an edge).
+        """
         u = self.prims[p].inputs[0]
         out = []
         for s in u.states:
-            best, best_key = None, None
-            for uid in self.holders.get(s, ()):
-                if uid == u.uid:
-                    continue
-                k = (
-                    0
-                    if uid in self.final and uid not in self.creator
-                    else 1
-                    if uid in self.final
-                    else 2
-                    if uid in self.consumer
-                    else 3
-                )
-                if best_key is None or k < best_key:
-                    best, best_key = uid, k
-                    if k == 0:
+            best = None
+            for g in self.anchor_groups.get(s, ()):
+                for uid in g:
+                    if uid != u.uid:
+                        best = uid
                         break
+                if best is not None:
+                    break
             if best is None:
                 return None
             out.append((s, best))
         return out
 
+    def _destroy_for(self, uid: str) -> int | None:
+        q = self.destroy_of.get(uid)
+        if q is None or q in self.done or self._destroy_ok(q) is None:
+            return None
+        return q
+
     def _unblock(self, blocked: list[int]) -> None:
-        """Every acquisition is blocked: run an executable destroy that frees a needed device."""
-        done = self.done
+        """Every acquisition is blocked: run executable destroys that free needed devices.
+
+        For each blocked acquisition in priority order: destroy the owner of a stage slot
+        it needs, and units on devices short of memory (stage order), while executable.
+        """
+        ran = False
+        rank = self.rank
         for p in blocked:
             prim = self.prims[p]
-            cands: dict[str, None] = {}
-            for s in prim.slots_acquired():
-                if s in self.slot:
-                    cands[self.slot[s]] = None
-            for d, a in prim.acquire:
-                if self.used[d] + a > self.cap[d] + _TOL:
-                    cands.update(self.dev_units[d])
-            order = sorted(
-                (self.destroy_of[uid] for uid in cands if uid in self.destroy_of),
-                key=lambda q: (self.rank[self.prims[q].stage], q),
-            )
-            for q in order:
-                if q not in done and self._destroy_ok(q) is not None:
-                    self.notes.append(f"{prim!r} blocked: destroy {self.prims[q]!r} first")
+            for s in self.slot_acq[p]:
+                owner = self.slot.get(s)
+                q = self._destroy_for(owner) if owner is not None else None
+                if q is not None:
+                    self.early.append((q, p))
                     self._run(q)
-                    return
-        for q in sorted(
-            self.destroy_of.values(), key=lambda q: (self.rank[self.prims[q].stage], q)
-        ):
-            if q not in done and self._destroy_ok(q) is not None:
-                self.notes.append(f"all acquisitions blocked: destroy {self.prims[q]!r} first")
+                    ran = True
+            for d, a in prim.acquire:
+                while self.used[d] + a > self.cap[d] + _TOL:
+                    cands = [self._destroy_for(uid) for uid in self.dev_units[d]]
+                    cands = [q for q in cands if q is not None]
+                    if not cands:
+                        break
+                    q = min(cands, key=lambda q: (rank[self.prims[q].stage], q))
+                    self.early.append((q, p))
+                    self._run(q)
+                    ran = True
+        if ran:
+            return
+        for q in sorted(self.destroy_of.values(), key=lambda q: (rank[self.prims[q].stage], q)):
+            if q not in self.done and self._destroy_ok(q) is not None:
+                self.early.append((q, -1))
                 self._run(q)
                 return
         lines = []
@@ -570,6 +619,11 @@ class _Compiler:
     def _fund(self, p: int, anc: int, need: float, entries: list[list[float]], res) -> int:
         """Take ``need`` from ``entries``: initial first, then ancestors, then earliest."""
         if need <= _TOL:
+            return anc
+        first = entries[0]
+        if first[0] == -1 and first[1] >= need:  # fast path: memory free from the start
+            first[1] -= need
+            self.funding.append(Funding(p, res, -1, need))
             return anc
         for pass_ in range(3):
             for e in entries:
@@ -598,11 +652,10 @@ class _Compiler:
         # data edges into p
         if prim.kind == "extend":
             t = prim.outputs[0]
-            src_uid = self._pick_source(t)
+            src_uid = self._pick_source(t, commit=True)
             assert src_uid is not None
             src = self.live[src_uid]
-            self.uses[src_uid] = self.uses.get(src_uid, 0) + 1
-            prim = self.prims[p] = replace(prim, source=src)
+            prim = self.prims[p] = prim._replace(source=src)
             if src_uid in self.creator:
                 self._edge(self.creator[src_uid], p, "data", f"{src_uid} is created before copy")
             if src_uid in self.destroy_of:
@@ -628,7 +681,7 @@ class _Compiler:
         for d, a in prim.acquire:
             anc = self._fund(p, anc, a, self.funds[d], d)
             self.used[d] += a
-        for s in prim.slots_acquired():
+        for s in self.slot_acq[p]:
             f = self.slot_free_by.pop(s, -1)
             self.funding.append(Funding(p, s, f, 1.0))
             if f != -1 and not (anc >> f) & 1:
@@ -640,8 +693,8 @@ class _Compiler:
             if u.uid in self.live:
                 self._drop_live(u)
         for u in prim.outputs:
-            self._add_live(u)
             self.creator[u.uid] = p
+            self._add_live(u)
         for d, r in prim.release:
             self.used[d] -= r
             self.funds[d].append([p, r])
