@@ -321,28 +321,28 @@ def _over_memory(plan: GlobalPlan) -> bool:
 
 #: Device memory in the scaled scenario: tight enough that moved units must wait for
 #: the units they replace.
-SCALED_CAPACITY = 16e9
+SCALED_CAPACITY = 20e9
 
 
 def scaled_scenario(num_devices: int) -> Scenario:
     """A cluster-scale rebalance: the actor side grows by an eighth of the devices.
 
-    Current: rollout (tp2) and actor_train (tp4 pp2) share the first half;
-    reference, reward, critic_inference (tp2) and critic_train (tp4 pp2) share the
+    Current: rollout (tp2) and actor_train (tp4) share the first half;
+    reference, reward, critic_inference (tp2) and critic_train (tp4) share the
     second. Target: the actor side takes the next eighth of the devices and
     rollout re-lays-out to tp1 (in-place splits plus extends onto the new
     devices); the critic side loses the units there (destroys, which must come
     before the extends that need their memory, with ``SCALED_CAPACITY``).
 
     Arguments:
-        num_devices: cluster size, a multiple of 64.
+        num_devices: cluster size, a multiple of 32.
     Returns:
         the scenario.
     Raises:
-        ValueError: ``num_devices`` is not a positive multiple of 64.
+        ValueError: ``num_devices`` is not a positive multiple of 32.
     """
-    if num_devices < 64 or num_devices % 64:
-        raise ValueError(f"num_devices={num_devices}: use a positive multiple of 64")
+    if num_devices < 32 or num_devices % 32:
+        raise ValueError(f"num_devices={num_devices}: use a positive multiple of 32")
     n = num_devices
     half, grow = n // 2, n // 8
 
@@ -359,8 +359,8 @@ def scaled_scenario(num_devices: int) -> Scenario:
             stage("reference", "reference", False, 2, 1, half, n),
             stage("critic_inference", "critic", False, 2, 1, half, n),
             stage("reward", "reward", False, 2, 1, half, n),
-            stage("actor_train", "actor", True, 4, 2, 0, half),
-            stage("critic_train", "critic", True, 4, 2, half, n),
+            stage("actor_train", "actor", True, 4, 1, 0, half),
+            stage("critic_train", "critic", True, 4, 1, half, n),
         )
     )
     tgt = GlobalPlan(
@@ -369,8 +369,8 @@ def scaled_scenario(num_devices: int) -> Scenario:
             stage("reference", "reference", False, 2, 1, half + grow, n),
             stage("critic_inference", "critic", False, 2, 1, half + grow, n),
             stage("reward", "reward", False, 2, 1, half + grow, n),
-            stage("actor_train", "actor", True, 4, 2, 0, half + grow),
-            stage("critic_train", "critic", True, 4, 2, half + grow, n),
+            stage("actor_train", "actor", True, 4, 1, 0, half + grow),
+            stage("critic_train", "critic", True, 4, 1, half + grow, n),
         )
     )
     return Scenario("scaled_rebalance", cur, tgt, frozenset(range(n)), frozenset())
