@@ -37,13 +37,17 @@ from nereus_rl.transition import (
     InfeasibleTargetError,
     Placement,
     Primitive,
+    PrimitiveCostFn,
     StateLossError,
     TransitionDAG,
     Unit,
     UnitMemoryFn,
     capacity_of,
+    default_primitive_cost,
     default_unit_memory,
+    predicted_completion_time,
 )
+from nereus_rl.transition_refine import refine_by_list_schedule
 
 _TOL = 1e-3  # bytes: slack for float sums of memory
 
@@ -242,6 +246,8 @@ def compile_transition(
     lost_devices: Collection[int] = (),
     unit_memory: UnitMemoryFn = default_unit_memory,
     capacity: CapacityLike = DEFAULT_CAPACITY,
+    cost_fn: PrimitiveCostFn = default_primitive_cost,
+    refine: bool = True,
 ) -> TransitionDAG:
     """Compile the change ``current -> target`` into a deadlock-free DAG of primitives.
 
@@ -254,6 +260,9 @@ def compile_transition(
         lost_devices: devices that died; units on them are lost and destroyed first.
         unit_memory: bytes per device a unit holds (the cost model's estimate plugs in).
         capacity: memory per device, one number or a mapping device -> bytes.
+        cost_fn: predicted seconds per primitive (the cost model's estimate plugs in).
+        refine: also re-derive the resource edges from a list schedule by ``cost_fn``
+            (:mod:`nereus_rl.transition_refine`) and keep the DAG that finishes sooner.
     Returns:
         the DAG, with a safe order and the funding certificate.
     Raises:
@@ -276,7 +285,15 @@ def compile_transition(
             f"{len(after)} devices exist ({_fmt_devices(sorted(after))}): plan over those"
         )
     diff = diff_plans(cur, target, lost_devices=lost_set)
-    return _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity).run()
+    dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity).run()
+    if not refine:
+        return dag
+    better = refine_by_list_schedule(dag, cost_fn)
+    if better is not None and predicted_completion_time(
+        better, cost_fn
+    ) < predicted_completion_time(dag, cost_fn):
+        return better
+    return dag
 
 
 class _Compiler:

@@ -107,7 +107,8 @@ class ResourceManager:
                     self.used[d] += mem[u.uid]
             if u.uid not in lost:
                 self.live[u.uid] = u
-                for d in u.devices:
+            for d in u.devices:  # a lost unit keeps its surviving slots until destroyed
+                if d in self.used:
                     self.slots[(u.stage, d)] = u.uid
         self.tickets = tickets
         self.next_ticket = dict.fromkeys(tickets, 0) if tickets else {}

@@ -116,9 +116,9 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
     live: dict[str, Unit] = {u.uid: u for u in dag.current.units}
     lost_uids = {u.uid for p in prims if p.lost for u in p.inputs}
     slots: dict[tuple[str, int], str] = {}
-    for u in live.values():
-        if u.uid not in lost_uids:
-            for d in u.devices:
+    for u in live.values():  # a lost unit keeps its surviving slots until it is destroyed
+        for d in u.devices:
+            if d in cap:
                 slots[(u.stage, d)] = u.uid
     peak = max(used.values(), default=0.0)
     ready = sorted((i for i in range(n) if npred[i] == 0), key=lambda i: (rank.get(i, i), i))

@@ -279,7 +279,8 @@ def _random_concurrent_run(dag, rng, cap):
                 used[d] += mem[u.uid]
         if u.uid not in lost:
             live[u.uid] = u
-            for d in u.devices:
+        for d in u.devices:  # a lost unit keeps its surviving slots until destroyed
+            if d in used:
                 slots[(u.stage, d)] = u.uid
     npred = [len(set(x)) for x in dag.preds()]
     succs = [sorted(set(x)) for x in dag.succs()]
@@ -311,7 +312,7 @@ def _random_concurrent_run(dag, rng, cap):
             for u in p.inputs:
                 live.pop(u.uid, None)
             for s in p.slots_released():
-                slots.pop(s, None)  # lost units never held their slots here
+                slots.pop(s, None)  # a lost unit's slots on lost devices were never held
             for u in p.outputs:
                 live[u.uid] = u
             for d, r in p.release:
