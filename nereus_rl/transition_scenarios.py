@@ -195,13 +195,23 @@ def _regroup(sp: StagePlan, rng: random.Random) -> StagePlan | None:
     return StagePlan(sp.stage, sp.model, sp.trains, len(units), tp, pp, units)
 
 
-def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Scenario:
+def random_scenario(
+    kind: str,
+    rng: random.Random,
+    num_devices: int = 12,
+    *,
+    min_fill: float = 0.0,
+    max_dp: int = 3,
+) -> Scenario:
     """One random plan change of type ``kind`` on up to ``num_devices`` devices.
 
     Arguments:
         kind: one of :data:`TRANSITION_TYPES`.
         rng: randomness.
         num_devices: cluster size (the largest device set either plan uses).
+        min_fill: redraw until the current plan fills at least this fraction of the
+            memory of the devices it uses, on average (dense, shared devices).
+        max_dp: the largest dp drawn for a stage of the current plan.
     Returns:
         the scenario (memory-feasible current and target plans).
     Raises:
@@ -214,7 +224,7 @@ def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Sce
     for _ in range(1000):
         lost: frozenset[int] = frozenset()
         if kind == "scale_up":
-            cur = random_plan(rng, all_devs[:-k], max_dp=2)
+            cur = random_plan(rng, all_devs[:-k], max_dp=max_dp)
             if cur is None:
                 continue
             dps = {n: d + rng.randint(0, 1) for n, d in _dps(cur).items()}
@@ -223,7 +233,7 @@ def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Sce
             )
             devices = frozenset(all_devs)
         elif kind == "scale_down":
-            cur = random_plan(rng, all_devs, max_dp=3)
+            cur = random_plan(rng, all_devs, max_dp=max_dp)
             if cur is None:
                 continue
             dps = {n: max(1, d - rng.randint(0, 1)) for n, d in _dps(cur).items()}
@@ -234,7 +244,7 @@ def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Sce
             )
             devices = frozenset(keep_devs)
         elif kind == "rebalance":
-            cur = random_plan(rng, all_devs, max_dp=3)
+            cur = random_plan(rng, all_devs, max_dp=max_dp)
             if cur is None:
                 continue
             dps = _dps(cur)
@@ -248,7 +258,7 @@ def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Sce
             )
             devices = frozenset(all_devs)
         elif kind == "tp_pp_change":
-            cur = random_plan(rng, all_devs, max_dp=2)
+            cur = random_plan(rng, all_devs, max_dp=max_dp)
             if cur is None:
                 continue
             stages = list(cur.stages)
@@ -261,7 +271,7 @@ def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Sce
             tgt = _replace_stage(rng, all_devs, GlobalPlan(tuple(stages)), mover.stage)
             devices = frozenset(all_devs)
         else:  # device_loss
-            cur = random_plan(rng, all_devs, max_dp=3)
+            cur = random_plan(rng, all_devs, max_dp=max_dp)
             if cur is None:
                 continue
             lost = frozenset(rng.sample(all_devs, k))
@@ -280,7 +290,7 @@ def random_scenario(kind: str, rng: random.Random, num_devices: int = 12) -> Sce
                 rng, alive, keep=cur, keep_prob=0.7, layouts=_layouts(cur), dps=_dps(cur)
             )
             devices = frozenset(alive)
-        if tgt is None or _over_memory(tgt):
+        if tgt is None or _over_memory(tgt) or _fill(cur) < min_fill:
             continue
         return Scenario(kind, cur, tgt, devices, lost)
     raise AssertionError(f"could not draw a {kind} scenario on {num_devices} devices")
@@ -308,6 +318,16 @@ def _replace_stage(
             sp = StagePlan(sp.stage, sp.model, sp.trains, sp.dp, sp.tp, sp.pp, tuple(units))
         out.append(sp)
     return GlobalPlan(tuple(out))
+
+
+def _fill(plan: GlobalPlan) -> float:
+    """Mean fraction of device memory the plan uses, over the devices it uses."""
+    used: dict[int, float] = {}
+    for sp in plan.stages:
+        for u in sp.units:
+            for d in u:
+                used[d] = used.get(d, 0.0) + _stage_mem(sp.trains, sp.tp, sp.pp)
+    return sum(used.values()) / (len(used) * SCENARIO_CAPACITY)
 
 
 def _over_memory(plan: GlobalPlan) -> bool:
