@@ -484,7 +484,8 @@ def _find_cycle(preds: list[list[int]], nodes: set[int]) -> list[int]:
     return [*cycle, cycle[0]]
 
 
-from nereus_rl.transition_compile import compile_transition, diff_plans  # noqa: E402
+from nereus_rl.transition_compile import compile_transition  # noqa: E402
+from nereus_rl.transition_diff import TransitionDiff, diff_plans  # noqa: E402
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -496,6 +497,7 @@ __all__ = [
     "PrimitiveCostFn",
     "StateLossError",
     "TransitionDAG",
+    "TransitionDiff",
     "TransitionError",
     "TransitionExecutionError",
     "Unit",
