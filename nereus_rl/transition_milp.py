@@ -71,7 +71,7 @@ def schedule_cpsat(
     time_limit_s: float = 10.0,
     num_workers: int = 1,
     quantum_s: float = 0.01,
-    memory_quantum: float = 1e6,
+    memory_quantum: float | None = None,
     hint_dag_schedule: bool = True,
 ) -> ScheduleResult:
     """Schedule ``dag``'s primitives to minimize completion time with CP-SAT.
@@ -83,7 +83,9 @@ def schedule_cpsat(
         time_limit_s: solver time limit; the status says whether it proved optimality.
         num_workers: CP-SAT search workers.
         quantum_s: time unit of the integer model.
-        memory_quantum: byte unit of the integer model.
+        memory_quantum: byte unit of the integer model (default: the largest capacity
+            over 2**20); acquisitions round up and releases down, so the integer model
+            is never looser than the bytes.
         hint_dag_schedule: start the search from the DAG's own schedule.
     Returns:
         the schedule result.
@@ -112,17 +114,18 @@ def schedule_cpsat(
         for d in u.devices:
             if d in used0:
                 used0[d] += mem[u.uid]
+    q = memory_quantum or max(capacity_of(dag.capacity, d) for d in dag.devices) / 2**20
     events: dict[int, list[tuple[object, int]]] = {}
     acquirers: set[int] = set()
     for p in prims:
         for d, a in p.acquire:
-            events.setdefault(d, []).append((start[p.pid], round(a / memory_quantum)))
+            events.setdefault(d, []).append((start[p.pid], math.ceil(a / q - 1e-9)))
             acquirers.add(d)
         for d, r in p.release:
-            events.setdefault(d, []).append((end[p.pid], -round(r / memory_quantum)))
+            events.setdefault(d, []).append((end[p.pid], -math.floor(r / q + 1e-9)))
     num_res = 0
     for d in sorted(acquirers):
-        free = math.floor((capacity_of(dag.capacity, d) - used0[d]) / memory_quantum + 1e-6)
+        free = math.floor((capacity_of(dag.capacity, d) - used0[d]) / q + 1e-9)
         times = [t for t, _ in events[d]]
         changes = [c for _, c in events[d]]
         low = -sum(-c for c in changes if c < 0)
