@@ -83,9 +83,10 @@ def schedule_cpsat(
         time_limit_s: solver time limit; the status says whether it proved optimality.
         num_workers: CP-SAT search workers.
         quantum_s: time unit of the integer model.
-        memory_quantum: byte unit of the integer model (default: the largest capacity
-            over 2**20); acquisitions round up and releases down, so the integer model
-            is never looser than the bytes.
+        memory_quantum: byte unit of the integer model (default: the greatest common
+            divisor of all byte amounts when they are whole numbers, so the model is
+            exact; else the largest capacity over 2**20). Acquisitions round up and
+            releases down, so the integer model is never looser than the bytes.
         hint_dag_schedule: start the search from the DAG's own schedule.
     Returns:
         the schedule result.
@@ -114,7 +115,7 @@ def schedule_cpsat(
         for d in u.devices:
             if d in used0:
                 used0[d] += mem[u.uid]
-    q = memory_quantum or max(capacity_of(dag.capacity, d) for d in dag.devices) / 2**20
+    q = memory_quantum or _memory_quantum(dag, used0)
     events: dict[int, list[tuple[object, int]]] = {}
     acquirers: set[int] = set()
     for p in prims:
@@ -178,6 +179,18 @@ def schedule_cpsat(
         solve_s=solve_s,
         num_reservoirs=num_res,
     )
+
+
+def _memory_quantum(dag: TransitionDAG, used0: dict[int, float]) -> float:
+    vals = [a for p in dag.primitives for _, a in p.acquire + p.release]
+    vals += [capacity_of(dag.capacity, d) - used0[d] for d in dag.devices]
+    if all(float(v).is_integer() for v in vals):
+        g = 0
+        for v in vals:
+            g = math.gcd(g, int(v))
+        if g > 0:
+            return float(g)
+    return max(capacity_of(dag.capacity, d) for d in dag.devices) / 2**20
 
 
 def _asap(dag: TransitionDAG, dur: list[int]) -> list[int]:
