@@ -26,9 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+
+if TYPE_CHECKING:  # loaded lazily by __getattr__ at the bottom (they import this module)
+    from nereus_rl.transition_compile import compile_transition
+    from nereus_rl.transition_diff import TransitionDiff, diff_plans
 
 # ---------------------------------------------------------------------------
 # Errors
@@ -484,8 +488,22 @@ def _find_cycle(preds: list[list[int]], nodes: set[int]) -> list[int]:
     return [*cycle, cycle[0]]
 
 
-from nereus_rl.transition_compile import compile_transition  # noqa: E402
-from nereus_rl.transition_diff import TransitionDiff, diff_plans  # noqa: E402
+_LAZY = {
+    "compile_transition": "nereus_rl.transition_compile",
+    "TransitionDiff": "nereus_rl.transition_diff",
+    "diff_plans": "nereus_rl.transition_diff",
+}
+
+
+def __getattr__(name: str) -> object:
+    # The compiler and the diff import this module's types; loading them lazily keeps
+    # ``from nereus_rl.transition import compile_transition`` working without a cycle.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_CAPACITY",
