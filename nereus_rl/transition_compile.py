@@ -19,6 +19,7 @@ list schedule by predicted cost, and the faster of the two DAGs is returned.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 
@@ -38,7 +39,7 @@ from nereus_rl.transition import (
     capacity_of,
     default_primitive_cost,
     default_unit_memory,
-    predicted_completion_time,
+    longest_path,
 )
 from nereus_rl.transition_diff import TransitionDiff, diff_plans
 from nereus_rl.transition_refine import refine_by_list_schedule
@@ -96,12 +97,41 @@ def compile_transition(
     dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity).run()
     if not refine:
         return dag
-    better = refine_by_list_schedule(dag, cost_fn)
-    if better is not None and predicted_completion_time(
-        better, cost_fn
-    ) < predicted_completion_time(dag, cost_fn):
-        return better
-    return dag
+    return _refine(dag, cost_fn)
+
+
+def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> TransitionDAG:
+    """The fastest of the compiled DAG and its list-schedule refinements.
+
+    After the two plain priority rules, a few repair rounds boost the primitives whose
+    start on the critical path waits on a resource edge, so that they take the freed
+    memory before primitives with slack do; a round that does not help ends the search.
+    """
+    dur = [float(cost_fn(p)) for p in dag.primitives]
+    best, (best_t, _) = dag, longest_path(dag, dur)
+    for priority in ("bottom", "order"):
+        alt = refine_by_list_schedule(dag, cost_fn, priority)
+        if alt is not None:
+            t, _ = longest_path(alt, dur)
+            if t < best_t - 1e-12:
+                best, best_t = alt, t
+    boost = [0.0] * len(dag.primitives)
+    for _ in range(repairs):
+        _, path = longest_path(best, dur)
+        kinds = {(e.src, e.dst): e.kind for e in best.edges}
+        waits = [b for a, b in itertools.pairwise(path) if kinds.get((a, b)) == "resource"]
+        if not waits:
+            break
+        for p in waits:
+            boost[p] += best_t
+        alt = refine_by_list_schedule(dag, cost_fn, "bottom", boost)
+        if alt is None:
+            break
+        t, _ = longest_path(alt, dur)
+        if t >= best_t - 1e-12:
+            break
+        best, best_t = alt, t
+    return best
 
 
 class _Compiler:
