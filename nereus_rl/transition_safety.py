@@ -130,7 +130,9 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
         for u in p.inputs:
             if u.uid not in live:
                 return f"input {u.uid} is not alive"
-        if p.kind == "extend" and (p.source is None or p.source.uid not in live):
+        if p.kind == "extend" and (
+            p.source is None or p.source.uid not in live or p.source.uid in lost_uids
+        ):
             return f"copy source {p.source.uid if p.source else None} is not alive"
         if p.kind == "destroy" and not p.lost:
             u = p.inputs[0]
@@ -266,9 +268,11 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
     consumer = {u.uid: p.pid for p in prims for u in p.inputs}
     final = {u.uid for u in dag.target.units}
     anchored = {(p, s) for p, s, _ in dag.anchors}
+    states = {u.uid: u.states for u in dag.current.units}
+    states.update((u.uid, u.states) for p in prims for u in p.outputs)
     for p, s, uid in dag.anchors:
         q = consumer.get(uid)
-        ok = (
+        ok = s in states.get(uid, ()) and (
             (uid in final and uid not in creator)
             or (uid in creator and (anc[p] >> creator[uid]) & 1 and uid in final)
             or (q is not None and prims[q].kind in ("split", "merge"))
@@ -281,4 +285,17 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
             for s in p.inputs[0].states:
                 if (p.pid, s) not in anchored:
                     return False, f"{p!r} has no anchor for {s}"
+    # Inputs exist before they are consumed, and copy sources live until copied.
+    for p in prims:
+        for u in p.inputs:
+            c = creator.get(u.uid)
+            if c is not None and not (anc[p.pid] >> c) & 1:
+                return False, f"{p!r} may run before {prims[c]!r} creates {u.uid}"
+        if p.source is not None:
+            c = creator.get(p.source.uid)
+            if c is not None and not (anc[p.pid] >> c) & 1:
+                return False, f"{p!r} may copy before {prims[c]!r} creates {p.source.uid}"
+            q = consumer.get(p.source.uid)
+            if q is not None and not (anc[q] >> p.pid) & 1:
+                return False, f"{prims[q]!r} may consume {p.source.uid} before {p!r} copies it"
     return True, ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -410,3 +411,15 @@ def test_cpsat_schedule_matches_the_chain_and_never_beats_its_bound():
         bare, lambda p: 1.0, time_limit_s=10.0, quantum_s=1.0, hint_dag_schedule=False
     )
     assert res2.makespan_s == 4.0 and res2.dag_makespan_s == 2.0
+
+
+def test_certificate_needs_the_copy_source_edge():
+    dag = _chain_dag()
+    e = next(p for p in dag.primitives if p.kind == "extend" and p.stage == "reference")
+    d = next(p for p in dag.primitives if p.kind == "destroy" and p.stage == "reference")
+    assert e.source.uid == d.inputs[0].uid
+    edges = [x for x in dag.edges if (x.src, x.dst) != (e.pid, d.pid)]
+    rep = check_dag(dataclasses.replace(dag, edges=tuple(edges)))
+    # The one edge both keeps the source alive for the copy and anchors the state.
+    assert not rep.any_order
+    assert re.search(r"may consume reference#0|anchors .* on reference#1", rep.reason)
