@@ -181,6 +181,11 @@ def random_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def _finite(v):
+    """JSON has no inf or nan: write null for a figure that does not exist."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter solver limits, fewer repeats")
@@ -199,6 +204,7 @@ def main() -> None:
     rows = [{"table": "scale", **r} for r in scale] + [{"table": "random", **r} for r in rand]
     if args.json:
         with open(args.json, "w") as f:
+            rows = [{k: _finite(v) for k, v in r.items()} for r in rows]
             json.dump({"benchmark": "bench_transition_plan", "rows": rows}, f, indent=1)
 
 

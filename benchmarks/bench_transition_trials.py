@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import random
 import statistics
 import threading
@@ -140,6 +141,11 @@ def run_type(
     }
 
 
+def _finite(v):
+    """JSON has no inf or nan: write null for a figure that does not exist."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="20 trials per type instead of 100")
@@ -181,6 +187,7 @@ def main() -> None:
     print(f"goal (Nereus 100% in every type): {'met' if goal else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:
+            rows = [{k: _finite(v) for k, v in r.items()} for r in rows]
             json.dump({"benchmark": "bench_transition_trials", "rows": rows}, f, indent=1)
 
 
