@@ -11,7 +11,8 @@ freed by one primitive before another acquires it). The compiler lives in
 :mod:`nereus_rl.transition_exec`.
 
 Resources. A device serves at most one unit of each stage at a time (its
-*stage slot*), and the units on a device must fit its memory. Colocated stages
+*stage slot*; ``stage_slots=False`` drops this rule), and the units on a device
+must fit its memory. Colocated stages
 (different stages on one device) share the device's memory, as in a GlobalPlan.
 A primitive acquires the memory (and slots) of the units it creates when it
 starts and releases the memory (and slots) of the units it consumes when it
@@ -285,6 +286,9 @@ class TransitionDAG:
             every topological execution (see :mod:`nereus_rl.transition_safety`).
         anchors: for each non-lost destroy, ``(pid, state, holder uid)``: which unit keeps
             each state alive.
+        stage_slots: whether a device serves at most one unit of each stage at a time
+            (the default). When False only memory limits sharing, so a new unit may
+            land on devices an old unit of its stage still holds while both fit.
         early_destroys: ``(destroy pid, blocked pid)``: destroys the compiler brought
             forward because an acquisition was blocked (``-1``: every one was).
     """
@@ -300,6 +304,15 @@ class TransitionDAG:
     funding: tuple[Funding, ...] | None = None
     anchors: tuple[tuple[int, tuple[str, str], str], ...] = ()
     early_destroys: tuple[tuple[int, int], ...] = ()
+    stage_slots: bool = True
+
+    def slots_acquired(self, p: Primitive) -> tuple[tuple[str, int], ...]:
+        """The stage slots ``p`` takes under this DAG's rules (none without stage slots)."""
+        return p.slots_acquired() if self.stage_slots else ()
+
+    def slots_released(self, p: Primitive) -> tuple[tuple[str, int], ...]:
+        """The stage slots ``p`` frees under this DAG's rules (none without stage slots)."""
+        return p.slots_released() if self.stage_slots else ()
 
     @property
     def notes(self) -> tuple[str, ...]:

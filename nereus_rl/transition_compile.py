@@ -57,6 +57,7 @@ def compile_transition(
     capacity: CapacityLike = DEFAULT_CAPACITY,
     cost_fn: PrimitiveCostFn = default_primitive_cost,
     refine: bool = True,
+    stage_slots: bool = True,
 ) -> TransitionDAG:
     """Compile the change ``current -> target`` into a deadlock-free DAG of primitives.
 
@@ -72,6 +73,9 @@ def compile_transition(
         cost_fn: predicted seconds per primitive (the cost model's estimate plugs in).
         refine: also re-derive the resource edges from a list schedule by ``cost_fn``
             (:mod:`nereus_rl.transition_refine`) and keep the DAG that finishes sooner.
+        stage_slots: a device serves at most one unit of each stage at a time. False
+            lets a new unit share devices with an old unit of its stage while memory
+            allows (needed, e.g., to grow the tp of a stage with a single unit).
     Returns:
         the DAG, with a safe order and the funding certificate.
     Raises:
@@ -94,7 +98,7 @@ def compile_transition(
             f"{len(after)} devices exist ({_fmt_devices(sorted(after))}): plan over those"
         )
     diff = diff_plans(cur, target, lost_devices=lost_set)
-    dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity).run()
+    dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots).run()
     if not refine:
         return dag
     return _refine(dag, cost_fn)
@@ -146,7 +150,9 @@ class _Compiler:
         lost: frozenset[int],
         unit_memory: UnitMemoryFn,
         capacity: CapacityLike,
+        stage_slots: bool = True,
     ) -> None:
+        self.stage_slots = stage_slots
         self.cur, self.diff, self.exist, self.lostdev = cur, diff, exist, lost
         self.capacity = capacity
         if isinstance(capacity, Mapping):
@@ -173,7 +179,7 @@ class _Compiler:
         lost = kind == "destroy" and bool(self.lostdev.intersection(ins[0].devices))
         prim = Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost)
         self.prims.append(prim)
-        self.slot_acq.append(prim.slots_acquired())
+        self.slot_acq.append(prim.slots_acquired() if self.stage_slots else ())
         return pid
 
     # -- building blocks -------------------------------------------------
@@ -313,6 +319,7 @@ class _Compiler:
             funding=tuple(self.funding),
             anchors=tuple(self.anchors),
             early_destroys=tuple(self.early),
+            stage_slots=self.stage_slots,
         )
 
     # -- liveness ----------------------------------------------------------
@@ -460,9 +467,7 @@ class _Compiler:
                 for d, a in prim.acquire
                 if self.used[d] + a > self.cap[d] + _TOL
             ]
-            slots = [
-                f"{s} owned by {self.slot[s]}" for s in prim.slots_acquired() if s in self.slot
-            ]
+            slots = [f"{s} owned by {self.slot[s]}" for s in self.slot_acq[p] if s in self.slot]
             lines.append(f"{prim!r}: " + "; ".join(short + slots or ["waits for its inputs"]))
         raise InfeasibleTargetError(
             "no order reaches the target without overfilling a device or destroying the last "
@@ -553,7 +558,7 @@ class _Compiler:
         for d, r in prim.release:
             self.used[d] -= r
             self.funds[d].append([p, r])
-        for s in prim.slots_released():
+        for s in prim.slots_released() if self.stage_slots else ():
             self.slot_free_by[s] = p
         self.order.append(p)
         self.done.add(p)

@@ -95,6 +95,7 @@ class ResourceManager:
         capacity: CapacityLike,
         tickets: dict[int, list[int]] | None,
     ) -> None:
+        self.dag = dag
         mem = dict(dag.unit_bytes)
         self.cap = {d: capacity_of(capacity, d) for d in dag.devices}
         self.used = dict.fromkeys(dag.devices, 0.0)
@@ -123,7 +124,7 @@ class ResourceManager:
         for d, a in p.acquire:
             if self.used[d] + a > self.cap[d] + _TOL:
                 return False
-        for s in p.slots_acquired():
+        for s in self.dag.slots_acquired(p):
             if s in self.slots:
                 return False
         for d, a in p.acquire:

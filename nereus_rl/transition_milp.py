@@ -136,10 +136,10 @@ def schedule_cpsat(
     owned = {(u.stage, d) for u in dag.current.units for d in u.devices}
     slot_events: dict[tuple[str, int], list[tuple[object, int]]] = {}
     for p in prims:
-        for s in p.slots_acquired():
+        for s in dag.slots_acquired(p):
             slot_events.setdefault(s, []).append((start[p.pid], 1))
     for p in prims:
-        for s in p.slots_released():
+        for s in dag.slots_released(p):
             if s in slot_events:
                 slot_events[s].append((end[p.pid], -1))
     for s, ev in sorted(slot_events.items()):

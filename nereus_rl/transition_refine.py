@@ -76,7 +76,7 @@ def refine_by_list_schedule(
                 slots.add((u.stage, d))
     funds = {d: [[-1, cap[d] - used[d]]] for d in dag.devices}
     slot_free_by: dict[tuple[str, int], int] = {}
-    slot_acq = [p.slots_acquired() for p in prims]
+    slot_acq = [dag.slots_acquired(p) for p in prims]
 
     npred = [len(set(x)) for x in dpreds]
     if priority == "order":
@@ -133,7 +133,7 @@ def refine_by_list_schedule(
             for d, r in prim.release:
                 used[d] -= r
                 funds[d].append([p, r])
-            for s in prim.slots_released():
+            for s in dag.slots_released(prim):
                 slots.discard(s)
                 slot_free_by[s] = p
             finished += 1
@@ -153,6 +153,7 @@ def refine_by_list_schedule(
         funding=tuple(funding),
         anchors=dag.anchors,
         early_destroys=dag.early_destroys,
+        stage_slots=dag.stage_slots,
     )
 
 

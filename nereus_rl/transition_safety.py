@@ -153,7 +153,7 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
                     f"device {d} needs {a:.3g} bytes but has {cap[d] - used[d]:.3g} free "
                     f"(held by {on})"
                 )
-        for s in p.slots_acquired():
+        for s in dag.slots_acquired(p):
             if s in slots:
                 return f"device {s[1]} already serves {slots[s]} of stage {s[0]!r}"
         return None
@@ -230,7 +230,7 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
     for p in prims:
         for d, a in p.acquire:
             need[(p.pid, d)] = need.get((p.pid, d), 0.0) + a
-        for s in p.slots_acquired():
+        for s in dag.slots_acquired(p):
             need[(p.pid, s)] = 1.0
     given: dict[tuple[int, object], float] = {}
     spent: dict[tuple[int, object], float] = {}
@@ -247,7 +247,7 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
             continue
         p = prims[funder]
         if isinstance(res, tuple):
-            avail = 1.0 if res in p.slots_released() else 0.0
+            avail = 1.0 if res in dag.slots_released(p) else 0.0
         else:
             avail = sum(r for d, r in p.release if d == res)
         if amt > avail + _TOL:

@@ -294,7 +294,7 @@ def _random_concurrent_run(dag, rng, cap):
             for d, a in p.acquire:
                 used[d] += a
                 assert used[d] <= cap + 1e-6, f"{p!r} overfills device {d}"
-            for s in p.slots_acquired():
+            for s in dag.slots_acquired(p):
                 assert s not in slots, f"{p!r} takes slot {s} held by {slots[s]}"
                 slots[s] = p.outputs[0].uid
             if p.kind == "destroy" and not p.lost:
@@ -312,7 +312,7 @@ def _random_concurrent_run(dag, rng, cap):
             p = running.pop(rng.randrange(len(running)))
             for u in p.inputs:
                 live.pop(u.uid, None)
-            for s in p.slots_released():
+            for s in dag.slots_released(p):
                 slots.pop(s, None)  # a lost unit's slots on lost devices were never held
             for u in p.outputs:
                 live[u.uid] = u
@@ -423,3 +423,44 @@ def test_certificate_needs_the_copy_source_edge():
     # The one edge both keeps the source alive for the copy and anchors the state.
     assert not rep.any_order
     assert re.search(r"may consume reference#0|anchors .* on reference#1", rep.reason)
+
+
+def test_single_unit_tp_growth_needs_stage_overlap():
+    # critic_train (one unit) grows from tp2 on devices 0-1 to tp4 on 0-3: the new unit
+    # overlaps the old one, which is the last holder of the optimizer state.
+    cur = plan(sp("critic_train", 2, 1, [[0, 1]], model="critic", trains=True))
+    tgt = plan(sp("critic_train", 4, 1, [[0, 1, 2, 3]], model="critic", trains=True))
+    kw = dict(unit_memory=lambda u: 8.0 / u.tp, capacity=8.0, devices=range(4))
+    with pytest.raises(InfeasibleTargetError, match=r"\('critic_train', 0\) owned by"):
+        compile_transition(cur, tgt, **kw)
+    dag = compile_transition(cur, tgt, stage_slots=False, **kw)
+    assert [p.kind for p in (dag.primitives[i] for i in dag.order)] == ["extend", "destroy"]
+    rep = check_dag(dag)
+    assert rep.any_order and rep.peak_bytes == 6.0  # old 4 + new 2 on devices 0 and 1
+    # Memory still rules: at capacity 5 the copy cannot sit beside the original.
+    with pytest.raises(InfeasibleTargetError, match="device 0 needs 2 bytes"):
+        compile_transition(cur, tgt, stage_slots=False, **{**kw, "capacity": 5.0})
+
+
+@pytest.mark.parametrize("kind", ["tp_pp_change", "scale_up"])
+def test_random_pairs_without_stage_slots(kind):
+    rng = random.Random(90 + TRANSITION_TYPES.index(kind))
+    compiled = 0
+    while compiled < 10:
+        sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
+        try:
+            dag = compile_transition(
+                sc.current,
+                sc.target,
+                devices=sc.devices,
+                lost_devices=sc.lost,
+                unit_memory=scenario_unit_memory,
+                capacity=SCENARIO_CAPACITY,
+                stage_slots=False,
+            )
+        except InfeasibleTargetError:
+            continue
+        compiled += 1
+        assert check_dag(dag).any_order
+        for _ in range(3):
+            _random_concurrent_run(dag, rng, SCENARIO_CAPACITY)
