@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from nereus_rl.globalplan import GlobalPlan, _fmt_devices
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ at the bottom (they import this module)
-    from nereus_rl.transition_compile import compile_transition
+    from nereus_rl.transition_compile import compile_transition, transition_cost
     from nereus_rl.transition_diff import TransitionDiff, diff_plans
 
 # ---------------------------------------------------------------------------
@@ -503,6 +503,7 @@ def _find_cycle(preds: list[list[int]], nodes: set[int]) -> list[int]:
 
 _LAZY = {
     "compile_transition": "nereus_rl.transition_compile",
+    "transition_cost": "nereus_rl.transition_compile",
     "TransitionDiff": "nereus_rl.transition_diff",
     "diff_plans": "nereus_rl.transition_diff",
 }
@@ -540,4 +541,5 @@ __all__ = [
     "longest_path",
     "predicted_completion_time",
     "topo_order",
+    "transition_cost",
 ]

@@ -562,3 +562,27 @@ class _Compiler:
             self.slot_free_by[s] = p
         self.order.append(p)
         self.done.add(p)
+
+
+def transition_cost(
+    current: Placement | GlobalPlan,
+    target: GlobalPlan,
+    *,
+    cost_fn: PrimitiveCostFn = default_primitive_cost,
+    **compile_kwargs: object,
+) -> float:
+    """Predicted seconds to change ``current`` into ``target``: what admission weighs.
+
+    Arguments:
+        current: the live units (or their plan).
+        target: the plan to reach.
+        cost_fn: predicted seconds per primitive (the cost model's ``primitive_cost``).
+        compile_kwargs: passed to :func:`compile_transition` (devices, lost_devices,
+            unit_memory, capacity, stage_slots).
+    Returns:
+        the compiled DAG's critical-path length under ``cost_fn``.
+    Raises:
+        InfeasibleTargetError, StateLossError: as :func:`compile_transition`.
+    """
+    dag = compile_transition(current, target, cost_fn=cost_fn, **compile_kwargs)  # type: ignore[arg-type]
+    return longest_path(dag, [cost_fn(p) for p in dag.primitives])[0]

@@ -21,6 +21,7 @@ from nereus_rl.transition import (
     diff_plans,
     predicted_completion_time,
     topo_order,
+    transition_cost,
 )
 from nereus_rl.transition_safety import check_dag
 from nereus_rl.transition_scenarios import (
@@ -111,6 +112,10 @@ def test_two_resource_edges_chain():
     assert rep.any_order and rep.peak_bytes <= MEM
     # The chain is serial: (extend, destroy) three times on the critical path.
     assert predicted_completion_time(dag, lambda p: 1.0) == 6.0
+    cost = transition_cost(
+        cur, tgt, cost_fn=lambda p: 1.0, devices=range(4), unit_memory=lambda u: MEM, capacity=MEM
+    )
+    assert cost == 6.0
 
 
 def test_stage_order_breaks_ties():
