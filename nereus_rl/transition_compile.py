@@ -112,7 +112,10 @@ def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> T
     memory before primitives with slack do; a round that does not help ends the search.
     """
     dur = [float(cost_fn(p)) for p in dag.primitives]
-    best, (best_t, _) = dag, longest_path(dag, dur)
+    best, (best_t, path) = dag, longest_path(dag, dur)
+    kinds = {(e.src, e.dst): e.kind for e in dag.edges}
+    if all(kinds.get(ab) == "data" for ab in itertools.pairwise(path)):
+        return dag  # the critical path is data edges only: no schedule can be shorter
     for priority in ("bottom", "order"):
         alt = refine_by_list_schedule(dag, cost_fn, priority)
         if alt is not None:
