@@ -5,15 +5,19 @@ Elastic Model Unit primitives (``extend``, ``destroy``, ``split``, ``merge``).
 Nodes are primitives; edges are *data* edges (a source unit lives until its
 state is copied; a unit is destroyed only while another holder of its state
 lives) and *resource* edges (a device's memory, or a stage's slot on a device,
-freed by one primitive before another acquires it). The compiler lives in
-:mod:`nereus_rl.transition_compile`, the safety check in
+freed by one primitive before another acquires it). The plan diff lives in
+:mod:`nereus_rl.transition_diff`, the compiler in
+:mod:`nereus_rl.transition_compile` (refined by
+:mod:`nereus_rl.transition_refine`), the safety check in
 :mod:`nereus_rl.transition_safety`, the executor in
-:mod:`nereus_rl.transition_exec`.
+:mod:`nereus_rl.transition_exec`, the per-component baseline in
+:mod:`nereus_rl.transition_baseline` and the CP-SAT scheduling model in
+:mod:`nereus_rl.transition_milp`.
 
 Resources. A device serves at most one unit of each stage at a time (its
 *stage slot*; ``stage_slots=False`` drops this rule), and the units on a device
-must fit its memory. Colocated stages
-(different stages on one device) share the device's memory, as in a GlobalPlan.
+must fit its memory. Colocated stages (different stages on one device) share the
+device's memory, as in a GlobalPlan.
 A primitive acquires the memory (and slots) of the units it creates when it
 starts and releases the memory (and slots) of the units it consumes when it
 ends: ``split`` and ``merge`` work in place, so for a moment they hold both.
