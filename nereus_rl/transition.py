@@ -106,6 +106,13 @@ class Placement:
 
     units: tuple[Unit, ...]
 
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for u in self.units:
+            if u.uid in seen:
+                raise ValueError(f"Placement: uid {u.uid!r} names two units; give each a uid")
+            seen.add(u.uid)
+
     @staticmethod
     def from_plan(plan: GlobalPlan) -> Placement:
         """Units of ``plan`` with uids ``"<stage>#<i>"``.
