@@ -104,8 +104,8 @@ def schedule_cpsat(
     end = [m.new_int_var(0, horizon, f"e{i}") for i in range(n)]
     # One interval per primitive; memory and slots are reservoirs over its start and end
     # (an acquisition persists after the primitive ends, so a cumulative would not do).
-    intervals = [m.new_interval_var(start[i], dur[i], end[i], f"i{i}") for i in range(n)]
-    assert len(intervals) == n
+    for i in range(n):
+        m.new_interval_var(start[i], dur[i], end[i], f"i{i}")
     for e in dag.edges:
         if e.kind == "data":
             m.add(start[e.dst] >= end[e.src])
