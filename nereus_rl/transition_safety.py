@@ -18,6 +18,7 @@ Two levels, in the spirit of the banker's algorithm:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from nereus_rl.globalplan import _fmt_devices
@@ -121,7 +122,17 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
             if d in cap:
                 slots[(u.stage, d)] = u.uid
     peak = max(used.values(), default=0.0)
-    ready = sorted((i for i in range(n) if npred[i] == 0), key=lambda i: (rank.get(i, i), i))
+    holders: dict[tuple[str, str], int] = {}  # live, not lost, units holding each state
+    for u in live.values():
+        if u.uid not in lost_uids:
+            for st in u.states:
+                holders[st] = holders.get(st, 0) + 1
+
+    def key(i: int) -> tuple[bool, int, int]:
+        return (prims[i].kind != "destroy", rank.get(i, i), i)
+
+    ready = [key(i) for i in range(n) if npred[i] == 0]
+    heapq.heapify(ready)
     seen_edges: set[tuple[int, int]] = set()
     order: list[int] = []
 
@@ -137,11 +148,7 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
         if p.kind == "destroy" and not p.lost:
             u = p.inputs[0]
             for s in u.states:
-                others = [
-                    v
-                    for v in live.values()
-                    if v.uid != u.uid and v.uid not in lost_uids and s in v.states
-                ]
+                others = holders.get(s, 0) - (u.uid not in lost_uids)
                 if not others:
                     return f"{u.uid} is the last live holder of {s[0]} of {s[1]!r}"
         for d, a in p.acquire:
@@ -159,32 +166,41 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
         return None
 
     while ready:
-        pick = None
         # Releases first (they only make room), then acquisitions in the DAG's own order.
-        for i in sorted(ready, key=lambda i: (prims[i].kind != "destroy", rank.get(i, i), i)):
-            if why_not(i) is None:
-                pick = i
+        pick = None
+        skipped = []
+        while ready:
+            item = heapq.heappop(ready)
+            if why_not(item[2]) is None:
+                pick = item[2]
                 break
+            skipped.append(item)
+        for item in skipped:
+            heapq.heappush(ready, item)
         if pick is None:
-            details = " | ".join(f"{prims[i]!r}: {why_not(i)}" for i in ready)
-            devs = sorted({d for i in ready for d in prims[i].devices})
+            blocked = [item[2] for item in ready]
+            details = " | ".join(f"{prims[i]!r}: {why_not(i)}" for i in blocked)
+            devs = sorted({d for i in blocked for d in prims[i].devices})
             raise UnsafeDAGError(
                 f"no safe order: every ready primitive is blocked (devices {_fmt_devices(devs)}): "
                 f"{details}; add edges so releases come before these acquisitions, or keep "
                 "another holder of the state alive"
             )
-        ready.remove(pick)
         p = prims[pick]
         for d, a in p.acquire:
             used[d] += a
             peak = max(peak, used[d])
         for u in p.inputs:
-            live.pop(u.uid, None)
+            if live.pop(u.uid, None) is not None and u.uid not in lost_uids:
+                for st in u.states:
+                    holders[st] -= 1
             for d in u.devices:
                 if slots.get((u.stage, d)) == u.uid:
                     del slots[(u.stage, d)]
         for u in p.outputs:
             live[u.uid] = u
+            for st in u.states:
+                holders[st] = holders.get(st, 0) + 1
             for d in u.devices:
                 slots[(u.stage, d)] = u.uid
         for d, r in p.release:
@@ -196,7 +212,7 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
             seen_edges.add((pick, q))
             npred[q] -= 1
             if npred[q] == 0:
-                ready.append(q)
+                heapq.heappush(ready, key(q))
 
     final = Placement(tuple(u for u in live.values() if u.uid not in lost_uids))
     if not final.matches(dag.target):
