@@ -169,3 +169,18 @@ def test_scaled_rebalance_executes_to_target():
     assert rep.final.matches(sc.target)
     assert rep.resource_waits == 0
     assert 1 < rep.max_concurrency <= 16
+
+
+def test_per_component_reports_a_failing_primitive():
+    impls = sleeping_impls(lambda p: 0.001)
+
+    def boom(p):
+        raise OSError("link down")
+
+    impls["extend"] = boom
+    res = run_per_component(SWAP[0], SWAP[0], impls, unit_memory=lambda u: MEM, capacity=MEM)
+    assert res.success  # nothing to do: no primitive runs
+    cur = plan(sp("rollout", [[0]]))
+    tgt = plan(sp("rollout", [[1]]))
+    res = run_per_component(cur, tgt, impls, unit_memory=lambda u: MEM, capacity=MEM)
+    assert res.failure == "error" and "link down" in res.detail
