@@ -321,6 +321,8 @@ class Layout:
         if spec.stage_key is None:
             return None
         n = self.resolve_num_layers(num_layers)
+        if n is None and self.pp == 1:
+            return 0  # one stage holds every layer
         if n is None:
             raise LayoutError(
                 f"{spec!r} has a stage_key but num_layers is unknown; pass num_layers "

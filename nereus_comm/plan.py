@@ -99,6 +99,8 @@ class ReshardPlan:
 
     Attributes:
         specs: the tensors (Piece.tensor indexes this tuple).
+        dst_specs: the tensors as the destination holds them (== specs unless
+            plan_reshard was given dst_specs).
         src, dst: the layouts, with num_layers filled in.
         num_layers: the destination's number of layers (src.num_layers may differ).
         stats: PlanStats.
@@ -106,9 +108,15 @@ class ReshardPlan:
     """
 
     def __init__(
-        self, specs: tuple[TensorSpec, ...], src: Layout, dst: Layout, raw: _C.RemapPlan
+        self,
+        specs: tuple[TensorSpec, ...],
+        src: Layout,
+        dst: Layout,
+        raw: _C.RemapPlan,
+        dst_specs: tuple[TensorSpec, ...] | None = None,
     ) -> None:
         self.specs = specs
+        self.dst_specs = specs if dst_specs is None else dst_specs
         self.src = src
         self.dst = dst
         self.num_layers = dst.num_layers
@@ -397,4 +405,4 @@ def plan_reshard(
         _stages(src_keys, src.num_layers, src.pp),
         _stages(dst_keys, dst.num_layers, dst.pp),
     )
-    return ReshardPlan(specs, src, dst, raw)
+    return ReshardPlan(specs, src, dst, raw, dspecs)
