@@ -6,17 +6,17 @@ same plan. Each rank:
 1. validates every tensor it was handed (and every ``out`` tensor) against its
    spec and its box in the layout: name, shape, dtype, device, contiguity.
    Nothing moves before all checks pass;
-2. copies the bytes it already holds and needs (the plan's local copies) with
-   one :func:`~nereus_comm.pack.copy_regions` call;
-3. builds the wire buffers of each message (:func:`wire_groups`): every piece
+2. builds the wire buffers of each message (:func:`wire_groups`): every piece
    of at least 64 KiB travels as its own buffer, the smaller ones share one.
    A buffer that is one contiguous block of a shard is sent from, or received
    into, the shard's own storage (zero copy); the others go through one
    staging buffer, filled by a single :func:`~nereus_comm.pack.pack` call.
    So a piece is copied only on a side where it is strided. Both sides derive
    the same buffers from the plan alone: no extra communication;
-4. exchanges every buffer in one batched transport call;
-5. drains the receive staging buffer with a single
+3. posts every buffer in one batched transport call and, while the bytes
+   travel, copies the bytes it already holds and needs (the plan's local
+   copies) with one :func:`~nereus_comm.pack.copy_regions` call;
+4. drains the receive staging buffer with a single
    :func:`~nereus_comm.pack.unpack` call.
 
 Example::
@@ -82,6 +82,7 @@ class ReshardResult:
     staged_bytes_sent: int = 0
     staged_bytes_received: int = 0
     pack_seconds: float = 0.0
+    #: posting, local copies and waiting for the transfers.
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
 
@@ -311,14 +312,6 @@ def reshard(
                     )
 
     start = time.perf_counter()
-    local = plan.local_copies(rank) if involved else []
-    bytes_local = 0
-    if local:
-        src_regions = _regions(plan, local, src, rank, tensors)
-        dst_regions = _regions(plan, local, dst, rank, dst_tensors)
-        copy_regions(src_regions, dst_regions)
-        bytes_local = sum(r.nbytes for r in dst_regions)
-
     # One buffer per wire group: a view of the tensor where the group is one
     # contiguous block on this side, else a slice of one staging buffer that a
     # single pack (before) or unpack (after the exchange) call fills or drains.
@@ -334,7 +327,16 @@ def reshard(
     recv_bufs = _buffers(recv_plan, recv_stage)
     packed_at = time.perf_counter()
 
-    transport.exchange(send_bufs, recv_bufs, timeout=timeout)
+    # The local copies run while the bytes are on the wire.
+    pending = transport.start(send_bufs, recv_bufs, timeout=timeout)
+    local = plan.local_copies(rank) if involved else []
+    bytes_local = 0
+    if local:
+        src_regions = _regions(plan, local, src, rank, tensors)
+        dst_regions = _regions(plan, local, dst, rank, dst_tensors)
+        copy_regions(src_regions, dst_regions)
+        bytes_local = sum(r.nbytes for r in dst_regions)
+    pending.wait()
     exchanged_at = time.perf_counter()
     if recv_staged:
         unpack(recv_stage, recv_staged)
