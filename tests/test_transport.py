@@ -29,8 +29,8 @@ def _payload(src: int, dst: int, i: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randint(-(2**40), 2**40, (n, 3), generator=g, dtype=dtype)
 
 
-def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int) -> dict:
-    t = GlooTransport()
+def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int, chunk: int) -> dict:
+    t = GlooTransport(chunk_bytes=chunk)
     me = ctx.rank
     others = [r for r in range(ctx.world_size) if r != me]
     sends = [(p, _payload(me, p, i, dtype)) for p in others for i in range(per_peer)]
@@ -50,10 +50,19 @@ def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int) -> dict:
     return {"ok": ok, "same_storage": same_storage, "stats": t.stats}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_all_to_all_exact_and_counted(pool, dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "chunk"),
+    [
+        (torch.float32, 1 << 20),
+        (torch.bfloat16, 1 << 20),
+        (torch.int64, 1 << 20),
+        (torch.bfloat16, 7),
+    ],
+)
+def test_all_to_all_exact_and_counted(pool, dtype, chunk) -> None:
+    # chunk=7 splits every buffer into odd-sized chunks (and a short last one).
     per_peer = 2
-    out = pool.run(_all_to_all, dtype, per_peer)
+    out = pool.run(_all_to_all, dtype, per_peer, chunk)
     for r, res in enumerate(out):
         assert res["ok"], f"rank {r} received wrong bytes"
         assert res["same_storage"]
