@@ -33,6 +33,7 @@ from nereus_comm.errors import (
     TensorMismatchError,
     TransportError,
 )
+from nereus_comm.nccl import NCCL_IN_PROGRESS
 
 __all__ = [
     "GLOO_CHUNK_BYTES",
@@ -306,7 +307,9 @@ class NcclTransport(Transport):
         rank: this process's global rank.
         ranks: the global ranks of the communicator, in communicator order.
         device: this process's CUDA device (index or torch.device).
-        key: store key prefix; must be unique per communicator.
+        key: store key prefix; must be unique per communicator created through
+            ``store`` (default: derived from ``ranks``, so pass one when the same
+            ranks build a second communicator over the same store).
         lib: the NCCL library (default: :func:`nereus_comm.nccl.load_nccl`).
         comm: an existing communicator to wrap instead of creating one (e.g. from
             the communicator pool); the transport then does not destroy it.
@@ -327,13 +330,13 @@ class NcclTransport(Transport):
         ranks: Sequence[int],
         device: int | torch.device,
         *,
-        key: str = "nereus/nccl_transport",
+        key: str | None = None,
         lib=None,
         comm: int | None = None,
         init_timeout: float = 300.0,
     ) -> None:
         super().__init__()
-        from nereus_comm.nccl import load_nccl
+        from nereus_comm.nccl import load_nccl  # here: no NCCL is needed for gloo
 
         if not torch.cuda.is_available():
             raise TransportArgumentError("NcclTransport needs a CUDA device; use GlooTransport")
@@ -347,6 +350,8 @@ class NcclTransport(Transport):
         self._owns_comm = comm is None
         if comm is None:
             torch.cuda.set_device(self.device)
+            if key is None:
+                key = "nereus/nccl_transport/" + "-".join(map(str, self.ranks))
             uid_key = f"{key}/unique_id"
             if self._index[rank] == 0:
                 store.set(uid_key, self.lib.get_unique_id())
@@ -405,11 +410,11 @@ class NcclTransport(Transport):
     def _wait(self, state) -> None:
         done, deadline, peers, timeout = state
         while not done.query():
-            state = self.lib.comm_get_async_error(self.comm)
-            if state not in (0, 7):
+            code = self.lib.comm_get_async_error(self.comm)
+            if code not in (0, NCCL_IN_PROGRESS):
                 self._abort_comm()
                 raise TransportError(
-                    f"rank {self.rank}: NCCL reported {self.lib.error_string(state)} during an "
+                    f"rank {self.rank}: NCCL reported {self.lib.error_string(code)} during an "
                     f"exchange with peers {_peer_list(peers)}"
                 )
             if time.monotonic() > deadline:
