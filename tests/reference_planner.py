@@ -11,7 +11,9 @@ source-choice rules as csrc/remap, so its plan must equal the C++ plan:
    block is cut into k = min(max(1, h // n), items) parts of about equal bytes
    (cut before the first item where the running bytes reach j/k of the block).
 3. Parts, largest first (then by destination position, then part index), go
-   to the holder minimizing (load + (bytes if remote else 0), remote, position).
+   to the least-loaded holder (lowest position on ties), unless a holder on the
+   receiver's node can take the part without exceeding max(the group's highest
+   load, lowest load + part bytes): then to the least-loaded such holder.
 """
 
 from __future__ import annotations
@@ -111,12 +113,12 @@ def reference_plan(
         for items, r, _ in parts:
             u = nbytes(items)
             rnode = dst.node_of[r] if dst.node_of else 0
-
-            def score(s: int, u: int = u, rnode: int = rnode) -> tuple[int, int, int]:
-                remote = int((src.node_of[s] if src.node_of else 0) != rnode)
-                return load[s] + remote * u, remote, s
-
-            s = min(holders, key=score)
+            s = min(holders, key=lambda h: (load[h], h))
+            same = [h for h in holders if (src.node_of[h] if src.node_of else 0) == rnode]
+            if same:
+                near = min(same, key=lambda h: (load[h], h))
+                if load[near] + u <= max(max(load[h] for h in holders), load[s] + u):
+                    s = near
             load[s] += u
             messages.setdefault((src.ranks[s], dst.ranks[r]), []).extend(items)
 

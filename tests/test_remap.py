@@ -250,3 +250,15 @@ def test_dst_specs_may_move_layers():
     plan = plan_reshard([a], lay, lay, dst_specs=[b])
     assert [m.src for m in plan.recvs(1)] == [0]
     assert plan.stats.total_bytes == 16
+
+
+def test_tp_change_keeps_senders_balanced():
+    specs = transformer_state_specs(4, 64, 128, 8, 4, 256)
+    src = Layout(16, 8, 1, tuple(range(128)), node_of=tuple(r // 8 for r in range(128)))
+    dst = Layout(32, 4, 1, tuple(range(128)), node_of=tuple(r // 8 for r in range(128)))
+    plan = plan_reshard(specs, src, dst)
+    mean = plan.stats.total_bytes / 128
+    assert plan.stats.max_send_bytes <= 1.15 * mean
+    # the on-node preference keeps a share of the traffic inside nodes
+    assert plan.stats.cross_node_bytes < 0.85 * plan.stats.total_bytes
+    _check_rules(plan)

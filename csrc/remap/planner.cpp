@@ -169,7 +169,8 @@ PlanResult plan(const PlanInput& in) {
   // 4. Assign each needer's block to holders. With fewer needers than holders a
   // block is cut into k = holders / needers parts of about equal bytes so that
   // the holders share the work; parts go, largest first, to the holder with the
-  // lowest load, where a holder on another node counts one part heavier.
+  // lowest load, or to one on the receiver's node if that keeps the load as
+  // balanced as the lowest-load choice would.
   std::vector<int64_t>& load = R.send_bytes;
   std::vector<Part> parts;
   for (const auto& [holders, key] : groups) {
@@ -206,18 +207,15 @@ PlanResult plan(const PlanInput& in) {
     }
     for (const Part& part : parts) {
       const int32_t node = D.node[part.dst];
-      // best = argmin over holders of (load + (remote ? bytes : 0), remote, position)
+      // Least-loaded holder (lowest position on ties); a holder on the receiver's
+      // node instead when taking the part does not push it above what the
+      // least-loaded choice would (the group's current maximum, or min + bytes).
       Entry best = *all.begin();
-      bool best_remote = S.node[best.second] != node;
-      int64_t best_score = best.first + (best_remote ? part.bytes : 0);
       auto same = by_node.find(node);
-      if (best_remote && same != by_node.end()) {
+      if (S.node[best.second] != node && same != by_node.end()) {
         const Entry cand = *same->second.begin();
-        if (cand.first <= best_score) {
-          best = cand;
-          best_remote = false;
-          best_score = cand.first;
-        }
+        const int64_t limit = std::max(all.rbegin()->first, best.first + part.bytes);
+        if (cand.first + part.bytes <= limit) best = cand;
       }
       const int64_t s = best.second;
       all.erase(best);
