@@ -7,13 +7,16 @@ source-choice rules as csrc/remap, so its plan must equal the C++ plan:
    dim at the source's tp chunk boundaries; the holders of a segment are the
    source ranks whose box contains it. A segment the rank holds itself is a
    local copy. Otherwise it joins the rank's block for that holder set.
-2. Holder sets are visited in sorted order. With n needers and h holders each
-   block is cut into k = min(max(1, h // n), items) parts of about equal bytes
-   (cut before the first item where the running bytes reach j/k of the block).
+2. Holder sets are visited smallest first (ties: sorted holder lists). With
+   n needers and h holders each block is cut into k = min(max(1, h // n),
+   items) parts of about equal bytes (cut after the first item where the
+   running bytes reach j/k of the block).
 3. Parts, largest first (then by destination position, then part index), go
-   to the least-loaded holder (lowest position on ties), unless a holder on the
-   receiver's node can take the part without exceeding max(the group's highest
-   load, lowest load + part bytes): then to the least-loaded such holder.
+   to the least-loaded holder (lowest position on ties), unless a holder that
+   can take the part without exceeding max(the group's highest load, lowest
+   load + part bytes) already sends to the receiver (allowed 64 KiB more: what
+   a message costs), or else is on the receiver's node: then to the
+   least-loaded such holder.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import itertools
 from nereus_comm.errors import PlanError
 from nereus_comm.layout import Layout, TensorSpec, chunk_range, infer_num_layers
 
+MSG = 64 << 10  # kMessageCostBytes: slack for a holder already sending to the receiver
 Item = tuple[int, int, int]  # (tensor, start, stop) along the split axis
 
 
@@ -92,7 +96,8 @@ def reference_plan(
 
     load = [0] * src.world_size
     messages: dict[tuple[int, int], list[Item]] = {}
-    for holders in sorted(blocks):
+    peers: dict[int, set[int]] = {}  # dst position -> source positions chosen so far
+    for holders in sorted(blocks, key=lambda h: (len(h), h)):
         need = blocks[holders]
         k = max(1, len(holders) // len(need))
         parts = []
@@ -114,11 +119,13 @@ def reference_plan(
             u = nbytes(items)
             rnode = dst.node_of[r] if dst.node_of else 0
             s = min(holders, key=lambda h: (load[h], h))
-            same = [h for h in holders if (src.node_of[h] if src.node_of else 0) == rnode]
-            if same:
-                near = min(same, key=lambda h: (load[h], h))
-                if load[near] + u <= max(max(load[h] for h in holders), load[s] + u):
-                    s = near
+            limit = max(max(load[h] for h in holders), load[s] + u)
+            fits = [h for h in holders if load[h] + u <= limit]
+            mine = [h for h in holders if h in peers.get(r, ()) and load[h] + u <= limit + MSG]
+            near = [h for h in fits if (src.node_of[h] if src.node_of else 0) == rnode]
+            if mine or near:
+                s = min(mine or near, key=lambda h: (load[h], h))
+            peers.setdefault(r, set()).add(s)
             load[s] += u
             messages.setdefault((src.ranks[s], dst.ranks[r]), []).extend(items)
 

@@ -19,6 +19,11 @@ void chunk_range(int64_t n, int64_t parts, int64_t index, int64_t* start, int64_
   *stop = std::min(*start + size, n);
 }
 
+// What one more message costs, in bytes of transfer time (a few microseconds of
+// latency at tens of GB/s): a holder already sending to a receiver may carry
+// this much more load than the balance rule allows, to save a message.
+constexpr int64_t kMessageCostBytes = 64 << 10;
+
 struct Block {
   int64_t group;  // holder-group key
   int64_t begin, end;
@@ -159,19 +164,26 @@ PlanResult plan(const PlanInput& in) {
   for (int64_t r = 0; r < num_dst; ++r) R.local_total += R.local_bytes[r];
   R.lower_bound_bytes -= R.local_total;
 
-  // 3. Groups in a fixed order (their holder lists, lexicographically), so that
-  // the balancing below is reproducible.
+  // 3. Groups in a fixed order so that the balancing below is reproducible:
+  // smallest holder sets first (they have the fewest choices; the big replicated
+  // groups then can reuse the pairs already chosen), ties by holder list.
   std::vector<std::pair<std::vector<int64_t>, int64_t>> groups;
   for (int64_t key = 0; key < keys.count(); ++key)
     if (!needers[key].empty()) groups.push_back({keys.holders(key), key});
-  std::sort(groups.begin(), groups.end());
+  std::sort(groups.begin(), groups.end(), [](const auto& x, const auto& y) {
+    if (x.first.size() != y.first.size()) return x.first.size() < y.first.size();
+    return x < y;
+  });
 
   // 4. Assign each needer's block to holders. With fewer needers than holders a
   // block is cut into k = holders / needers parts of about equal bytes so that
-  // the holders share the work; parts go, largest first, to the holder with the
-  // lowest load, or to one on the receiver's node if that keeps the load as
-  // balanced as the lowest-load choice would.
+  // the holders share the work. Parts go, largest first, to the holder with the
+  // lowest load, unless a holder that already sends to the receiver (saves a
+  // message), or else one on the receiver's node (saves cross-node bytes), can
+  // take the part without exceeding the load the lowest-load choice would reach
+  // (for a holder already sending: plus kMessageCostBytes, what a message costs).
   std::vector<int64_t>& load = R.send_bytes;
+  std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver
   std::vector<Part> parts;
   for (const auto& [holders, key] : groups) {
     const auto& need = needers[key];
@@ -207,21 +219,34 @@ PlanResult plan(const PlanInput& in) {
     }
     for (const Part& part : parts) {
       const int32_t node = D.node[part.dst];
-      // Least-loaded holder (lowest position on ties); a holder on the receiver's
-      // node instead when taking the part does not push it above what the
-      // least-loaded choice would (the group's current maximum, or min + bytes).
       Entry best = *all.begin();
-      auto same = by_node.find(node);
-      if (S.node[best.second] != node && same != by_node.end()) {
-        const Entry cand = *same->second.begin();
-        const int64_t limit = std::max(all.rbegin()->first, best.first + part.bytes);
-        if (cand.first + part.bytes <= limit) best = cand;
+      const int64_t limit = std::max(all.rbegin()->first, best.first + part.bytes);
+      bool found = false;
+      Entry pick{0, 0};
+      for (int64_t q : peers[part.dst]) {
+        const Entry cand{load[q], q};
+        const bool fits = cand.first + part.bytes <= limit + kMessageCostBytes;
+        if (keys.holds(key, q) && fits && (!found || cand < pick)) {
+          pick = cand;
+          found = true;
+        }
       }
+      auto same = by_node.find(node);
+      if (!found && same != by_node.end()) {
+        const Entry cand = *same->second.begin();
+        if (cand.first + part.bytes <= limit) {
+          pick = cand;
+          found = true;
+        }
+      }
+      if (found) best = pick;
       const int64_t s = best.second;
       all.erase(best);
       auto& own = by_node[S.node[s]];
       own.erase(best);
       load[s] += part.bytes;
+      if (std::find(peers[part.dst].begin(), peers[part.dst].end(), s) == peers[part.dst].end())
+        peers[part.dst].push_back(s);
       all.insert({load[s], s});
       own.insert({load[s], s});
       R.asg_dst.push_back(part.dst);
