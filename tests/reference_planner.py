@@ -11,12 +11,13 @@ source-choice rules as csrc/remap, so its plan must equal the C++ plan:
    n needers and h holders each block is cut into k = min(max(1, h // n),
    items) parts of about equal bytes (cut after the first item where the
    running bytes reach j/k of the block).
-3. Parts, largest first (then by destination position, then part index), go
+3. Parts whose receiver has a holder on its node first, then largest first
+   (then by destination position, then part index), go
    to the least-loaded holder (lowest position on ties), unless a holder that
-   can take the part without exceeding max(the group's highest load, lowest
-   load + part bytes) already sends to the receiver (allowed 64 KiB more: what
-   a message costs), or else is on the receiver's node: then to the
-   least-loaded such holder.
+   can take the part without exceeding the cap max(the group's highest load,
+   lowest load + part bytes, the holders' mean load once the group is placed)
+   already sends to the receiver (allowed 64 KiB more: what a message costs),
+   or else is on the receiver's node: then to the least-loaded such holder.
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ def reference_plan(
                     key = tuple(sorted(src.position(q) for q in holders))
                     blocks.setdefault(key, {}).setdefault(dst.position(r), []).append((i, s0, s1))
 
+    def src_node(s: int) -> int:
+        return src.node_of[s] if src.node_of else 0
+
+    def dst_node(r: int) -> int:
+        return dst.node_of[r] if dst.node_of else 0
+
     def nbytes(items: list[Item]) -> int:
         return sum((b - a) * units[t] for t, a, b in items)
 
@@ -114,17 +121,19 @@ def reference_plan(
                 parts.append((items[start:end], r, j))
                 start = max(start, end)
         parts = [p for p in parts if p[0]]
-        parts.sort(key=lambda p: (-nbytes(p[0]), p[1], p[2]))
+        holder_nodes = {src_node(h) for h in holders}
+        total = sum(load[h] for h in holders) + sum(nbytes(p[0]) for p in parts)
+        mean = -(-total // len(holders))  # mean final load of the holders, rounded up
+        parts.sort(key=lambda p: (dst_node(p[1]) not in holder_nodes, -nbytes(p[0]), p[1], p[2]))
         for items, r, _ in parts:
             u = nbytes(items)
-            rnode = dst.node_of[r] if dst.node_of else 0
             s = min(holders, key=lambda h: (load[h], h))
-            limit = max(max(load[h] for h in holders), load[s] + u)
-            fits = [h for h in holders if load[h] + u <= limit]
-            mine = [h for h in holders if h in peers.get(r, ()) and load[h] + u <= limit + MSG]
-            near = [h for h in fits if (src.node_of[h] if src.node_of else 0) == rnode]
-            if mine or near:
-                s = min(mine or near, key=lambda h: (load[h], h))
+            cap = max(max(load[h] for h in holders), load[s] + u, mean)
+            fits = [h for h in holders if load[h] + u <= cap]
+            mine = [h for h in holders if h in peers.get(r, ()) and load[h] + u <= cap + MSG]
+            on_node = [h for h in fits if src_node(h) == dst_node(r)]
+            if mine or on_node:
+                s = min(mine or on_node, key=lambda h: (load[h], h))
             peers.setdefault(r, set()).add(s)
             load[s] += u
             messages.setdefault((src.ranks[s], dst.ranks[r]), []).extend(items)

@@ -33,6 +33,7 @@ struct Block {
 // A needer's share of one block, to be sent by one holder.
 struct Part {
   int64_t bytes, dst, index, block, begin, end;
+  bool near;  // some holder is on the receiver's node
 };
 
 // Holder groups are keyed by (stage, tp coordinate) of the source layout, -1
@@ -180,8 +181,10 @@ PlanResult plan(const PlanInput& in) {
   // the holders share the work. Parts go, largest first, to the holder with the
   // lowest load, unless a holder that already sends to the receiver (saves a
   // message), or else one on the receiver's node (saves cross-node bytes), can
-  // take the part without exceeding the load the lowest-load choice would reach
-  // (for a holder already sending: plus kMessageCostBytes, what a message costs).
+  // take the part within the cap: the larger of the load the lowest-load choice
+  // would reach and the group's mean final load (for a holder already sending:
+  // plus kMessageCostBytes, what a message costs). Loads then stay within one
+  // part of balanced, as with plain least-loaded list scheduling.
   std::vector<int64_t>& load = R.send_bytes;
   std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver
   std::vector<Part> parts;
@@ -201,15 +204,10 @@ PlanResult plan(const PlanInput& in) {
           end = std::lower_bound(prefix.begin() + blk.begin, prefix.begin() + blk.end + 1, want) -
                 prefix.begin();
         }
-        if (end > begin) parts.push_back({prefix[end] - prefix[begin], r, j, b, begin, end});
+        if (end > begin) parts.push_back({prefix[end] - prefix[begin], r, j, b, begin, end, false});
         begin = end;
       }
     }
-    std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) {
-      if (x.bytes != y.bytes) return x.bytes > y.bytes;
-      if (x.dst != y.dst) return x.dst < y.dst;
-      return x.index < y.index;
-    });
     using Entry = std::pair<int64_t, int64_t>;  // (load, source position)
     std::set<Entry> all;
     std::map<int32_t, std::set<Entry>> by_node;
@@ -217,15 +215,31 @@ PlanResult plan(const PlanInput& in) {
       all.insert({load[s], s});
       by_node[S.node[s]].insert({load[s], s});
     }
+    int64_t mean = 0;  // the group's holders' mean load once every part is placed
+    for (int64_t s : holders) mean += load[s];
+    for (Part& part : parts) {
+      part.near = by_node.count(D.node[part.dst]) > 0;
+      mean += part.bytes;
+    }
+    const int64_t h = static_cast<int64_t>(holders.size());
+    mean = (mean + h - 1) / h;
+    // Parts with an on-node holder first, so that receivers elsewhere do not take
+    // those holders' capacity; then largest first.
+    std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) {
+      if (x.near != y.near) return x.near;
+      if (x.bytes != y.bytes) return x.bytes > y.bytes;
+      if (x.dst != y.dst) return x.dst < y.dst;
+      return x.index < y.index;
+    });
     for (const Part& part : parts) {
       const int32_t node = D.node[part.dst];
       Entry best = *all.begin();
-      const int64_t limit = std::max(all.rbegin()->first, best.first + part.bytes);
+      const int64_t cap = std::max({all.rbegin()->first, best.first + part.bytes, mean});
       bool found = false;
       Entry pick{0, 0};
       for (int64_t q : peers[part.dst]) {
         const Entry cand{load[q], q};
-        const bool fits = cand.first + part.bytes <= limit + kMessageCostBytes;
+        const bool fits = cand.first + part.bytes <= cap + kMessageCostBytes;
         if (keys.holds(key, q) && fits && (!found || cand < pick)) {
           pick = cand;
           found = true;
@@ -234,7 +248,7 @@ PlanResult plan(const PlanInput& in) {
       auto same = by_node.find(node);
       if (!found && same != by_node.end()) {
         const Entry cand = *same->second.begin();
-        if (cand.first + part.bytes <= limit) {
+        if (cand.first + part.bytes <= cap) {
           pick = cand;
           found = true;
         }
