@@ -64,7 +64,7 @@ def _random_layout(rng: random.Random, num_layers: int, max_ranks: int = WORLD) 
     return Layout(dp, tp, pp, ranks, num_layers=num_layers)
 
 
-def _fixed_cases() -> list[tuple[list[TensorSpec], Layout, Layout]]:
+def _fixed_cases() -> list[tuple]:
     specs = [
         TensorSpec("w", (13, 6), torch.float32, 0, 0),
         TensorSpec("o", (5, 9), torch.bfloat16, 1, 1),
@@ -80,6 +80,15 @@ def _fixed_cases() -> list[tuple[list[TensorSpec], Layout, Layout]]:
         (specs, L(1, 1, 1, [2]), L(2, 2, 1, [0, 1, 2, 3])),  # grow 1 -> 4
         (specs, L(2, 1, 2, [0, 1, 2, 3]), L(1, 1, 1, [1])),  # shrink 4 -> 1
         (specs, L(1, 3, 1, [0, 1, 2]), L(3, 1, 1, [1, 2, 3])),  # overlapping, tp3 -> dp3
+        # The destination moves "w" to the last stage and "norm" to the first.
+        (specs, L(1, 2, 2, [0, 1, 2, 3]), L(1, 1, 2, [3, 1]), _moved(specs, {"w": 1, "norm": 0})),
+    ]
+
+
+def _moved(specs: list[TensorSpec], stages: dict[str, int]) -> list[TensorSpec]:
+    return [
+        TensorSpec(s.name, s.shape, s.dtype, s.split_dim, stages.get(s.name, s.stage_key))
+        for s in specs
     ]
 
 
@@ -103,15 +112,16 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
     transport = _transport(ctx)
     rank = ctx.rank
     out = []
-    for k, (specs, src, dst) in enumerate(cases):
-        plan = plan_reshard(specs, src, dst)
+    for k, (specs, src, dst, *more) in enumerate(cases):
+        dst_specs = more[0] if more else specs  # tensors that change pipeline stage
+        plan = plan_reshard(specs, src, dst, dst_specs=dst_specs if more else None)
         full = _full_state(specs, seed + k)
         mine = shards_from_full(full, specs, plan.src, rank)
         before = transport.stats.bytes_sent, transport.stats.bytes_received
         # Every other case reuses one workspace (staging buffers of earlier cases).
         ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
         res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws)
-        want = shards_from_full(full, specs, plan.dst, rank)
+        want = shards_from_full(full, dst_specs, plan.dst, rank)
         involved = rank in plan.src or rank in plan.dst
         sends = plan.sends(rank) if involved else []
         recvs = plan.recvs(rank) if involved else []
@@ -137,7 +147,7 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
 
 
 def _check(results_by_rank: list[list[dict]], cases) -> None:
-    for k, (specs, src, dst) in enumerate(cases):
+    for k, (specs, src, dst, *_) in enumerate(cases):
         rows = [results_by_rank[r][k] for r in range(WORLD)]
         where = f"case {k}: {src!r} -> {dst!r}, specs {specs}"
         for r, row in enumerate(rows):
