@@ -285,3 +285,11 @@ def test_silent_peer_gives_timeout_naming_it(pool) -> None:
     assert res["error"] is not None
     assert "peers 1 " in res["error"], res["error"]
     assert 1.3 < res["elapsed"] < 4.0
+
+
+def test_demo_main_job_checks_every_byte(capsys) -> None:
+    from nereus_comm import demo
+
+    assert demo.main(["--workers", "2", "--hidden", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("all equal to the reference") == 2 and "OK in" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
-from nereus_comm.local_workers import LocalWorkers, WorkerContext
+from nereus_comm.local_workers import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
@@ -171,3 +172,15 @@ def test_nccl_transport_validates_on_device() -> None:
     except Exception as e:
         pytest.skip(f"NCCL not loadable: {e}")
     _nccl_self_exchange()
+
+
+def _die(ctx: WorkerContext) -> None:
+    os._exit(3)
+
+
+def test_a_dead_worker_is_reported_not_waited_for() -> None:
+    with LocalWorkers(1, timeout=60) as pool:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 0 \(exit code 3\) died"):
+            pool.run(_die)
+        assert time.monotonic() - start < 10
