@@ -288,6 +288,11 @@ def reshard(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
         )
     device_type = transport.device_type
+    if workspace is not None and workspace.device.type != device_type:
+        raise TransportArgumentError(
+            f"the workspace holds {workspace.device} memory but {transport!r} moves "
+            f"{device_type} memory; use Workspace({device_type!r})"
+        )
     _check_shards(tensors, specs, src, rank, nl, device_type, "source")
     involved = rank in src or rank in dst
     sends = plan.sends(rank) if involved else []

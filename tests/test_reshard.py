@@ -20,7 +20,7 @@ from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import DIRECT_MIN_BYTES, Workspace, reshard, shards_from_full
-from nereus_comm.transport import GlooTransport
+from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
@@ -237,6 +237,11 @@ def _error_cases(ctx: WorkerContext) -> list[str]:
         ({**good, "a": torch.zeros(4, 4).t()[:, :4]}, None),  # non-contiguous (right shape)
         (good, {**out_sentinel, "a": out_sentinel["a"][:1].clone()}),  # bad out
     ]
+    try:  # staging memory of the wrong device
+        reshard(plan, ctx.rank, good, transport, workspace=Workspace("meta"), timeout=5)
+        wrong_workspace = "no error"
+    except TransportArgumentError as e:
+        wrong_workspace = str(e)
     messages = []
     exchanges = transport.stats.exchanges
     for tensors, out in bad_inputs:
@@ -246,12 +251,13 @@ def _error_cases(ctx: WorkerContext) -> list[str]:
         except TensorMismatchError as e:
             messages.append(str(e))
     untouched = all(bool((t == 7).all()) for n, t in out_sentinel.items() if n != "a")
-    return [*messages, transport.stats.exchanges == exchanges, untouched]
+    return [*messages, wrong_workspace, transport.stats.exchanges == exchanges, untouched]
 
 
 def test_bad_input_raises_before_any_byte_moves(pool) -> None:
     for r, res in enumerate(pool.run(_error_cases)):
-        shape_msg, dtype_msg, missing_msg, unknown_msg, contig_msg, out_msg, quiet, kept = res
+        shape_msg, dtype_msg, missing_msg, unknown_msg, contig_msg, out_msg, ws_msg, *rest = res
+        quiet, kept = rest
         assert "'a'" in shape_msg and "expected shape (4, 4)" in shape_msg, shape_msg
         assert "got shape (3, 4)" in shape_msg
         assert "'b'" in dtype_msg and "torch.bfloat16" in dtype_msg and "float32" in dtype_msg
@@ -259,6 +265,7 @@ def test_bad_input_raises_before_any_byte_moves(pool) -> None:
         assert "'zzz'" in unknown_msg and "not a tensor of the plan" in unknown_msg
         assert "non-contiguous" in contig_msg
         assert "destination tensor 'a'" in out_msg
+        assert "workspace holds meta memory" in ws_msg
         assert quiet, f"rank {r} exchanged bytes despite bad input"
         assert kept, f"rank {r} wrote into out despite bad input"
 
