@@ -156,10 +156,10 @@ def run(quick: bool) -> list[dict]:
                 }
                 rows.append(row)
                 print(_line(row), flush=True)
-    # the reference: full state at 48 ranks; a 2-layer slice of the model at 256 ranks
+    # the reference: full state at 48 ranks; a 4-layer slice of the model at 256 ranks
     ref_cases = [("llama-3.1-8b", 48, None)]
     if not quick:
-        ref_cases += [("llama-3.1-70b", 48, None), ("llama-3.1-8b", 256, 2)]
+        ref_cases += [("llama-3.1-70b", 48, None), ("llama-3.1-8b", 256, 4)]
     for model, ranks, layers in ref_cases:
         sizes = dict(LLAMA_PRESETS[model])
         if layers is not None:

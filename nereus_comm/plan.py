@@ -9,14 +9,15 @@ compact plan and wraps it in a `ReshardPlan` whose per-rank views
   bytes sent equal the lower bound (what the destination lacks);
 - among the source replicas of a byte (dp copies, tp-replicated tensors,
   tensors on every pipeline stage) sources are chosen to balance bytes sent
-  per source rank (largest parts first, to the least-loaded holder),
-  preferring a source on the receiver's node when taking the part does not
-  unbalance the holders more than the least-loaded choice would; with
-  fewer receivers than holders a
-  receiver's share is cut into parts spread over several holders;
+  per source rank: parts go to the least-loaded holder, or to a holder that
+  already sends to the receiver (saves a message) or sits on its node
+  (saves cross-node bytes) when that keeps the holders within one part of
+  balanced; with fewer receivers than holders a receiver's share is cut
+  into parts spread over several holders;
 - all pieces between two ranks form one `Message`, the same on both sides.
 
 Every rank computes the same plan independently: no communication.
+tests/reference_planner.py states the source-choice rules in plain Python.
 """
 
 from __future__ import annotations
@@ -115,7 +116,14 @@ class ReshardPlan:
         src, dst: the layouts, with num_layers filled in.
         num_layers: the destination's number of layers (src.num_layers may differ).
         stats: PlanStats.
-        raw: the compact plan arrays.
+        raw: the compact plan (read-only numpy arrays, positions are indices
+            into src.ranks / dst.ranks): items (item_tensor, item_start,
+            item_stop, item_bytes; an interval of the split dim, (0, 1) for
+            replicated tensors), blocks (item ranges, block_offset), sends
+            (asg_dst, asg_src, asg_begin, asg_end, asg_bytes: items
+            [begin, end) from src to dst, sorted by (dst, src); send_order
+            sorts them by (src, dst)), local copies (local_dst, local_block),
+            per-rank totals (send_bytes, recv_bytes, local_bytes).
     """
 
     def __init__(
