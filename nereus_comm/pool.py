@@ -449,7 +449,8 @@ class NcclBackend(PoolBackend):
         if self.rank not in parent_ranks or self.rank in dead:
             return None
         exclude = [i for i, r in enumerate(parent_ranks) if r in dead]
-        return self._lib.comm_shrink(parent, exclude)
+        # A member died: its pending work on the parent can never finish.
+        return self._lib.comm_shrink(parent, exclude, abort_pending=True)
 
     def grow(self, parent: Any, parent_ranks: tuple[int, ...], ranks: tuple[int, ...], tag: str):
         if self.rank not in ranks:

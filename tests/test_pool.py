@@ -328,3 +328,112 @@ def test_gloo_backend_three_processes():
         assert [how for how, _, _ in seen[(2, 1)]] == ["init", "init"]
         assert (stats.hits, stats.inits, stats.evictions) == (1, 4, 2)
         assert cached == [(0, 1, 2), (2, 1)]
+
+
+# -- NcclBackend's calling conventions (the NCCL calls run only on a device) ------
+
+
+class FakeNccl:
+    """Records the calls NcclBackend makes, with nereus_comm.nccl's signatures."""
+
+    has_shrink = True
+    has_grow = True
+
+    def __init__(self, log):
+        self.log = log
+        self.next = 100
+
+    def _comm(self):
+        self.next += 1
+        return self.next
+
+    def get_unique_id(self):
+        return b"u" * 128
+
+    def comm_get_unique_id(self, comm):
+        self.log.append(("get_uid", comm))
+        return b"g" * 128
+
+    def comm_init_rank(self, nranks, uid, rank):
+        self.log.append(("init", nranks, uid[:1], rank))
+        return self._comm()
+
+    def comm_split(self, comm, color, key):
+        self.log.append(("split", comm, color, key))
+        return 0 if color == -1 else self._comm()
+
+    def comm_shrink(self, comm, exclude, abort_pending=False):
+        self.log.append(("shrink", comm, tuple(exclude), abort_pending))
+        return self._comm()
+
+    def comm_grow(self, comm, nranks, uid, rank):
+        self.log.append(("grow", comm, nranks, uid and uid[:1], rank))
+        return self._comm()
+
+    def comm_destroy(self, comm):
+        self.log.append(("destroy", comm))
+
+    def comm_abort(self, comm):
+        self.log.append(("abort", comm))
+
+
+def test_nccl_backend_conventions():
+    import torch.distributed as dist
+
+    from nereus_comm.pool import NcclBackend
+
+    store = dist.HashStore()
+    logs = {r: [] for r in range(4)}
+    pools = {
+        r: CommPool(NcclBackend(store, r, 4, lib=FakeNccl(logs[r]), timeout=5), capacity=8)
+        for r in range(4)
+    }
+
+    def everyone(fn):
+        return {r: fn(pools[r]) for r in range(4)}  # rank 0 first: it posts the ids
+
+    c = everyone(lambda p: p.get((0, 1, 2)))
+    assert [logs[r] for r in range(4)] == [
+        [("init", 3, b"u", 0)],
+        [("init", 3, b"u", 1)],
+        [("init", 3, b"u", 2)],
+        [],
+    ]
+    assert c[3].handle is None and c[2].rank == 2
+    for r in range(4):
+        logs[r].clear()
+    c = everyone(lambda p: p.get((2, 0)))  # split: rank 1 of the parent takes no color
+    assert [logs[r] for r in range(3)] == [
+        [("split", 101, 0, 1)],
+        [("split", 101, -1, 0)],
+        [("split", 101, 0, 0)],
+    ]
+    assert c[1].handle is None and (c[2].rank, c[0].rank) == (0, 1)
+    for r in range(4):
+        logs[r].clear()
+    everyone(lambda p: p.get((0, 1, 2, 3)))  # grow: root hands its grow id to rank 3
+    assert [logs[r] for r in range(4)] == [
+        [("get_uid", 101), ("grow", 101, 4, b"g", -1)],
+        [("grow", 101, 4, None, -1)],
+        [("grow", 101, 4, None, -1)],
+        [("grow", 0, 4, b"g", 3)],
+    ]
+    for r in range(4):
+        logs[r].clear()
+    everyone(lambda p: p.release((0, 1, 2, 3)))
+    # Rank 1 dies; the survivors go on.
+    survivors = (0, 2, 3)
+    for r in survivors:
+        pools[r].on_ranks_lost({1})
+        pools[r].get((0, 2, 3))  # shrink of the grown one, aborting its pending work
+    assert [logs[r][0] for r in survivors] == [
+        ("shrink", 103, (1,), True),
+        ("shrink", 103, (1,), True),
+        ("shrink", 101, (1,), True),  # rank 3's first communicator was the grown one
+    ]
+    # the shrunk source is aborted (a member died), not destroyed
+    assert logs[0][1:] == [("abort", 103)]
+    for r in survivors:
+        logs[r].clear()
+        pools[r].destroy_all()
+    assert sorted(logs[0]) == [("abort", 101), ("destroy", 102), ("destroy", 104)]
