@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nereus_comm.errors import MembershipError
+from nereus_comm.pool import CommPool, GlooBackend
 from nereus_comm.world import World
 
 INTERVAL = 0.25  # heartbeat seconds
@@ -91,7 +92,14 @@ def _member(role: str, port: int, out) -> None:
             return
         dead, seen_at = _wait_dead(world, deadline_s=30)
         world.next_generation()
-        _report(out, role, world, _all_reduce(world, 10.0 * world.rank + 1), dead=dead, at=seen_at)
+        value = _all_reduce(world, 10.0 * world.rank + 1)
+        # The pool's gloo groups are made inside the new generation's default group.
+        pool = CommPool(GlooBackend(timeout=30), capacity=2)
+        comm = pool.get((1, 0))
+        t = torch.tensor([float(world.member_id)])
+        torch.distributed.broadcast(t, group_src=0, group=comm.handle)  # from rank 1 = "c"
+        pool.destroy_all()
+        _report(out, role, world, value, dead=dead, at=seen_at, pool_rank=comm.rank, bcast=t.item())
         world.leave()
     except BaseException:
         out.put({"role": role, "error": traceback.format_exc()})
@@ -146,6 +154,8 @@ def test_late_join_and_sigkill_form_new_generations():
             # not much later (interval + polling + a loaded machine's slack).
             assert HB_TIMEOUT - 2 * INTERVAL <= waited <= HB_TIMEOUT + 2.0, waited
         assert (gen3["a"]["rank"], gen3["c"]["rank"]) == (0, 1)
+        assert (gen3["a"]["pool_rank"], gen3["c"]["pool_rank"]) == (1, 0)
+        assert gen3["a"]["bcast"] == gen3["c"]["bcast"] == 2.0  # c's member id
     finally:
         for p in procs.values():
             if p.pid is not None:
