@@ -437,3 +437,32 @@ def test_nccl_backend_conventions():
         logs[r].clear()
         pools[r].destroy_all()
     assert sorted(logs[0]) == [("abort", 101), ("destroy", 102), ("destroy", 104)]
+
+
+def _nccl_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from nereus_comm.errors import NcclNotFoundError
+    from nereus_comm.nccl import load_nccl
+
+    try:
+        return load_nccl()
+    except NcclNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_nccl_backend_one_device():
+    """On a device: a one-rank pool inits, hits, and frees real NCCL communicators."""
+    import torch.distributed as dist
+
+    from nereus_comm.pool import NcclBackend
+
+    lib = _nccl_or_skip()
+    torch.cuda.set_device(0)
+    pool = CommPool(NcclBackend(dist.HashStore(), 0, 1, lib=lib), capacity=1)
+    a = pool.get((0,))
+    assert a.how == "init" and lib.comm_count(a.handle) == 1 and lib.comm_user_rank(a.handle) == 0
+    pool.release(a)
+    assert pool.get((0,)).how == "hit"
+    pool.destroy_all()
+    assert pool.stats.size == 0 and pool.stats.create_seconds > 0.0
