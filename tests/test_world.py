@@ -100,7 +100,14 @@ def _member(role: str, port: int, out) -> None:
         torch.distributed.broadcast(t, group_src=0, group=comm.handle)  # from rank 1 = "c"
         pool.destroy_all()
         _report(out, role, world, value, dead=dead, at=seen_at, pool_rank=comm.rank, bcast=t.item())
-        world.leave()
+        if role == "c":
+            world.leave()
+            out.put({"role": "c-left", "at": time.time()})
+        else:
+            # A member that leaves is gone at once, not after the heartbeat timeout.
+            dead, seen_at = _wait_dead(world, deadline_s=30)
+            out.put({"role": "a-saw-leave", "dead": dead, "at": seen_at})
+            world.leave()
     except BaseException:
         out.put({"role": role, "error": traceback.format_exc()})
         if world is not None:
@@ -156,6 +163,10 @@ def test_late_join_and_sigkill_form_new_generations():
         assert (gen3["a"]["rank"], gen3["c"]["rank"]) == (0, 1)
         assert (gen3["a"]["pool_rank"], gen3["c"]["pool_rank"]) == (1, 0)
         assert gen3["a"]["bcast"] == gen3["c"]["bcast"] == 2.0  # c's member id
+
+        leave = {m["role"]: m for m in [_next(out, "leave") for _ in range(2)]}
+        assert leave["a-saw-leave"]["dead"] == {2}
+        assert leave["a-saw-leave"]["at"] - leave["c-left"]["at"] < HB_TIMEOUT / 2
     finally:
         for p in procs.values():
             if p.pid is not None:
