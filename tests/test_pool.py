@@ -296,6 +296,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, out) -> None:
         out.put((rank, traceback.format_exc(), None, None))
 
 
+@pytest.mark.timeout(150)
 def test_gloo_backend_three_processes():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
