@@ -142,6 +142,15 @@ class World:
 
     Make one with ``World.create`` (the first process, hosts the store) or
     ``World.join`` (any later process). See the module docstring for the protocol.
+    A World owns torch.distributed's default process group: each generation
+    replaces it, so make at most one World per process.
+
+    Example::
+
+        world = World.create("0.0.0.0", 29500, min_members=2)   # or World.join(host, port)
+        dist.all_reduce(t, group=world.process_group())
+        if world.membership_changed():                          # at a safe boundary, on all
+            world.next_generation()
     """
 
     def __init__(
