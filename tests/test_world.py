@@ -85,13 +85,17 @@ def _member(role: str, port: int, out) -> None:
             # Generation 2: the late joiner is in; these two never restart.
             world.wait_for_members(3, timeout=30)
             assert world.pending_joiners() == {2}, world.pending_joiners()
+            t0 = time.perf_counter()
             world.next_generation()
+            print(f"{role}: next_generation to 2 took {time.perf_counter() - t0:.3f} s")
         _report(out, role, world, _all_reduce(world, world.member_id + 1.0))
         if role == "b":
             time.sleep(120)  # until the test kills it
             return
         dead, seen_at = _wait_dead(world, deadline_s=30)
+        t0 = time.perf_counter()
         world.next_generation()
+        print(f"{role}: next_generation to 3 took {time.perf_counter() - t0:.3f} s")
         value = _all_reduce(world, 10.0 * world.rank + 1)
         # The pool's gloo groups are made inside the new generation's default group.
         pool = CommPool(GlooBackend(timeout=30), capacity=2)
