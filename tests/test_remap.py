@@ -219,6 +219,16 @@ def test_identity_moves_nothing():
     assert "ReshardPlan(" in repr(plan) and "rank 0: local" in plan.describe()
 
 
+def test_describe_lists_pieces_per_rank():
+    specs = [TensorSpec("w", (8, 4), torch.float32, split_dim=0)]
+    plan = plan_reshard(specs, Layout(1, 2, 1, (0, 1)), Layout(1, 1, 1, (0,)))
+    text = plan.describe(pieces=True)
+    assert "  rank 0: local 1 pieces 64B\n      w[0:4,0:4] 64B" in text
+    assert "    recv <- 1: 1 pieces 64B\n      w[4:8,0:4] 64B" in text
+    assert "    send -> 0: 1 pieces 64B" in text
+    assert repr(plan.stats).startswith("PlanStats(sent 64B (lower bound 64B), local 64B")
+
+
 def test_bad_input():
     w = TensorSpec("w", (8,), torch.float32, split_dim=0, stage_key=3)
     src = Layout(1, 1, 2, (0, 1), num_layers=2)
