@@ -276,6 +276,20 @@ class ReshardPlan:
             self._cache[key] = self._messages(self.raw.send_order[lo:hi], outgoing=True)
         return list(self._cache[key])
 
+    def rank_bytes(self, rank: int) -> tuple[int, int, int]:
+        """(bytes sent, bytes received, bytes copied locally) of `rank`, without building views.
+
+        Raises:
+            LayoutError: the rank is in neither layout.
+        """
+        self._check_rank(rank)
+        raw = self.raw
+        sent = int(raw.send_bytes[self.src.position(rank)]) if rank in self.src else 0
+        if rank not in self.dst:
+            return sent, 0, 0
+        r = self.dst.position(rank)
+        return sent, int(raw.recv_bytes[r]), int(raw.local_bytes[r])
+
     # -- printing ---------------------------------------------------------------------
 
     def describe(

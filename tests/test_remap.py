@@ -101,6 +101,10 @@ def _check_rules(plan):
     for m in messages:
         send[m.src] = send.get(m.src, 0) + m.nbytes
     assert stats.max_send_bytes == max(send.values(), default=0)
+    for r in sorted(set(src.ranks) | set(dst.ranks)):
+        recv = sum(m.nbytes for m in plan.recvs(r))
+        local = sum(p.nbytes for p in plan.local_copies(r))
+        assert plan.rank_bytes(r) == (send.get(r, 0), recv, local)
 
 
 @st.composite
