@@ -40,3 +40,15 @@ class NcclNotFoundError(NereusCommError, RuntimeError):
 
 class MembershipError(NereusCommError, RuntimeError):
     """Joining, leaving or watching a World failed (store unreachable, stale generation)."""
+
+
+class NcclError(TransportError):
+    """An NCCL call failed; the message carries NCCL's own error text."""
+
+
+class PoolError(NereusCommError, ValueError):
+    """A pool request is malformed (empty, repeated, negative or lost ranks, rank out of range)."""
+
+
+class TransportArgumentError(NereusCommError, ValueError):
+    """An exchange was asked for with a peer or buffer the transport cannot serve."""

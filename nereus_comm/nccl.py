@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from nereus_comm import _C
-from nereus_comm.errors import NcclNotFoundError, TransportError
+from nereus_comm.errors import NcclError, NcclNotFoundError
 
 __all__ = [
     "NCCL_UNIQUE_ID_BYTES",
@@ -68,10 +68,6 @@ _NONE_REGISTERED = "<no libnccl registered>"
 
 P2pOp = tuple[int, int, int]
 """One transfer: (peer rank in the communicator, device pointer, bytes)."""
-
-
-class NcclError(TransportError):
-    """An NCCL call failed; the message carries NCCL's own error text."""
 
 
 def _site_dirs() -> list[str]:

@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nereus_comm import _C
-from nereus_comm.errors import NereusCommError, TransportError
+from nereus_comm.errors import NereusCommError, PoolError, TransportError
 
 __all__ = [
     "CommPool",
@@ -58,10 +58,6 @@ __all__ = [
     "PoolError",
     "PoolStats",
 ]
-
-
-class PoolError(NereusCommError, ValueError):
-    """A pool request is malformed (empty, repeated, negative or lost ranks, rank out of range)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from nereus_comm.errors import (
-    NereusCommError,
     PeerTimeoutError,
     TensorMismatchError,
+    TransportArgumentError,
     TransportError,
 )
 from nereus_comm.nccl import NCCL_IN_PROGRESS
@@ -49,10 +49,6 @@ Buffers = Sequence[tuple[int, torch.Tensor]]
 
 #: GlooTransport splits larger buffers into chunks of this size (see its docstring).
 GLOO_CHUNK_BYTES = 1 << 20
-
-
-class TransportArgumentError(NereusCommError, ValueError):
-    """An exchange was asked for with a peer or buffer the transport cannot serve."""
 
 
 @dataclass
