@@ -291,7 +291,7 @@ class CostModel:
             tiers = stage_tiers(self.cluster, sp)
             out[sw.stage] = stage_work(sw, sp.dp, sp.tp, sp.pp, tiers, self.cluster, workload.dtype)
         if "rollout" in out and "actor_train" in group_of:
-            r, a = plan.stage("rollout"), plan.stage("actor_train")
+            r = plan.stage("rollout")
             same = group_of["rollout"] == group_of["actor_train"]
             grp_devs = set()
             for sp in plan.stages:
@@ -307,7 +307,6 @@ class CostModel:
             out["_sync"] = sync_work(
                 actor, r.tp, r.pp, "intra" if intra else "inter", self.cluster, workload.dtype
             )
-            del a
         return out
 
     def step_latency(self, plan: GlobalPlan, workload: Workload) -> StepEstimate:

@@ -322,7 +322,6 @@ class Planner:
 
         dpn = self.cluster.devices_per_node
         one_node = self.cluster.num_nodes == 1
-        sizes = [1 << i for i in range(_pow2floor(N).bit_length())]
 
         ginfo: dict = {}
 

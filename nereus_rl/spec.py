@@ -106,7 +106,7 @@ class ClusterSpec:
         return device // self.devices_per_node
 
     def tier(self, devices) -> LinkTier:
-        """The tier that links ``devices``: intra when they share one node (or there is one node)."""
+        """The tier linking ``devices``: intra when they share a node (or there is one node)."""
         if self.num_nodes == 1:
             return self.intra
         nodes = {d // self.devices_per_node for d in devices}
