@@ -9,7 +9,11 @@ Plan space (``N`` available devices):
       on its first device; groups are on disjoint devices and ``sum_G n_G <= N``;
     * groups are placed in decreasing size at consecutive offsets, so every group (and
       every stage, unit, tp group) is aligned to its power-of-two size and never
-      straddles a node boundary it need not cross.
+      straddles a node boundary it need not cross. (When the available devices have
+      holes, e.g. after a loss, groups are laid over the sorted survivors; alignment
+      then is not guaranteed, and the returned latencies are re-priced as placed:
+      ``timings["aligned"]`` says which case applied. Exactness is claimed for the
+      aligned case.)
 
 Objective (``CostModel.step_latency``): ``sum_p max_G T_{G,p}`` with
 ``T_{G,p} = sum_{s in G, phase p} t_s``; the rollout's time includes the weight sync,
@@ -68,6 +72,26 @@ from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork, Workload
 
 _INF = math.inf
+
+
+class PlanSpaceError(ValueError):
+    """A plan outside the planner's plan space (a degree that is not a power of two)."""
+
+
+def check_plan_space(plan: GlobalPlan) -> None:
+    """Raise PlanSpaceError unless every stage's dp, tp and pp are powers of two.
+
+    Raises:
+        PlanSpaceError: names the stage and the degree.
+    """
+    for sp in plan.stages:
+        for name in ("dp", "tp", "pp"):
+            v = getattr(sp, name)
+            if v & (v - 1):
+                raise PlanSpaceError(
+                    f"stage {sp.stage!r} has {name}={v}; the plan space needs powers of two "
+                    "(1, 2, 4, ...): round it to one"
+                )
 
 
 class PlanInfeasibleError(ValueError):
@@ -439,6 +463,14 @@ class Planner:
         t_search = time.perf_counter()
         ranked = sorted(best, key=lambda e: -e[0])
         plans = [(-e[0], self._build(workload, stages, tables, e[2], devs)) for e in ranked]
+        # Placement is node-aligned when the devices are a run starting on a node
+        # boundary; otherwise (holes after a loss) price the placed plans as placed.
+        aligned = devs == list(range(devs[0], devs[0] + N)) and devs[0] % dpn == 0
+        if not aligned:
+            plans = sorted(
+                ((self.costmodel.step_latency(p, workload).total_s, p) for _, p in plans),
+                key=lambda lp: lp[0],
+            )
         t_end = time.perf_counter()
         timings = {
             "tables_ms": (t_tables - t0) * 1e3,
@@ -446,6 +478,7 @@ class Planner:
             "total_ms": (t_end - t0) * 1e3,
             "nodes": counter[0],
             "partitions": nparts,
+            "aligned": aligned,
         }
         return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
 
