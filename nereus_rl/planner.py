@@ -57,6 +57,7 @@ after a signal change (new response bucket, devices lost) rebuilds only what cha
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import time
@@ -157,6 +158,11 @@ def _layouts(max_d: int, sw: StageWork) -> list[tuple[int, int, int]]:
             tp *= 2
         d *= 2
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _partitions(num: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(p) for p in set_partitions(list(range(num))))
 
 
 def set_partitions(items: list[int]) -> list[list[tuple[int, ...]]]:
@@ -383,22 +389,22 @@ class Planner:
             return got
 
         parts = []
-        for part in set_partitions(list(range(S))):
+        for part in _partitions(S):
             if len(part) > N:
                 continue
             nmax = _pow2floor(N - len(part) + 1)
-            lb = [0.0, 0.0, 0.0]
-            ok = True
+            l0 = l1 = l2 = 0.0
+            glbs = []
             for g in part:
                 glb = gi(g, nmax)[1]
                 if glb is None:
-                    ok = False
                     break
-                lb = [max(a, b) for a, b in zip(lb, glb)]
-            if ok:
-                # Big groups first: the size loop prunes best when the heavy choices come early.
-                part = sorted(part, key=lambda g: -sum(gi(g, nmax)[1]))
-                parts.append((sum(lb), part))
+                glbs.append((-(glb[0] + glb[1] + glb[2]), g))
+                l0, l1, l2 = max(l0, glb[0]), max(l1, glb[1]), max(l2, glb[2])
+            else:
+                # Heavy groups first: the size loop prunes best when they come early.
+                glbs.sort()
+                parts.append((l0 + l1 + l2, [g for _, g in glbs]))
         parts.sort(key=lambda x: x[0])
         if not parts:
             raise self._infeasible(stages, tables, N, cap, workload.dtype)
@@ -410,7 +416,7 @@ class Planner:
         def thr_now() -> float:
             return -best[0][0] if len(best) >= k else _INF
 
-        def rec(part, i, rem, M, picks):
+        def rec(part, i, rem, M, picks, rest_memo):
             counter[0] += 1
             ng = len(part)
             if i == ng:
@@ -426,30 +432,40 @@ class Planner:
                 return
             g = part[i]
             left = ng - i - 1
-            nmax = _pow2floor(rem - left)
-            n = nmax
+            n = _pow2floor(rem - left)
             while n >= 1:
-                vecs, _ = gi(g, n)
+                vecs = gi(g, n)[0]
                 if not vecs:
                     break
                 rem2 = rem - n
-                rest = [0.0, 0.0, 0.0]
-                feasible = True
-                if left:
-                    n2 = _pow2floor(rem2 - left + 1)
-                    for g2 in part[i + 1 :]:
-                        lb2 = gi(g2, n2)[1] if n2 >= 1 else None
-                        if lb2 is None:
-                            feasible = False
-                            break
-                        rest = [max(a, b) for a, b in zip(rest, lb2)]
-                if feasible:
+                # Bound for the groups after i given rem2 devices (memoized per partition).
+                n2 = _pow2floor(rem2 - left + 1) if left else 0
+                rest = rest_memo.get((i, n2))
+                if rest is None:
+                    r0 = r1 = r2 = 0.0
+                    if left:
+                        for g2 in part[i + 1 :]:
+                            lb2 = gi(g2, n2)[1] if n2 >= 1 else None
+                            if lb2 is None:
+                                r0 = _INF
+                                break
+                            r0, r1, r2 = max(r0, lb2[0]), max(r1, lb2[1]), max(r2, lb2[2])
+                    rest = rest_memo[(i, n2)] = (r0, r1, r2)
+                if rest[0] != _INF:
+                    r0, r1, r2 = rest
+                    m0, m1, m2 = M
                     for vec, ch in vecs:
-                        M2 = (max(M[0], vec[0]), max(M[1], vec[1]), max(M[2], vec[2]))
-                        lb = max(M2[0], rest[0]) + max(M2[1], rest[1]) + max(M2[2], rest[2])
+                        a0 = m0 if m0 > vec[0] else vec[0]
+                        a1 = m1 if m1 > vec[1] else vec[1]
+                        a2 = m2 if m2 > vec[2] else vec[2]
+                        lb = (
+                            (a0 if a0 > r0 else r0)
+                            + (a1 if a1 > r1 else r1)
+                            + (a2 if a2 > r2 else r2)
+                        )
                         if lb >= thr_now():
                             continue
-                        rec(part, i + 1, rem2, M2, [*picks, (n, ch)])
+                        rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
                 n //= 2
 
         nparts = 0
@@ -457,7 +473,7 @@ class Planner:
             if lb >= thr_now():
                 break
             nparts += 1
-            rec(part, 0, N, (0.0, 0.0, 0.0), [])
+            rec(part, 0, N, (0.0, 0.0, 0.0), [], {})
         if not best:
             raise self._infeasible(stages, tables, N, cap, workload.dtype)
         t_search = time.perf_counter()
