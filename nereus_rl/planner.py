@@ -36,14 +36,18 @@ Algorithm (exact branch and bound over three levels):
        so the sync tier the table assumes is the one the placed plan gets.
     3. Search: every set partition of the stages (Bell(6) = 203 at most), in order of
        a lower bound; depth-first over group sizes (largest first) and group vectors.
-       At each node the bound ``sum_p max(M_p, max_{G' left} min T_{G',p}(n'_{G'}))``
+       At each node the bound ``sum_p max(M_p, max_{G' left} LB_{G',p}(n'_{G'}))``
        (``M``: phase maxima so far; ``n'``: the largest size the remaining devices
-       allow each remaining group) is a valid lower bound because group times do not
-       increase with ``n`` (``F_s(n) ⊆ F_s(2n)``) and maxima and sums are monotone.
+       allow each remaining group; ``LB_G(n)``: the component-wise minimum of the
+       group's phase vectors over every size up to ``n``) is a valid lower bound:
+       whatever size a remaining group gets is at most ``n'``, so each of its phase
+       times is at least ``LB``, and maxima and sums are monotone. (Taking the minimum
+       over smaller sizes matters: a group holding rollout and actor_train may be
+       faster within one node, where its sync is intra-node, than at a wider size;
+       for other groups ``F_s(n) ⊆ F_s(2n)`` makes times non-increasing in ``n``.)
        A node is pruned only when its bound is no better than the incumbent (the k-th
        best), so the returned plan attains the minimum of the objective over the plan
-       space. Group sizes that cannot fit memory at ``n`` cannot fit at any smaller
-       ``n`` (fewer layouts), which ends the size loop early.
+       space. The size loop ends when no size up to ``n`` fits memory.
 
 ``PlanResult.k_best`` lists the best distinct plans the search met, best first; the
 first is the exact optimum, the others are the next best among plans whose stage
@@ -385,6 +389,12 @@ class Planner:
                 cap,
             )
             lb = tuple(min(v[0][p] for v in vecs) for p in range(3)) if vecs else None
+            # The bound must hold for every size up to n: a group holding rollout and
+            # actor_train can be faster at a size within one node (intra-node sync).
+            if both and n > 1:  # other groups' bounds already fall with n
+                lo = gi(g, n // 2)[1]
+                if lo is not None:
+                    lb = lo if lb is None else tuple(min(a, b) for a, b in zip(lb, lo))
             ginfo[(g, n)] = got = (vecs, lb)
             return got
 
@@ -434,9 +444,12 @@ class Planner:
             left = ng - i - 1
             n = _pow2floor(rem - left)
             while n >= 1:
-                vecs = gi(g, n)[0]
-                if not vecs:
+                vecs, glb = gi(g, n)
+                if glb is None:  # nothing fits at n or at any smaller size
                     break
+                if not vecs:
+                    n //= 2
+                    continue
                 rem2 = rem - n
                 # Bound for the groups after i given rem2 devices (memoized per partition).
                 n2 = _pow2floor(rem2 - left + 1) if left else 0
