@@ -93,7 +93,7 @@ def _views(plan, ranks) -> int:
 def _same_plan(plan, ref) -> bool:
     def item(p):
         spec = plan.specs[p.tensor]
-        a, b = p.box[spec.split_dim] if spec.split_dim is not None else (0, 1)
+        a, b = p.box[spec.cut_dim] if spec.cut_dim is not None else (0, 1)
         return p.tensor, a, b
 
     msgs = {
