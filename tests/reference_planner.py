@@ -14,9 +14,11 @@ source-choice rules as csrc/remap, so its plan must equal the C++ plan:
 3. Each receiver's block is handed out front to back. A share for holder h
    runs to the first allowed cut at or after done + max(cap[h], MIN) (or to
    the block's end): an item boundary, or a unit boundary inside an item at
-   least MIN from both its ends. Passes, receivers in position order:
-   a. each holder already sending to the receiver (position order): all the
-      rest if it fits in cap + MSG, else a share if cap > 0;
+   least MIN from both its ends; the whole rest of the block if that cut
+   leaves less than MIN. Passes, receivers in position order:
+   a. each holder already sending to the receiver (position order), with
+      room = max(cap, highest load of the set's holders before - load): all
+      the rest if it fits in room + MSG, else a share of room if room > 0;
    b. per node (ascending), the receivers on it from the holders on it: each
       takes shares from the first of them with cap > 0 until done;
    c. likewise the rest from all holders.
@@ -121,6 +123,7 @@ def reference_plan(
                 lo = mid + 1
         cap = {h: max(0, lo - load[h]) for h in holders}
         before = {h: load[h] for h in holders}
+        highest = max(before.values())
         done = dict.fromkeys(need, 0)  # bytes of each receiver's block handed out
 
         def cut(r: int, offset: int) -> int:
@@ -150,8 +153,9 @@ def reference_plan(
             done[r] = upto
             peers.setdefault(r, set()).add(h)
 
-        def share(r: int, h: int) -> None:
-            give(r, h, cut(r, min(size[r], done[r] + max(cap[h], MIN))))
+        def share(r: int, h: int, room: int) -> None:
+            upto = cut(r, min(size[r], done[r] + max(room, MIN)))
+            give(r, h, size[r] if size[r] - upto < MIN else upto)
 
         def fill(rs: list[int], hs: list[int]) -> None:
             for r in rs:
@@ -159,26 +163,26 @@ def reference_plan(
                     ready = [h for h in hs if cap[h] > 0]
                     if not ready:
                         return
-                    share(r, ready[0])
+                    share(r, ready[0], cap[ready[0]])
 
         for r in need:  # a. holders already sending to the receiver
             for h in sorted(peers.get(r, set()) & set(holders)):
                 if done[r] == size[r]:
                     break
-                if size[r] - done[r] <= cap[h] + MSG:
+                room = max(cap[h], highest - load[h])
+                if size[r] - done[r] <= room + MSG:
                     give(r, h, size[r])
-                elif cap[h] > 0:
-                    share(r, h)
+                elif room > 0:
+                    share(r, h, room)
         for node in sorted({src_node(h) for h in holders}):  # b. on the receiver's node
             on_node = [r for r in need if dst_node(r) == node and done[r] < size[r]]
             fill(on_node, [h for h in holders if src_node(h) == node])
         fill([r for r in need if done[r] < size[r]], list(holders))  # c. the rest
         assert all(done[r] == size[r] for r in need)
-        # balance: a holder ends at most three pieces and a unit (or MSG) above
-        # max(its load before, the level), as load + cap == that until a share overshoots
+        # balance: a holder ends at most four pieces and a unit (or MSG) above
+        # max(its load before, the level, the highest load before)
         unit = max(units[t] for items in need.values() for t, _, _ in items)
-        slack = max(MSG, 3 * MIN + unit)
-        assert all(load[h] <= max(before[h], lo) + slack for h in holders)
+        assert all(load[h] <= max(highest, lo) + max(MSG, 4 * MIN + unit) for h in holders)
 
     for holders in sorted(blocks, key=lambda h: (len(h), h)):
         place(holders, blocks[holders])

@@ -182,15 +182,17 @@ PlanResult plan(const PlanInput& in) {
   // holder h may take cap = L - load[h] (none when above L). Each receiver's
   // block is handed out front to back in pieces, each holder's cap used up in
   // turn (McNaughton's wrap-around rule), in three passes:
-  //   a. holders already sending to the receiver (no new message): all the
-  //      rest if it fits within cap + kMessageCostBytes, else up to cap;
+  //   a. holders already sending to the receiver (no new message) may take
+  //      up to room = max(cap, the group's highest load before - load): all
+  //      the rest if it fits within room + kMessageCostBytes, else up to room
+  //      (so riding along never raises the group's highest load);
   //   b. per node, the receivers there from the holders there (fills caps in
   //      position order);
   //   c. the rest from any holder with cap left, in position order.
-  // A share is at least kMinPieceBytes (unless it ends the block) and ends at
-  // an allowed cut (next_cut), so a holder ends above max(L, its load before)
-  // by less than three pieces plus one unit of the cut axis (pass a: by at
-  // most kMessageCostBytes).
+  // A share is at least kMinPieceBytes (unless it ends the block), ends at an
+  // allowed cut (next_cut) and leaves no less than kMinPieceBytes of the block
+  // behind, so a holder ends above max(L, its load before, in pass a the
+  // highest load) by less than four pieces plus one unit of the cut axis.
   std::vector<int64_t>& load = R.send_bytes;
   std::vector<int64_t> cap(num_src, 0);
   std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver, sorted
@@ -199,9 +201,8 @@ PlanResult plan(const PlanInput& in) {
   // kMinPieceBytes from both of its ends.
   auto next_cut = [&](int64_t o, int64_t lo_item, int64_t hi_item) {
     if (o >= prefix[hi_item]) return prefix[hi_item];
-    const int64_t i =
-        std::upper_bound(prefix.begin() + lo_item, prefix.begin() + hi_item + 1, o) -
-        prefix.begin() - 1;
+    const int64_t i = std::upper_bound(prefix.begin() + lo_item, prefix.begin() + hi_item + 1, o) -
+                      prefix.begin() - 1;
     if (o == prefix[i]) return o;
     const int64_t unit = in.tensors[R.item_tensor[i]].unit_bytes;
     const int64_t within = std::max(o - prefix[i], kMinPieceBytes);
@@ -234,6 +235,7 @@ PlanResult plan(const PlanInput& in) {
       if (k == h || level <= sorted_loads[k]) break;
     }
     for (int64_t s : holders) cap[s] = std::max<int64_t>(0, level - load[s]);
+    const int64_t highest = sorted_loads.back();
 
     auto give = [&](int64_t j, int64_t s, int64_t upto) {
       const int64_t r = need[j].first;
@@ -256,11 +258,14 @@ PlanResult plan(const PlanInput& in) {
       auto at = std::lower_bound(mine.begin(), mine.end(), s);
       if (at == mine.end() || *at != s) mine.insert(at, s);
     };
-    // one share of receiver j's block for holder s: its cap, at least a piece
-    auto share = [&](int64_t j, int64_t s) {
+    // one share of receiver j's block for holder s: `room` bytes, at least a
+    // piece, and all of the block when less than a piece would be left
+    auto share = [&](int64_t j, int64_t s, int64_t room) {
       const Block& blk = blocks[need[j].second];
-      const int64_t target = std::min(stop[j], pos[j] + std::max(cap[s], kMinPieceBytes));
-      give(j, s, next_cut(target, blk.begin, blk.end));
+      const int64_t target = std::min(stop[j], pos[j] + std::max(room, kMinPieceBytes));
+      int64_t upto = next_cut(target, blk.begin, blk.end);
+      if (stop[j] - upto < kMinPieceBytes) upto = stop[j];
+      give(j, s, upto);
     };
     // wrap-around: receivers js in order, from holders hs in order while they have cap
     auto fill = [&](const std::vector<int64_t>& js, const std::vector<int64_t>& hs) {
@@ -269,7 +274,7 @@ PlanResult plan(const PlanInput& in) {
         while (pos[j] < stop[j]) {
           while (at < hs.size() && cap[hs[at]] <= 0) ++at;
           if (at == hs.size()) return;
-          share(j, hs[at]);
+          share(j, hs[at], cap[hs[at]]);
         }
       }
     };
@@ -281,10 +286,11 @@ PlanResult plan(const PlanInput& in) {
       for (int64_t s : mine) {
         if (pos[j] == stop[j]) break;
         if (!keys.holds(key, s)) continue;
-        if (stop[j] - pos[j] <= cap[s] + kMessageCostBytes) {
+        const int64_t room = std::max(cap[s], highest - load[s]);
+        if (stop[j] - pos[j] <= room + kMessageCostBytes) {
           give(j, s, stop[j]);
-        } else if (cap[s] > 0) {
-          share(j, s);
+        } else if (room > 0) {
+          share(j, s, room);
         }
       }
     }
@@ -303,7 +309,8 @@ PlanResult plan(const PlanInput& in) {
     for (int64_t j = 0; j < n; ++j)
       if (pos[j] < stop[j]) rest.push_back(j);
     fill(rest, holders);
-    for (int64_t j = 0; j < n; ++j) NEREUS_CHECK(pos[j] == stop[j], "remap: a need was left unplaced");
+    for (int64_t j = 0; j < n; ++j)
+      NEREUS_CHECK(pos[j] == stop[j], "remap: a need was left unplaced");
   }
 
   // 5. Sort assignments per (dst, src) pair, index them per (src, dst), and
