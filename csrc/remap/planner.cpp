@@ -209,7 +209,8 @@ PlanResult plan(const PlanInput& in) {
     const int64_t c = (within + unit - 1) / unit * unit;
     return c <= R.item_bytes[i] - kMinPieceBytes ? prefix[i] + c : prefix[i + 1];
   };
-  std::vector<int64_t> pos, stop;  // per needer of the group: bytes handed out so far
+  // per needer of the group: its next byte to hand out and its block's end (prefix offsets)
+  std::vector<int64_t> pos, stop;
   std::vector<int64_t> sorted_loads;
   for (const auto& [holders, key] : groups) {
     const auto& need = needers[key];
