@@ -3,7 +3,9 @@
 Plans Llama-3.1-8B's and 70B's full training state (bf16 weights, fp32 master
 weights, both fp32 Adam moments, the step counter) between layouts of 48, 256,
 1,024 and 3,264 ranks: a pp change, a tp change, and a dp grow to twice the
-ranks (3,264 ranks: the paper's 1,632 -> 3,264 devices). Eight ranks per node.
+ranks (3,264 ranks: the paper's 1,632 -> 3,264 devices), plus one more pure-dp
+replica at 3,264 ranks (3,264 -> 3,265: every holder should send ~1/3,264 of
+the state, even though single tensors are up to 2 GiB). Eight ranks per node.
 
 Columns:
   core_ms     the C++ planner alone (nereus_comm._C.remap_plan on prepared arrays)
@@ -62,6 +64,8 @@ CHANGES = {
         ("pp 2->4", (204, 8, 2), (102, 8, 4), False),
         ("tp 8->4", (204, 8, 2), (408, 4, 2), False),
         ("dp grow 1632->3264", (102, 8, 2), (204, 8, 2), True),
+        # one more pure-dp replica: 3,264 holders of every tensor feed one new rank
+        ("dp grow 3264->3265", (3264, 1, 1), (3265, 1, 1), True),
     ],
 }
 
@@ -93,7 +97,7 @@ def _views(plan, ranks) -> int:
 def _same_plan(plan, ref) -> bool:
     def item(p):
         spec = plan.specs[p.tensor]
-        a, b = p.box[spec.split_dim] if spec.split_dim is not None else (0, 1)
+        a, b = p.box[spec.cut_dim] if spec.cut_dim is not None else (0, 1)
         return p.tensor, a, b
 
     msgs = {

@@ -171,6 +171,17 @@ class TensorSpec:
         """Bytes of the full tensor."""
         return self.numel * self.element_size
 
+    @property
+    def cut_dim(self) -> int | None:
+        """The one dim that plan pieces may cut (so each stays one strided block).
+
+        The split dim; for a replicated tensor its outermost dim longer than 1
+        (a cut there leaves contiguous pieces); None when there is no such dim.
+        """
+        if self.split_dim is not None:
+            return self.split_dim
+        return next((d for d, n in enumerate(self.shape) if n > 1), None)
+
     def full_box(self) -> Box:
         """The box covering the whole tensor."""
         return tuple((0, s) for s in self.shape)
@@ -392,7 +403,7 @@ def local_region(
         layout: the layout the shard belongs to.
         rank: the rank holding the shard.
         box: a global box contained in the rank's own box, full in every dim
-            except the split dim (every plan piece is).
+            except `spec.cut_dim` (every plan piece is).
         num_layers: overrides Layout.num_layers when given.
 
     Returns:
@@ -403,24 +414,24 @@ def local_region(
 
     Raises:
         LayoutError: the rank does not hold the tensor, or `box` is not
-            inside the rank's box or not full outside the split dim.
+            inside the rank's box or not full outside spec.cut_dim.
     """
     own = layout.box(spec, rank, num_layers)
     if own is None:
         raise LayoutError(f"rank {rank} of {layout!r} does not hold {spec!r} (other stage)")
     if len(box) != len(own):
         raise LayoutError(f"box {box} has {len(box)} dims, {spec!r} has {len(own)}")
+    k = spec.cut_dim
     for dim, ((a, b), (lo, hi)) in enumerate(zip(box, own)):
-        full = dim == spec.split_dim or (a, b) == (lo, hi)
+        full = dim == k or (a, b) == (lo, hi)
         if not (lo <= a <= b <= hi) or not full:
             raise LayoutError(
                 f"box {box} is not a piece of rank {rank}'s box {own} of {spec!r}: dim {dim} "
-                "must lie inside the rank's range and be full unless it is the split dim"
+                f"must lie inside the rank's range and be full unless it is the cut dim ({k})"
             )
     numel = box_numel(box)
-    if spec.split_dim is None or numel == 0:
+    if k is None or numel == 0:
         return 0, 1, numel, numel
-    k = spec.split_dim
     outer = math.prod(spec.shape[:k])
     inner = math.prod(spec.shape[k + 1 :])
     (a, b), (lo, hi) = box[k], own[k]

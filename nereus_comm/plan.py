@@ -9,11 +9,11 @@ compact plan and wraps it in a `ReshardPlan` whose per-rank views
   bytes sent equal the lower bound (what the destination lacks);
 - among the source replicas of a byte (dp copies, tp-replicated tensors,
   tensors on every pipeline stage) sources are chosen to balance bytes sent
-  per source rank: parts go to the least-loaded holder, or to a holder that
-  already sends to the receiver (saves a message) or sits on its node
-  (saves cross-node bytes) when that keeps the holders within one part of
-  balanced; with fewer receivers than holders a receiver's share is cut
-  into parts spread over several holders;
+  per source rank: the holders are filled to a common level, each receiver's
+  block handed out front to back in contiguous shares (cut inside a tensor
+  along its `TensorSpec.cut_dim` where needed, never below 256 KiB), first
+  from holders already sending to the receiver (saves a message), then from
+  holders on its node (saves cross-node bytes), then from any holder;
 - all pieces between two ranks form one `Message`, the same on both sides.
 
 Every rank computes the same plan independently: no communication.
@@ -50,7 +50,7 @@ class Piece:
 
     Arguments:
         tensor: index into the plan's specs.
-        box: global (start, stop) per dim; full in every dim but the split dim.
+        box: global (start, stop) per dim; full in every dim but the spec's cut_dim.
         nbytes: bytes in the box.
     """
 
@@ -126,10 +126,11 @@ class ReshardPlan:
         stats: PlanStats.
         raw: the compact plan (read-only numpy arrays, positions are indices
             into src.ranks / dst.ranks): items (item_tensor, item_start,
-            item_stop, item_bytes; an interval of the split dim, (0, 1) for
-            replicated tensors), blocks (item ranges, block_offset), sends
-            (asg_dst, asg_src, asg_begin, asg_end, asg_bytes: items
-            [begin, end) from src to dst, sorted by (dst, src); send_order
+            item_stop, item_bytes; an interval of the spec's cut_dim, (0, 1)
+            for a tensor without one), blocks (item ranges, block_offset),
+            sends (asg_dst, asg_src, asg_begin, asg_end, asg_lo, asg_hi,
+            asg_bytes: items [begin, end) from src to dst, the first from
+            asg_lo, the last up to asg_hi, sorted by (dst, src); send_order
             sorts them by (src, dst)), local copies (local_dst, local_block),
             per-rank totals (send_bytes, recv_bytes, local_bytes).
     """
@@ -187,18 +188,22 @@ class ReshardPlan:
         # so one object per item serves all ranks.
         piece = self._pieces.get(item)
         if piece is None:
-            tensors, starts, stops, nbytes = self._items()
-            t = tensors[item]
-            spec = self.specs[t]
-            if spec.split_dim is None:
-                box = spec.full_box()
-            else:
-                dims = list(spec.full_box())
-                dims[spec.split_dim] = (starts[item], stops[item])
-                box = tuple(dims)
-            piece = Piece(t, box, nbytes[item])
+            _, starts, stops, _ = self._items()
+            piece = self._cut(item, starts[item], stops[item])
             self._pieces[item] = piece
         return piece
+
+    def _cut(self, item: int, start: int, stop: int) -> Piece:
+        """Item `item` restricted to [start, stop) of its tensor's cut axis."""
+        tensors, starts, stops, nbytes = self._items()
+        t = tensors[item]
+        spec = self.specs[t]
+        k = spec.cut_dim
+        box = spec.full_box()
+        if k is not None:
+            box = (*box[:k], (start, stop), *box[k + 1 :])
+        size = nbytes[item] * (stop - start) // (stops[item] - starts[item])
+        return Piece(t, box, size)
 
     def _sorted_pieces(self, items: list[int]) -> tuple[Piece, ...]:
         tensors, starts, _, _ = self._items()
@@ -207,18 +212,27 @@ class ReshardPlan:
 
     def _messages(self, indices: np.ndarray, *, outgoing: bool) -> list[Message]:
         raw = self.raw
-        pairs: dict[tuple[int, int], list[int]] = {}
-        for s, d, a, b in zip(
+        _, starts, stops, _ = self._items()
+        pairs: dict[tuple[int, int], list[Piece]] = {}
+        for s, d, a, b, lo, hi in zip(
             raw.asg_src[indices].tolist(),
             raw.asg_dst[indices].tolist(),
             raw.asg_begin[indices].tolist(),
             raw.asg_end[indices].tolist(),
+            raw.asg_lo[indices].tolist(),
+            raw.asg_hi[indices].tolist(),
         ):
-            pairs.setdefault((s, d), []).extend(range(a, b))
-        out = [
-            Message(self.src.ranks[s], self.dst.ranks[d], self._sorted_pieces(items))
-            for (s, d), items in pairs.items()
-        ]
+            out_pieces = pairs.setdefault((s, d), [])
+            for i in range(a, b):
+                # the first and last item of a share may be cut
+                start = lo if i == a else starts[i]
+                stop = hi if i == b - 1 else stops[i]
+                whole = start == starts[i] and stop == stops[i]
+                out_pieces.append(self._piece(i) if whole else self._cut(i, start, stop))
+        out = []
+        for (s, d), ps in pairs.items():
+            ps.sort(key=lambda p: (p.tensor, p.box))
+            out.append(Message(self.src.ranks[s], self.dst.ranks[d], tuple(ps)))
         out.sort(key=(lambda m: m.dst) if outgoing else (lambda m: m.src))
         return out
 
@@ -479,7 +493,7 @@ def prepare_plan(
             )
     length, unit, split = [], [], []
     for s in specs:
-        size = 1 if s.split_dim is None else s.shape[s.split_dim]
+        size = 1 if s.cut_dim is None else s.shape[s.cut_dim]
         length.append(size)
         unit.append(s.nbytes // size if size else 0)
         split.append(s.split_dim is not None)

@@ -3,21 +3,25 @@
 It walks rank pairs and boxes directly (no shard classes) and applies the same
 source-choice rules as csrc/remap, so its plan must equal the C++ plan:
 
-1. For every destination rank and tensor, cut the rank's box along the split
-   dim at the source's tp chunk boundaries; the holders of a segment are the
-   source ranks whose box contains it. A segment the rank holds itself is a
-   local copy. Otherwise it joins the rank's block for that holder set.
-2. Holder sets are visited smallest first (ties: sorted holder lists). With
-   n needers and h holders each block is cut into k = min(max(1, h // n),
-   items) parts of about equal bytes (cut after the first item where the
-   running bytes reach j/k of the block).
-3. Parts whose receiver has a holder on its node first, then largest first
-   (then by destination position, then part index), go
-   to the least-loaded holder (lowest position on ties), unless a holder that
-   can take the part without exceeding the cap max(the group's highest load,
-   lowest load + part bytes, the holders' mean load once the group is placed)
-   already sends to the receiver (allowed 64 KiB more: what a message costs),
-   or else is on the receiver's node: then to the least-loaded such holder.
+1. For every destination rank and tensor, cut the rank's box along the cut
+   dim (TensorSpec.cut_dim) at the source's tp chunk boundaries; the holders
+   of a segment are the source ranks whose box contains it. A segment the
+   rank holds itself is a local copy. Otherwise it joins the rank's block
+   (segments in tensor order) for that holder set.
+2. Holder sets are visited smallest first (ties: sorted holder lists). The
+   level is the least L with sum(max(0, L - load[h])) >= the bytes the set's
+   receivers need; holder h may take cap[h] = max(0, L - load[h]).
+3. Each receiver's block is handed out front to back. A share for holder h
+   runs to the first allowed cut at or after done + max(cap[h], MIN) (or to
+   the block's end): an item boundary, or a unit boundary inside an item at
+   least MIN from both its ends; the whole rest of the block if that cut
+   leaves less than MIN. Passes, receivers in position order:
+   a. each holder already sending to the receiver (position order), with
+      room = max(cap, highest load of the set's holders before - load): all
+      the rest if it fits in room + MSG, else a share of room if room > 0;
+   b. per node (ascending), the receivers on it from the holders on it: each
+      takes shares from the first of them with cap > 0 until done;
+   c. likewise the rest from all holders.
 """
 
 from __future__ import annotations
@@ -28,21 +32,22 @@ from nereus_comm.errors import PlanError
 from nereus_comm.layout import Layout, TensorSpec, chunk_range, infer_num_layers
 
 MSG = 64 << 10  # kMessageCostBytes: slack for a holder already sending to the receiver
+MIN = 4 * MSG  # kMinPieceBytes: the smallest cut piece / share
 Item = tuple[int, int, int]  # (tensor, start, stop) along the split axis
 
 
 def _axis(spec: TensorSpec, layout: Layout, rank: int, num_layers: int):
-    """The rank's (start, stop) along the split axis (replicated: (0, 1)), or None."""
+    """The rank's (start, stop) along the cut axis ((0, 1) if there is none), or None."""
     box = layout.box(spec, rank, num_layers)
     if box is None:
         return None
-    return box[spec.split_dim] if spec.split_dim is not None else (0, 1)
+    return box[spec.cut_dim] if spec.cut_dim is not None else (0, 1)
 
 
 def _unit(spec: TensorSpec) -> int:
-    if spec.split_dim is None:
+    if spec.cut_dim is None:
         return spec.nbytes
-    n = spec.shape[spec.split_dim]
+    n = spec.shape[spec.cut_dim]
     return spec.nbytes // n if n else 0
 
 
@@ -104,42 +109,83 @@ def reference_plan(
     load = [0] * src.world_size
     messages: dict[tuple[int, int], list[Item]] = {}
     peers: dict[int, set[int]] = {}  # dst position -> source positions chosen so far
+
+    def place(holders: tuple[int, ...], need: dict[int, list[Item]]) -> None:
+        """Hand out the blocks `need` (dst position -> items) over `holders` (rules 2-3)."""
+        size = {r: nbytes(items) for r, items in need.items()}
+        want = sum(size.values())
+        lo, hi = 0, max(load[h] for h in holders) + want  # binary search for the level
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sum(max(0, mid - load[h]) for h in holders) >= want:
+                hi = mid
+            else:
+                lo = mid + 1
+        cap = {h: max(0, lo - load[h]) for h in holders}
+        before = {h: load[h] for h in holders}
+        highest = max(before.values())
+        done = dict.fromkeys(need, 0)  # bytes of each receiver's block handed out
+
+        def cut(r: int, offset: int) -> int:
+            """The first allowed cut of r's block at or after byte `offset`."""
+            base = 0
+            for t, a, b in need[r]:
+                n = (b - a) * units[t]
+                if offset <= base:
+                    return base
+                if offset < base + n:
+                    k = -(-max(offset - base, MIN) // units[t])
+                    return base + k * units[t] if k * units[t] <= n - MIN else base + n
+                base += n
+            return base
+
+        def give(r: int, h: int, upto: int) -> None:
+            base, out = 0, []
+            for t, a, b in need[r]:  # the part of r's block in [done[r], upto)
+                u = units[t]
+                x0, x1 = max(done[r], base), min(upto, base + (b - a) * u)
+                if x0 < x1:
+                    out.append((t, a + (x0 - base) // u, a + (x1 - base) // u))
+                base += (b - a) * u
+            messages.setdefault((src.ranks[h], dst.ranks[r]), []).extend(out)
+            load[h] += upto - done[r]
+            cap[h] -= upto - done[r]
+            done[r] = upto
+            peers.setdefault(r, set()).add(h)
+
+        def share(r: int, h: int, room: int) -> None:
+            upto = cut(r, min(size[r], done[r] + max(room, MIN)))
+            give(r, h, size[r] if size[r] - upto < MIN else upto)
+
+        def fill(rs: list[int], hs: list[int]) -> None:
+            for r in rs:
+                while done[r] < size[r]:
+                    ready = [h for h in hs if cap[h] > 0]
+                    if not ready:
+                        return
+                    share(r, ready[0], cap[ready[0]])
+
+        for r in need:  # a. holders already sending to the receiver
+            for h in sorted(peers.get(r, set()) & set(holders)):
+                if done[r] == size[r]:
+                    break
+                room = max(cap[h], highest - load[h])
+                if size[r] - done[r] <= room + MSG:
+                    give(r, h, size[r])
+                elif room > 0:
+                    share(r, h, room)
+        for node in sorted({src_node(h) for h in holders}):  # b. on the receiver's node
+            on_node = [r for r in need if dst_node(r) == node and done[r] < size[r]]
+            fill(on_node, [h for h in holders if src_node(h) == node])
+        fill([r for r in need if done[r] < size[r]], list(holders))  # c. the rest
+        assert all(done[r] == size[r] for r in need)
+        # balance: a holder ends at most four pieces and a unit (or MSG) above
+        # max(its load before, the level, the highest load before)
+        unit = max(units[t] for items in need.values() for t, _, _ in items)
+        assert all(load[h] <= max(highest, lo) + max(MSG, 4 * MIN + unit) for h in holders)
+
     for holders in sorted(blocks, key=lambda h: (len(h), h)):
-        need = blocks[holders]
-        k = max(1, len(holders) // len(need))
-        parts = []
-        for r, items in need.items():
-            total, kr = nbytes(items), min(k, len(items))
-            prefix = [0]
-            for item in items:
-                prefix.append(prefix[-1] + nbytes([item]))
-            start = 0
-            for j in range(kr):
-                end = len(items)
-                if j + 1 < kr:
-                    end = next(i for i, p in enumerate(prefix) if p * kr >= total * (j + 1))
-                parts.append((items[start:end], r, j))
-                start = max(start, end)
-        parts = [p for p in parts if p[0]]
-        holder_nodes = {src_node(h) for h in holders}
-        total = sum(load[h] for h in holders) + sum(nbytes(p[0]) for p in parts)
-        mean = -(-total // len(holders))  # mean final load of the holders, rounded up
-        parts.sort(key=lambda p: (dst_node(p[1]) not in holder_nodes, -nbytes(p[0]), p[1], p[2]))
-        before = max(load[h] for h in holders)
-        for items, r, _ in parts:
-            u = nbytes(items)
-            s = min(holders, key=lambda h: (load[h], h))
-            cap = max(max(load[h] for h in holders), load[s] + u, mean)
-            fits = [h for h in holders if load[h] + u <= cap]
-            mine = [h for h in holders if h in peers.get(r, ()) and load[h] + u <= cap + MSG]
-            on_node = [h for h in fits if src_node(h) == dst_node(r)]
-            if mine or on_node:
-                s = min(mine or on_node, key=lambda h: (load[h], h))
-            peers.setdefault(r, set()).add(s)
-            load[s] += u
-            messages.setdefault((src.ranks[s], dst.ranks[r]), []).extend(items)
-        biggest = max((nbytes(p[0]) for p in parts), default=0)
-        assert max(load[h] for h in holders) <= max(before, mean + biggest) + MSG
+        place(holders, blocks[holders])
 
     local_bytes = sum(nbytes(v) for v in local.values())
     return {

@@ -77,10 +77,11 @@ def test_local_region_matches_torch_slicing(data):
     own = lay.box(spec, rank)
     shard = full[tuple(slice(a, b) for a, b in own)].contiguous().flatten()
     box = list(own)
-    if split is not None:
-        lo, hi = own[split]
+    k = spec.cut_dim  # the split dim, or a replicated tensor's first dim longer than 1
+    if k is not None:
+        lo, hi = own[k]
         a = data.draw(st.integers(lo, hi))
-        box[split] = (a, data.draw(st.integers(a, hi)))
+        box[k] = (a, data.draw(st.integers(a, hi)))
     box = tuple(box)
     off, rows, row, stride = local_region(spec, lay, rank, box)
     got = torch.cat([shard[off + r * stride : off + r * stride + row] for r in range(rows)])
@@ -88,6 +89,15 @@ def test_local_region_matches_torch_slicing(data):
     assert torch.equal(got, want)
     if rows == 1:
         assert stride == row
+    if split is None:
+        assert rows == 1  # cuts of a replicated tensor are contiguous
+
+
+def test_cut_dim():
+    assert TensorSpec("w", (4, 6), torch.float32, split_dim=1).cut_dim == 1
+    assert TensorSpec("n", (1, 1, 6, 2), torch.float32).cut_dim == 2
+    assert TensorSpec("s", (), torch.int64).cut_dim is None
+    assert TensorSpec("o", (1, 1), torch.int64).cut_dim is None
 
 
 def test_local_region_rejects_foreign_box():

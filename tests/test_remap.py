@@ -18,10 +18,13 @@ from nereus_comm.specs import transformer_state_specs
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
 
+def _axis(spec, box):
+    """A box's range along the spec's cut axis ((0, 1) when it has none)."""
+    return box[spec.cut_dim] if spec.cut_dim is not None else (0, 1)
+
+
 def _item(plan, piece):
-    spec = plan.specs[piece.tensor]
-    a, b = piece.box[spec.split_dim] if spec.split_dim is not None else (0, 1)
-    return piece.tensor, a, b
+    return (piece.tensor, *_axis(plan.specs[piece.tensor], piece.box))
 
 
 def _all_ranks(plan):
@@ -64,13 +67,12 @@ def _check_rules(plan):
                 spec = specs[p.tensor]
                 have = src.box(spec, m.src) if m.src in src else None
                 assert have is not None, "sender does not hold the tensor"
-                if spec.split_dim is not None:
-                    (a, b), (lo, hi) = p.box[spec.split_dim], have[spec.split_dim]
-                    assert lo <= a < b <= hi, "sender does not hold the piece"
+                (a, b), (lo, hi) = _axis(spec, p.box), _axis(spec, have)
+                assert lo <= a < b <= hi, "sender does not hold the piece"
+                assert p.nbytes == box_nbytes(p.box, spec)
                 mine = src.box(spec, r) if r in src else None
                 if mine is not None:
-                    lo, hi = mine[spec.split_dim] if spec.split_dim is not None else (0, 1)
-                    a, b = _item(plan, p)[1:]
+                    lo, hi = _axis(spec, mine)
                     assert b <= lo or hi <= a, "a byte the receiver holds was sent"
                 got.setdefault((r, p.tensor), []).append(_item(plan, p)[1:])
         for i, spec in enumerate(specs):
@@ -78,7 +80,7 @@ def _check_rules(plan):
             if box is None or box_nbytes(box, spec) == 0:
                 assert (r, i) not in got
                 continue
-            want = box[spec.split_dim] if spec.split_dim is not None else (0, 1)
+            want = _axis(spec, box)
             ranges = sorted(got.get((r, i), []))
             # the pieces tile the box exactly: no gap, no byte twice
             assert ranges and ranges[0][0] == want[0] and ranges[-1][1] == want[1], (r, spec)
@@ -86,7 +88,7 @@ def _check_rules(plan):
             lower += box_nbytes(box, spec)
             mine = src.box(spec, r) if r in src else None
             if mine is not None:
-                lo, hi = mine[spec.split_dim] if spec.split_dim is not None else (0, 1)
+                lo, hi = _axis(spec, mine)
                 overlap = max(0, min(hi, want[1]) - max(lo, want[0]))
                 lower -= box_nbytes(box, spec) * overlap // (want[1] - want[0])
     stats = plan.stats
@@ -299,14 +301,10 @@ def _region_view(flat, region):
     return flat.as_strided((rows, row), (stride, 1), flat.storage_offset() + off)
 
 
-@settings(max_examples=40, deadline=None)
-@given(_case())
-def test_executing_the_plan_in_process_rebuilds_every_shard(case):
-    # a transport-free reshard: local copies and message pieces through local_region,
-    # each message packed by the sender and unpacked by the receiver in piece order
-    specs, src, dst = case
-    assume(sum(s.numel for s in specs) <= 200_000)
-    plan = plan_reshard(specs, src, dst)
+def _execute_in_process(specs, plan):
+    """A transport-free reshard: local copies and message pieces through
+    local_region, each message packed by the sender and unpacked by the receiver
+    in piece order; every destination shard must equal the slice of the full tensor."""
     src, dst = plan.src, plan.dst
     gen = torch.Generator().manual_seed(0)
     full = [torch.randint(-100, 100, s.shape, generator=gen).to(s.dtype) for s in specs]
@@ -349,3 +347,99 @@ def test_executing_the_plan_in_process_rebuilds_every_shard(case):
             assert len(packed) == len(m.pieces)
         for i, data in out.items():
             assert torch.equal(data, shard(i, dst, r)), (r, specs[i])
+
+
+@settings(max_examples=40, deadline=None)
+@given(_case())
+def test_executing_the_plan_in_process_rebuilds_every_shard(case):
+    specs, src, dst = case
+    assume(sum(s.numel for s in specs) <= 200_000)
+    _execute_in_process(specs, plan_reshard(specs, src, dst))
+
+
+MIN_PIECE = 256 << 10  # kMinPieceBytes in csrc/remap/planner.cpp
+
+
+def _cut_pieces(plan):
+    """Message pieces that cover only part of their sender's range along the cut dim."""
+    out = []
+    for r in plan.dst.ranks:
+        for m in plan.recvs(r):
+            for p in m.pieces:
+                spec = plan.specs[p.tensor]
+                if spec.cut_dim is not None and _axis(spec, p.box) != _axis(
+                    spec, plan.src.box(spec, m.src)
+                ):
+                    out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("split", [None, 1])
+def test_one_more_replica_of_one_huge_tensor_is_fed_evenly(split):
+    # 64 replicas -> 65 (the 3,264 -> 3,265 rank case scaled down): a single ~1 GiB
+    # tensor (replicated: cut along dim 0, contiguous; split over tp 2 along dim 1:
+    # strided) must come from all holders, evenly, not from one holder per tensor
+    tp = 1 if split is None else 2
+    spec = TensorSpec("emb", (32771, 16381), torch.bfloat16, split_dim=split)  # odd sizes
+    n = 64 * tp
+    src = Layout(64, tp, 1, tuple(range(n)), node_of=tuple(r // 8 for r in range(n)))
+    dst = Layout(65, tp, 1, tuple(range(n + tp)), node_of=tuple(r // 8 for r in range(n + tp)))
+    plan = plan_reshard([spec], src, dst)
+    stats = plan.stats
+    assert stats.total_bytes == stats.lower_bound_bytes == spec.nbytes
+    senders = [r for r in src.ranks if plan.sends(r)]
+    assert len(senders) == n  # every holder must send for an even split
+    mean = stats.total_bytes / n
+    assert stats.max_send_bytes <= 1.1 * mean, (stats.max_send_bytes, mean)
+    # one message per holder, no piece below the minimum
+    assert stats.num_messages == n
+    assert all(len(plan.sends(r)) == 1 for r in senders)
+    assert all(
+        p.nbytes >= MIN_PIECE for r in range(n, n + tp) for m in plan.recvs(r) for p in m.pieces
+    )
+    for r in range(n, n + tp):  # still valid 2-D strided blocks on both sides
+        for m in plan.recvs(r):
+            (p,) = m.pieces
+            _, rows, row, _ = local_region(spec, src, m.src, p.box)
+            assert rows * row * 2 == p.nbytes
+            local_region(spec, dst, r, p.box)
+    _check_rules(plan)
+    ref = reference_plan([spec], src, dst)
+    assert _as_reference(plan) == (ref["local"], ref["messages"])
+
+
+def test_small_shares_are_not_fragmented():
+    # 8 holders, one receiver of a 1 MiB tensor: an even split would be 128 KiB each,
+    # but no share is cut below 256 KiB, so 4 holders send 256 KiB each
+    spec = TensorSpec("w", (512, 512), torch.float32)
+    src = Layout(8, 1, 1, tuple(range(8)))
+    dst = Layout(9, 1, 1, tuple(range(9)))
+    plan = plan_reshard([spec], src, dst)
+    assert [m.nbytes for m in plan.recvs(8)] == [MIN_PIECE] * 4
+    assert [m.pieces[0].box for m in plan.recvs(8)] == [
+        ((128 * i, 128 * i + 128), (0, 512)) for i in range(4)
+    ]
+    ref = reference_plan([spec], src, dst)
+    assert _as_reference(plan) == (ref["local"], ref["messages"])
+
+
+def test_cut_pieces_rebuild_every_shard_and_match_the_reference():
+    # tensors of 1-2 MiB over 4 replicas: receivers get shares cut inside tensors
+    # (replicated along dim 0, split along dim 1 and dim 0), with local copies mixed in
+    specs = [
+        TensorSpec("rep", (512, 1024), torch.float32),
+        TensorSpec("row", (256, 2048), torch.float32, split_dim=1),
+        TensorSpec("col", (4096, 64), torch.int64, split_dim=0, stage_key=1),
+        TensorSpec("step", (), torch.int64),
+    ]
+    nodes = tuple(r // 4 for r in range(12))
+    src = Layout(4, 2, 1, tuple(range(8)), node_of=nodes[:8], num_layers=2)
+    dst = Layout(2, 3, 2, tuple(range(12)), node_of=nodes, num_layers=2)
+    plan = plan_reshard(specs, src, dst)
+    cut = _cut_pieces(plan)
+    assert {p.tensor for p in cut} == {0, 1, 2}
+    assert all(p.nbytes >= MIN_PIECE for p in cut)
+    _check_rules(plan)
+    ref = reference_plan(specs, src, dst)
+    assert _as_reference(plan) == (ref["local"], ref["messages"])
+    _execute_in_process(specs, plan)

@@ -49,6 +49,8 @@ void register_remap(py::module_& m) {
       .NEREUS_ARRAY(asg_begin)
       .NEREUS_ARRAY(asg_end)
       .NEREUS_ARRAY(asg_bytes)
+      .NEREUS_ARRAY(asg_lo)
+      .NEREUS_ARRAY(asg_hi)
       .NEREUS_ARRAY(send_order)
       .NEREUS_ARRAY(local_dst)
       .NEREUS_ARRAY(local_block)

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
-#include <set>
 #include <utility>
 
 #include "common.h"
@@ -21,19 +20,21 @@ void chunk_range(int64_t n, int64_t parts, int64_t index, int64_t* start, int64_
 
 // What one more message costs, in bytes of transfer time (a few microseconds of
 // latency at tens of GB/s): a holder already sending to a receiver may carry
-// this much more load than the balance rule allows, to save a message.
+// this much more than its share, to save a message.
 constexpr int64_t kMessageCostBytes = 64 << 10;
+
+// The smallest piece a cut inside a tensor leaves, and the smallest share a
+// holder takes of a receiver's block (unless it ends the block). At 4x the cost
+// of a message, a message or piece spends at most ~1/5 of its time on fixed
+// costs (posting it, one more pack region), while a holder's send exceeds the
+// balanced level by at most ~2 pieces: <= 2% once it sends >= 32 MiB (the
+// 3,264 -> 3,265 rank case). Smaller would fragment messages for no gain.
+constexpr int64_t kMinPieceBytes = 4 * kMessageCostBytes;  // 256 KiB
 
 struct Block {
   int64_t group;  // holder-group key
   int64_t begin, end;
   int64_t bytes;
-};
-
-// A needer's share of one block, to be sent by one holder.
-struct Part {
-  int64_t bytes, dst, index, block, begin, end;
-  bool near;  // some holder is on the receiver's node
 };
 
 // Holder groups are keyed by (stage, tp coordinate) of the source layout, -1
@@ -176,101 +177,141 @@ PlanResult plan(const PlanInput& in) {
     return x < y;
   });
 
-  // 4. Assign each needer's block to holders. With fewer needers than holders a
-  // block is cut into k = holders / needers parts of about equal bytes so that
-  // the holders share the work. Parts (those whose receiver has a holder on its
-  // node first, then largest first) go to the holder with the lowest load, unless
-  // a holder that already sends to the receiver (saves a message), or else one on
-  // the receiver's node (saves cross-node bytes), can take the part within the
-  // cap: the larger of the group's highest load, the lowest load plus the part,
-  // and the holders' mean load once the group is placed (a holder already sending
-  // may exceed the cap by kMessageCostBytes). So, as in list scheduling, the
-  // group's highest load ends at most at max(the highest load before the group,
-  // the mean + the largest part) + kMessageCostBytes.
+  // 4. Spread each group's needs over its holders. The water level L is the
+  // lowest load at which the holders below it can take every needed byte;
+  // holder h may take cap = L - load[h] (none when above L). Each receiver's
+  // block is handed out front to back in pieces, each holder's cap used up in
+  // turn (McNaughton's wrap-around rule), in three passes:
+  //   a. holders already sending to the receiver (no new message) may take
+  //      up to room = max(cap, the group's highest load before - load): all
+  //      the rest if it fits within room + kMessageCostBytes, else up to room
+  //      (so riding along never raises the group's highest load);
+  //   b. per node, the receivers there from the holders there (fills caps in
+  //      position order);
+  //   c. the rest from any holder with cap left, in position order.
+  // A share is at least kMinPieceBytes (unless it ends the block), ends at an
+  // allowed cut (next_cut) and leaves no less than kMinPieceBytes of the block
+  // behind, so a holder ends above max(L, its load before, in pass a the
+  // highest load) by less than four pieces plus one unit of the cut axis.
   std::vector<int64_t>& load = R.send_bytes;
-  std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver
-  std::vector<Part> parts;
+  std::vector<int64_t> cap(num_src, 0);
+  std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver, sorted
+  // The first allowed cut at or after byte offset o of the block [lo_item,
+  // hi_item): an item boundary, or a unit boundary inside an item at least
+  // kMinPieceBytes from both of its ends.
+  auto next_cut = [&](int64_t o, int64_t lo_item, int64_t hi_item) {
+    if (o >= prefix[hi_item]) return prefix[hi_item];
+    const int64_t i = std::upper_bound(prefix.begin() + lo_item, prefix.begin() + hi_item + 1, o) -
+                      prefix.begin() - 1;
+    if (o == prefix[i]) return o;
+    const int64_t unit = in.tensors[R.item_tensor[i]].unit_bytes;
+    const int64_t within = std::max(o - prefix[i], kMinPieceBytes);
+    const int64_t c = (within + unit - 1) / unit * unit;
+    return c <= R.item_bytes[i] - kMinPieceBytes ? prefix[i] + c : prefix[i + 1];
+  };
+  // per needer of the group: its next byte to hand out and its block's end (prefix offsets)
+  std::vector<int64_t> pos, stop;
+  std::vector<int64_t> sorted_loads;
   for (const auto& [holders, key] : groups) {
     const auto& need = needers[key];
-    const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(holders.size() / need.size()));
-    parts.clear();
-    for (const auto& [r, b] : need) {
-      const Block& blk = blocks[b];
-      const int64_t kr = std::min<int64_t>(k, blk.end - blk.begin);
-      int64_t begin = blk.begin;
-      for (int64_t j = 0; j < kr; ++j) {
-        int64_t end = blk.end;
-        if (j + 1 < kr) {
-          // first item boundary i with (prefix[i] - base) * kr >= bytes * (j + 1)
-          const int64_t want = prefix[blk.begin] + (blk.bytes * (j + 1) + kr - 1) / kr;
-          end = std::lower_bound(prefix.begin() + blk.begin, prefix.begin() + blk.end + 1, want) -
-                prefix.begin();
-        }
-        if (end > begin) parts.push_back({prefix[end] - prefix[begin], r, j, b, begin, end, false});
-        begin = end;
-      }
+    const int64_t n = static_cast<int64_t>(need.size());
+    pos.resize(n);
+    stop.resize(n);
+    int64_t want = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const Block& blk = blocks[need[j].second];
+      pos[j] = prefix[blk.begin];
+      stop[j] = prefix[blk.end];
+      want += blk.bytes;
     }
-    using Entry = std::pair<int64_t, int64_t>;  // (load, source position)
-    std::set<Entry> all;
-    std::map<int32_t, std::set<Entry>> by_node;
-    for (int64_t s : holders) {
-      all.insert({load[s], s});
-      by_node[S.node[s]].insert({load[s], s});
-    }
-    int64_t mean = 0;  // the group's holders' mean load once every part is placed
-    for (int64_t s : holders) mean += load[s];
-    for (Part& part : parts) {
-      part.near = by_node.count(D.node[part.dst]) > 0;
-      mean += part.bytes;
-    }
+    // water level: the least L with sum over holders of max(0, L - load) >= want
+    sorted_loads.clear();
+    for (int64_t s : holders) sorted_loads.push_back(load[s]);
+    std::sort(sorted_loads.begin(), sorted_loads.end());
+    int64_t level = 0, acc = 0;
     const int64_t h = static_cast<int64_t>(holders.size());
-    mean = (mean + h - 1) / h;
-    // Parts with an on-node holder first, so that receivers elsewhere do not take
-    // those holders' capacity; then largest first.
-    std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) {
-      if (x.near != y.near) return x.near;
-      if (x.bytes != y.bytes) return x.bytes > y.bytes;
-      if (x.dst != y.dst) return x.dst < y.dst;
-      return x.index < y.index;
-    });
-    for (const Part& part : parts) {
-      const int32_t node = D.node[part.dst];
-      Entry best = *all.begin();
-      const int64_t cap = std::max({all.rbegin()->first, best.first + part.bytes, mean});
-      bool found = false;
-      Entry pick{0, 0};
-      for (int64_t q : peers[part.dst]) {
-        const Entry cand{load[q], q};
-        const bool fits = cand.first + part.bytes <= cap + kMessageCostBytes;
-        if (keys.holds(key, q) && fits && (!found || cand < pick)) {
-          pick = cand;
-          found = true;
-        }
-      }
-      auto same = by_node.find(node);
-      if (!found && same != by_node.end()) {
-        const Entry cand = *same->second.begin();
-        if (cand.first + part.bytes <= cap) {
-          pick = cand;
-          found = true;
-        }
-      }
-      if (found) best = pick;
-      const int64_t s = best.second;
-      all.erase(best);
-      auto& own = by_node[S.node[s]];
-      own.erase(best);
-      load[s] += part.bytes;
-      if (std::find(peers[part.dst].begin(), peers[part.dst].end(), s) == peers[part.dst].end())
-        peers[part.dst].push_back(s);
-      all.insert({load[s], s});
-      own.insert({load[s], s});
-      R.asg_dst.push_back(part.dst);
-      R.asg_src.push_back(s);
-      R.asg_begin.push_back(part.begin);
-      R.asg_end.push_back(part.end);
-      R.asg_bytes.push_back(part.bytes);
+    for (int64_t k = 1; k <= h; ++k) {
+      acc += sorted_loads[k - 1];
+      level = (want + acc + k - 1) / k;
+      if (k == h || level <= sorted_loads[k]) break;
     }
+    for (int64_t s : holders) cap[s] = std::max<int64_t>(0, level - load[s]);
+    const int64_t highest = sorted_loads.back();
+
+    auto give = [&](int64_t j, int64_t s, int64_t upto) {
+      const int64_t r = need[j].first;
+      const int64_t from = pos[j], bytes = upto - from;
+      const int64_t i0 = std::upper_bound(prefix.begin(), prefix.end(), from) - prefix.begin() - 1;
+      const int64_t i1 = std::lower_bound(prefix.begin(), prefix.end(), upto) - prefix.begin();
+      const int64_t u0 = in.tensors[R.item_tensor[i0]].unit_bytes;
+      const int64_t u1 = in.tensors[R.item_tensor[i1 - 1]].unit_bytes;
+      R.asg_dst.push_back(r);
+      R.asg_src.push_back(s);
+      R.asg_begin.push_back(i0);
+      R.asg_end.push_back(i1);
+      R.asg_lo.push_back(R.item_start[i0] + (from - prefix[i0]) / u0);
+      R.asg_hi.push_back(R.item_start[i1 - 1] + (upto - prefix[i1 - 1]) / u1);
+      R.asg_bytes.push_back(bytes);
+      load[s] += bytes;
+      cap[s] -= bytes;
+      pos[j] = upto;
+      auto& mine = peers[r];
+      auto at = std::lower_bound(mine.begin(), mine.end(), s);
+      if (at == mine.end() || *at != s) mine.insert(at, s);
+    };
+    // one share of receiver j's block for holder s: `room` bytes, at least a
+    // piece, and all of the block when less than a piece would be left
+    auto share = [&](int64_t j, int64_t s, int64_t room) {
+      const Block& blk = blocks[need[j].second];
+      const int64_t target = std::min(stop[j], pos[j] + std::max(room, kMinPieceBytes));
+      int64_t upto = next_cut(target, blk.begin, blk.end);
+      if (stop[j] - upto < kMinPieceBytes) upto = stop[j];
+      give(j, s, upto);
+    };
+    // wrap-around: receivers js in order, from holders hs in order while they have cap
+    auto fill = [&](const std::vector<int64_t>& js, const std::vector<int64_t>& hs) {
+      size_t at = 0;
+      for (int64_t j : js) {
+        while (pos[j] < stop[j]) {
+          while (at < hs.size() && cap[hs[at]] <= 0) ++at;
+          if (at == hs.size()) return;
+          share(j, hs[at], cap[hs[at]]);
+        }
+      }
+    };
+
+    // a. holders that already send to the receiver
+    for (int64_t j = 0; j < n; ++j) {
+      // give() never inserts here (s is already a peer), so the reference stays valid
+      const std::vector<int64_t>& mine = peers[need[j].first];
+      for (int64_t s : mine) {
+        if (pos[j] == stop[j]) break;
+        if (!keys.holds(key, s)) continue;
+        const int64_t room = std::max(cap[s], highest - load[s]);
+        if (stop[j] - pos[j] <= room + kMessageCostBytes) {
+          give(j, s, stop[j]);
+        } else if (room > 0) {
+          share(j, s, room);
+        }
+      }
+    }
+    // b. per node: receivers from holders on their own node
+    std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<int64_t>>> nodes;
+    for (int64_t s : holders) nodes[S.node[s]].second.push_back(s);
+    for (int64_t j = 0; j < n; ++j) {
+      auto it = nodes.find(D.node[need[j].first]);
+      if (pos[j] < stop[j] && it != nodes.end()) it->second.first.push_back(j);
+    }
+    for (const auto& [node, members] : nodes) fill(members.first, members.second);
+    // c. the rest from any holder with cap left; caps sum to >= want, and every
+    // share uses up its holder's cap or ends its receiver's block, so this ends
+    // with every byte handed out
+    std::vector<int64_t> rest;
+    for (int64_t j = 0; j < n; ++j)
+      if (pos[j] < stop[j]) rest.push_back(j);
+    fill(rest, holders);
+    for (int64_t j = 0; j < n; ++j)
+      NEREUS_CHECK(pos[j] == stop[j], "remap: a need was left unplaced");
   }
 
   // 5. Sort assignments per (dst, src) pair, index them per (src, dst), and
@@ -279,8 +320,8 @@ PlanResult plan(const PlanInput& in) {
   std::vector<int64_t> order(num_asg);
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return std::tie(R.asg_dst[x], R.asg_src[x], R.asg_begin[x]) <
-           std::tie(R.asg_dst[y], R.asg_src[y], R.asg_begin[y]);
+    return std::tie(R.asg_dst[x], R.asg_src[x], R.asg_begin[x], R.asg_lo[x]) <
+           std::tie(R.asg_dst[y], R.asg_src[y], R.asg_begin[y], R.asg_lo[y]);
   });
   auto permute = [&](std::vector<int64_t>& v) {
     std::vector<int64_t> out(v.size());
@@ -291,12 +332,14 @@ PlanResult plan(const PlanInput& in) {
   permute(R.asg_src);
   permute(R.asg_begin);
   permute(R.asg_end);
+  permute(R.asg_lo);
+  permute(R.asg_hi);
   permute(R.asg_bytes);
   R.send_order.resize(num_asg);
   std::iota(R.send_order.begin(), R.send_order.end(), 0);
   std::sort(R.send_order.begin(), R.send_order.end(), [&](int64_t x, int64_t y) {
-    return std::tie(R.asg_src[x], R.asg_dst[x], R.asg_begin[x]) <
-           std::tie(R.asg_src[y], R.asg_dst[y], R.asg_begin[y]);
+    return std::tie(R.asg_src[x], R.asg_dst[x], R.asg_begin[x], R.asg_lo[x]) <
+           std::tie(R.asg_src[y], R.asg_dst[y], R.asg_begin[y], R.asg_lo[y]);
   });
   for (size_t i = 0; i < num_asg; ++i) {
     const int64_t dst = R.asg_dst[i], src = R.asg_src[i], bytes = R.asg_bytes[i];

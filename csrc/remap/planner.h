@@ -2,16 +2,18 @@
 // to which destination rank when sharded state changes layout.
 //
 // Ranks are named by their position in their layout (dp-major, then pp, then tp).
-// Every tensor is cut only along one dim (its split dim; replicated tensors are a
-// one-element axis whose unit is the whole tensor), so every piece is an
-// interval [start, stop) of that axis times `unit_bytes`.
+// Every tensor is cut only along one dim, its "cut axis" (TensorSpec.cut_dim: the
+// split dim; for a replicated tensor its outermost dim longer than 1, whose
+// pieces are contiguous; a tensor without one is a one-unit axis), so every
+// piece is an interval [start, stop) of that axis times `unit_bytes`.
 //
 // The planner never looks at rank pairs. Every dp replica of a (pp, tp)
 // coordinate holds identical boxes, so intersections are computed once per
 // destination shard class (p, t) into "blocks": the items a destination needs
 // that one holder group (the source ranks holding the same bytes) can give.
-// Destination ranks then take whole blocks locally or from one holder per
-// block part, chosen to balance bytes sent per source and to stay on-node.
+// Destination ranks then take whole blocks locally, or receive each block in
+// contiguous shares (cut inside a tensor where needed) from the holders,
+// chosen to balance bytes sent per source and to stay on-node.
 #pragma once
 
 #include <cstdint>
@@ -28,8 +30,8 @@ struct Grid {
 
 // One tensor as the planner sees it.
 struct TensorInfo {
-  int64_t length;      // split-dim length (1 for replicated tensors)
-  int64_t unit_bytes;  // bytes per unit of the split axis
+  int64_t length;      // cut-axis length (1 when the tensor has no cut axis)
+  int64_t unit_bytes;  // bytes per unit of the cut axis
   bool split;          // cut over tp (torch.chunk semantics)
   int32_t src_stage;   // pipeline stage in the source layout, -1 = every stage
   int32_t dst_stage;   // pipeline stage in the destination layout, -1 = every stage
@@ -43,17 +45,19 @@ struct PlanInput {
 
 // The compact plan. Items are (tensor, start, stop) intervals, grouped into
 // blocks (contiguous item ranges). An assignment sends items [begin, end) of a
-// block from one source to one destination. Everything a destination already
-// holds is a local block.
+// block from one source to one destination, the first item from coordinate lo
+// on and the last item up to coordinate hi (a share may cut an item). Everything
+// a destination already holds is a local block.
 struct PlanResult {
   // items
   std::vector<int32_t> item_tensor;
   std::vector<int64_t> item_start, item_stop, item_bytes;
   // blocks: item range [block_offset[b], block_offset[b + 1])
   std::vector<int64_t> block_offset;
-  // assignments, sorted by (dst, src, begin)
+  // assignments, sorted by (dst, src, begin, lo)
   std::vector<int64_t> asg_dst, asg_src, asg_begin, asg_end, asg_bytes;
-  // assignment indices sorted by (src, dst, begin)
+  std::vector<int64_t> asg_lo, asg_hi;  // cut-axis start of item begin, stop of item end - 1
+  // assignment indices sorted by (src, dst, begin, lo)
   std::vector<int64_t> send_order;
   // local blocks, sorted by dst position
   std::vector<int64_t> local_dst, local_block;
