@@ -121,7 +121,9 @@ class Driver:
                 "--group-timeout",
                 str(group_timeout),
             ]
-            procs.append(subprocess.Popen(cmd, env=dict(os.environ)))
+            env = dict(os.environ)
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # idle store waits log timeouts
+            procs.append(subprocess.Popen(cmd, env=env))
         by_pid = {p.pid: p for p in procs}
         deadline = time.monotonic() + timeout
         ranks: dict[int, int] = {}

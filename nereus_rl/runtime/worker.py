@@ -126,7 +126,9 @@ def serve(
     hb.start()
     ctx = WorkerContext(rank, store, group_timeout)
     seq = 0
-    poll = datetime.timedelta(seconds=1.0)
+    # Long waits: a new command wakes the wait at once, and a dead driver
+    # breaks the connection; a short timeout would only log timeouts.
+    poll = datetime.timedelta(seconds=30.0)
     try:
         while True:
             key = P.cmd_key(rank, seq)
