@@ -24,7 +24,7 @@ Usage (driver side)::
 
     driver = Driver(); ranks = driver.spawn_local(4)
     emus = EMUManager(driver)
-    emus.define_stage("actor", training_state_specs(transformer_param_specs(4, 64, 128, 96)))
+    emus.define_stage("actor", stage_state_specs(num_layers=4, hidden=64, ffn=128, vocab=96))
     a = emus.create("actor", ranks[:2], tp=2)
     b = emus.extend("actor", ranks[2:], tp=1, pp=2)   # dp 1 -> 2
 """
@@ -117,9 +117,10 @@ class PrimitiveRecord:
     """Measured cost of one primitive.
 
     bytes_moved: bytes sent between ranks; bytes_local: bytes copied inside a
-    rank; comm_setup_s: the slowest rank's communicator creation time;
-    seconds: wall time on the driver; zero_copy: no byte was packed (None when
-    the reshard in use does not say).
+    rank; bytes_direct / bytes_packed: of bytes_moved, those sent straight from
+    the source tensors (zero copy) / packed into per-message buffers;
+    comm_setup_s: the slowest rank's communicator creation time; seconds: wall
+    time on the driver (planning, setup, transfer, commit).
     """
 
     kind: str
@@ -127,11 +128,12 @@ class PrimitiveRecord:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     num_ranks: int
-    bytes_moved: int
-    bytes_local: int
-    comm_setup_s: float
     seconds: float
-    zero_copy: bool | None
+    bytes_moved: int = 0
+    bytes_local: int = 0
+    bytes_direct: int = 0
+    bytes_packed: int = 0
+    comm_setup_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -233,7 +235,7 @@ class EMUManager:
 
         Arguments:
             name: the stage.
-            specs: TensorSpecs of one unit's state (see emu_state.training_state_specs).
+            specs: TensorSpecs of one unit's state (see emu_state.stage_state_specs).
             num_layers: layers (default: max stage_key + 1).
             seed: seed of the synthetic initial content.
 
@@ -269,8 +271,8 @@ class EMUManager:
         res = self.driver.call(unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid)
         self._commit([], [unit], [gid])
         self._record(
-            "create", stage, (), (unit.uid,), len(unit.ranks), 0, 0,
-            max(r["comm_setup_s"] for r in res.values()), time.perf_counter() - t0, None,
+            "create", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0,
+            comm_setup_s=max(r["comm_setup_s"] for r in res.values()),
         )  # fmt: skip
         return unit
 
@@ -326,8 +328,9 @@ class EMUManager:
             )
         t0 = time.perf_counter()
         self._commit([unit], [], [])
-        self._record("destroy", unit.stage, (unit.uid,), (), len(unit.ranks), 0, 0, 0.0,
-                     time.perf_counter() - t0, None)  # fmt: skip
+        self._record(
+            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0
+        )
 
     def split(self, unit: EMU, *, tp: int | None = None, pp: int | None = None) -> tuple[EMU, EMU]:
         """Split a unit of degree d into two units of degree d/2 on its own devices.
@@ -427,8 +430,10 @@ class EMUManager:
         for u in broken:
             t0 = time.perf_counter()
             self._commit([u], [], [])
-            self._record("destroy", u.stage, (u.uid,), (), len(u.ranks), 0, 0, 0.0,
-                         time.perf_counter() - t0, None, {"reason": "lost worker"})  # fmt: skip
+            self._record(
+                "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
+                extra={"reason": "lost worker"},
+            )  # fmt: skip
         self._forget_groups_with(lost)
         new = []
         for u in broken:
@@ -559,15 +564,16 @@ class EMUManager:
                     pass  # the original error is the one worth reporting
             raise
         self._commit([] if keep_sources else sources, targets, list(unit_gids))
-        packed = [r["bytes_packed"] for r in res.values()]
+        total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
         self._record(
             kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
-            len(ranks), sum(r["bytes_sent"] for r in res.values()),
-            sum(r["bytes_local"] for r in res.values()),
-            max(r["comm_setup_s"] for r in res.values()), time.perf_counter() - t0,
-            None if None in packed else sum(packed) == 0,
-            {"num_sends": sum(r["num_sends"] for r in res.values()),
-             "reshard_s": max(r["reshard_s"] for r in res.values())},
+            len(ranks), time.perf_counter() - t0,
+            bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
+            bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
+            comm_setup_s=max(r["comm_setup_s"] for r in res.values()),
+            extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
+                   "reshard_s": max(r["reshard_s"] for r in res.values()),
+                   "plan_s": max(r["plan_s"] for r in res.values())},
         )  # fmt: skip
         return targets[0]
 
@@ -589,19 +595,16 @@ class EMUManager:
         inputs: tuple[int, ...],
         outputs: tuple[int, ...],
         num_ranks: int,
-        bytes_moved: int,
-        bytes_local: int,
-        comm_setup_s: float,
         seconds: float,
-        zero_copy: bool | None,
-        extra: dict[str, Any] | None = None,
+        **measured: Any,
     ) -> None:
-        rec = PrimitiveRecord(
-            kind, stage, inputs, outputs, num_ranks, bytes_moved, bytes_local,
-            comm_setup_s, seconds, zero_copy, extra or {},
-        )  # fmt: skip
+        rec = PrimitiveRecord(kind, stage, inputs, outputs, num_ranks, seconds, **measured)
         self.records.append(rec)
         self.driver.records.append(asdict(rec))
+
+
+_SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
+           "buffers_sent")  # fmt: skip
 
 
 def _shrinking(tp: int, pp: int) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@
 A training stage's state is its parameters, the two Adam moments of each
 (same shape, split and pipeline stage as the parameter, fp32), the optimizer
 step count and the unit's RNG state (both replicated on every rank of the
-unit). An inference stage holds only the parameters.
+unit); an inference stage holds only the parameters. Names follow
+nereus_comm.specs.transformer_state_specs.
 
 Synthetic content is a pure function of (tensor name, global element index),
 so any rank can make exactly its own shard of any layout without the full
@@ -18,73 +19,67 @@ from collections.abc import Sequence
 
 import torch
 
-from nereus_rl.emu_comm import Box, TensorSpec, box_shape
+from nereus_comm.layout import Box, TensorSpec, box_shape
+from nereus_comm.specs import transformer_state_specs
 
 RNG_STATE_BYTES = torch.Generator().get_state().numel()
+RNG_SPEC = TensorSpec("rng", (RNG_STATE_BYTES,), torch.uint8)
+"""The unit's torch.Generator state, replicated on every rank of the unit."""
 
 
-def transformer_param_specs(
-    num_layers: int,
-    hidden: int,
-    ffn: int,
-    vocab: int,
-    *,
-    dtype: torch.dtype = torch.float32,
-) -> list[TensorSpec]:
-    """Parameter specs of a small decoder-only transformer, Megatron-style tp splits.
+def with_training_state(params: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """A training unit's state for any parameter specs: params, Adam state, step and RNG.
 
-    Arguments:
-        num_layers: transformer layers (the pipeline split divides these).
-        hidden, ffn, vocab: model sizes (uneven tp splits are fine).
-        dtype: parameter dtype.
-
-    Returns:
-        One TensorSpec per parameter: column-parallel weights split on dim 0,
-        row-parallel ones on dim 1, norms replicated; the embedding belongs to
-        layer 0 and the final norm and lm head to the last layer.
-    """
-    last = num_layers - 1
-    specs = [TensorSpec("embed", (vocab, hidden), dtype, 0, 0)]
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        specs += [
-            TensorSpec(p + "attn_norm", (hidden,), dtype, None, i),
-            TensorSpec(p + "qkv", (3 * hidden, hidden), dtype, 0, i),
-            TensorSpec(p + "attn_out", (hidden, hidden), dtype, 1, i),
-            TensorSpec(p + "mlp_norm", (hidden,), dtype, None, i),
-            TensorSpec(p + "mlp_up", (ffn, hidden), dtype, 0, i),
-            TensorSpec(p + "mlp_down", (hidden, ffn), dtype, 1, i),
-        ]
-    specs += [
-        TensorSpec("final_norm", (hidden,), dtype, None, last),
-        TensorSpec("lm_head", (vocab, hidden), dtype, 0, last),
-    ]
-    return specs
-
-
-def training_state_specs(
-    params: Sequence[TensorSpec], *, training: bool = True
-) -> list[TensorSpec]:
-    """The full state of one unit: parameters, and for training Adam state, step and RNG.
+    Names follow nereus_comm.specs: ``optim.exp_avg.<param>``,
+    ``optim.exp_avg_sq.<param>`` (fp32, same shape, split and stage as the
+    parameter), ``optim.step``; plus ``rng``, the unit's generator state.
 
     Arguments:
         params: the parameter specs.
-        training: add the optimizer and RNG state.
 
     Returns:
         The specs, parameters first.
     """
     specs = list(params)
-    if not training:
-        return specs
-    for p in params:
-        for moment in ("exp_avg", "exp_avg_sq"):
-            specs.append(
-                TensorSpec(f"{p.name}.{moment}", p.shape, torch.float32, p.split_dim, p.stage_key)
-            )
+    for moment in ("exp_avg", "exp_avg_sq"):
+        specs += [
+            TensorSpec(f"optim.{moment}.{p.name}", p.shape, torch.float32, p.split_dim, p.stage_key)
+            for p in params
+        ]
     specs.append(TensorSpec("optim.step", (), torch.float32))
-    specs.append(TensorSpec("rng", (RNG_STATE_BYTES,), torch.uint8))
+    specs.append(RNG_SPEC)
     return specs
+
+
+def stage_state_specs(
+    num_layers: int,
+    hidden: int,
+    ffn: int,
+    vocab: int,
+    *,
+    num_heads: int = 2,
+    num_kv_heads: int | None = None,
+    training: bool = True,
+    param_dtype: torch.dtype = torch.float32,
+    master_fp32: bool = False,
+) -> list[TensorSpec]:
+    """One unit's state for a decoder-only transformer (nereus_comm.specs), plus RNG.
+
+    Arguments:
+        num_layers, hidden, ffn, vocab, num_heads, num_kv_heads: model sizes
+            (num_kv_heads defaults to num_heads).
+        training: a training stage (Adam moments, step, RNG) or inference (params only).
+        param_dtype: parameter dtype.
+        master_fp32: add fp32 master weights (training only).
+
+    Returns:
+        The specs.
+    """
+    specs = transformer_state_specs(
+        num_layers, hidden, ffn, num_heads, num_kv_heads or num_heads, vocab,
+        param_dtype=param_dtype, adam=training, master_fp32=master_fp32 and training,
+    )  # fmt: skip
+    return [*specs, RNG_SPEC] if training else specs
 
 
 def _name_seed(name: str, seed: int) -> int:

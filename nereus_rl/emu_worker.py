@@ -10,12 +10,11 @@ units are dropped only when the driver says so, after every rank succeeded.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from nereus_rl.emu_comm import GroupTransport, Layout, TensorSpec, make_plan, run_reshard
+from nereus_rl.emu_comm import GroupTransport, Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
 
@@ -88,18 +87,17 @@ def _reshard(
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
     """
-    specs, num_layers = _stages(ctx)[stage]
+    specs, _ = _stages(ctx)[stage]
     units = _units(ctx)
     tensors: dict[str, torch.Tensor] = {}
     if ctx.rank in src_layout:
         d = src_layout.coords(ctx.rank)[0]
         tensors = units[src_uids[d]]["tensors"]
-    t0 = time.perf_counter()
-    plan = make_plan(specs, src_layout, dst_layout, num_layers)
-    plan_s = time.perf_counter() - t0
     pg, setup = ctx.group(group_id, tuple(group_ranks))
-    transport = GroupTransport(pg, group_ranks)
-    result = run_reshard(plan, ctx.rank, tensors, transport, timeout=timeout)
+    transport = GroupTransport(pg, group_ranks, ctx.rank)
+    result, extra = move_state(
+        specs, src_layout, dst_layout, ctx.rank, tensors, transport, timeout=timeout
+    )
     if ctx.rank in dst_layout:
         d = dst_layout.coords(ctx.rank)[0]
         unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))
@@ -109,11 +107,11 @@ def _reshard(
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
         "bytes_local": result.bytes_local,
-        "bytes_packed": getattr(result, "bytes_packed", None),
-        "num_sends": transport.num_sends,
+        "messages_sent": result.messages_sent,
+        "buffers_sent": result.buffers_sent,
         "reshard_s": result.seconds,
-        "plan_s": plan_s,
         "comm_setup_s": setup,
+        **extra,
     }
 
 

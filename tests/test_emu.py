@@ -7,12 +7,9 @@ import random
 import pytest
 import torch
 
+from nereus_comm.plan import plan_reshard
 from nereus_rl.emu import EMUError, EMUManager
-from nereus_rl.emu_state import (
-    synthetic,
-    training_state_specs,
-    transformer_param_specs,
-)
+from nereus_rl.emu_state import stage_state_specs, synthetic
 from nereus_rl.runtime import Driver
 
 
@@ -22,10 +19,10 @@ def emus():
     try:
         d.spawn_local(4, num_threads=1)
         m = EMUManager(d, transfer_timeout=30.0)
-        # Uneven sizes on purpose: 37 and 40 split over tp = 2 and 4 leave short shards.
-        params = transformer_param_specs(num_layers=3, hidden=12, ffn=40, vocab=37)
-        m.define_stage("actor", training_state_specs(params), seed=1)
-        m.define_stage("critic", training_state_specs(params[:5], training=False), seed=2)
+        # Uneven sizes on purpose: 37 and 42 split over tp = 4 leave short shards.
+        m.define_stage("actor", stage_state_specs(3, hidden=12, ffn=42, vocab=37), seed=1)
+        critic = stage_state_specs(2, hidden=8, ffn=16, vocab=11, training=False)
+        m.define_stage("critic", critic, seed=2)
         yield m
     finally:
         d.shutdown()
@@ -74,7 +71,7 @@ def worker_units(m: EMUManager) -> dict[int, set[int]]:
 
 
 def test_synthetic_shards_match_the_full_reference():
-    spec = training_state_specs(transformer_param_specs(2, 8, 20, 11))[3]
+    spec = next(s for s in stage_state_specs(2, 8, 20, 11) if s.split_dim == 1)
     full = synthetic(spec, tuple((0, n) for n in spec.shape), 5)
     box = ((0, spec.shape[0]), (3, 7))
     assert torch.equal(synthetic(spec, box, 5), full[:, 3:7])
@@ -88,16 +85,20 @@ def test_extend_same_layout_is_zero_copy_and_bitwise(clean):
     b = m.extend("actor", [2, 3])
     assert (b.tp, b.pp) == (2, 1) and m.dp_degree("actor") == 2
     rec = m.records[-1]
-    assert rec.kind == "extend" and rec.zero_copy is True
-    # Every byte of the new unit came over the wire exactly once, one send per shard.
+    assert rec.kind == "extend"
+    # Every byte of the new unit came over the wire exactly once, straight from the
+    # source shards (zero copy): one buffer per shard, one message per planned pair.
     assert rec.bytes_moved == unit_shard_bytes(m, b) and rec.bytes_local == 0
+    assert rec.bytes_direct == rec.bytes_moved and rec.bytes_packed == 0
     nonempty = sum(
         1
         for spec in m.stages["actor"].specs
         for r in b.ranks
         if (box := b.layout.box(spec, r, 3)) is not None and all(x < y for x, y in box)
     )
-    assert rec.extra["num_sends"] == nonempty
+    plan = plan_reshard(m.stages["actor"].specs, a.layout, b.layout)
+    assert rec.extra["messages"] == sum(len(plan.sends(r)) for r in a.ranks)
+    assert rec.extra["buffers"] == nonempty
     assert_bitwise(m, b)
     assert_bitwise(m, a)
 
@@ -108,7 +109,7 @@ def test_extend_to_another_layout(clean, src, dst):
     a = m.create("actor", [0, 1], tp=src[0], pp=src[1])
     b = m.extend("actor", [3, 2][: dst[0] * dst[1]], tp=dst[0], pp=dst[1])
     rec = m.records[-1]
-    assert rec.bytes_moved == unit_shard_bytes(m, b) and rec.zero_copy is False
+    assert rec.bytes_moved == unit_shard_bytes(m, b) and rec.bytes_packed > 0
     assert_bitwise(m, b)
     assert_bitwise(m, a)
 
