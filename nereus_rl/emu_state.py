@@ -109,6 +109,27 @@ def synthetic(spec: TensorSpec, box: Box, seed: int = 0) -> torch.Tensor:
     if spec.name == "optim.step":
         return torch.full((), float(1 + seed % 97), dtype=spec.dtype)
     shape = box_shape(box)
+    out = torch.empty(shape, dtype=spec.dtype)
+    if out.numel() == 0:
+        return out
+    if not shape:
+        out.copy_(_hashed(spec, box, s))
+        return out
+    # Rows of dim 0 in chunks, so that the int64 temporaries stay small.
+    row = max(1, out[0].numel())
+    step = max(1, _CHUNK_ELEMS // row)
+    (a0, b0) = box[0]
+    for start in range(a0, b0, step):
+        stop = min(b0, start + step)
+        out[start - a0 : stop - a0] = _hashed(spec, ((start, stop), *box[1:]), s)
+    return out
+
+
+_CHUNK_ELEMS = 1 << 22
+
+
+def _hashed(spec: TensorSpec, box: Box, s: int) -> torch.Tensor:
+    shape = box_shape(box)
     idx = torch.zeros((), dtype=torch.int64)
     stride = 1
     for dim in reversed(range(len(shape))):
@@ -122,8 +143,8 @@ def synthetic(spec: TensorSpec, box: Box, seed: int = 0) -> torch.Tensor:
     h = (idx * 2654435761 + s) % 4294967291
     h = (h ^ (h >> 13)) & 0xFFFF
     if spec.dtype.is_floating_point:
-        return (h.to(torch.float32) / 65536.0 - 0.5).to(spec.dtype).contiguous()
-    return (h % 251).to(spec.dtype).contiguous()
+        return (h.to(torch.float32) / 65536.0 - 0.5).to(spec.dtype)
+    return (h % 251).to(spec.dtype)
 
 
 def full_box(spec: TensorSpec) -> Box:
