@@ -91,7 +91,11 @@ class LocalWorkers:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
         self.timeout = timeout
-        ctx = mp.get_context("spawn")
+        # forkserver: torch is imported once, in the server, and each worker is a
+        # cheap fork of it (spawn would import torch once per worker); the parent's
+        # threads (the store's server) are never forked.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "nereus_comm.transport"])
         # The parent hosts the store, so it outlives any worker that dies.
         self.store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout)
