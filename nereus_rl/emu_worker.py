@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
 from nereus_rl.emu_comm import GroupTransport, Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
