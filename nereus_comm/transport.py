@@ -33,16 +33,22 @@ from nereus_comm.errors import (
     TensorMismatchError,
     TransportError,
 )
+from nereus_comm.nccl import NCCL_IN_PROGRESS
 
 __all__ = [
+    "GLOO_CHUNK_BYTES",
     "GlooTransport",
     "NcclTransport",
+    "PendingExchange",
     "Transport",
     "TransportArgumentError",
     "TransportStats",
 ]
 
 Buffers = Sequence[tuple[int, torch.Tensor]]
+
+#: GlooTransport splits larger buffers into chunks of this size (see its docstring).
+GLOO_CHUNK_BYTES = 1 << 20
 
 
 class TransportArgumentError(NereusCommError, ValueError):
@@ -68,7 +74,7 @@ def _peer_list(peers: Sequence[int]) -> str:
 class Transport(ABC):
     """Batched send/recv of contiguous tensors between global ranks.
 
-    Subclasses implement :meth:`_exchange`; :meth:`exchange` validates the
+    Subclasses implement :meth:`_post` and :meth:`_wait`; :meth:`start` validates the
     arguments before anything is posted and keeps :attr:`stats`.
     """
 
@@ -86,6 +92,8 @@ class Transport(ABC):
     def exchange(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> None:
         """Send and receive all buffers as one batch and wait until all are done.
 
+        The same as ``start(sends, recvs, timeout=timeout).wait()``.
+
         Arguments:
             sends: ``(peer, tensor)`` per outgoing buffer (global ranks).
             recvs: ``(peer, tensor)`` per incoming buffer, written in place.
@@ -99,6 +107,16 @@ class Transport(ABC):
                 seconds; the message names those peers. The transport is then broken
                 (the connection to a silent peer is closed): build a new one.
         """
+        self.start(sends, recvs, timeout=timeout).wait()
+
+    def start(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> PendingExchange:
+        """Post the batch and return at once; ``.wait()`` on the result completes it.
+
+        Lets a caller overlap its own work (e.g. local copies) with the transfers.
+        The buffers must stay untouched until ``wait`` returns. Arguments and errors
+        as :meth:`exchange` (PeerTimeoutError comes from ``wait``); the timeout counts
+        from this call.
+        """
         if self._broken is not None:
             raise TransportArgumentError(
                 f"this transport broke earlier ({self._broken}); create a new one "
@@ -108,15 +126,9 @@ class Transport(ABC):
             raise TransportArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         sends = self._checked(sends, "send")
         recvs = self._checked(recvs, "recv")
-        start = time.perf_counter()
-        self._exchange(sends, recvs, timeout)
-        s = self.stats
-        s.exchanges += 1
-        s.messages_sent += len(sends)
-        s.messages_received += len(recvs)
-        s.bytes_sent += sum(t.nbytes for _, t in sends)
-        s.bytes_received += sum(t.nbytes for _, t in recvs)
-        s.seconds += time.perf_counter() - start
+        started = time.perf_counter()
+        state = self._post(sends, recvs, timeout)
+        return PendingExchange(self, state, sends, recvs, started)
 
     def _checked(self, buffers: Buffers, kind: str) -> list[tuple[int, torch.Tensor]]:
         out = []
@@ -151,21 +163,59 @@ class Transport(ABC):
         self._broken = reason
 
     @abstractmethod
-    def _exchange(
+    def _post(
         self,
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         timeout: float,
-    ) -> None:
-        """Post and complete the validated, non-empty batch (see :meth:`exchange`)."""
+    ) -> object:
+        """Post the validated, non-empty batch; return what ``_wait`` needs."""
+
+    @abstractmethod
+    def _wait(self, state: object) -> None:
+        """Complete a posted batch or raise PeerTimeoutError (see :meth:`exchange`)."""
 
     def close(self) -> None:  # noqa: B027  (optional hook: most transports own nothing)
         """Release what the transport owns (communicators); the transport is unusable after."""
 
 
+class PendingExchange:
+    """A posted batch of a transport; :meth:`wait` completes it (once)."""
+
+    def __init__(self, transport: Transport, state: object, sends, recvs, started: float) -> None:
+        self._transport = transport
+        self._state = state
+        self._sends, self._recvs = sends, recvs
+        self._started = started
+        self._done = False
+
+    def wait(self) -> None:
+        """Wait until every transfer finished.
+
+        Raises:
+            PeerTimeoutError: transfers still pending at the timeout; names the peers.
+        """
+        if self._done:
+            return
+        self._transport._wait(self._state)
+        self._done = True
+        s = self._transport.stats
+        s.exchanges += 1
+        s.messages_sent += len(self._sends)
+        s.messages_received += len(self._recvs)
+        s.bytes_sent += sum(t.nbytes for _, t in self._sends)
+        s.bytes_received += sum(t.nbytes for _, t in self._recvs)
+        s.seconds += time.perf_counter() - self._started
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     # A flat uint8 view of the same storage: transports move bytes, whatever the dtype.
     return t.reshape(-1).view(torch.uint8)
+
+
+def _chunks(t: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
+    flat = _as_bytes(t)
+    return [flat[i : i + chunk_bytes] for i in range(0, flat.numel(), chunk_bytes)]
 
 
 class GlooTransport(Transport):
@@ -174,12 +224,20 @@ class GlooTransport(Transport):
     Arguments:
         group: the gloo group (default: the default process group). Peers are
             global ranks, as everywhere in nereus_comm.
+        chunk_bytes: buffers larger than this travel as consecutive chunks of this
+            size (both sides split the same way, since their sizes match). Gloo moves
+            many ~1 MiB transfers faster than one huge one: they pipeline.
     """
 
     device_type = "cpu"
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, chunk_bytes: int = GLOO_CHUNK_BYTES
+    ) -> None:
         super().__init__()
+        if chunk_bytes < 1:
+            raise TransportArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         if not dist.is_initialized():
             raise TransportArgumentError(
                 "torch.distributed is not initialized; call init_process_group('gloo', ...) "
@@ -194,21 +252,27 @@ class GlooTransport(Transport):
     def __repr__(self) -> str:
         return f"GlooTransport(rank={self.rank}, ranks={list(self.ranks)})"
 
-    def _exchange(self, sends, recvs, timeout) -> None:
+    def _post(self, sends, recvs, timeout):
         deadline = time.monotonic() + timeout
         pending: list[tuple[str, int, dist.Work]] = []
         try:
             # Receives first, so that data arriving early lands in place.
             for peer, t in recvs:
-                pending.append(("recv from", peer, dist.irecv(_as_bytes(t), peer, self.group)))
+                for chunk in _chunks(t, self.chunk_bytes):
+                    pending.append(("recv from", peer, dist.irecv(chunk, peer, self.group)))
             for peer, t in sends:
-                pending.append(("send to", peer, dist.isend(_as_bytes(t), peer, self.group)))
+                for chunk in _chunks(t, self.chunk_bytes):
+                    pending.append(("send to", peer, dist.isend(chunk, peer, self.group)))
         except RuntimeError as e:  # a pair closed earlier: the peer is gone
             self._break(f"posting failed: {e}")
             raise PeerTimeoutError(
                 f"could not post transfers (a peer's connection is closed): {e}"
             ) from e
-        failed: list[tuple[str, int, str]] = []
+        return pending, deadline, timeout
+
+    def _wait(self, state) -> None:
+        pending, deadline, timeout = state
+        failed: dict[tuple[str, int], str] = {}
         for what, peer, work in pending:
             # Work.is_completed() also reports True for timed-out work, so the
             # outcome of each wait is the only truth about what is still pending.
@@ -216,14 +280,15 @@ class GlooTransport(Transport):
             try:
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as e:
-                failed.append((what, peer, str(e).splitlines()[-1]))
+                failed.setdefault((what, peer), str(e).splitlines()[-1])
         if failed:
-            peers = [p for _, p, _ in failed]
+            peers = [p for _, p in failed]
             self._break(f"peers {_peer_list(peers)} timed out")
-            detail = "; ".join(f"{w} {p}" for w, p, _ in failed)
+            detail = "; ".join(f"{w} {p}" for w, p in failed)
+            first = next(iter(failed.values()))
             raise PeerTimeoutError(
                 f"rank {self.rank}: peers {_peer_list(peers)} did not complete within "
-                f"{timeout:g} s (pending: {detail}; gloo: {failed[0][2]}). The peer may have "
+                f"{timeout:g} s (pending: {detail}; gloo: {first}). The peer may have "
                 "died; form a new group without it."
             )
 
@@ -242,7 +307,9 @@ class NcclTransport(Transport):
         rank: this process's global rank.
         ranks: the global ranks of the communicator, in communicator order.
         device: this process's CUDA device (index or torch.device).
-        key: store key prefix; must be unique per communicator.
+        key: store key prefix; must be unique per communicator created through
+            ``store`` (default: derived from ``ranks``, so pass one when the same
+            ranks build a second communicator over the same store).
         lib: the NCCL library (default: :func:`nereus_comm.nccl.load_nccl`).
         comm: an existing communicator to wrap instead of creating one (e.g. from
             the communicator pool); the transport then does not destroy it.
@@ -263,13 +330,13 @@ class NcclTransport(Transport):
         ranks: Sequence[int],
         device: int | torch.device,
         *,
-        key: str = "nereus/nccl_transport",
+        key: str | None = None,
         lib=None,
         comm: int | None = None,
         init_timeout: float = 300.0,
     ) -> None:
         super().__init__()
-        from nereus_comm.nccl import load_nccl
+        from nereus_comm.nccl import load_nccl  # here: no NCCL is needed for gloo
 
         if not torch.cuda.is_available():
             raise TransportArgumentError("NcclTransport needs a CUDA device; use GlooTransport")
@@ -283,6 +350,8 @@ class NcclTransport(Transport):
         self._owns_comm = comm is None
         if comm is None:
             torch.cuda.set_device(self.device)
+            if key is None:
+                key = "nereus/nccl_transport/" + "-".join(map(str, self.ranks))
             uid_key = f"{key}/unique_id"
             if self._index[rank] == 0:
                 store.set(uid_key, self.lib.get_unique_id())
@@ -294,7 +363,7 @@ class NcclTransport(Transport):
     def __repr__(self) -> str:
         return f"NcclTransport(rank={self.rank}, ranks={list(self.ranks)}, device={self.device})"
 
-    def _exchange(self, sends, recvs, timeout) -> None:
+    def _post(self, sends, recvs, timeout):
         for peer, t in (*sends, *recvs):
             if t.device != self.device:
                 raise TensorMismatchError(
@@ -336,12 +405,16 @@ class NcclTransport(Transport):
             )
         done = torch.cuda.Event()
         done.record(stream)
+        return done, deadline, peers, timeout
+
+    def _wait(self, state) -> None:
+        done, deadline, peers, timeout = state
         while not done.query():
-            state = self.lib.comm_get_async_error(self.comm)
-            if state not in (0, 7):
+            code = self.lib.comm_get_async_error(self.comm)
+            if code not in (0, NCCL_IN_PROGRESS):
                 self._abort_comm()
                 raise TransportError(
-                    f"rank {self.rank}: NCCL reported {self.lib.error_string(state)} during an "
+                    f"rank {self.rank}: NCCL reported {self.lib.error_string(code)} during an "
                     f"exchange with peers {_peer_list(peers)}"
                 )
             if time.monotonic() > deadline:
