@@ -39,12 +39,16 @@ class PendingCall:
 
 
 class Driver:
-    """Hosts the job's store and sends commands to workers.
+    """Hosts the job's store and World, and sends commands to workers.
 
     Arguments:
         host: address the store listens on and workers connect to.
         port: store port (0 picks a free one; see :attr:`address`).
-        heartbeat_timeout: seconds without a heartbeat after which a worker counts as lost.
+        heartbeat_timeout: seconds without a heartbeat after which a worker counts
+            as lost (the World's; its heartbeat interval is min(0.5, timeout / 4)).
+
+    Raises:
+        MembershipError: the store cannot listen at host:port.
         call_timeout: default seconds a call waits for its replies.
 
     Attributes:

@@ -5,7 +5,8 @@ Start one by hand on any machine that can reach the job's store::
     python -m nereus_rl.runtime.worker --store HOST:PORT [--num-threads 1]
 
 (torchrun-style MASTER_ADDR / MASTER_PORT are used when --store is absent).
-The worker joins the running job (it takes the next free rank), then runs
+The worker joins the job's nereus_comm World (its rank is its member id - 1,
+the driver being member 0; the World carries its heartbeat), then runs
 commands in the order the driver sends them (see nereus_rl.runtime.context
 for how commands are registered and what they see). A worker that cannot
 reach the store gives up after --connect-timeout seconds with an error that
