@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from nereus_rl.runtime import (
     Driver,
@@ -54,6 +55,16 @@ def test_remote_error_names_worker_and_carries_traceback(driver):
     assert e.value.rank == 0 and e.value.error_type == "ValueError"
     assert "boom on 0" in str(e.value) and "test_runtime_commands.py" in e.value.remote_traceback
     # The workers survive a failed command.
+    assert driver.call([0, 1], "ping") == {0: 0, 1: 1}
+
+
+def test_messages_over_the_store_limit_travel_in_parts(driver):
+    n = 20 * 2**20 + 3  # the store refuses single values over 8 MiB
+    got = driver.call([0, 1], "test.big", n)
+    want = torch.arange(n, dtype=torch.int64).to(torch.uint8)
+    assert all(torch.equal(t, want) for t in got.values())
+    with pytest.raises(RemoteError, match="cannot be pickled"):
+        driver.call([1], "test.unpicklable")
     assert driver.call([0, 1], "ping") == {0: 0, 1: 1}
 
 

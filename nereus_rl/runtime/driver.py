@@ -189,7 +189,7 @@ class Driver:
                 continue
             if not self.store.check([P.info_key(rank)]):
                 continue  # it took a rank but has not written its info yet
-            info = P.decode(self.store.get(P.info_key(rank)))
+            info = P.decode(self.store.get(P.info_key(rank)))  # small, written with set
             self.infos[rank] = info
             self._seq[rank] = 0
             self._joined_at[rank] = time.monotonic()
@@ -270,7 +270,7 @@ class Driver:
         for rank in ranks:
             seq = self._seq[rank]
             self._seq[rank] = seq + 1
-            self.store.set(P.cmd_key(rank, seq), P.encode(P.Command(seq, fn, tuple(args), kwargs)))
+            P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, fn, tuple(args), kwargs))
             seqs[rank] = seq
         return PendingCall(fn, seqs, time.monotonic())
 
@@ -295,8 +295,7 @@ class Driver:
             for rank, seq in list(waiting.items()):
                 key = P.reply_key(rank, seq)
                 if self.store.check([key]):
-                    replies[rank] = P.decode(self.store.get(key))
-                    self.store.delete_key(key)
+                    replies[rank] = P.take(self.store, key)
                     del waiting[rank]
             if not waiting:
                 break
@@ -372,7 +371,7 @@ class Driver:
         for rank in live:
             try:
                 seq = self._seq[rank]
-                self.store.set(P.cmd_key(rank, seq), P.encode(P.Command(seq, "exit")))
+                P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, "exit"))
             except RuntimeError:
                 pass
         self.store.set(P.SHUTDOWN_KEY, b"1")
