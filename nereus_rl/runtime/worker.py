@@ -106,7 +106,6 @@ def serve(
     Raises:
         StoreUnreachableError: the store did not answer within connect_timeout.
     """
-    torch.set_num_threads(num_threads)
     try:
         # Registration and heartbeats are the World's; the worker never enters a
         # generation (its data groups are standalone, see WorkerContext.group).
@@ -116,6 +115,7 @@ def serve(
             f"could not join the job at {host}:{port} within {connect_timeout:g} s; check "
             f"that the driver is running and that HOST:PORT is its store address ({e})"
         ) from None
+    torch.set_num_threads(num_threads)
     rank = P.rank_of_member(world.member_id)
     store = connect_store(host, port, connect_timeout)
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
