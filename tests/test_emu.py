@@ -17,7 +17,7 @@ from nereus_rl.runtime import Driver
 def emus():
     d = Driver(call_timeout=60.0)
     try:
-        d.spawn_local(4, num_threads=1)
+        d.spawn_local(4, num_threads=1, method="forkserver")
         m = EMUManager(d, transfer_timeout=30.0)
         # Uneven sizes on purpose: 37 and 42 split over tp = 4 leave short shards.
         m.define_stage("actor", stage_state_specs(3, hidden=12, ffn=42, vocab=37), seed=1)

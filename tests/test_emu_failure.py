@@ -30,7 +30,7 @@ def test_join_then_kill_then_recover():
     d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
     joiner = None
     try:
-        d.spawn_local(3, num_threads=1)
+        d.spawn_local(3, num_threads=1, method="forkserver")
         m = EMUManager(d, transfer_timeout=20.0)
         m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=3)
         a = m.create("actor", [0, 1], tp=2)
@@ -89,7 +89,7 @@ def test_join_then_kill_then_recover():
 def test_kill_during_transfers_leaves_the_intact_units_whole():
     d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
     try:
-        d.spawn_local(3, num_threads=1)
+        d.spawn_local(3, num_threads=1, method="forkserver")
         # A survivor blocked on the dead peer is freed by the transfer timeout at worst.
         m = EMUManager(d, transfer_timeout=4.0)
         m.define_stage("actor", stage_state_specs(2, hidden=256, ffn=512, vocab=1000), seed=4)

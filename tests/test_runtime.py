@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def driver():
     d = Driver(heartbeat_timeout=2.0, call_timeout=30.0)
     try:
-        ranks = d.spawn_local(2, num_threads=1)
+        ranks = d.spawn_local(2, num_threads=1, method="forkserver")
         assert sorted(ranks) == [0, 1]
         d.import_module("tests.test_runtime_commands")
         yield d
