@@ -40,6 +40,7 @@ from nereus_rl.transition import (
     default_primitive_cost,
     default_unit_memory,
     longest_path,
+    topo_order,
 )
 from nereus_rl.transition_diff import TransitionDiff, diff_plans
 from nereus_rl.transition_refine import refine_by_list_schedule
@@ -116,6 +117,9 @@ def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> T
     kinds = {(e.src, e.dst): e.kind for e in dag.edges}
     if all(kinds.get(ab) == "data" for ab in itertools.pairwise(path)):
         return dag  # the critical path is data edges only: no schedule can be shorter
+    bound = makespan_lower_bound(dag, dur)
+    if best_t <= bound + 1e-9:
+        return dag  # already optimal for these primitives: refinement cannot help
     for priority in ("bottom", "order"):
         alt = refine_by_list_schedule(dag, cost_fn, priority)
         if alt is not None:
@@ -138,7 +142,80 @@ def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> T
         if t >= best_t - 1e-12:
             break
         best, best_t = alt, t
+        if best_t <= bound + 1e-9:
+            break
     return best
+
+
+def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
+    """A completion time no safe schedule of ``dag``'s primitives and data edges can beat.
+
+    Two bounds, the larger wins: the longest path over data edges alone; and, for each
+    primitive that cannot start at time 0 because a device's free memory (or a stage
+    slot) it acquires is short before the transition, the earliest end of any other
+    primitive that releases on that device (or slot), plus the primitive's remaining
+    data path. Memory on a device only grows when a release ends, so such a primitive
+    cannot start before one does. The refinement stops once the DAG reaches this bound.
+
+    Arguments:
+        dag: a compiled DAG.
+        durations: seconds per primitive id.
+    Returns:
+        seconds.
+    """
+    prims = dag.primitives
+    n = len(prims)
+    dpreds: list[list[int]] = [[] for _ in range(n)]
+    dsuccs: list[list[int]] = [[] for _ in range(n)]
+    for e in dag.edges:
+        if e.kind == "data":
+            dpreds[e.dst].append(e.src)
+            dsuccs[e.src].append(e.dst)
+    order = dag.order if len(dag.order) == n else topo_order(dag)
+    head = [0.0] * n  # earliest start by data edges
+    for p in order:
+        for q in dpreds[p]:
+            if head[q] + durations[q] > head[p]:
+                head[p] = head[q] + durations[q]
+    tail = [0.0] * n  # own duration plus the longest data path after it
+    for p in reversed(order):
+        tail[p] = durations[p] + max((tail[q] for q in dsuccs[p]), default=0.0)
+    bound = max((head[p] + tail[p] for p in range(n)), default=0.0)
+    mem = dict(dag.unit_bytes)
+    free = {d: capacity_of(dag.capacity, d) for d in dag.devices}
+    held: set[tuple[str, int]] = set()
+    for u in dag.current.units:
+        m = mem[u.uid]
+        for d in u.devices:
+            if d in free:
+                free[d] -= m
+                held.add((u.stage, d))
+    # Per device (or slot): the two earliest release ends, so a primitive that releases
+    # there itself still sees another's.
+    first: dict[object, list[tuple[float, int]]] = {}
+    for q, prim in enumerate(prims):
+        end = head[q] + durations[q]
+        for r in {d for d, _ in prim.release}.union(dag.slots_released(prim)):
+            lst = first.setdefault(r, [])
+            lst.append((end, q))
+            if len(lst) > 2:
+                lst.sort()
+                del lst[2:]
+    for p, prim in enumerate(prims):
+        need: dict[int, float] = {}
+        for d, a in prim.acquire:
+            need[d] = need.get(d, 0.0) + a
+        short: list[object] = [d for d, a in need.items() if a > free[d] + _TOL]
+        short += [s for s in dag.slots_acquired(prim) if s in held]
+        start = head[p]
+        for r in short:
+            ends = [end for end, q in first.get(r, ()) if q != p]
+            # No releaser: the DAG could not be safe; leave that to the safety check.
+            if ends and min(ends) > start:
+                start = min(ends)
+        if start + tail[p] > bound:
+            bound = start + tail[p]
+    return bound
 
 
 class _Compiler:
@@ -327,38 +404,49 @@ class _Compiler:
 
     # -- liveness ----------------------------------------------------------
     def _add_live(self, u: Unit) -> None:
-        self.live[u.uid] = u
-        created = u.uid in self.creator
-        consumed = u.uid in self.consumer
-        final = u.uid in self.final
+        uid = u.uid
+        self.live[uid] = u
+        created = uid in self.creator
+        consumed = uid in self.consumer
         src_cat = 2 * created + consumed
-        anchor_cat = (0 if not created else 1) if final else (2 if consumed else 3)
+        if uid in self.final:
+            anchor_cat = 1 if created else 0
+        else:
+            anchor_cat = 2 if consumed else 3
+        src_groups, anchor_groups = self.src_groups, self.anchor_groups
         for s in u.states:
-            g = self.src_groups.get((s, u.stage))
+            g = src_groups.get((s, u.stage))
             if g is None:
-                g = self.src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
-            g[src_cat][u.uid] = None
-            g = self.anchor_groups.get(s)
+                g = src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
+            g[src_cat][uid] = None
+            g = anchor_groups.get(s)
             if g is None:
-                g = self.anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
-            g[anchor_cat][u.uid] = None
+                g = anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
+            g[anchor_cat][uid] = None
+        # Per-device indexes (who holds a stage slot, which units sit on a device) keep
+        # the blocked-acquisition search local to the devices involved.
+        stage, slot, dev_units = u.stage, self.slot, self.dev_units
         for d in u.devices:
-            self.slot[(u.stage, d)] = u.uid
-            if d in self.dev_units:
-                self.dev_units[d][u.uid] = None
+            slot[(stage, d)] = uid
+            du = dev_units.get(d)
+            if du is not None:
+                du[uid] = None
 
     def _drop_live(self, u: Unit) -> None:
-        del self.live[u.uid]
+        uid = u.uid
+        del self.live[uid]
         for s in u.states:
             for g in self.src_groups[(s, u.stage)]:
-                g.pop(u.uid, None)
+                g.pop(uid, None)
             for g in self.anchor_groups[s]:
-                g.pop(u.uid, None)
+                g.pop(uid, None)
+        stage, slot, dev_units = u.stage, self.slot, self.dev_units
         for d in u.devices:
-            if self.slot.get((u.stage, d)) == u.uid:
-                del self.slot[(u.stage, d)]
-            if d in self.dev_units:
-                self.dev_units[d].pop(u.uid, None)
+            if slot.get((stage, d)) == uid:
+                del slot[(stage, d)]
+            du = dev_units.get(d)
+            if du is not None:
+                du.pop(uid, None)
 
     # -- readiness ---------------------------------------------------------
     def _fits(self, p: int) -> bool:
