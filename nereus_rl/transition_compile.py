@@ -182,31 +182,52 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
         tail[p] = durations[p] + max((tail[q] for q in dsuccs[p]), default=0.0)
     bound = max((head[p] + tail[p] for p in range(n)), default=0.0)
     mem = dict(dag.unit_bytes)
-    free = {d: capacity_of(dag.capacity, d) for d in dag.devices}
+    if isinstance(dag.capacity, Mapping):
+        free = {d: capacity_of(dag.capacity, d) for d in dag.devices}
+    else:
+        free = dict.fromkeys(dag.devices, float(dag.capacity))
     held: set[tuple[str, int]] = set()
     for u in dag.current.units:
         m = mem[u.uid]
         for d in u.devices:
             if d in free:
                 free[d] -= m
-                held.add((u.stage, d))
-    # Per device (or slot): the two earliest release ends, so a primitive that releases
-    # there itself still sees another's.
+                if dag.stage_slots:
+                    held.add((u.stage, d))
+    # Primitives whose acquisition does not fit before the transition, and where.
+    blocked: list[tuple[int, list[object]]] = []
+    for p, prim in enumerate(prims):
+        if not prim.acquire:
+            continue
+        need: dict[int, float] = {}
+        for d, a in prim.acquire:
+            need[d] = need.get(d, 0.0) + a
+        short: list[object] = [d for d, a in need.items() if a > free[d] + _TOL]
+        if held:
+            short += [s for s in dag.slots_acquired(prim) if s in held]
+        if short:
+            blocked.append((p, short))
+    if not blocked:
+        return bound
+    wanted = {r for _, short in blocked for r in short}
+    want_slots = any(isinstance(r, tuple) for r in wanted)
+    # Per device (or slot) they need: the two earliest release ends, so a primitive that
+    # releases there itself still sees another's.
     first: dict[object, list[tuple[float, int]]] = {}
     for q, prim in enumerate(prims):
+        rel: set[object] = {d for d, _ in prim.release if d in wanted}
+        if want_slots:
+            rel.update(s for s in dag.slots_released(prim) if s in wanted)
+        if not rel:
+            continue
         end = head[q] + durations[q]
-        for r in {d for d, _ in prim.release}.union(dag.slots_released(prim)):
+        for r in rel:
             lst = first.setdefault(r, [])
             lst.append((end, q))
             if len(lst) > 2:
                 lst.sort()
                 del lst[2:]
-    for p, prim in enumerate(prims):
-        need: dict[int, float] = {}
-        for d, a in prim.acquire:
-            need[d] = need.get(d, 0.0) + a
-        short: list[object] = [d for d, a in need.items() if a > free[d] + _TOL]
-        short += [s for s in dag.slots_acquired(prim) if s in held]
+    for p, short in blocked:
         start = head[p]
         for r in short:
             ends = [end for end, q in first.get(r, ()) if q != p]
@@ -240,6 +261,7 @@ class _Compiler:
         else:
             self.cap = dict.fromkeys(exist, float(capacity))
         self._mem: dict[str, float] = {}
+        self._state_cache: dict[tuple[str, str, bool], tuple[tuple[str, str], ...]] = {}
         self.unit_memory = unit_memory
         self.rank = {name: i for i, name in enumerate(target.stage_names)}
         for u in cur.units:
@@ -255,8 +277,12 @@ class _Compiler:
         pid = len(self.prims)
         mem = self._mem  # every unit's memory is known before primitives are built
         acq = tuple((d, mem[u.uid]) for u in outs for d in u.devices)
-        rel = tuple((d, mem[u.uid]) for u in ins for d in u.devices if d not in self.lostdev)
-        lost = kind == "destroy" and bool(self.lostdev.intersection(ins[0].devices))
+        lostdev = self.lostdev
+        if lostdev:
+            rel = tuple((d, mem[u.uid]) for u in ins for d in u.devices if d not in lostdev)
+            lost = kind == "destroy" and bool(lostdev.intersection(ins[0].devices))
+        else:
+            rel, lost = tuple((d, mem[u.uid]) for u in ins for d in u.devices), False
         prim = Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost)
         self.prims.append(prim)
         self.slot_acq.append(prim.slots_acquired() if self.stage_slots else ())
@@ -265,8 +291,9 @@ class _Compiler:
     # -- building blocks -------------------------------------------------
     def _check_memory(self) -> None:
         used = dict.fromkeys(self.exist, 0.0)
+        mem = self._mem
         for u in self.cur.units:
-            m = self.mem(u)
+            m = mem[u.uid]
             for d in u.devices:
                 if d in used:
                     used[d] += m
@@ -280,7 +307,7 @@ class _Compiler:
         self.used = used
         tgt = dict.fromkeys(self.exist, 0.0)
         for u in self.diff.target.units:
-            m = self.mem(u)
+            m = mem[u.uid]
             for d in u.devices:
                 tgt[d] += m
         for d, b in tgt.items():
@@ -414,7 +441,7 @@ class _Compiler:
         else:
             anchor_cat = 2 if consumed else 3
         src_groups, anchor_groups = self.src_groups, self.anchor_groups
-        for s in u.states:
+        for s in self._states(u):
             g = src_groups.get((s, u.stage))
             if g is None:
                 g = src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
@@ -432,10 +459,18 @@ class _Compiler:
             if du is not None:
                 du[uid] = None
 
+    def _states(self, u: Unit) -> tuple[tuple[str, str], ...]:
+        # Units repeat a handful of (model, stage, trains) triples: build each tuple once.
+        key = (u.model, u.stage, u.trains)
+        st = self._state_cache.get(key)
+        if st is None:
+            st = self._state_cache[key] = u.states
+        return st
+
     def _drop_live(self, u: Unit) -> None:
         uid = u.uid
         del self.live[uid]
-        for s in u.states:
+        for s in self._states(u):
             for g in self.src_groups[(s, u.stage)]:
                 g.pop(uid, None)
             for g in self.anchor_groups[s]:
