@@ -120,12 +120,14 @@ def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> T
     bound = makespan_lower_bound(dag, dur)
     if best_t <= bound + 1e-9:
         return dag  # already optimal for these primitives: refinement cannot help
-    for priority in ("bottom", "order"):
-        alt = refine_by_list_schedule(dag, cost_fn, priority)
+    for priority, reserve in (("bottom", False), ("order", False), ("bottom", True)):
+        alt = refine_by_list_schedule(dag, cost_fn, priority, reserve=reserve)
         if alt is not None:
             t, _ = longest_path(alt, dur)
             if t < best_t - 1e-12:
                 best, best_t = alt, t
+                if best_t <= bound + 1e-9:
+                    return best
     boost = [0.0] * len(dag.primitives)
     for _ in range(repairs):
         _, path = longest_path(best, dur)
@@ -135,14 +137,15 @@ def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> T
             break
         for p in waits:
             boost[p] += best_t
-        alt = refine_by_list_schedule(dag, cost_fn, "bottom", boost)
-        if alt is None:
-            break
-        t, _ = longest_path(alt, dur)
-        if t >= best_t - 1e-12:
-            break
-        best, best_t = alt, t
-        if best_t <= bound + 1e-9:
+        improved = False
+        for reserve in (False, True):
+            alt = refine_by_list_schedule(dag, cost_fn, "bottom", boost, reserve=reserve)
+            if alt is None:
+                continue
+            t, _ = longest_path(alt, dur)
+            if t < best_t - 1e-12:
+                best, best_t, improved = alt, t, True
+        if not improved or best_t <= bound + 1e-9:
             break
     return best
 

@@ -36,6 +36,7 @@ def refine_by_list_schedule(
     cost_fn: PrimitiveCostFn,
     priority: str = "bottom",
     boost: Sequence[float] | None = None,
+    reserve: bool = False,
 ) -> TransitionDAG | None:
     """The DAG with resource edges re-derived from a list schedule, or None if it gets stuck.
 
@@ -46,6 +47,13 @@ def refine_by_list_schedule(
             data path, then the compiler's order) or ``"order"`` (the compiler's order).
         boost: seconds added to a primitive's priority (to start it before others that
             compete for the same memory).
+        reserve: a ready primitive that does not fit yet reserves the memory it needs:
+            one of lower priority starts only if that memory stays free (so a primitive
+            with slack does not take memory a critical one waits for). Primitives that
+            acquire nothing start first, then in-place splits and merges (they hold
+            extra memory only while they run; once extends fill a device they could
+            not run at all). Where reservations would leave nothing running, the step
+            is retried without them.
     Returns:
         the refined DAG, or None when greedy list scheduling reaches a state where
         nothing runs and no ready primitive fits (the compiled DAG is then kept).
@@ -83,6 +91,12 @@ def refine_by_list_schedule(
         bottom = [0.0] * n
     if boost is not None:
         bottom = [b + x for b, x in zip(bottom, boost)]
+    if reserve:
+        top = max(bottom, default=0.0) + 1.0
+        bottom = [
+            (2 * top if not prims[p].acquire else top + b if prims[p].release else b)
+            for p, b in enumerate(bottom)
+        ]
     ready = [(-bottom[p], rank_sigma[p], p) for p in range(n) if npred[p] == 0]
     heapq.heapify(ready)
     running: list[tuple[float, int]] = []
@@ -94,14 +108,27 @@ def refine_by_list_schedule(
     now = 0.0
     finished = 0
     while finished < n:
-        waiting = []
-        while ready:
-            item = heapq.heappop(ready)
-            p = item[2]
-            prim = prims[p]
-            if all(used[d] + a <= cap[d] + _TOL for d, a in prim.acquire) and all(
-                s not in slots for s in slot_acq[p]
-            ):
+        use_reserve = reserve
+        while True:
+            waiting = []
+            reserved: dict[int, float] = {}
+            while ready:
+                item = heapq.heappop(ready)
+                p = item[2]
+                prim = prims[p]
+                fits = all(used[d] + a <= cap[d] + _TOL for d, a in prim.acquire) and all(
+                    s not in slots for s in slot_acq[p]
+                )
+                if fits and reserved and prim.acquire:
+                    fits = all(
+                        used[d] + a + reserved.get(d, 0.0) <= cap[d] + _TOL for d, a in prim.acquire
+                    )
+                if not fits:
+                    if use_reserve:
+                        for d, a in prim.acquire:
+                            reserved[d] = reserved.get(d, 0.0) + a
+                    waiting.append(item)
+                    continue
                 a_bits = 0
                 for q in dpreds[p]:
                     a_bits |= anc[q] | (1 << q)
@@ -118,10 +145,11 @@ def refine_by_list_schedule(
                 anc[p] = a_bits
                 order.append(p)
                 heapq.heappush(running, (now + dur[p], p))
-            else:
-                waiting.append(item)
-        for item in waiting:
-            heapq.heappush(ready, item)
+            for item in waiting:
+                heapq.heappush(ready, item)
+            if running or not use_reserve:
+                break
+            use_reserve = False  # reservations alone held everything back: plain greedy
         if not running:
             return None  # greedy got stuck; the compiler's own DAG stands
         now, p = heapq.heappop(running)
