@@ -616,3 +616,28 @@ def test_refinement_reserves_memory_for_critical_primitives(kind):
     t = predicted_completion_time(best, cost)
     assert t <= 1.05 * res.makespan_s, (t, res.makespan_s)
     assert predicted_completion_time(plain, cost) > 1.05 * res.makespan_s  # the case is real
+
+
+def test_planning_time_grows_about_linearly_with_devices():
+    # Pins the complexity, not a machine's speed: CPU time (not wall time, the test box
+    # is shared), minimum of three, and a generous bound on the 4x larger problem (linear
+    # work gives ~4x; a per-primitive scan over all units would give ~16x).
+    import time
+
+    from nereus_rl.transition_scenarios import SCALED_CAPACITY, scaled_scenario
+
+    def cpu(n):
+        sc = scaled_scenario(n)
+        best = float("inf")
+        for _ in range(3):
+            t = time.thread_time()
+            dag = compile_transition(
+                sc.current, sc.target, unit_memory=scenario_unit_memory, capacity=SCALED_CAPACITY
+            )
+            best = min(best, time.thread_time() - t)
+        assert len(dag.primitives) == 5 * n // 8
+        return best
+
+    small, large = cpu(1024), cpu(4096)
+    assert large < 3.0, f"4,096 devices took {large:.2f} s CPU"
+    assert large < 10 * small, f"1,024: {small * 1e3:.1f} ms, 4,096: {large * 1e3:.1f} ms CPU"
