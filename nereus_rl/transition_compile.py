@@ -289,6 +289,7 @@ class _Compiler:
         prim = Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost)
         self.prims.append(prim)
         self.slot_acq.append(prim.slots_acquired() if self.stage_slots else ())
+        self.slot_rel.append(prim.slots_released() if self.stage_slots else ())
         return pid
 
     # -- building blocks -------------------------------------------------
@@ -331,6 +332,7 @@ class _Compiler:
     def run(self) -> TransitionDAG:
         self.prims: list[Primitive] = []
         self.slot_acq: list[tuple[tuple[str, int], ...]] = []
+        self.slot_rel: list[tuple[tuple[str, int], ...]] = []
         halves = tuple(h for _, hs, _ in self.diff.relayouts for h in hs)
         for u in self.cur.units + self.diff.target.units + halves:
             self.mem(u)
@@ -377,6 +379,7 @@ class _Compiler:
         self.final = {u.uid for u in diff.target.units}
         self.creator: dict[str, int] = {}
         self.live: dict[str, Unit] = {}
+        self.live_cat: dict[str, tuple[int, int]] = {}
         # Live holders of each state by preference class (OrderedDicts: O(1) round-robin).
         self.src_groups: dict[tuple[tuple[str, str], str], tuple[OrderedDict, ...]] = {}
         self.anchor_groups: dict[tuple[str, str], tuple[OrderedDict, ...]] = {}
@@ -443,6 +446,7 @@ class _Compiler:
             anchor_cat = 1 if created else 0
         else:
             anchor_cat = 2 if consumed else 3
+        self.live_cat[uid] = (src_cat, anchor_cat)
         src_groups, anchor_groups = self.src_groups, self.anchor_groups
         for s in self._states(u):
             g = src_groups.get((s, u.stage))
@@ -473,11 +477,10 @@ class _Compiler:
     def _drop_live(self, u: Unit) -> None:
         uid = u.uid
         del self.live[uid]
+        src_cat, anchor_cat = self.live_cat.pop(uid)  # the groups _add_live put it in
         for s in self._states(u):
-            for g in self.src_groups[(s, u.stage)]:
-                g.pop(uid, None)
-            for g in self.anchor_groups[s]:
-                g.pop(uid, None)
+            del self.src_groups[(s, u.stage)][src_cat][uid]
+            del self.anchor_groups[s][anchor_cat][uid]
         stage, slot, dev_units = u.stage, self.slot, self.dev_units
         for d in u.devices:
             if slot.get((stage, d)) == uid:
@@ -687,7 +690,7 @@ class _Compiler:
         for d, r in prim.release:
             self.used[d] -= r
             self.funds[d].append([p, r])
-        for s in prim.slots_released() if self.stage_slots else ():
+        for s in self.slot_rel[p]:
             self.slot_free_by[s] = p
         self.order.append(p)
         self.done.add(p)
