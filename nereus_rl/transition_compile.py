@@ -14,7 +14,9 @@ certificate: it proves that every topological execution of the DAG keeps each
 device within capacity and gives no stage slot to two units. All edges point
 forward in the simulated order, so the DAG is acyclic by construction.
 Finally :mod:`nereus_rl.transition_refine` re-derives the resource edges from a
-list schedule by predicted cost, and the faster of the two DAGs is returned.
+list schedule by predicted cost, and the faster of the DAGs is returned; the
+refinement is skipped (or stopped) once a DAG meets :func:`makespan_lower_bound`,
+a completion time no safe schedule of the same primitives can beat.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ def compile_transition(
 def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> TransitionDAG:
     """The fastest of the compiled DAG and its list-schedule refinements.
 
-    After the two plain priority rules, a few repair rounds boost the primitives whose
-    start on the critical path waits on a resource edge, so that they take the freed
-    memory before primitives with slack do; a round that does not help ends the search.
+    After the plain priority rules (with and without memory reservation), a few repair
+    rounds boost the primitives whose start on the critical path waits on a resource
+    edge, so that they take the freed memory before primitives with slack do; a round
+    that does not help ends the search, and so does reaching the lower bound.
     """
     dur = [float(cost_fn(p)) for p in dag.primitives]
     best, (best_t, path) = dag, longest_path(dag, dur)

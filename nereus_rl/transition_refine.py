@@ -12,7 +12,12 @@ as soon as their memory and stage slots are free; each acquisition is funded by
 the free memory at start or by releases that have already ended. Every edge
 still points from an earlier end to a later start, so the DAG stays acyclic and
 the funding certificate holds for every order. The compiler keeps whichever of
-the two DAGs has the shorter predicted completion time.
+the DAGs has the shorter predicted completion time.
+
+Greedy list scheduling alone can lose to the optimum when a primitive with slack
+takes memory a critical one waits for, or when extends fill a device before an
+in-place split (which holds both halves while it runs) gets to run; the
+``reserve`` variant guards against both.
 """
 
 from __future__ import annotations
