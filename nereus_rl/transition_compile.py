@@ -337,8 +337,10 @@ class _Compiler:
         self.slot_acq: list[tuple[tuple[str, int], ...]] = []
         self.slot_rel: list[tuple[tuple[str, int], ...]] = []
         halves = tuple(h for _, hs, _ in self.diff.relayouts for h in hs)
+        mem, unit_memory = self._mem, self.unit_memory
         for u in self.cur.units + self.diff.target.units + halves:
-            self.mem(u)
+            if u.uid not in mem:
+                mem[u.uid] = float(unit_memory(u))
         self._check_memory()
         diff = self.diff
         lost_pids = [self._prim("destroy", u.stage, (u,), ()) for u in diff.lost]
@@ -383,6 +385,7 @@ class _Compiler:
         self.creator: dict[str, int] = {}
         self.live: dict[str, Unit] = {}
         self.live_cat: dict[str, tuple[int, int]] = {}
+        self._group_cache: dict[tuple[str, str, bool], tuple] = {}
         # Live holders of each state by preference class (OrderedDicts: O(1) round-robin).
         self.src_groups: dict[tuple[tuple[str, str], str], tuple[OrderedDict, ...]] = {}
         self.anchor_groups: dict[tuple[str, str], tuple[OrderedDict, ...]] = {}
@@ -450,24 +453,41 @@ class _Compiler:
         else:
             anchor_cat = 2 if consumed else 3
         self.live_cat[uid] = (src_cat, anchor_cat)
-        src_groups, anchor_groups = self.src_groups, self.anchor_groups
-        for s in self._states(u):
-            g = src_groups.get((s, u.stage))
-            if g is None:
-                g = src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
-            g[src_cat][uid] = None
-            g = anchor_groups.get(s)
-            if g is None:
-                g = anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
-            g[anchor_cat][uid] = None
+        for sg, ag in self._groups(u):
+            sg[src_cat][uid] = None
+            ag[anchor_cat][uid] = None
         # Per-device indexes (who holds a stage slot, which units sit on a device) keep
         # the blocked-acquisition search local to the devices involved.
         stage, slot, dev_units = u.stage, self.slot, self.dev_units
-        for d in u.devices:
-            slot[(stage, d)] = uid
-            du = dev_units.get(d)
-            if du is not None:
-                du[uid] = None
+        if self.lostdev:  # units on lost devices keep their other devices' slots only
+            for d in u.devices:
+                slot[(stage, d)] = uid
+                du = dev_units.get(d)
+                if du is not None:
+                    du[uid] = None
+        else:
+            for d in u.devices:
+                slot[(stage, d)] = uid
+                dev_units[d][uid] = None
+
+    def _groups(
+        self, u: Unit
+    ) -> tuple[tuple[tuple[OrderedDict, ...], tuple[OrderedDict, ...]], ...]:
+        """Per state of ``u``: its source groups (by stage) and its anchor groups."""
+        key = (u.model, u.stage, u.trains)
+        out = self._group_cache.get(key)
+        if out is None:
+            pairs = []
+            for s in self._states(u):
+                sg = self.src_groups.get((s, u.stage))
+                if sg is None:
+                    sg = self.src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
+                ag = self.anchor_groups.get(s)
+                if ag is None:
+                    ag = self.anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
+                pairs.append((sg, ag))
+            out = self._group_cache[key] = tuple(pairs)
+        return out
 
     def _states(self, u: Unit) -> tuple[tuple[str, str], ...]:
         # Units repeat a handful of (model, stage, trains) triples: build each tuple once.
@@ -481,9 +501,9 @@ class _Compiler:
         uid = u.uid
         del self.live[uid]
         src_cat, anchor_cat = self.live_cat.pop(uid)  # the groups _add_live put it in
-        for s in self._states(u):
-            del self.src_groups[(s, u.stage)][src_cat][uid]
-            del self.anchor_groups[s][anchor_cat][uid]
+        for sg, ag in self._groups(u):
+            del sg[src_cat][uid]
+            del ag[anchor_cat][uid]
         stage, slot, dev_units = u.stage, self.slot, self.dev_units
         for d in u.devices:
             if slot.get((stage, d)) == uid:
