@@ -641,3 +641,13 @@ def test_planning_time_grows_about_linearly_with_devices():
     small, large = cpu(1024), cpu(4096)
     assert large < 3.0, f"4,096 devices took {large:.2f} s CPU"
     assert large < 10 * small, f"1,024: {small * 1e3:.1f} ms, 4,096: {large * 1e3:.1f} ms CPU"
+
+
+def test_placement_rejects_a_uid_used_twice():
+    from nereus_rl.transition import Unit
+
+    a = Unit("rollout#0", "rollout", "actor", False, 1, 1, (0,))
+    b = a._replace(devices=(1,))
+    assert len(Placement((a, a._replace(uid="rollout#1"))).units) == 2
+    with pytest.raises(ValueError, match=r"uid 'rollout#0' names two units"):
+        Placement((a, b))
