@@ -474,8 +474,8 @@ def test_random_pairs_without_stage_slots(kind):
 def test_makespan_lower_bound_never_beats_a_schedule():
     # The bound lets refinement stop early; it must hold for every safe schedule: the
     # compiled DAGs (refined or not) and CP-SAT's proven optimum.
-    from nereus_rl.transition_compile import makespan_lower_bound
     from nereus_rl.transition_milp import schedule_cpsat
+    from nereus_rl.transition_refine import makespan_lower_bound
 
     def cost(p):
         return max(1, round(default_primitive_cost(p) / 0.01)) * 0.01
@@ -516,7 +516,7 @@ def test_makespan_lower_bound_never_beats_a_schedule():
 def test_scaled_rebalance_meets_the_lower_bound():
     # The destroys that free the new devices must end before the extends there start:
     # that chain is the bound, and the compiled DAG meets it (so refinement is skipped).
-    from nereus_rl.transition_compile import makespan_lower_bound
+    from nereus_rl.transition_refine import makespan_lower_bound
     from nereus_rl.transition_scenarios import (
         SCALED_CAPACITY,
         scaled_scenario,
