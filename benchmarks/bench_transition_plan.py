@@ -30,7 +30,9 @@ Durations are the default primitive cost table (``default_primitive_cost``), in 
 units. CP-SAT runs with one worker (the dev box has two shared cores), once starting
 from the DAG's own schedule as a hint and once cold.
 
-Usage: python benchmarks/bench_transition_plan.py [--quick] [--json PATH]
+Table 0 (breakdown): the CPU time of the plan diff, the simulation and the refinement.
+
+Usage: python benchmarks/bench_transition_plan.py [--quick] [--breakdown-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ import time
 
 from nereus_rl.transition import (
     InfeasibleTargetError,
+    Placement,
     compile_transition,
     default_primitive_cost,
+    diff_plans,
     predicted_completion_time,
 )
 from nereus_rl.transition_milp import schedule_cpsat
@@ -85,6 +89,42 @@ def _plan_times(sc, repeats: int, refine: bool = True):
         best_cpu = min(best_cpu, time.thread_time() - c)
         best_wall = min(best_wall, time.perf_counter() - t)
     return best_wall, best_cpu, dag
+
+
+def breakdown_rows(quick: bool) -> list[dict]:
+    """CPU time of the three parts of ``compile_transition`` (no solver): the plan diff,
+    the sequential simulation (``refine=False`` minus the diff) and the refinement
+    (end to end minus ``refine=False``); minimum over the repeats of each. Uses only the
+    public API, so the same command measures another checkout through PYTHONPATH."""
+    rows = []
+    for n in SCALES:
+        sc = scaled_scenario(n)
+        repeats = 5 if (quick or n >= 4096) else 11
+        diff_s = math.inf
+        for _ in range(repeats):
+            c = time.thread_time()
+            diff_plans(Placement.from_plan(sc.current), sc.target, lost_devices=sc.lost)
+            diff_s = min(diff_s, time.thread_time() - c)
+        _, plain_s, _ = _plan_times(sc, repeats, refine=False)
+        _, full_s, dag = _plan_times(sc, repeats)
+        row = {
+            "devices": n,
+            "primitives": len(dag.primitives),
+            "diff_cpu_ms": diff_s * 1e3,
+            "simulate_cpu_ms": max(0.0, plain_s - diff_s) * 1e3,
+            "refine_cpu_ms": max(0.0, full_s - plain_s) * 1e3,
+            "plan_cpu_ms": full_s * 1e3,
+            "plan_cpu_per_primitive_us": full_s * 1e6 / len(dag.primitives),
+        }
+        rows.append(row)
+        print(
+            f"{n:>5} dev {row['primitives']:>5} prims | diff {row['diff_cpu_ms']:7.2f} ms "
+            f"simulate {row['simulate_cpu_ms']:7.2f} ms refine {row['refine_cpu_ms']:7.2f} ms "
+            f"| plan {row['plan_cpu_ms']:7.2f} ms CPU ({row['plan_cpu_per_primitive_us']:.1f} us "
+            f"per primitive)",
+            flush=True,
+        )
+    return rows
 
 
 def scale_rows(quick: bool) -> list[dict]:
@@ -190,7 +230,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter solver limits, fewer repeats")
     ap.add_argument("--json", type=str, default=None, help="write the rows here")
+    ap.add_argument(
+        "--breakdown-only",
+        action="store_true",
+        help="only the CPU-time breakdown of planning (diff / simulate / refine), no solver",
+    )
     args = ap.parse_args()
+    print("Table 0: CPU-time breakdown of planning")
+    breakdown = breakdown_rows(args.quick)
+    if args.breakdown_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "bench_transition_plan", "rows": breakdown}, f, indent=1)
+        return
     print("Table 1: planning time and completion-time gap at scale")
     scale = scale_rows(args.quick)
     at1024 = next(r for r in scale if r["devices"] == 1024)
@@ -201,7 +253,8 @@ def main() -> None:
     )
     print("Table 2: completion-time gap on random 12-device transitions")
     rand = random_rows(args.quick)
-    rows = [{"table": "scale", **r} for r in scale] + [{"table": "random", **r} for r in rand]
+    rows = [{"table": "breakdown", **r} for r in breakdown]
+    rows += [{"table": "scale", **r} for r in scale] + [{"table": "random", **r} for r in rand]
     if args.json:
         with open(args.json, "w") as f:
             rows = [{k: _finite(v) for k, v in r.items()} for r in rows]

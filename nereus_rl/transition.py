@@ -107,11 +107,14 @@ class Placement:
     units: tuple[Unit, ...]
 
     def __post_init__(self) -> None:
+        uids = [u.uid for u in self.units]
+        if len(set(uids)) == len(uids):
+            return
         seen: set[str] = set()
-        for u in self.units:
-            if u.uid in seen:
-                raise ValueError(f"Placement: uid {u.uid!r} names two units; give each a uid")
-            seen.add(u.uid)
+        for uid in uids:
+            if uid in seen:
+                raise ValueError(f"Placement: uid {uid!r} names two units; give each a uid")
+            seen.add(uid)
 
     @staticmethod
     def from_plan(plan: GlobalPlan) -> Placement:

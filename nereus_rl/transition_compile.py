@@ -14,7 +14,10 @@ certificate: it proves that every topological execution of the DAG keeps each
 device within capacity and gives no stage slot to two units. All edges point
 forward in the simulated order, so the DAG is acyclic by construction.
 Finally :mod:`nereus_rl.transition_refine` re-derives the resource edges from a
-list schedule by predicted cost, and the faster of the two DAGs is returned.
+list schedule by predicted cost, and the faster of the DAGs is returned; the
+refinement is skipped (or stopped) once a DAG meets its
+:func:`~nereus_rl.transition_refine.makespan_lower_bound`,
+a completion time no safe schedule of the same primitives can beat.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from nereus_rl.transition import (
     longest_path,
 )
 from nereus_rl.transition_diff import TransitionDiff, diff_plans
-from nereus_rl.transition_refine import refine_by_list_schedule
+from nereus_rl.transition_refine import makespan_lower_bound, refine_by_list_schedule
 
 _TOL = 1e-3  # bytes: slack for float sums of memory
 
@@ -107,21 +110,27 @@ def compile_transition(
 def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> TransitionDAG:
     """The fastest of the compiled DAG and its list-schedule refinements.
 
-    After the two plain priority rules, a few repair rounds boost the primitives whose
-    start on the critical path waits on a resource edge, so that they take the freed
-    memory before primitives with slack do; a round that does not help ends the search.
+    After the plain priority rules (with and without memory reservation), a few repair
+    rounds boost the primitives whose start on the critical path waits on a resource
+    edge, so that they take the freed memory before primitives with slack do; a round
+    that does not help ends the search, and so does reaching the lower bound.
     """
     dur = [float(cost_fn(p)) for p in dag.primitives]
     best, (best_t, path) = dag, longest_path(dag, dur)
     kinds = {(e.src, e.dst): e.kind for e in dag.edges}
     if all(kinds.get(ab) == "data" for ab in itertools.pairwise(path)):
         return dag  # the critical path is data edges only: no schedule can be shorter
-    for priority in ("bottom", "order"):
-        alt = refine_by_list_schedule(dag, cost_fn, priority)
+    bound = makespan_lower_bound(dag, dur)
+    if best_t <= bound + 1e-9:
+        return dag  # already optimal for these primitives: refinement cannot help
+    for priority, reserve in (("bottom", False), ("order", False), ("bottom", True)):
+        alt = refine_by_list_schedule(dag, cost_fn, priority, reserve=reserve)
         if alt is not None:
             t, _ = longest_path(alt, dur)
             if t < best_t - 1e-12:
                 best, best_t = alt, t
+                if best_t <= bound + 1e-9:
+                    return best
     boost = [0.0] * len(dag.primitives)
     for _ in range(repairs):
         _, path = longest_path(best, dur)
@@ -131,13 +140,16 @@ def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> T
             break
         for p in waits:
             boost[p] += best_t
-        alt = refine_by_list_schedule(dag, cost_fn, "bottom", boost)
-        if alt is None:
+        improved = False
+        for reserve in (False, True):
+            alt = refine_by_list_schedule(dag, cost_fn, "bottom", boost, reserve=reserve)
+            if alt is None:
+                continue
+            t, _ = longest_path(alt, dur)
+            if t < best_t - 1e-12:
+                best, best_t, improved = alt, t, True
+        if not improved or best_t <= bound + 1e-9:
             break
-        t, _ = longest_path(alt, dur)
-        if t >= best_t - 1e-12:
-            break
-        best, best_t = alt, t
     return best
 
 
@@ -163,6 +175,7 @@ class _Compiler:
         else:
             self.cap = dict.fromkeys(exist, float(capacity))
         self._mem: dict[str, float] = {}
+        self._state_cache: dict[tuple[str, str, bool], tuple[tuple[str, str], ...]] = {}
         self.unit_memory = unit_memory
         self.rank = {name: i for i, name in enumerate(target.stage_names)}
         for u in cur.units:
@@ -178,18 +191,24 @@ class _Compiler:
         pid = len(self.prims)
         mem = self._mem  # every unit's memory is known before primitives are built
         acq = tuple((d, mem[u.uid]) for u in outs for d in u.devices)
-        rel = tuple((d, mem[u.uid]) for u in ins for d in u.devices if d not in self.lostdev)
-        lost = kind == "destroy" and bool(self.lostdev.intersection(ins[0].devices))
+        lostdev = self.lostdev
+        if lostdev:
+            rel = tuple((d, mem[u.uid]) for u in ins for d in u.devices if d not in lostdev)
+            lost = kind == "destroy" and bool(lostdev.intersection(ins[0].devices))
+        else:
+            rel, lost = tuple((d, mem[u.uid]) for u in ins for d in u.devices), False
         prim = Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost)
         self.prims.append(prim)
         self.slot_acq.append(prim.slots_acquired() if self.stage_slots else ())
+        self.slot_rel.append(prim.slots_released() if self.stage_slots else ())
         return pid
 
     # -- building blocks -------------------------------------------------
     def _check_memory(self) -> None:
         used = dict.fromkeys(self.exist, 0.0)
+        mem = self._mem
         for u in self.cur.units:
-            m = self.mem(u)
+            m = mem[u.uid]
             for d in u.devices:
                 if d in used:
                     used[d] += m
@@ -203,7 +222,7 @@ class _Compiler:
         self.used = used
         tgt = dict.fromkeys(self.exist, 0.0)
         for u in self.diff.target.units:
-            m = self.mem(u)
+            m = mem[u.uid]
             for d in u.devices:
                 tgt[d] += m
         for d, b in tgt.items():
@@ -224,9 +243,12 @@ class _Compiler:
     def run(self) -> TransitionDAG:
         self.prims: list[Primitive] = []
         self.slot_acq: list[tuple[tuple[str, int], ...]] = []
+        self.slot_rel: list[tuple[tuple[str, int], ...]] = []
         halves = tuple(h for _, hs, _ in self.diff.relayouts for h in hs)
+        mem, unit_memory = self._mem, self.unit_memory
         for u in self.cur.units + self.diff.target.units + halves:
-            self.mem(u)
+            if u.uid not in mem:
+                mem[u.uid] = float(unit_memory(u))
         self._check_memory()
         diff = self.diff
         lost_pids = [self._prim("destroy", u.stage, (u,), ()) for u in diff.lost]
@@ -270,6 +292,8 @@ class _Compiler:
         self.final = {u.uid for u in diff.target.units}
         self.creator: dict[str, int] = {}
         self.live: dict[str, Unit] = {}
+        self.live_cat: dict[str, tuple[int, int]] = {}
+        self._group_cache: dict[tuple[str, str, bool], tuple] = {}
         # Live holders of each state by preference class (OrderedDicts: O(1) round-robin).
         self.src_groups: dict[tuple[tuple[str, str], str], tuple[OrderedDict, ...]] = {}
         self.anchor_groups: dict[tuple[str, str], tuple[OrderedDict, ...]] = {}
@@ -327,38 +351,74 @@ class _Compiler:
 
     # -- liveness ----------------------------------------------------------
     def _add_live(self, u: Unit) -> None:
-        self.live[u.uid] = u
-        created = u.uid in self.creator
-        consumed = u.uid in self.consumer
-        final = u.uid in self.final
+        uid = u.uid
+        self.live[uid] = u
+        created = uid in self.creator
+        consumed = uid in self.consumer
         src_cat = 2 * created + consumed
-        anchor_cat = (0 if not created else 1) if final else (2 if consumed else 3)
-        for s in u.states:
-            g = self.src_groups.get((s, u.stage))
-            if g is None:
-                g = self.src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
-            g[src_cat][u.uid] = None
-            g = self.anchor_groups.get(s)
-            if g is None:
-                g = self.anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
-            g[anchor_cat][u.uid] = None
-        for d in u.devices:
-            self.slot[(u.stage, d)] = u.uid
-            if d in self.dev_units:
-                self.dev_units[d][u.uid] = None
+        if uid in self.final:
+            anchor_cat = 1 if created else 0
+        else:
+            anchor_cat = 2 if consumed else 3
+        self.live_cat[uid] = (src_cat, anchor_cat)
+        for sg, ag in self._groups(u):
+            sg[src_cat][uid] = None
+            ag[anchor_cat][uid] = None
+        # Per-device indexes (who holds a stage slot, which units sit on a device) keep
+        # the blocked-acquisition search local to the devices involved.
+        stage, slot, dev_units = u.stage, self.slot, self.dev_units
+        if self.lostdev:  # units on lost devices keep their other devices' slots only
+            for d in u.devices:
+                slot[(stage, d)] = uid
+                du = dev_units.get(d)
+                if du is not None:
+                    du[uid] = None
+        else:
+            for d in u.devices:
+                slot[(stage, d)] = uid
+                dev_units[d][uid] = None
+
+    def _groups(
+        self, u: Unit
+    ) -> tuple[tuple[tuple[OrderedDict, ...], tuple[OrderedDict, ...]], ...]:
+        """Per state of ``u``: its source groups (by stage) and its anchor groups."""
+        key = (u.model, u.stage, u.trains)
+        out = self._group_cache.get(key)
+        if out is None:
+            pairs = []
+            for s in self._states(u):
+                sg = self.src_groups.get((s, u.stage))
+                if sg is None:
+                    sg = self.src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
+                ag = self.anchor_groups.get(s)
+                if ag is None:
+                    ag = self.anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
+                pairs.append((sg, ag))
+            out = self._group_cache[key] = tuple(pairs)
+        return out
+
+    def _states(self, u: Unit) -> tuple[tuple[str, str], ...]:
+        # Units repeat a handful of (model, stage, trains) triples: build each tuple once.
+        key = (u.model, u.stage, u.trains)
+        st = self._state_cache.get(key)
+        if st is None:
+            st = self._state_cache[key] = u.states
+        return st
 
     def _drop_live(self, u: Unit) -> None:
-        del self.live[u.uid]
-        for s in u.states:
-            for g in self.src_groups[(s, u.stage)]:
-                g.pop(u.uid, None)
-            for g in self.anchor_groups[s]:
-                g.pop(u.uid, None)
+        uid = u.uid
+        del self.live[uid]
+        src_cat, anchor_cat = self.live_cat.pop(uid)  # the groups _add_live put it in
+        for sg, ag in self._groups(u):
+            del sg[src_cat][uid]
+            del ag[anchor_cat][uid]
+        stage, slot, dev_units = u.stage, self.slot, self.dev_units
         for d in u.devices:
-            if self.slot.get((u.stage, d)) == u.uid:
-                del self.slot[(u.stage, d)]
-            if d in self.dev_units:
-                self.dev_units[d].pop(u.uid, None)
+            if slot.get((stage, d)) == uid:
+                del slot[(stage, d)]
+            du = dev_units.get(d)
+            if du is not None:
+                du.pop(uid, None)
 
     # -- readiness ---------------------------------------------------------
     def _fits(self, p: int) -> bool:
@@ -561,7 +621,7 @@ class _Compiler:
         for d, r in prim.release:
             self.used[d] -= r
             self.funds[d].append([p, r])
-        for s in prim.slots_released() if self.stage_slots else ():
+        for s in self.slot_rel[p]:
             self.slot_free_by[s] = p
         self.order.append(p)
         self.done.add(p)

@@ -73,16 +73,24 @@ def diff_plans(
     """
     cur = current if isinstance(current, Placement) else Placement.from_plan(current)
     lost_set = frozenset(lost_devices)
-    lost = tuple(u for u in cur.units if lost_set.intersection(u.devices))
-    alive = [u for u in cur.units if not lost_set.intersection(u.devices)]
+    if lost_set:
+        lost = tuple(u for u in cur.units if lost_set.intersection(u.devices))
+        alive = [u for u in cur.units if not lost_set.intersection(u.devices)]
+    else:
+        lost, alive = (), list(cur.units)
 
-    # Every state must survive: held by a live unit now, and by some target unit.
+    # Every state must survive: held by a live unit now, and by some target unit. States
+    # depend only on (stage, model, trains): check each kind of unit once, not each unit.
+    def kind_states(units) -> set[tuple[str, str]]:
+        kinds = {(u.stage, u.model, u.trains) for u in units}
+        return {s for k in kinds for s in Unit("", *k, 1, 1, ()).states}
+
     target_states = {
         s for sp in target.stages for s in Unit("", sp.stage, sp.model, sp.trains, 1, 1, ()).states
     }
-    alive_states = {s for u in alive for s in u.states}
-    for u in cur.units:
-        for s in u.states:
+    alive_states = kind_states(alive)
+    for kind in dict.fromkeys((u.stage, u.model, u.trains) for u in cur.units):
+        for s in Unit("", *kind, 1, 1, ()).states:
             if s not in target_states:
                 holders = [v for v in cur.units if s in v.states]
                 raise StateLossError(
@@ -117,7 +125,7 @@ def diff_plans(
 
     for sp in target.stages:
         rem = by_stage.pop(sp.stage, [])
-        by_layout = {u.layout: u for u in rem}
+        by_layout = {(u.tp, u.pp, u.devices): u for u in rem}
         todo: list[tuple[int, ...]] = []
         for devs in sp.units:
             u = by_layout.pop((sp.tp, sp.pp, devs), None)
@@ -126,7 +134,7 @@ def diff_plans(
                 final.append(u)
             else:
                 todo.append(devs)
-        rem = [u for u in rem if u.layout in by_layout]
+        rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
         nxt = 0  # new units are "<stage>#<k>", the smallest k no current unit uses
         new: list[Unit] = []
         for devs in todo:

@@ -12,13 +12,19 @@ as soon as their memory and stage slots are free; each acquisition is funded by
 the free memory at start or by releases that have already ended. Every edge
 still points from an earlier end to a later start, so the DAG stays acyclic and
 the funding certificate holds for every order. The compiler keeps whichever of
-the two DAGs has the shorter predicted completion time.
+the DAGs has the shorter predicted completion time.
+
+Greedy list scheduling alone can lose to the optimum when a primitive with slack
+takes memory a critical one waits for, or when extends fill a device before an
+in-place split (which holds both halves while it runs) gets to run; the
+``reserve`` variant guards against both. :func:`makespan_lower_bound` tells the
+compiler when no variant can do better, so it can skip them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from nereus_rl.transition import (
     Edge,
@@ -26,6 +32,7 @@ from nereus_rl.transition import (
     PrimitiveCostFn,
     TransitionDAG,
     capacity_of,
+    topo_order,
 )
 
 _TOL = 1e-3
@@ -36,6 +43,7 @@ def refine_by_list_schedule(
     cost_fn: PrimitiveCostFn,
     priority: str = "bottom",
     boost: Sequence[float] | None = None,
+    reserve: bool = False,
 ) -> TransitionDAG | None:
     """The DAG with resource edges re-derived from a list schedule, or None if it gets stuck.
 
@@ -46,6 +54,13 @@ def refine_by_list_schedule(
             data path, then the compiler's order) or ``"order"`` (the compiler's order).
         boost: seconds added to a primitive's priority (to start it before others that
             compete for the same memory).
+        reserve: a ready primitive that does not fit yet reserves the memory it needs:
+            one of lower priority starts only if that memory stays free (so a primitive
+            with slack does not take memory a critical one waits for). Primitives that
+            acquire nothing start first, then in-place splits and merges (they hold
+            extra memory only while they run; once extends fill a device they could
+            not run at all). Where reservations would leave nothing running, the step
+            is retried without them.
     Returns:
         the refined DAG, or None when greedy list scheduling reaches a state where
         nothing runs and no ready primitive fits (the compiled DAG is then kept).
@@ -83,6 +98,12 @@ def refine_by_list_schedule(
         bottom = [0.0] * n
     if boost is not None:
         bottom = [b + x for b, x in zip(bottom, boost)]
+    if reserve:
+        top = max(bottom, default=0.0) + 1.0
+        bottom = [
+            (2 * top if not prims[p].acquire else top + b if prims[p].release else b)
+            for p, b in enumerate(bottom)
+        ]
     ready = [(-bottom[p], rank_sigma[p], p) for p in range(n) if npred[p] == 0]
     heapq.heapify(ready)
     running: list[tuple[float, int]] = []
@@ -94,14 +115,27 @@ def refine_by_list_schedule(
     now = 0.0
     finished = 0
     while finished < n:
-        waiting = []
-        while ready:
-            item = heapq.heappop(ready)
-            p = item[2]
-            prim = prims[p]
-            if all(used[d] + a <= cap[d] + _TOL for d, a in prim.acquire) and all(
-                s not in slots for s in slot_acq[p]
-            ):
+        use_reserve = reserve
+        while True:
+            waiting = []
+            reserved: dict[int, float] = {}
+            while ready:
+                item = heapq.heappop(ready)
+                p = item[2]
+                prim = prims[p]
+                fits = all(used[d] + a <= cap[d] + _TOL for d, a in prim.acquire) and all(
+                    s not in slots for s in slot_acq[p]
+                )
+                if fits and reserved and prim.acquire:
+                    fits = all(
+                        used[d] + a + reserved.get(d, 0.0) <= cap[d] + _TOL for d, a in prim.acquire
+                    )
+                if not fits:
+                    if use_reserve:
+                        for d, a in prim.acquire:
+                            reserved[d] = reserved.get(d, 0.0) + a
+                    waiting.append(item)
+                    continue
                 a_bits = 0
                 for q in dpreds[p]:
                     a_bits |= anc[q] | (1 << q)
@@ -118,10 +152,11 @@ def refine_by_list_schedule(
                 anc[p] = a_bits
                 order.append(p)
                 heapq.heappush(running, (now + dur[p], p))
-            else:
-                waiting.append(item)
-        for item in waiting:
-            heapq.heappush(ready, item)
+            for item in waiting:
+                heapq.heappush(ready, item)
+            if running or not use_reserve:
+                break
+            use_reserve = False  # reservations alone held everything back: plain greedy
         if not running:
             return None  # greedy got stuck; the compiler's own DAG stands
         now, p = heapq.heappop(running)
@@ -198,3 +233,95 @@ def _fund(
                 entries[:] = [x for x in entries if x[1] > _TOL]
                 return a_bits
     raise AssertionError(f"device {res}: {need} bytes unfunded though the device had room")
+
+
+def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
+    """A completion time no safe schedule of ``dag``'s primitives and data edges can beat.
+
+    Two bounds, the larger wins: the longest path over data edges alone; and, for each
+    primitive that cannot start at time 0 because a device's free memory (or a stage
+    slot) it acquires is short before the transition, the earliest end of any other
+    primitive that releases on that device (or slot), plus the primitive's remaining
+    data path. Memory on a device only grows when a release ends, so such a primitive
+    cannot start before one does. The refinement stops once the DAG reaches this bound.
+
+    Arguments:
+        dag: a compiled DAG.
+        durations: seconds per primitive id.
+    Returns:
+        seconds.
+    """
+    prims = dag.primitives
+    n = len(prims)
+    dpreds: list[list[int]] = [[] for _ in range(n)]
+    dsuccs: list[list[int]] = [[] for _ in range(n)]
+    for e in dag.edges:
+        if e.kind == "data":
+            dpreds[e.dst].append(e.src)
+            dsuccs[e.src].append(e.dst)
+    order = dag.order if len(dag.order) == n else topo_order(dag)
+    head = [0.0] * n  # earliest start by data edges
+    for p in order:
+        for q in dpreds[p]:
+            if head[q] + durations[q] > head[p]:
+                head[p] = head[q] + durations[q]
+    tail = [0.0] * n  # own duration plus the longest data path after it
+    for p in reversed(order):
+        tail[p] = durations[p] + max((tail[q] for q in dsuccs[p]), default=0.0)
+    bound = max((head[p] + tail[p] for p in range(n)), default=0.0)
+    mem = dict(dag.unit_bytes)
+    if isinstance(dag.capacity, Mapping):
+        free = {d: capacity_of(dag.capacity, d) for d in dag.devices}
+    else:
+        free = dict.fromkeys(dag.devices, float(dag.capacity))
+    held: set[tuple[str, int]] = set()
+    for u in dag.current.units:
+        m = mem[u.uid]
+        for d in u.devices:
+            if d in free:
+                free[d] -= m
+                if dag.stage_slots:
+                    held.add((u.stage, d))
+    # Primitives whose acquisition does not fit before the transition, and where.
+    blocked: list[tuple[int, list[object]]] = []
+    for p, prim in enumerate(prims):
+        if not prim.acquire:
+            continue
+        need: dict[int, float] = {}
+        for d, a in prim.acquire:
+            need[d] = need.get(d, 0.0) + a
+        short: list[object] = [d for d, a in need.items() if a > free[d] + _TOL]
+        if held:
+            short += [s for s in dag.slots_acquired(prim) if s in held]
+        if short:
+            blocked.append((p, short))
+    if not blocked:
+        return bound
+    wanted = {r for _, short in blocked for r in short}
+    want_slots = any(isinstance(r, tuple) for r in wanted)
+    # Per device (or slot) they need: the two earliest release ends, so a primitive that
+    # releases there itself still sees another's.
+    first: dict[object, list[tuple[float, int]]] = {}
+    for q, prim in enumerate(prims):
+        rel: set[object] = {d for d, _ in prim.release if d in wanted}
+        if want_slots:
+            rel.update(s for s in dag.slots_released(prim) if s in wanted)
+        if not rel:
+            continue
+        end = head[q] + durations[q]
+        for r in rel:
+            lst = first.setdefault(r, [])
+            lst.append((end, q))
+            if len(lst) > 2:
+                lst.sort()
+                del lst[2:]
+    for p, short in blocked:
+        start = head[p]
+        for r in short:
+            ends = [end for end, q in first.get(r, ()) if q != p]
+            # No releaser: the DAG could not be safe; leave that to the safety check.
+            if ends and min(ends) > start:
+                start = min(ends)
+        if start + tail[p] > bound:
+            bound = start + tail[p]
+    return bound
