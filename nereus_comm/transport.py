@@ -48,7 +48,7 @@ __all__ = [
 Buffers = Sequence[tuple[int, torch.Tensor]]
 
 #: GlooTransport splits larger buffers into chunks of this size (see its docstring).
-GLOO_CHUNK_BYTES = 1 << 20
+GLOO_CHUNK_BYTES = 16 << 20
 
 
 @dataclass
@@ -221,8 +221,10 @@ class GlooTransport(Transport):
         group: the gloo group (default: the default process group). Peers are
             global ranks, as everywhere in nereus_comm.
         chunk_bytes: buffers larger than this travel as consecutive chunks of this
-            size (both sides split the same way, since their sizes match). Gloo moves
-            many ~1 MiB transfers faster than one huge one: they pipeline.
+            size (both sides split the same way, since their sizes match). Each gloo
+            op costs ~40-80 us of CPU, so chunks are large: 16 MiB chunks cost ~1%
+            over one message, 1 MiB chunks ~20%; a bounded chunk still lets a
+            receiver's early chunks land while a huge buffer is in flight.
     """
 
     device_type = "cpu"
