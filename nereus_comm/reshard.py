@@ -7,7 +7,7 @@ same plan. Each rank:
    spec and its box in the layout: name, shape, dtype, device, contiguity.
    Nothing moves before all checks pass;
 2. builds the wire buffers of each message (:func:`wire_groups`): every piece
-   of at least 1 MiB travels as its own buffer, the smaller ones share one.
+   of at least 512 KiB travels as its own buffer, the smaller ones share one.
    A buffer that is one contiguous block of a shard is sent from, or received
    into, the shard's own storage (zero copy); the others go through one
    staging buffer, filled by a single :func:`~nereus_comm.pack.pack` call.
@@ -55,11 +55,11 @@ __all__ = [
 ]
 
 #: Pieces at least this large travel as their own wire buffer; smaller ones of a
-#: message share one. Each gloo send and receive costs ~40-80 us of CPU (measured:
-#: 128 MiB as 1,024 messages costs twice the CPU of one message), about what
-#: copying a few hundred KiB costs on both sides; with 64 KiB, a 256 MiB state
-#: went out as ~400 buffers per peer and reshard spent 40% more CPU than at 1 MiB.
-DIRECT_MIN_BYTES = 1 << 20
+#: message share one staged buffer. Each gloo send or receive costs ~25-50 us of
+#: CPU, about what copying 200-350 KiB costs: 64 MiB between two ranks as pieces
+#: of 64/128/256/512/1024 KiB cost 93/84/50/44/38 ms CPU sent one buffer each,
+#: 45/46/38/48/51 ms staged (both ranks; benchmarks/results/bench_reshard.md).
+DIRECT_MIN_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
         # Every other case reuses one workspace (staging buffers of earlier cases).
         ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
         # Every third case sends every non-empty piece as its own buffer (direct
-        # where contiguous), as the default does for pieces of >= 1 MiB.
+        # where contiguous), as the default does for pieces of >= 512 KiB.
         direct = {"direct_min_bytes": 1} if k % 3 == 0 else {}
         res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, **direct)
         want = shards_from_full(full, dst_specs, plan.dst, rank)
