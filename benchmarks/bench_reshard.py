@@ -109,8 +109,12 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
 
     workspace = Workspace()  # staging reused across runs, as raw reuses its buffers
 
+    last = {}
+
     def resharded() -> None:
-        reshard(plan, rank, shards, transport, out=out, timeout=300, workspace=workspace)
+        last["res"] = reshard(
+            plan, rank, shards, transport, out=out, timeout=300, workspace=workspace
+        )
 
     fns = [("reshard", resharded), ("raw", raw), ("raw_copy", lambda: raw(local_copy=True))]
     times: dict[str, list[tuple[float, float]]] = {key: [] for key, _ in fns}
@@ -124,6 +128,10 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             if i:
                 times[key].append((wall, cpu))
+    res = last["res"]
+    times["counts"] = [
+        (res.buffers_sent, res.staged_bytes_sent + res.staged_bytes_received, res.bytes_local)
+    ]
     return times
 
 
@@ -162,6 +170,9 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     "moved_mib": round(moved / MiB, 1),
                     "local_mib": round(plan.stats.local_bytes / MiB, 1),
                     "messages": plan.stats.num_messages,
+                    # gloo sends (before chunking) and bytes packed or unpacked, all ranks.
+                    "wire_buffers": sum(r["counts"][0][0] for r in per_rank),
+                    "staged_mib": round(sum(r["counts"][0][1] for r in per_rank) / MiB, 1),
                     "repeats": repeats,
                 }
                 for k in ("reshard", "raw", "raw_copy"):
@@ -185,7 +196,9 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                 r = row
                 print(
                     f"{scenario:6s} {w}w state {r['state_mib']:6.1f} MiB moved "
-                    f"{r['moved_mib']:6.1f} local {r['local_mib']:6.1f} | wall ms med "
+                    f"{r['moved_mib']:6.1f} local {r['local_mib']:6.1f} staged "
+                    f"{r['staged_mib']:6.1f}"
+                    f" in {r['messages']} msgs/{r['wire_buffers']} bufs | wall ms med "
                     f"[min-max]: reshard {r['reshard_ms']:.0f} [{r['reshard_ms_min']:.0f}-"
                     f"{r['reshard_ms_max']:.0f}] raw {r['raw_ms']:.0f} [{r['raw_ms_min']:.0f}-"
                     f"{r['raw_ms_max']:.0f}] raw+copy {r['raw_copy_ms']:.0f} | cpu ms: reshard "
