@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: Pieces at least this large travel as their own wire buffer; smaller ones of a
-#: message share one staged buffer. Each gloo send or receive costs ~25-50 us of
+#: message share one staged buffer. Each gloo send or receive costs ~25-40 us of
 #: CPU, about what copying 200-350 KiB costs: 64 MiB between two ranks as pieces
 #: of 64/128/256/512/1024 KiB cost 93/84/50/44/38 ms CPU sent one buffer each,
 #: 45/46/38/48/51 ms staged (both ranks; benchmarks/results/bench_reshard.md).

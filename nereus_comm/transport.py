@@ -222,9 +222,10 @@ class GlooTransport(Transport):
             global ranks, as everywhere in nereus_comm.
         chunk_bytes: buffers larger than this travel as consecutive chunks of this
             size (both sides split the same way, since their sizes match). Each gloo
-            op costs ~40-80 us of CPU, so chunks are large: 16 MiB chunks cost ~1%
-            over one message, 1 MiB chunks ~20%; a bounded chunk still lets a
-            receiver's early chunks land while a huge buffer is in flight.
+            op costs ~25-40 us of CPU: 128 MiB between two ranks cost 97-108 ms CPU as
+            one message, 102-108 ms as 16 and 119-145 ms as 256 (bench_reshard.md),
+            so chunks are large; bounded, they still let early chunks land while a
+            huge buffer is in flight.
     """
 
     device_type = "cpu"
