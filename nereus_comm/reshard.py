@@ -7,7 +7,7 @@ same plan. Each rank:
    spec and its box in the layout: name, shape, dtype, device, contiguity.
    Nothing moves before all checks pass;
 2. builds the wire buffers of each message (:func:`wire_groups`): every piece
-   of at least 64 KiB travels as its own buffer, the smaller ones share one.
+   of at least 512 KiB travels as its own buffer, the smaller ones share one.
    A buffer that is one contiguous block of a shard is sent from, or received
    into, the shard's own storage (zero copy); the others go through one
    staging buffer, filled by a single :func:`~nereus_comm.pack.pack` call.
@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,10 +40,7 @@ from nereus_comm.layout import Layout, TensorSpec, box_nbytes, box_shape, local_
 from nereus_comm.pack import (
     Region,
     copy_regions,
-    is_contiguous_region,
     pack,
-    packed_nbytes,
-    region_view,
     unpack,
 )
 from nereus_comm.transport import Transport
@@ -57,8 +55,11 @@ __all__ = [
 ]
 
 #: Pieces at least this large travel as their own wire buffer; smaller ones of a
-#: message share one (a buffer costs a handshake, a small copy costs less).
-DIRECT_MIN_BYTES = 64 * 1024
+#: message share one staged buffer. Each gloo send or receive costs ~25-40 us of
+#: CPU, about what copying 200-350 KiB costs: 64 MiB between two ranks as pieces
+#: of 64/128/256/512/1024 KiB cost 93/84/50/44/38 ms CPU sent one buffer each,
+#: 45/46/38/48/51 ms staged (both ranks; benchmarks/results/bench_reshard.md).
+DIRECT_MIN_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -99,53 +100,61 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, {t.device.type}{contiguous}"
 
 
+def _expected_shards(
+    specs: Sequence[TensorSpec], layout: Layout, rank: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(local shard shape, dtype) of every tensor `rank` holds in `layout`, by name."""
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if rank in layout:
+        for spec in specs:
+            box = layout.box(spec, rank)
+            if box is not None:
+                expected[spec.name] = (torch.Size(box_shape(box)), spec.dtype)
+    return expected
+
+
 def _check_shards(
     tensors: Mapping[str, torch.Tensor],
     specs: Sequence[TensorSpec],
+    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     layout: Layout,
     rank: int,
-    num_layers: int | None,
     device_type: str,
     what: str,
 ) -> None:
     """Raise TensorMismatchError unless `tensors` is exactly rank's shards in `layout`."""
-    expected: dict[str, tuple[int, ...]] = {}
-    if rank in layout:
-        for spec in specs:
-            box = layout.box(spec, rank, num_layers)
-            if box is not None:
-                expected[spec.name] = box_shape(box)
-    by_name = {s.name: s for s in specs}
-    for name in tensors:
-        if name not in expected:
-            why = (
-                "is not a tensor of the plan"
-                if name not in by_name
-                else f"is not held by rank {rank} in the {what} layout {layout!r}"
-            )
+    by_name = None
+    if len(tensors) != len(expected) or any(name not in expected for name in tensors):
+        by_name = {s.name: s for s in specs}
+        for name in tensors:
+            if name not in expected:
+                why = (
+                    "is not a tensor of the plan"
+                    if name not in by_name
+                    else f"is not held by rank {rank} in the {what} layout {layout!r}"
+                )
+                raise TensorMismatchError(
+                    f"{what} tensor {name!r} {why}; pass exactly the rank's {what} shards"
+                )
+    for name, (shape, dtype) in expected.items():
+        t = tensors.get(name)
+        if t is None:
             raise TensorMismatchError(
-                f"{what} tensor {name!r} {why}; pass exactly the rank's {what} shards"
+                f"{what} tensor {name!r} is missing on rank {rank}: expected shape {tuple(shape)}, "
+                f"{dtype} ({len(tensors)} of {len(expected)} given)"
             )
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise TensorMismatchError(
-                f"{what} tensor {name!r} is missing on rank {rank}: expected shape {shape}, "
-                f"{by_name[name].dtype} ({len(tensors)} of {len(expected)} given)"
-            )
-        t = tensors[name]
-        spec = by_name[name]
         if not isinstance(t, torch.Tensor):
             raise TensorMismatchError(f"{what} tensor {name!r} is a {type(t).__name__}")
         ok = (
-            tuple(t.shape) == shape
-            and t.dtype == spec.dtype
+            t.shape == shape
+            and t.dtype == dtype
             and t.device.type == device_type
             and t.is_contiguous()
         )
         if not ok:
             raise TensorMismatchError(
-                f"{what} tensor {name!r} on rank {rank}: expected shape {shape}, {spec.dtype}, "
-                f"{device_type}, contiguous; got {_describe(t)}"
+                f"{what} tensor {name!r} on rank {rank}: expected shape {tuple(shape)}, "
+                f"{dtype}, {device_type}, contiguous; got {_describe(t)}"
             )
 
 
@@ -177,15 +186,6 @@ def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[
     return ([tuple(small)] if small else []) + large
 
 
-def _regions(specs, pieces, layout: Layout, rank: int, tensors) -> list[Region]:
-    out = []
-    for piece in pieces:
-        spec = specs[piece.tensor]
-        off, rows, row, stride = local_region(spec, layout, rank, piece.box)
-        out.append(Region(tensors[spec.name], off, rows, row, stride))
-    return out
-
-
 class Workspace:
     """Staging buffers that successive reshards reuse (no fresh pages per call).
 
@@ -205,39 +205,134 @@ class Workspace:
         return buf[:nbytes]
 
 
-def _buffer_plan(plan, specs, messages, layout: Layout, rank, tensors, min_bytes, *, outgoing):
-    """(peer, view or None, staged regions or None) per wire buffer of the messages."""
+#: (tensor name, offset, num_rows, row_elems, row_stride): a Region without its
+#: tensor, in elements of the tensor's dtype (see nereus_comm.pack.Region).
+_Slot = tuple[str, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class _WireBuffer:
+    """One wire buffer: straight from/into a shard (direct) or a staging slice."""
+
+    peer: int
+    slots: tuple[_Slot, ...]
+    nbytes: int
+    direct: bool
+
+
+@dataclass(frozen=True)
+class _Program:
+    """Everything one rank's reshard derives from the plan alone, built once per
+    (plan, rank, direct_min_bytes): the plan's views, the layout's box arithmetic
+    and the wire grouping cost tens of ms per call on a 1,000-tensor state, the
+    same on every call."""
+
+    src_expected: dict[str, tuple[torch.Size, torch.dtype]]
+    dst_expected: dict[str, tuple[torch.Size, torch.dtype]]
+    sends: tuple[_WireBuffer, ...]
+    recvs: tuple[_WireBuffer, ...]
+    local_src: tuple[_Slot, ...]
+    local_dst: tuple[_Slot, ...]
+    bytes_local: int
+    messages_sent: int
+    messages_received: int
+    peers: frozenset[int]
+
+
+def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> _Slot:
+    off, rows, row, stride = local_region(spec, layout, rank, piece.box)
+    return (spec.name, off, rows, row, stride)
+
+
+def _slot_nbytes(slot: _Slot, itemsize: int) -> int:
+    return slot[2] * slot[3] * itemsize
+
+
+def _wire_buffers(plan, specs, messages, layout: Layout, rank: int, min_bytes: int, outgoing):
     out = []
     for m in messages:
         peer = m.dst if outgoing else m.src
-        regions = _regions(specs, m.pieces, layout, rank, tensors)
         for group in wire_groups(plan, m, min_bytes):
-            rs = [regions[i] for i in group]
-            if len(rs) == 1 and is_contiguous_region(rs[0]):
-                out.append((peer, region_view(rs[0]), None))
-            else:
-                out.append((peer, None, rs))
-    return out
+            slots = tuple(
+                _slot(specs[m.pieces[i].tensor], layout, rank, m.pieces[i]) for i in group
+            )
+            nbytes = sum(
+                _slot_nbytes(sl, specs[m.pieces[i].tensor].dtype.itemsize)
+                for sl, i in zip(slots, group)
+            )
+            _, _, rows, row, stride = slots[0]
+            direct = len(slots) == 1 and (rows <= 1 or row == 0 or stride == row)
+            out.append(_WireBuffer(peer, slots, nbytes, direct))
+    return tuple(out)
 
 
-def _stage(regions, workspace: Workspace | None, kind: str, device_type: str) -> torch.Tensor:
-    nbytes = packed_nbytes(regions) if regions else 0
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _program(plan, rank: int, min_bytes: int) -> _Program:
+    """The cached _Program of (plan, rank, min_bytes); plans are immutable."""
+    per_plan = _PROGRAMS.setdefault(plan, {})
+    key = (rank, min_bytes)
+    prog = per_plan.get(key)
+    if prog is not None:
+        return prog
+    specs, src, dst = plan.specs, plan.src, plan.dst
+    # The destination may place tensors on other stages (plan_reshard's dst_specs).
+    dst_specs = getattr(plan, "dst_specs", specs)
+    involved = rank in src or rank in dst
+    sends = plan.sends(rank) if involved else []
+    recvs = plan.recvs(rank) if involved else []
+    local = plan.local_copies(rank) if involved else []
+    local_dst = tuple(_slot(dst_specs[p.tensor], dst, rank, p) for p in local)
+    prog = _Program(
+        src_expected=_expected_shards(specs, src, rank),
+        dst_expected=_expected_shards(dst_specs, dst, rank),
+        sends=_wire_buffers(plan, specs, sends, src, rank, min_bytes, outgoing=True),
+        recvs=_wire_buffers(plan, dst_specs, recvs, dst, rank, min_bytes, outgoing=False),
+        local_src=tuple(_slot(specs[p.tensor], src, rank, p) for p in local),
+        local_dst=local_dst,
+        bytes_local=sum(
+            _slot_nbytes(sl, dst_specs[p.tensor].dtype.itemsize) for sl, p in zip(local_dst, local)
+        ),
+        messages_sent=len(sends),
+        messages_received=len(recvs),
+        peers=frozenset(m.dst for m in sends) | frozenset(m.src for m in recvs),
+    )
+    per_plan[key] = prog
+    return prog
+
+
+def _region(slot: _Slot, tensors: Mapping[str, torch.Tensor]) -> Region:
+    name, off, rows, row, stride = slot
+    return Region(tensors[name], off, rows, row, stride)
+
+
+def _bind(buffers, tensors, stage: torch.Tensor):
+    """(wire buffers as (peer, tensor), staged regions) for a validated set of shards.
+
+    A direct buffer is a view of the shard's storage; the others are consecutive
+    slices of `stage`, whose regions one pack/unpack call fills or drains.
+    """
+    out, staged, at = [], [], 0
+    for b in buffers:
+        if b.direct:
+            name, off, rows, row, _ = b.slots[0]
+            out.append((b.peer, tensors[name].reshape(-1).narrow(0, off, rows * row)))
+        else:
+            out.append((b.peer, stage[at : at + b.nbytes]))
+            at += b.nbytes
+            staged.extend(_region(sl, tensors) for sl in b.slots)
+    return out, staged
+
+
+def _staged_nbytes(buffers) -> int:
+    return sum(b.nbytes for b in buffers if not b.direct)
+
+
+def _stage(nbytes: int, workspace: Workspace | None, kind: str, device) -> torch.Tensor:
     if workspace is not None:
         return workspace.get(kind, nbytes)
-    device = regions[0].tensor.device if regions else torch.device(device_type)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _buffers(buffer_plan, stage: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """The wire buffers: views, or consecutive slices of the staging buffer."""
-    out, at = [], 0
-    for peer, view, regions in buffer_plan:
-        if view is None:
-            n = sum(r.nbytes for r in regions)
-            view = stage[at : at + n]
-            at += n
-        out.append((peer, view))
-    return out
 
 
 def reshard(
@@ -278,11 +373,6 @@ def reshard(
     """
     from nereus_comm.transport import TransportArgumentError
 
-    # The plan resolved num_layers into each layout (src and dst may differ): nl=None
-    # makes every box query use the layout's own.
-    specs, src, dst, nl = plan.specs, plan.src, plan.dst, None
-    # The destination may place tensors on other stages (plan_reshard's dst_specs).
-    dst_specs = getattr(plan, "dst_specs", specs)
     if rank != transport.rank:
         raise TransportArgumentError(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
@@ -293,60 +383,44 @@ def reshard(
             f"the workspace holds {workspace.device} memory but {transport!r} moves "
             f"{device_type} memory; use Workspace({device_type!r})"
         )
-    _check_shards(tensors, specs, src, rank, nl, device_type, "source")
-    involved = rank in src or rank in dst
-    sends = plan.sends(rank) if involved else []
-    recvs = plan.recvs(rank) if involved else []
+    # The plan resolved num_layers into each layout (src and dst may differ), so
+    # every box query uses the layout's own.
+    prog = _program(plan, rank, direct_min_bytes)
+    specs, src, dst = plan.specs, plan.src, plan.dst
+    dst_specs = getattr(plan, "dst_specs", specs)
+    _check_shards(tensors, specs, prog.src_expected, src, rank, device_type, "source")
     reachable = set(transport.ranks)
-    for m in (*sends, *recvs):
-        peer = m.dst if m.src == rank else m.src
+    for peer in sorted(prog.peers):
         if peer not in reachable:
             raise TransportArgumentError(
                 f"rank {rank} exchanges with rank {peer}, which {transport!r} cannot reach"
             )
+    device = getattr(transport, "device", None) or torch.device(device_type)
     if out is not None:
-        _check_shards(out, dst_specs, dst, rank, nl, device_type, "destination")
+        _check_shards(out, dst_specs, prog.dst_expected, dst, rank, device_type, "destination")
         dst_tensors = dict(out)
     else:
-        device = getattr(transport, "device", None) or torch.device(device_type)
-        dst_tensors = {}
-        if rank in dst:
-            for spec in dst_specs:
-                box = dst.box(spec, rank, nl)
-                if box is not None:
-                    dst_tensors[spec.name] = torch.empty(
-                        box_shape(box), dtype=spec.dtype, device=device
-                    )
+        dst_tensors = {
+            name: torch.empty(shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in prog.dst_expected.items()
+        }
 
     start = time.perf_counter()
-    # One buffer per wire group: a view of the tensor where the group is one
-    # contiguous block on this side, else a slice of one staging buffer that a
-    # single pack (before) or unpack (after the exchange) call fills or drains.
-    send_plan = _buffer_plan(
-        plan, specs, sends, src, rank, tensors, direct_min_bytes, outgoing=True
-    )
-    recv_plan = _buffer_plan(
-        plan, dst_specs, recvs, dst, rank, dst_tensors, direct_min_bytes, outgoing=False
-    )
-    send_staged = [r for _, _, regions in send_plan if regions is not None for r in regions]
-    recv_staged = [r for _, _, regions in recv_plan if regions is not None for r in regions]
-    send_stage = _stage(send_staged, workspace, "send", device_type)
+    send_stage = _stage(_staged_nbytes(prog.sends), workspace, "send", device)
+    recv_stage = _stage(_staged_nbytes(prog.recvs), workspace, "recv", device)
+    send_bufs, send_staged = _bind(prog.sends, tensors, send_stage)
+    recv_bufs, recv_staged = _bind(prog.recvs, dst_tensors, recv_stage)
     if send_staged:
         pack(send_staged, out=send_stage)
-    recv_stage = _stage(recv_staged, workspace, "recv", device_type)
-    send_bufs = _buffers(send_plan, send_stage)
-    recv_bufs = _buffers(recv_plan, recv_stage)
     packed_at = time.perf_counter()
 
     # The local copies run while the bytes are on the wire.
     pending = transport.start(send_bufs, recv_bufs, timeout=timeout)
-    local = plan.local_copies(rank) if involved else []
-    bytes_local = 0
-    if local:
-        src_regions = _regions(specs, local, src, rank, tensors)
-        dst_regions = _regions(dst_specs, local, dst, rank, dst_tensors)
-        copy_regions(src_regions, dst_regions)
-        bytes_local = sum(r.nbytes for r in dst_regions)
+    if prog.local_src:
+        copy_regions(
+            [_region(sl, tensors) for sl in prog.local_src],
+            [_region(sl, dst_tensors) for sl in prog.local_dst],
+        )
     pending.wait()
     exchanged_at = time.perf_counter()
     if recv_staged:
@@ -358,13 +432,13 @@ def reshard(
     return ReshardResult(
         tensors=dst_tensors,
         seconds=end - start,
-        bytes_sent=sum(t.nbytes for _, t in send_bufs),
-        bytes_received=sum(t.nbytes for _, t in recv_bufs),
-        bytes_local=bytes_local,
-        messages_sent=len(sends),
-        messages_received=len(recvs),
-        buffers_sent=sum(1 for _, t in send_bufs if t.nbytes),
-        buffers_received=sum(1 for _, t in recv_bufs if t.nbytes),
+        bytes_sent=sum(b.nbytes for b in prog.sends),
+        bytes_received=sum(b.nbytes for b in prog.recvs),
+        bytes_local=prog.bytes_local,
+        messages_sent=prog.messages_sent,
+        messages_received=prog.messages_received,
+        buffers_sent=sum(1 for b in prog.sends if b.nbytes),
+        buffers_received=sum(1 for b in prog.recvs if b.nbytes),
         staged_bytes_sent=send_stage.nbytes,
         staged_bytes_received=recv_stage.nbytes,
         pack_seconds=packed_at - start,

@@ -19,7 +19,7 @@ from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import DIRECT_MIN_BYTES, Workspace, reshard, shards_from_full
+from nereus_comm.reshard import Workspace, reshard, shards_from_full
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
@@ -120,7 +120,10 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
         before = transport.stats.bytes_sent, transport.stats.bytes_received
         # Every other case reuses one workspace (staging buffers of earlier cases).
         ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
-        res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws)
+        # Every third case sends every non-empty piece as its own buffer (direct
+        # where contiguous), as the default does for pieces of >= 512 KiB.
+        direct = {"direct_min_bytes": 1} if k % 3 == 0 else {}
+        res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, **direct)
         want = shards_from_full(full, dst_specs, plan.dst, rank)
         involved = rank in plan.src or rank in plan.dst
         sends = plan.sends(rank) if involved else []
@@ -176,8 +179,11 @@ def test_random_layout_pairs(pool, seed: int) -> None:
     _check(pool.run(_run_cases, cases, 100 * seed), cases)
 
 
+SMALL = 64 * 1024  # a direct_min_bytes that makes most pieces here "large"
+
+
 def _large_pieces(ctx: WorkerContext) -> dict:
-    # Pieces above DIRECT_MIN_BYTES that are contiguous on both ends go without packing.
+    # Pieces above direct_min_bytes that are contiguous on both ends go without packing.
     specs = [
         TensorSpec("col", (512, 256), torch.float32, 0, None),  # dim-0 split: contiguous
         TensorSpec("row", (256, 512), torch.float32, 1, None),  # dim-1 split: strided
@@ -186,18 +192,28 @@ def _large_pieces(ctx: WorkerContext) -> dict:
     src = Layout(2, 2, 1, (0, 1, 2, 3))
     dst = Layout(1, 4, 1, (3, 2, 1, 0))
     plan = plan_reshard(specs, src, dst)
+    transport = _transport(ctx)
+    # Two calls with the same plan (its derived buffers are cached per plan and rank)
+    # and different tensors: the second must move the second state's bytes.
+    first = _full_state(specs, 4)
+    again = reshard(plan, ctx.rank, shards_from_full(first, specs, src, ctx.rank), transport)
     full = _full_state(specs, 5)
-    res = reshard(plan, ctx.rank, shards_from_full(full, specs, src, ctx.rank), _transport(ctx))
+    mine = shards_from_full(full, specs, src, ctx.rank)
+    res = reshard(plan, ctx.rank, mine, transport, direct_min_bytes=SMALL)
     want = shards_from_full(full, specs, dst, ctx.rank)
-    # Pieces of >= DIRECT_MIN_BYTES get their own buffer; the rest of a message share one.
+    want_first = shards_from_full(first, specs, dst, ctx.rank)
+    # Pieces of >= direct_min_bytes get their own buffer; the rest of a message share one.
     expected = 0
     for m in plan.sends(ctx.rank):
-        large = [p for p in m.pieces if p.nbytes >= DIRECT_MIN_BYTES]
+        large = [p for p in m.pieces if p.nbytes >= SMALL]
         expected += len(large) + (1 if m.nbytes > sum(p.nbytes for p in large) else 0)
     # "col" pieces (tensor 0, dim-0 split) are contiguous on both sides: never staged.
     col = sum(p.nbytes for m in plan.sends(ctx.rank) for p in m.pieces if p.tensor == 0)
     return {
         "equal": all(torch.equal(res.tensors[n], want[n]) for n in want),
+        "first_equal": all(torch.equal(again.tensors[n], want_first[n]) for n in want_first),
+        "states_differ": any(not torch.equal(want[n], want_first[n]) for n in want),
+        "default_buffers": (again.buffers_sent, len(plan.sends(ctx.rank))),
         "buffers": (res.buffers_sent, expected),
         "messages": res.messages_sent,
         "bytes": (res.bytes_sent, sum(m.nbytes for m in plan.sends(ctx.rank))),
@@ -209,6 +225,9 @@ def test_large_contiguous_pieces_go_direct(pool) -> None:
     results = pool.run(_large_pieces)
     for r, res in enumerate(results):
         assert res["equal"], f"rank {r}"
+        assert res["first_equal"] and res["states_differ"], f"rank {r}"
+        # These pieces are < DIRECT_MIN_BYTES: by default one buffer per message.
+        assert res["default_buffers"][0] == res["default_buffers"][1], res
         assert res["bytes"][0] == res["bytes"][1]
         assert res["buffers"][0] == res["buffers"][1], res
         assert res["staged"][0] <= res["staged"][1], res
