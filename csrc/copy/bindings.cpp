@@ -1,8 +1,51 @@
-// Bindings of the copy part (placeholder until the part lands).
+// Bindings of the copy part: one call copies a whole region table on the host.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include "common.h"
+#include "copy/host_copy.h"
 
 namespace py = pybind11;
 
 namespace nereus {
-void register_copy(py::module_& m) { (void)m; }
+namespace {
+
+int copy_regions_py(const py::array& table, int num_threads) {
+  NEREUS_CHECK(
+      table.dtype().is(py::dtype::of<int64_t>()),
+      "the region table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
+  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kCopyTableColumns,
+               "the region table must have shape (num_regions, " << kCopyTableColumns
+                                                                 << "), got ndim " << table.ndim());
+  NEREUS_CHECK(table.flags() & py::array::c_style,
+               "the region table must be C-contiguous; pass numpy.ascontiguousarray(table)");
+  const auto* regions = static_cast<const CopyRegion*>(table.data());
+  const int64_t num_regions = table.shape(0);
+  py::gil_scoped_release release;
+  return copy_regions(regions, num_regions, num_threads);
+}
+
+}  // namespace
+
+void register_copy(py::module_& m) {
+  static_assert(sizeof(CopyRegion) == kCopyTableColumns * sizeof(int64_t), "table row layout");
+  m.def("copy_regions", &copy_regions_py, py::arg("table"), py::arg("num_threads") = 0,
+        R"doc(Copy every region of a table of 2-D strided host regions, GIL released.
+
+Arguments:
+    table: int64 array of shape (num_regions, 6): src_addr, dst_addr, num_rows,
+        row_bytes, src_stride_bytes, dst_stride_bytes. Addresses are raw host pointers
+        that the caller keeps alive for the call.
+    num_threads: threads to split the bytes over (the caller counts); <= 0: one per
+        CPU this process may run on. Small tables run on the caller alone.
+
+Returns:
+    The number of threads that copied.
+
+Raises:
+    ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
+  m.def("copy_default_num_threads", &copy_default_num_threads,
+        "Threads copy_regions uses when num_threads <= 0 (CPUs in this process's affinity mask).");
+}
+
 }  // namespace nereus

@@ -1,0 +1,466 @@
+"""Scale a training stage from dp=1 to dp=2 five ways, on the same workers, in one run.
+
+The stage: a decoder-only transformer's training state (fp32 parameters, Adam
+moments, step, RNG) on one unit of tp=2 (ranks 0, 1). Going to dp=2 means a
+second tp=2 unit on ranks 2, 3 holding the same state. Ways:
+
+- ``emu_extend``: EMUManager.extend (nereus_comm plan + reshard over gloo, zero copy);
+- ``dcp_reshard``: torch.distributed.checkpoint through storage: the source
+  ranks save DTensor shards, the new unit's ranks load theirs (what Megatron's
+  distributed checkpointing does);
+- ``ucp_files``: UCP-style: save per-rank shards, consolidate every tensor into
+  its own file, the new ranks load their slices (mmap);
+- ``tensor_store``: Tenplex-style: the source ranks push the state into an
+  in-memory tensor store (here a server thread in the driver process, reached
+  over TCP) and the new ranks fetch their slices from it;
+- ``ckpt_restart``: save per-rank shards, end every worker, start new ones,
+  rebuild the runtime, load.
+
+Also a tp change (tp=2 -> two tp=1 units on the same devices): EMU split vs DCP.
+Every way's result is checked against the reference content. Cluster-scale
+predictions need nereus_rl.costmodel, which is not on this branch yet.
+
+    python benchmarks/bench_extend.py --quick [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from nereus_comm.layout import Layout  # noqa: E402
+from nereus_rl.emu import EMUManager  # noqa: E402
+from nereus_rl.emu_comm import box_slices  # noqa: E402
+from nereus_rl.emu_state import stage_state_specs, synthetic  # noqa: E402
+from nereus_rl.runtime import Driver  # noqa: E402
+from nereus_rl.runtime.context import WorkerContext, register  # noqa: E402
+
+STAGE = "actor"
+AUTHKEY = b"nereus-bench"
+
+
+# ------------------------------------------------------------------ worker commands
+
+
+def _stage(ctx: WorkerContext):
+    return ctx.state["emu.stages"][STAGE]
+
+
+def _shards_of(ctx: WorkerContext, layout: Layout) -> dict[str, torch.Tensor]:
+    """This rank's shards in ``layout``, from the unit that holds them."""
+    for unit in ctx.state["emu.units"].values():
+        if unit["stage"] == STAGE and ctx.rank in unit["layout"]:
+            return unit["tensors"]
+    raise RuntimeError(f"rank {ctx.rank} holds no unit of {STAGE}")
+
+
+@register("bench.verify")
+def verify(ctx: WorkerContext, layout: Layout, key: str, seed: int) -> bool:
+    """Whether the tensors stored under ctx.state[key] are this rank's exact shards."""
+    specs, nl = _stage(ctx)
+    got = ctx.state.pop(key)
+    for spec in specs:
+        box = layout.box(spec, ctx.rank, nl)
+        if box is not None and not torch.equal(got[spec.name], synthetic(spec, box, seed)):
+            return False
+    return True
+
+
+@register("bench.stash_unit")
+def stash_unit(ctx: WorkerContext, uid: int) -> None:
+    ctx.state["bench.loaded"] = ctx.state["emu.units"][uid]["tensors"]
+
+
+@register("bench.init_world")
+def init_world(ctx: WorkerContext, world_size: int) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.PrefixStore("bench/world/", ctx.store)
+        dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=world_size)
+
+
+def _mesh(ranks):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", list(ranks))
+
+
+def _dtensors(specs, nl, layout: Layout, rank: int, mesh, tensors=None):
+    assert layout.pp == 1 and (layout.dp == 1 or layout.tp == 1), "1-D meshes only"
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sd = {}
+    for spec in specs:
+        box = layout.box(spec, rank, nl)
+        if box is None:
+            continue
+        local = (
+            tensors[spec.name]
+            if tensors is not None
+            else torch.empty(tuple(b - a for a, b in box), dtype=spec.dtype)
+        )
+        # A 1-D mesh over the layout's ranks: tp shards, or dp replicas (tp = 1).
+        split = spec.split_dim is not None and layout.tp > 1
+        place = [Shard(spec.split_dim) if split else Replicate()]
+        stride = torch.empty(spec.shape, dtype=spec.dtype, device="meta").stride()
+        sd[spec.name] = DTensor.from_local(
+            local, mesh, place, run_check=False, shape=torch.Size(spec.shape), stride=stride
+        )
+    return sd
+
+
+@register("bench.dcp_meshes")
+def dcp_meshes(ctx: WorkerContext, groups: list[tuple[int, ...]]) -> None:
+    # DeviceMesh creation is collective over the default group: every rank makes every mesh.
+    ctx.state["bench.meshes"] = {tuple(g): _mesh(g) for g in groups}
+
+
+@register("bench.dcp_save")
+def dcp_save(ctx: WorkerContext, src: Layout, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if ctx.rank not in src:
+        return
+    specs, nl = _stage(ctx)
+    mesh = ctx.state["bench.meshes"][tuple(src.ranks)]
+    sd = _dtensors(specs, nl, src, ctx.rank, mesh, _shards_of(ctx, src))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), process_group=mesh.get_group())
+
+
+@register("bench.dcp_load")
+def dcp_load(ctx: WorkerContext, dst: Layout, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if ctx.rank not in dst:
+        return
+    specs, nl = _stage(ctx)
+    mesh = ctx.state["bench.meshes"][tuple(dst.ranks)]
+    sd = _dtensors(specs, nl, dst, ctx.rank, mesh)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), process_group=mesh.get_group())
+    ctx.state["bench.loaded"] = {k: v.to_local() for k, v in sd.items()}
+
+
+@register("bench.save_rank")
+def save_rank(ctx: WorkerContext, src: Layout, path: str, tensors_key: str | None = None) -> None:
+    """Each source rank writes its shards to one file (a plain per-rank checkpoint)."""
+    if ctx.rank not in src:
+        return
+    tensors = _shards_of(ctx, src) if tensors_key is None else ctx.state[tensors_key]
+    torch.save(dict(tensors), os.path.join(path, f"rank{src.ranks.index(ctx.rank)}.pt"))
+
+
+@register("bench.consolidate")
+def consolidate(ctx: WorkerContext, src: Layout, path: str) -> None:
+    """UCP's conversion: every tensor assembled from the rank files into its own file."""
+    specs, nl = _stage(ctx)
+    files = [
+        torch.load(os.path.join(path, f"rank{i}.pt"), mmap=True) for i in range(len(src.ranks))
+    ]
+    os.makedirs(os.path.join(path, "atomic"), exist_ok=True)
+    for spec in specs:
+        full = torch.empty(spec.shape, dtype=spec.dtype)
+        for i, r in enumerate(src.ranks):
+            box = src.box(spec, r, nl)
+            if box is not None:
+                full[box_slices(box, tuple((0, 0) for _ in box))] = files[i][spec.name]
+        torch.save(full, os.path.join(path, "atomic", spec.name + ".pt"))
+
+
+@register("bench.load_atomic")
+def load_atomic(ctx: WorkerContext, dst: Layout, path: str) -> None:
+    if ctx.rank not in dst:
+        return
+    specs, nl = _stage(ctx)
+    out = {}
+    for spec in specs:
+        box = dst.box(spec, ctx.rank, nl)
+        if box is not None:
+            full = torch.load(os.path.join(path, "atomic", spec.name + ".pt"), mmap=True)
+            out[spec.name] = full[box_slices(box, tuple((0, 0) for _ in box))].clone()
+    ctx.state["bench.loaded"] = out
+
+
+@register("bench.load_rank_files")
+def load_rank_files(ctx: WorkerContext, src: Layout, dst: Layout, path: str) -> None:
+    """Each new rank assembles its shards from the old ranks' files (any layout change)."""
+    if ctx.rank not in dst:
+        return
+    specs, nl = _stage(ctx)
+    files = [
+        torch.load(os.path.join(path, f"rank{i}.pt"), mmap=True) for i in range(len(src.ranks))
+    ]
+    out = {}
+    for spec in specs:
+        want = dst.box(spec, ctx.rank, nl)
+        if want is None:
+            continue
+        t = torch.empty(tuple(b - a for a, b in want), dtype=spec.dtype)
+        for i, r in enumerate(src.ranks):
+            have = src.box(spec, r, nl)
+            if have is None:
+                continue
+            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, have))
+            if all(a < b for a, b in inter) or not inter:
+                t[box_slices(inter, want)] = files[i][spec.name][box_slices(inter, have)]
+        out[spec.name] = t
+    ctx.state["bench.loaded"] = out
+
+
+@register("bench.store_put")
+def store_put(ctx: WorkerContext, src: Layout, address: tuple[str, int]) -> None:
+    """Push this rank's shards into the tensor store (replicated ones from tp rank 0 only)."""
+    if ctx.rank not in src:
+        return
+    specs, nl = _stage(ctx)
+    tensors = _shards_of(ctx, src)
+    t_coord = src.coords(ctx.rank)[2]
+    with Client(tuple(address), authkey=AUTHKEY) as conn:
+        for spec in specs:
+            box = src.box(spec, ctx.rank, nl)
+            if box is None or (spec.split_dim is None and t_coord != 0):
+                continue
+            conn.send(("put", spec.name, spec.shape, spec.dtype, box))
+            conn.send_bytes(_raw(tensors[spec.name]))
+        conn.send(("bye",))
+
+
+@register("bench.store_get")
+def store_get(ctx: WorkerContext, dst: Layout, address: tuple[str, int]) -> None:
+    if ctx.rank not in dst:
+        return
+    specs, nl = _stage(ctx)
+    out = {}
+    with Client(tuple(address), authkey=AUTHKEY) as conn:
+        for spec in specs:
+            box = dst.box(spec, ctx.rank, nl)
+            if box is None:
+                continue
+            conn.send(("get", spec.name, spec.shape, spec.dtype, box))
+            t = torch.empty(tuple(b - a for a, b in box), dtype=spec.dtype)
+            conn.recv_bytes_into(_raw(t))
+            out[spec.name] = t
+        conn.send(("bye",))
+    ctx.state["bench.loaded"] = out
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+# ------------------------------------------------------------------ tensor store
+
+
+class TensorStore:
+    """Tenplex-style in-memory tensor store: full tensors, filled and read by box over TCP."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
+        self.address = self.listener.address
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
+
+    def _client(self, conn) -> None:
+        with conn:
+            while True:
+                msg = conn.recv()
+                if msg[0] == "bye":
+                    return
+                op, name, shape, dtype, box = msg
+                with self._lock:
+                    full = self.tensors.get(name)
+                    if full is None:
+                        full = self.tensors[name] = torch.empty(shape, dtype=dtype)
+                view = full[box_slices(box, tuple((0, 0) for _ in box))]
+                if op == "put":
+                    data = conn.recv_bytes()
+                    view.copy_(torch.frombuffer(bytearray(data), dtype=dtype).view(view.shape))
+                else:
+                    conn.send_bytes(_raw(view))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+# ------------------------------------------------------------------ driver side
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(args) -> list[dict]:
+    sizes = (
+        dict(num_layers=2, hidden=384, ffn=1024, vocab=6000)
+        if args.quick
+        else dict(num_layers=4, hidden=1024, ffn=2816, vocab=16000)
+    )
+    specs = stage_state_specs(**sizes)
+    state_bytes = sum(s.nbytes for s in specs)
+    seed = 7
+    tmp = tempfile.mkdtemp(prefix="bench_extend_", dir=args.tmp)
+    rows: list[dict] = []
+    src = Layout(1, 2, 1, (0, 1), num_layers=sizes["num_layers"])
+    dst = Layout(1, 2, 1, (2, 3), num_layers=sizes["num_layers"])
+    nl = sizes["num_layers"]
+    both = Layout(2, 1, 1, (0, 1), num_layers=nl)  # tp2 -> two tp1 units
+    print(f"state: {len(specs)} tensors, {state_bytes / 2**20:.0f} MiB per replica; dir {tmp}")
+
+    def check(driver, layout, what) -> None:
+        ok = driver.call(layout.ranks, "bench.verify", layout, "bench.loaded", seed)
+        if not all(ok.values()):
+            raise RuntimeError(f"{what}: the new layout's state differs from the reference")
+
+    d = Driver(call_timeout=1800)
+    try:
+        d.spawn_local(4, num_threads=1)
+        d.import_module("benchmarks.bench_extend")
+        m = EMUManager(d, transfer_timeout=1800)
+        m.define_stage(STAGE, specs, seed=seed)
+        a = m.create(STAGE, [0, 1], tp=2)
+
+        d.call(d.workers, "bench.init_world", 4)
+        d.call(d.workers, "bench.dcp_meshes", [src.ranks, dst.ranks, both.ranks])
+
+        # Each way runs `repeat` times (the first run pays one-time imports and
+        # connections); the fastest run counts. Every run's result is checked.
+        def emu_extend():
+            b = m.extend(STAGE, [2, 3], tp=2)
+            rec = m.records[-1]
+            d.call(b.ranks, "bench.stash_unit", b.uid)
+            check(d, dst, "EMU extend")
+            m.destroy(b)  # so that every way starts from dp=1
+            return dict(
+                seconds=rec.seconds,
+                bytes_moved=rec.bytes_moved,
+                transfer_s=rec.extra["reshard_s"],
+                comm_setup_s=rec.comm_setup_s,
+            )
+
+        def dcp_reshard(layout=dst):
+            path = os.path.join(tmp, "dcp")
+            t_save = _timed(lambda: d.call(d.workers, "bench.dcp_save", src, path))
+            t_load = _timed(lambda: d.call(d.workers, "bench.dcp_load", layout, path))
+            check(d, layout, "dcp")
+            shutil.rmtree(path)
+            return dict(seconds=t_save + t_load, save_s=t_save, load_s=t_load)
+
+        def ucp_files():
+            path = os.path.join(tmp, "ucp")
+            os.makedirs(path)
+            t_save = _timed(lambda: d.call(d.workers, "bench.save_rank", src, path))
+            t_cons = _timed(lambda: d.call([0], "bench.consolidate", src, path))
+            t_load = _timed(lambda: d.call(d.workers, "bench.load_atomic", dst, path))
+            check(d, dst, "ucp")
+            shutil.rmtree(path)
+            return dict(seconds=t_save + t_cons + t_load, save_s=t_save,
+                        consolidate_s=t_cons, load_s=t_load)  # fmt: skip
+
+        def tensor_store():
+            store = TensorStore()
+            t_put = _timed(lambda: d.call(d.workers, "bench.store_put", src, store.address))
+            t_get = _timed(lambda: d.call(d.workers, "bench.store_get", dst, store.address))
+            store.close()
+            check(d, dst, "tensor store")
+            return dict(seconds=t_put + t_get, put_s=t_put, get_s=t_get)
+
+        def emu_split():
+            nonlocal a
+            x, y = m.split(a)
+            rec = m.records[-1]
+            for u, lay in (
+                (x, Layout(1, 1, 1, (0,), num_layers=nl)),
+                (y, Layout(1, 1, 1, (1,), num_layers=nl)),
+            ):
+                d.call(u.ranks, "bench.stash_unit", u.uid)
+                check(d, lay, "EMU split")
+            a = m.merge(x, y, tp=2)  # back to tp=2 for the next way
+            return dict(seconds=rec.seconds, bytes_moved=rec.bytes_moved)
+
+        ways = [
+            ("dp1_to_dp2", "emu_extend", emu_extend),
+            ("dp1_to_dp2", "dcp_reshard", dcp_reshard),
+            ("dp1_to_dp2", "ucp_files", ucp_files),
+            ("dp1_to_dp2", "tensor_store", tensor_store),
+            ("tp2_to_2x_tp1", "emu_split", emu_split),
+            ("tp2_to_2x_tp1", "dcp_reshard", lambda: dcp_reshard(both)),
+        ]
+        for scenario, way, fn in ways:
+            runs = [fn() for _ in range(args.repeat)]
+            best = min(runs, key=lambda r: r["seconds"])
+            rows.append(dict(scenario=scenario, way=way, **best, repeats=args.repeat))
+            print(f"  {scenario} {way}: {[round(r['seconds'], 3) for r in runs]} s")
+
+        # 5. Checkpoint/restart: save, end every worker, start new ones, rebuild, load.
+        path = os.path.join(tmp, "ckpt")
+        os.makedirs(path)
+        t0 = time.perf_counter()
+        d.call(d.workers, "bench.save_rank", src, path)
+        d.shutdown()
+        d = Driver(call_timeout=1800)
+        d.spawn_local(4, num_threads=1)
+        d.import_module("benchmarks.bench_extend")
+        m = EMUManager(d, transfer_timeout=1800)
+        m.define_stage(STAGE, specs, seed=seed)
+        new = Layout(2, 2, 1, (0, 1, 2, 3), num_layers=sizes["num_layers"])
+        d.call(d.workers, "bench.load_rank_files", src, new, path)
+        t_cr = time.perf_counter() - t0
+        check(d, new, "restart")
+        rows.append(dict(scenario="dp1_to_dp2", way="ckpt_restart", seconds=t_cr, repeats=1))
+    finally:
+        d.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    for r in rows:
+        emu = next(x for x in rows if x["scenario"] == r["scenario"] and x["way"].startswith("emu"))
+        r["state_bytes"] = state_bytes
+        r["ratio_to_emu_x"] = r["seconds"] / emu["seconds"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small state (~100 MiB), < 2 minutes")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--tmp", default=None, help="directory for checkpoint files")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per way (the fastest counts)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = run(args)
+    print(f"\n{'scenario':<15}{'way':<15}{'seconds':>10}{'x EMU':>9}")
+    for r in rows:
+        print(f"{r['scenario']:<15}{r['way']:<15}{r['seconds']:>10.3f}{r['ratio_to_emu_x']:>9.1f}")
+    print(f"(state {rows[0]['state_bytes'] / 2**20:.0f} MiB per replica; "
+          f"total run {time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "bench_extend", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""Reshard plans: which box of which tensor goes from which rank to which.
+
+`plan_reshard(specs, src, dst)` asks the C++ planner (csrc/remap) for a
+compact plan and wraps it in a `ReshardPlan` whose per-rank views
+(`local_copies`, `sends`, `recvs`) are built lazily. Rules the planner keeps:
+
+- a byte the destination rank already holds in `src` is copied locally,
+  never sent; every other byte it needs is received exactly once, so the
+  bytes sent equal the lower bound (what the destination lacks);
+- among the source replicas of a byte (dp copies, tp-replicated tensors,
+  tensors on every pipeline stage) sources are chosen to balance bytes sent
+  per source rank, preferring a source on the receiver's node (a remote
+  source counts one part heavier); with fewer receivers than holders a
+  receiver's share is cut into parts spread over several holders;
+- all pieces between two ranks form one `Message`, the same on both sides.
+
+Every rank computes the same plan independently: no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus_comm import _C
+from nereus_comm.errors import LayoutError, PlanError
+from nereus_comm.layout import Box, Layout, TensorSpec, infer_num_layers
+
+__all__ = ["Message", "Piece", "PlanStats", "ReshardPlan", "plan_reshard"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one tensor.
+
+    Arguments:
+        tensor: index into the plan's specs.
+        box: global (start, stop) per dim; full in every dim but the split dim.
+        nbytes: bytes in the box.
+    """
+
+    tensor: int
+    box: Box
+    nbytes: int
+
+    def __repr__(self) -> str:
+        box = ",".join(f"{a}:{b}" for a, b in self.box)
+        return f"Piece(t{self.tensor}[{box}] {self.nbytes}B)"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Everything `src` sends to `dst`: pieces in (tensor, start) order, same on both sides."""
+
+    src: int
+    dst: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the message."""
+        return sum(p.nbytes for p in self.pieces)
+
+    def __repr__(self) -> str:
+        return f"Message({self.src}->{self.dst} {len(self.pieces)} pieces {self.nbytes}B)"
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Totals of a plan, in bytes (num_messages: count of (src, dst) pairs)."""
+
+    total_bytes: int
+    lower_bound_bytes: int
+    local_bytes: int
+    max_send_bytes: int
+    max_recv_bytes: int
+    cross_node_bytes: int
+    num_messages: int
+
+    def __repr__(self) -> str:
+        mib = 1 << 20
+        return (
+            f"PlanStats(sent {self.total_bytes / mib:.1f} MiB (lower bound "
+            f"{self.lower_bound_bytes / mib:.1f}), local {self.local_bytes / mib:.1f} MiB, "
+            f"max send {self.max_send_bytes / mib:.1f} MiB, max recv "
+            f"{self.max_recv_bytes / mib:.1f} MiB, cross-node {self.cross_node_bytes / mib:.1f} "
+            f"MiB, {self.num_messages} messages)"
+        )
+
+
+class ReshardPlan:
+    """A transfer plan from `src` to `dst` (build with `plan_reshard`).
+
+    The compact C++ plan (`raw`, a `nereus_comm._C.RemapPlan`) is the truth;
+    per-rank lists of `Piece` and `Message` are built on first use and cached.
+
+    Attributes:
+        specs: the tensors (Piece.tensor indexes this tuple).
+        dst_specs: the tensors as the destination holds them (== specs unless
+            plan_reshard was given dst_specs).
+        src, dst: the layouts, with num_layers filled in.
+        num_layers: the destination's number of layers (src.num_layers may differ).
+        stats: PlanStats.
+        raw: the compact plan arrays.
+    """
+
+    def __init__(
+        self,
+        specs: tuple[TensorSpec, ...],
+        src: Layout,
+        dst: Layout,
+        raw: _C.RemapPlan,
+        dst_specs: tuple[TensorSpec, ...] | None = None,
+    ) -> None:
+        self.specs = specs
+        self.dst_specs = specs if dst_specs is None else dst_specs
+        self.src = src
+        self.dst = dst
+        self.num_layers = dst.num_layers
+        self.raw = raw
+        self.stats = PlanStats(
+            total_bytes=raw.total_bytes,
+            lower_bound_bytes=raw.lower_bound_bytes,
+            local_bytes=raw.local_total,
+            max_send_bytes=raw.max_send_bytes,
+            max_recv_bytes=raw.max_recv_bytes,
+            cross_node_bytes=raw.cross_node_bytes,
+            num_messages=raw.num_messages,
+        )
+        self._pieces: dict[int, Piece] = {}
+        self._send_src: np.ndarray | None = None
+        self._cache: dict[tuple[str, int], list] = {}
+
+    # -- per-rank views -------------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if rank not in self.src and rank not in self.dst:
+            raise LayoutError(
+                f"rank {rank!r} is in neither the source {self.src!r} nor the destination "
+                f"{self.dst!r}; ask only about ranks of the plan"
+            )
+
+    def _piece(self, item: int) -> Piece:
+        # Pieces are immutable and shared by every dp replica of a shard class,
+        # so one object per item serves all ranks.
+        piece = self._pieces.get(item)
+        if piece is None:
+            raw = self.raw
+            t = int(raw.item_tensor[item])
+            spec = self.specs[t]
+            a, b = int(raw.item_start[item]), int(raw.item_stop[item])
+            if spec.split_dim is None:
+                box = spec.full_box()
+            else:
+                dims = list(spec.full_box())
+                dims[spec.split_dim] = (a, b)
+                box = tuple(dims)
+            piece = Piece(t, box, int(raw.item_bytes[item]))
+            self._pieces[item] = piece
+        return piece
+
+    def _sorted_pieces(self, items: list[int]) -> tuple[Piece, ...]:
+        raw = self.raw
+        items.sort(key=lambda i: (raw.item_tensor[i], raw.item_start[i]))
+        return tuple(self._piece(i) for i in items)
+
+    def _messages(self, indices: np.ndarray, *, outgoing: bool) -> list[Message]:
+        raw = self.raw
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for i in indices.tolist():
+            key = (int(raw.asg_src[i]), int(raw.asg_dst[i]))
+            pairs.setdefault(key, []).extend(range(int(raw.asg_begin[i]), int(raw.asg_end[i])))
+        out = [
+            Message(self.src.ranks[s], self.dst.ranks[d], self._sorted_pieces(items))
+            for (s, d), items in pairs.items()
+        ]
+        out.sort(key=(lambda m: m.dst) if outgoing else (lambda m: m.src))
+        return out
+
+    def local_copies(self, rank: int) -> list[Piece]:
+        """Pieces `rank` holds in src and needs in dst (copied locally, never sent).
+
+        Raises:
+            LayoutError: the rank is in neither layout.
+        """
+        self._check_rank(rank)
+        if rank not in self.dst:
+            return []
+        key = ("local", rank)
+        if key not in self._cache:
+            raw, r = self.raw, self.dst.position(rank)
+            lo, hi = np.searchsorted(raw.local_dst, [r, r + 1])
+            items: list[int] = []
+            for b in raw.local_block[lo:hi].tolist():
+                items.extend(range(int(raw.block_offset[b]), int(raw.block_offset[b + 1])))
+            self._cache[key] = list(self._sorted_pieces(items))
+        return list(self._cache[key])
+
+    def recvs(self, rank: int) -> list[Message]:
+        """Messages `rank` receives, sorted by source rank.
+
+        Raises:
+            LayoutError: the rank is in neither layout.
+        """
+        self._check_rank(rank)
+        if rank not in self.dst:
+            return []
+        key = ("recv", rank)
+        if key not in self._cache:
+            r = self.dst.position(rank)
+            lo, hi = np.searchsorted(self.raw.asg_dst, [r, r + 1])
+            self._cache[key] = self._messages(np.arange(lo, hi), outgoing=False)
+        return list(self._cache[key])
+
+    def sends(self, rank: int) -> list[Message]:
+        """Messages `rank` sends, sorted by destination rank.
+
+        Raises:
+            LayoutError: the rank is in neither layout.
+        """
+        self._check_rank(rank)
+        if rank not in self.src:
+            return []
+        key = ("send", rank)
+        if key not in self._cache:
+            if self._send_src is None:
+                self._send_src = self.raw.asg_src[self.raw.send_order]
+            s = self.src.position(rank)
+            lo, hi = np.searchsorted(self._send_src, [s, s + 1])
+            self._cache[key] = self._messages(self.raw.send_order[lo:hi], outgoing=True)
+        return list(self._cache[key])
+
+    # -- printing ---------------------------------------------------------------------
+
+    def describe(self, ranks: Sequence[int] | None = None, max_ranks: int = 16) -> str:
+        """A per-rank listing of local copies, sends and receives.
+
+        Arguments:
+            ranks: ranks to show (default: every rank of src and dst, in order).
+            max_ranks: show at most this many ranks.
+
+        Returns:
+            A multi-line string.
+        """
+        if ranks is None:
+            ranks = sorted(set(self.src.ranks) | set(self.dst.ranks))
+        lines = [repr(self), f"  src {self.src!r}", f"  dst {self.dst!r}", f"  {self.stats!r}"]
+        for rank in list(ranks)[:max_ranks]:
+            local = self.local_copies(rank)
+            lines.append(
+                f"  rank {rank}: local {len(local)} pieces {sum(p.nbytes for p in local)}B"
+            )
+            for m in self.sends(rank):
+                lines.append(f"    send -> {m.dst}: {len(m.pieces)} pieces {m.nbytes}B")
+            for m in self.recvs(rank):
+                lines.append(f"    recv <- {m.src}: {len(m.pieces)} pieces {m.nbytes}B")
+        if len(ranks) > max_ranks:
+            lines.append(f"  ... {len(ranks) - max_ranks} more ranks")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReshardPlan({len(self.specs)} tensors, {self.src.world_size}->"
+            f"{self.dst.world_size} ranks, {self.stats.total_bytes}B sent, "
+            f"{self.stats.num_messages} messages)"
+        )
+
+
+# -- planning -----------------------------------------------------------------------------
+
+
+def _resolve_layers(layout: Layout, num_layers: int | None, inferred: int, side: str) -> Layout:
+    if layout.num_layers is not None and num_layers is not None and layout.num_layers != num_layers:
+        raise PlanError(
+            f"{side}.num_layers={layout.num_layers} but num_layers={num_layers} was passed; "
+            "drop one of them"
+        )
+    n = layout.num_layers or num_layers or inferred
+    if n < layout.pp:
+        raise LayoutError(
+            f"{side} pp={layout.pp} exceeds num_layers={n}: a pipeline stage would hold no "
+            "layer; lower pp"
+        )
+    return layout if layout.num_layers == n else dataclasses.replace(layout, num_layers=n)
+
+
+def _stages(keys: np.ndarray, num_layers: int, pp: int) -> np.ndarray:
+    """Pipeline stage of each layer key (-1 stays -1: every stage)."""
+    base, extra = divmod(num_layers, pp)
+    head = extra * (base + 1)
+    k = np.maximum(keys, 0)
+    stage = np.where(k < head, k // (base + 1), extra + (k - head) // max(base, 1))
+    return np.where(keys < 0, -1, stage).astype(np.int32)
+
+
+def _check_specs(specs: Sequence[TensorSpec], dst_specs: Sequence[TensorSpec] | None) -> None:
+    names: set[str] = set()
+    for s in specs:
+        if not isinstance(s, TensorSpec):
+            raise LayoutError(f"specs must be TensorSpec objects, got {type(s).__name__}")
+        if s.name in names:
+            raise LayoutError(f"two specs are named {s.name!r}; give every tensor a unique name")
+        names.add(s.name)
+    if dst_specs is None:
+        return
+    if len(dst_specs) != len(specs):
+        raise PlanError(
+            f"src has {len(specs)} specs but dst has {len(dst_specs)}; both sides must "
+            "describe the same tensors in the same order"
+        )
+    for a, b in zip(specs, dst_specs):
+        if (a.name, a.shape, a.dtype, a.split_dim) != (b.name, b.shape, b.dtype, b.split_dim):
+            raise PlanError(
+                f"src spec {a!r} and dst spec {b!r} disagree; name, shape, dtype and split_dim "
+                "must match (only stage_key may change)"
+            )
+
+
+def _node_array(layout: Layout) -> np.ndarray:
+    if layout.node_of is None:
+        return np.zeros(layout.world_size, dtype=np.int32)
+    return np.asarray(layout.node_of, dtype=np.int32)
+
+
+def plan_reshard(
+    specs: Sequence[TensorSpec],
+    src: Layout,
+    dst: Layout,
+    num_layers: int | None = None,
+    *,
+    dst_specs: Sequence[TensorSpec] | None = None,
+) -> ReshardPlan:
+    """Plan moving sharded state from layout `src` to layout `dst`.
+
+    Arguments:
+        specs: the tensors (as the source holds them).
+        src, dst: the layouts; any degrees, any rank sets (overlapping or not).
+        num_layers: layers the pp split divides, for a layout whose
+            num_layers is None (default: max stage_key + 1).
+        dst_specs: the tensors as the destination holds them, when their
+            stage_key differs (same names, shapes, dtypes, split dims, order).
+
+    Returns:
+        A ReshardPlan (deterministic: every rank computes the same one).
+
+    Raises:
+        LayoutError: malformed specs (duplicate names), a pipeline stage with
+            no layer.
+        PlanError: src and dst disagree on the specs or on num_layers; a
+            destination byte no source holds.
+    """
+    specs = tuple(specs)
+    _check_specs(specs, dst_specs)
+    dspecs = specs if dst_specs is None else tuple(dst_specs)
+    inferred = max(infer_num_layers(specs), infer_num_layers(dspecs))
+    src = _resolve_layers(src, num_layers, inferred, "src")
+    dst = _resolve_layers(dst, num_layers, inferred, "dst")
+    if src.node_of is not None and dst.node_of is not None:
+        for r in set(src.ranks) & set(dst.ranks):
+            if src.node(r) != dst.node(r):
+                raise LayoutError(
+                    f"rank {r} is on node {src.node(r)} in src but node {dst.node(r)} in dst; "
+                    "a rank is one device, give it one node"
+                )
+
+    n = len(specs)
+    src_keys = np.fromiter((-1 if s.stage_key is None else s.stage_key for s in specs), np.int64, n)
+    dst_keys = np.fromiter(
+        (-1 if s.stage_key is None else s.stage_key for s in dspecs), np.int64, n
+    )
+    for keys, layout, side in ((dst_keys, dst, "dst"), (src_keys, src, "src")):
+        bad = np.nonzero(keys >= layout.num_layers)[0]
+        if len(bad):
+            s = specs[int(bad[0])]
+            what = "no source rank holds" if side == "src" else "the destination cannot place"
+            raise PlanError(
+                f"{what} {s!r}: its stage_key is not below {side}.num_layers="
+                f"{layout.num_layers} ({len(bad)} such tensors); src and dst must cover the "
+                "same layers"
+            )
+    length = np.empty(n, np.int64)
+    unit = np.empty(n, np.int64)
+    split = np.empty(n, np.int32)
+    for i, s in enumerate(specs):
+        nbytes = s.nbytes
+        if s.split_dim is None:
+            length[i], unit[i], split[i] = 1, nbytes, 0
+        else:
+            size = s.shape[s.split_dim]
+            length[i], unit[i], split[i] = size, (nbytes // size if size else 0), 1
+    pos = src._pos
+    dst_in_src = np.fromiter((pos.get(r, -1) for r in dst.ranks), np.int64, dst.world_size)
+    raw = _C.remap_plan(
+        (src.dp, src.tp, src.pp),
+        _node_array(src),
+        (dst.dp, dst.tp, dst.pp),
+        _node_array(dst),
+        dst_in_src,
+        length,
+        unit,
+        split,
+        _stages(src_keys, src.num_layers, src.pp),
+        _stages(dst_keys, dst.num_layers, dst.pp),
+    )
+    return ReshardPlan(specs, src, dst, raw, dspecs)

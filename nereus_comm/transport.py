@@ -1,0 +1,366 @@
+"""Transports: batched point-to-point exchange of byte buffers between ranks.
+
+A transport moves whole contiguous tensors (zero copy: the tensors' own
+storage is sent from and received into). ``exchange`` posts every send and
+every receive of one step as one batch and returns when all have finished, or
+raises :class:`~nereus_comm.errors.PeerTimeoutError` naming the peers still
+pending when the timeout ran out; it never hangs on a dead peer.
+
+Several buffers to or from the same peer are matched in the order they are
+listed, so sender and receiver must list them in the same order (a reshard
+plan's messages do). Empty buffers are skipped on both sides.
+
+- :class:`GlooTransport`: torch.distributed gloo (host memory).
+- :class:`NcclTransport`: grouped ``ncclSend``/``ncclRecv`` through the native
+  core on torch's current CUDA stream (device memory).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus_comm.errors import (
+    NereusCommError,
+    PeerTimeoutError,
+    TensorMismatchError,
+    TransportError,
+)
+
+__all__ = [
+    "GlooTransport",
+    "NcclTransport",
+    "Transport",
+    "TransportArgumentError",
+    "TransportStats",
+]
+
+Buffers = Sequence[tuple[int, torch.Tensor]]
+
+
+class TransportArgumentError(NereusCommError, ValueError):
+    """An exchange was asked for with a peer or buffer the transport cannot serve."""
+
+
+@dataclass
+class TransportStats:
+    """Counters over the life of a transport (non-empty buffers only)."""
+
+    exchanges: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+def _peer_list(peers: Sequence[int]) -> str:
+    return ", ".join(str(p) for p in sorted(set(peers)))
+
+
+class Transport(ABC):
+    """Batched send/recv of contiguous tensors between global ranks.
+
+    Subclasses implement :meth:`_exchange`; :meth:`exchange` validates the
+    arguments before anything is posted and keeps :attr:`stats`.
+    """
+
+    #: this process's global rank.
+    rank: int
+    #: global ranks this transport can reach (including itself).
+    ranks: tuple[int, ...]
+    #: the device type whose memory it moves ("cpu" or "cuda").
+    device_type: str
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+        self._broken: str | None = None
+
+    def exchange(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> None:
+        """Send and receive all buffers as one batch and wait until all are done.
+
+        Arguments:
+            sends: ``(peer, tensor)`` per outgoing buffer (global ranks).
+            recvs: ``(peer, tensor)`` per incoming buffer, written in place.
+            timeout: seconds to wait for the whole batch.
+
+        Raises:
+            TransportArgumentError: a peer is not reachable, is this rank, or the
+                transport broke earlier (a peer timed out); raised before posting.
+            TensorMismatchError: a tensor is not contiguous or on the wrong device.
+            PeerTimeoutError: some transfers had not finished after ``timeout``
+                seconds; the message names those peers. The transport is then broken
+                (the connection to a silent peer is closed): build a new one.
+        """
+        if self._broken is not None:
+            raise TransportArgumentError(
+                f"this transport broke earlier ({self._broken}); create a new one "
+                "(e.g. over the next generation of the World's process group)"
+            )
+        if timeout <= 0:
+            raise TransportArgumentError(f"timeout must be > 0 seconds, got {timeout}")
+        sends = self._checked(sends, "send")
+        recvs = self._checked(recvs, "recv")
+        start = time.perf_counter()
+        self._exchange(sends, recvs, timeout)
+        s = self.stats
+        s.exchanges += 1
+        s.messages_sent += len(sends)
+        s.messages_received += len(recvs)
+        s.bytes_sent += sum(t.nbytes for _, t in sends)
+        s.bytes_received += sum(t.nbytes for _, t in recvs)
+        s.seconds += time.perf_counter() - start
+
+    def _checked(self, buffers: Buffers, kind: str) -> list[tuple[int, torch.Tensor]]:
+        out = []
+        reachable = set(self.ranks)
+        for i, (peer, t) in enumerate(buffers):
+            if peer not in reachable:
+                raise TransportArgumentError(
+                    f"{kind} #{i}: peer {peer} is not among this transport's ranks "
+                    f"{list(self.ranks)}; use a transport over a group that holds it"
+                )
+            if peer == self.rank:
+                raise TransportArgumentError(
+                    f"{kind} #{i}: peer {peer} is this rank; copy locally instead"
+                )
+            if not isinstance(t, torch.Tensor):
+                raise TensorMismatchError(f"{kind} #{i} to/from {peer}: expected a tensor")
+            if not t.is_contiguous():
+                raise TensorMismatchError(
+                    f"{kind} #{i} to/from {peer}: tensor of shape {tuple(t.shape)} is not "
+                    "contiguous; pack it into a buffer first"
+                )
+            if t.device.type != self.device_type:
+                raise TensorMismatchError(
+                    f"{kind} #{i} to/from {peer}: tensor is on {t.device}, this transport "
+                    f"moves {self.device_type} memory"
+                )
+            if t.nbytes:
+                out.append((peer, t))
+        return out
+
+    def _break(self, reason: str) -> None:
+        self._broken = reason
+
+    @abstractmethod
+    def _exchange(
+        self,
+        sends: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor]],
+        timeout: float,
+    ) -> None:
+        """Post and complete the validated, non-empty batch (see :meth:`exchange`)."""
+
+    def close(self) -> None:  # noqa: B027  (optional hook: most transports own nothing)
+        """Release what the transport owns (communicators); the transport is unusable after."""
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # A flat uint8 view of the same storage: transports move bytes, whatever the dtype.
+    return t.reshape(-1).view(torch.uint8)
+
+
+class GlooTransport(Transport):
+    """Exchange over a torch.distributed gloo process group (host memory).
+
+    Arguments:
+        group: the gloo group (default: the default process group). Peers are
+            global ranks, as everywhere in nereus_comm.
+    """
+
+    device_type = "cpu"
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise TransportArgumentError(
+                "torch.distributed is not initialized; call init_process_group('gloo', ...) "
+                "(or join a nereus_comm World) first"
+            )
+        self.group = group
+        self.rank = dist.get_rank()
+        self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        if self.rank not in self.ranks:
+            raise TransportArgumentError(f"rank {self.rank} is not in the group {self.ranks}")
+
+    def __repr__(self) -> str:
+        return f"GlooTransport(rank={self.rank}, ranks={list(self.ranks)})"
+
+    def _exchange(self, sends, recvs, timeout) -> None:
+        deadline = time.monotonic() + timeout
+        pending: list[tuple[str, int, dist.Work]] = []
+        try:
+            # Receives first, so that data arriving early lands in place.
+            for peer, t in recvs:
+                pending.append(("recv from", peer, dist.irecv(_as_bytes(t), peer, self.group)))
+            for peer, t in sends:
+                pending.append(("send to", peer, dist.isend(_as_bytes(t), peer, self.group)))
+        except RuntimeError as e:  # a pair closed earlier: the peer is gone
+            self._break(f"posting failed: {e}")
+            raise PeerTimeoutError(
+                f"could not post transfers (a peer's connection is closed): {e}"
+            ) from e
+        failed: list[tuple[str, int, str]] = []
+        for what, peer, work in pending:
+            # Work.is_completed() also reports True for timed-out work, so the
+            # outcome of each wait is the only truth about what is still pending.
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                failed.append((what, peer, str(e).splitlines()[-1]))
+        if failed:
+            peers = [p for _, p, _ in failed]
+            self._break(f"peers {_peer_list(peers)} timed out")
+            detail = "; ".join(f"{w} {p}" for w, p, _ in failed)
+            raise PeerTimeoutError(
+                f"rank {self.rank}: peers {_peer_list(peers)} did not complete within "
+                f"{timeout:g} s (pending: {detail}; gloo: {failed[0][2]}). The peer may have "
+                "died; form a new group without it."
+            )
+
+
+class NcclTransport(Transport):
+    """Grouped ncclSend/ncclRecv over one NCCL communicator (device memory).
+
+    Every rank of ``ranks`` constructs the transport together: the first rank
+    generates the unique id and publishes it in ``store``; all then create the
+    communicator. Transfers are enqueued on torch's current CUDA stream; the
+    exchange waits (polling an event) until they finish or the timeout runs
+    out, then aborts the communicator and raises PeerTimeoutError.
+
+    Arguments:
+        store: a torch.distributed Store all ranks share.
+        rank: this process's global rank.
+        ranks: the global ranks of the communicator, in communicator order.
+        device: this process's CUDA device (index or torch.device).
+        key: store key prefix; must be unique per communicator.
+        lib: the NCCL library (default: :func:`nereus_comm.nccl.load_nccl`).
+        comm: an existing communicator to wrap instead of creating one (e.g. from
+            the communicator pool); the transport then does not destroy it.
+        init_timeout: seconds to wait for the unique id in the store.
+
+    Raises:
+        NcclNotFoundError: NCCL could not be loaded.
+        TransportArgumentError: rank not in ranks, or CUDA unavailable.
+        NcclError: communicator creation failed.
+    """
+
+    device_type = "cuda"
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        ranks: Sequence[int],
+        device: int | torch.device,
+        *,
+        key: str = "nereus/nccl_transport",
+        lib=None,
+        comm: int | None = None,
+        init_timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        from nereus_comm.nccl import load_nccl
+
+        if not torch.cuda.is_available():
+            raise TransportArgumentError("NcclTransport needs a CUDA device; use GlooTransport")
+        self.ranks = tuple(int(r) for r in ranks)
+        if rank not in self.ranks:
+            raise TransportArgumentError(f"rank {rank} is not in ranks {list(self.ranks)}")
+        self.rank = rank
+        self.device = torch.device("cuda", device) if isinstance(device, int) else device
+        self._index = {r: i for i, r in enumerate(self.ranks)}
+        self.lib = lib or load_nccl()
+        self._owns_comm = comm is None
+        if comm is None:
+            torch.cuda.set_device(self.device)
+            uid_key = f"{key}/unique_id"
+            if self._index[rank] == 0:
+                store.set(uid_key, self.lib.get_unique_id())
+            store.wait([uid_key], datetime.timedelta(seconds=init_timeout))
+            uid = bytes(store.get(uid_key))
+            comm = self.lib.comm_init_rank(len(self.ranks), uid, self._index[rank])
+        self.comm = comm
+
+    def __repr__(self) -> str:
+        return f"NcclTransport(rank={self.rank}, ranks={list(self.ranks)}, device={self.device})"
+
+    def _exchange(self, sends, recvs, timeout) -> None:
+        for peer, t in (*sends, *recvs):
+            if t.device != self.device:
+                raise TensorMismatchError(
+                    f"tensor for peer {peer} is on {t.device}, this transport uses {self.device}"
+                )
+        stream = torch.cuda.current_stream(self.device)
+        ops_s = [(self._index[p], t.data_ptr(), t.nbytes) for p, t in sends]
+        ops_r = [(self._index[p], t.data_ptr(), t.nbytes) for p, t in recvs]
+        peers = [p for p, _ in (*sends, *recvs)]
+        deadline = time.monotonic() + timeout
+        # ncclGroupEnd may block while it connects to peers; a watchdog aborts the
+        # communicator if that outlasts the timeout, which makes the call return.
+        fired = threading.Event()
+
+        def _abort() -> None:
+            fired.set()
+            self.lib.comm_abort(self.comm)
+
+        watchdog = threading.Timer(timeout, _abort)
+        watchdog.start()
+        try:
+            self.lib.group_send_recv(self.comm, ops_s, ops_r, stream.cuda_stream)
+        except TransportError as e:
+            watchdog.cancel()
+            if fired.is_set():
+                self._break("aborted by the watchdog")
+                self.comm = 0
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: NCCL group with peers {_peer_list(peers)} did not "
+                    f"start within {timeout:g} s: {e}"
+                ) from e
+            raise
+        watchdog.cancel()
+        if fired.is_set():
+            self._break("aborted by the watchdog")
+            self.comm = 0
+            raise PeerTimeoutError(
+                f"rank {self.rank}: peers {_peer_list(peers)} did not connect within {timeout:g} s"
+            )
+        done = torch.cuda.Event()
+        done.record(stream)
+        while not done.query():
+            state = self.lib.comm_get_async_error(self.comm)
+            if state not in (0, 7):
+                self._abort_comm()
+                raise TransportError(
+                    f"rank {self.rank}: NCCL reported {self.lib.error_string(state)} during an "
+                    f"exchange with peers {_peer_list(peers)}"
+                )
+            if time.monotonic() > deadline:
+                self._abort_comm()
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: transfers with peers {_peer_list(peers)} did not finish "
+                    f"within {timeout:g} s; the communicator was aborted"
+                )
+            time.sleep(0.0002)
+
+    def _abort_comm(self) -> None:
+        self._break("communicator aborted")
+        if self._owns_comm and self.comm:
+            self.lib.comm_abort(self.comm)
+            self.comm = 0
+
+    def close(self) -> None:
+        """Destroy the communicator (if this transport created it)."""
+        if self._owns_comm and self.comm and self._broken is None:
+            self.lib.comm_destroy(self.comm)
+        self.comm = 0
+        self._break("closed")

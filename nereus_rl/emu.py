@@ -1,0 +1,619 @@
+"""Elastic Model Units and their four primitives, run on live workers.
+
+An EMU is one replica of one model-stage laid out over tp x pp devices
+(worker ranks). A stage's data-parallel degree is its number of units. The
+primitives change a stage's units without touching any other unit and
+without restarting a process:
+
+- ``extend``: a new unit on free devices, any (tp, pp), its state copied from
+  a live unit of the stage (shard for shard, with no packing, when the
+  layouts match);
+- ``destroy``: drop a unit and its communicator; refused for the last unit
+  holding a stage's state;
+- ``split``: one unit of degree d (= tp * pp devices) into two of degree d/2
+  on its own devices;
+- ``merge``: two units of one stage and layout into one of twice the degree.
+
+Each primitive checks its input before any byte moves (:class:`EMUError`),
+moves bytes with the nereus_comm planner and reshard over a gloo group of the
+ranks involved, and commits (drops the old units) only after every rank
+succeeded. Every primitive appends a :class:`PrimitiveRecord` to
+``EMUManager.records`` and (as a dict) to ``Driver.records``.
+
+Usage (driver side)::
+
+    driver = Driver(); ranks = driver.spawn_local(4)
+    emus = EMUManager(driver)
+    emus.define_stage("actor", stage_state_specs(num_layers=4, hidden=64, ffn=128, vocab=96))
+    a = emus.create("actor", ranks[:2], tp=2)
+    b = emus.extend("actor", ranks[2:], tp=1, pp=2)   # dp 1 -> 2
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from nereus_rl.emu_comm import Layout, TensorSpec, box_slices
+from nereus_rl.emu_state import reference_state
+from nereus_rl.runtime import Driver
+
+
+class EMUError(ValueError):
+    """A primitive was asked for something it cannot do; nothing moved."""
+
+
+class EMUStateLostError(RuntimeError):
+    """Every unit holding a stage's state lost a shard; it cannot be rebuilt from memory."""
+
+
+@dataclass(frozen=True)
+class StageState:
+    """What a model-stage's units hold.
+
+    Arguments:
+        name: the stage (e.g. "actor.train").
+        specs: the TensorSpecs of one unit's full state.
+        num_layers: layers the pipeline split divides.
+        seed: seed of the synthetic initial content.
+    """
+
+    name: str
+    specs: tuple[TensorSpec, ...]
+    num_layers: int
+    seed: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one full copy of the state."""
+        return sum(s.nbytes for s in self.specs)
+
+    def __repr__(self) -> str:
+        return (
+            f"StageState({self.name} tensors={len(self.specs)} layers={self.num_layers} "
+            f"{self.nbytes / 2**20:.1f} MiB)"
+        )
+
+
+@dataclass(frozen=True)
+class EMU:
+    """One replica of one model-stage on tp x pp worker ranks.
+
+    Arguments:
+        uid: job-unique unit id.
+        stage: the stage's name.
+        tp, pp: tensor and pipeline degrees.
+        ranks: tp * pp worker ranks, pp-major then tp (Layout order).
+        num_layers: layers of the stage (for the layout's pipeline split).
+    """
+
+    uid: int
+    stage: str
+    tp: int
+    pp: int
+    ranks: tuple[int, ...]
+    num_layers: int
+
+    @property
+    def degree(self) -> int:
+        """Number of devices (tp * pp)."""
+        return self.tp * self.pp
+
+    @property
+    def layout(self) -> Layout:
+        """The unit's Layout (dp = 1)."""
+        return Layout(1, self.tp, self.pp, self.ranks, num_layers=self.num_layers)
+
+    def __repr__(self) -> str:
+        return f"EMU(#{self.uid} {self.stage} tp{self.tp} pp{self.pp} ranks={list(self.ranks)})"
+
+
+@dataclass(frozen=True)
+class PrimitiveRecord:
+    """Measured cost of one primitive.
+
+    bytes_moved: bytes sent between ranks; bytes_local: bytes copied inside a
+    rank; bytes_direct / bytes_packed: of bytes_moved, those sent straight from
+    the source tensors (zero copy) / packed into per-message buffers;
+    comm_setup_s: the slowest rank's communicator creation time; seconds: wall
+    time on the driver (planning, setup, transfer, commit).
+    """
+
+    kind: str
+    stage: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    num_ranks: int
+    seconds: float
+    bytes_moved: int = 0
+    bytes_local: int = 0
+    bytes_direct: int = 0
+    bytes_packed: int = 0
+    comm_setup_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EMUManager:
+    """The driver's view of every unit, and the primitives that change them.
+
+    Arguments:
+        driver: the runtime driver whose workers hold the shards.
+        transfer_timeout: seconds a transfer may wait for a peer.
+        max_cached_groups: transfer groups kept for reuse (oldest released first).
+    """
+
+    def __init__(
+        self, driver: Driver, *, transfer_timeout: float = 60.0, max_cached_groups: int = 16
+    ) -> None:
+        self.driver = driver
+        self.transfer_timeout = transfer_timeout
+        self.max_cached_groups = max_cached_groups
+        self.stages: dict[str, StageState] = {}
+        self.records: list[PrimitiveRecord] = []
+        self._units: dict[int, EMU] = {}
+        self._unit_gid: dict[int, int | None] = {}
+        self._transfer_gids: dict[tuple[int, ...], int] = {}
+        self._informed: set[int] = set()  # workers that know every stage
+        self._next_uid = 0
+        self._next_gid = 0
+        driver.import_module("nereus_rl.emu_worker")
+
+    # ---------------------------------------------------------------- queries
+
+    def units(self, stage: str | None = None) -> list[EMU]:
+        """Live units (of one stage, or all), by uid."""
+        return [u for uid, u in sorted(self._units.items()) if stage is None or u.stage == stage]
+
+    def dp_degree(self, stage: str) -> int:
+        """The stage's data-parallel degree: its number of units."""
+        return len(self.units(stage))
+
+    def owner(self, rank: int) -> EMU | None:
+        """The unit holding a shard on ``rank``, if any."""
+        for u in self._units.values():
+            if rank in u.ranks:
+                return u
+        return None
+
+    def free_ranks(self) -> list[int]:
+        """Live workers that hold no unit."""
+        owned = {r for u in self._units.values() for r in u.ranks}
+        lost = set(self.driver.check_liveness())
+        return [r for r in self.driver.workers if r not in owned and r not in lost]
+
+    def reference(self, stage: str) -> dict[str, torch.Tensor]:
+        """The full state every unit of the stage must equal bitwise."""
+        s = self.stages[stage]
+        return reference_state(s.specs, s.seed)
+
+    def full_state(self, unit: EMU) -> dict[str, torch.Tensor]:
+        """Gather a unit's full state from its ranks.
+
+        Raises:
+            EMUError: the unit is not live.
+            RuntimeError: two tp ranks hold different copies of a replicated tensor.
+        """
+        self._check_live(unit)
+        stage = self.stages[unit.stage]
+        shards = self.driver.call(unit.ranks, "emu.shards", unit.uid)
+        layout = unit.layout
+        out = {}
+        for spec in stage.specs:
+            full = torch.empty(spec.shape, dtype=spec.dtype)
+            first: dict[tuple, torch.Tensor] = {}
+            for rank in unit.ranks:
+                box = layout.box(spec, rank, stage.num_layers)
+                if box is None:
+                    continue
+                t = shards[rank][spec.name]
+                if box in first:
+                    if not torch.equal(first[box], t):
+                        raise RuntimeError(
+                            f"{unit!r}: ranks disagree on replicated tensor {spec.name}"
+                        )
+                    continue
+                first[box] = t
+                full[box_slices(box, tuple((0, 0) for _ in box))] = t
+            out[spec.name] = full
+        return out
+
+    # ---------------------------------------------------------------- setup
+
+    def define_stage(
+        self,
+        name: str,
+        specs: Sequence[TensorSpec],
+        *,
+        num_layers: int | None = None,
+        seed: int = 0,
+    ) -> StageState:
+        """Declare a stage's state (its specs) on the driver and every worker.
+
+        Arguments:
+            name: the stage.
+            specs: TensorSpecs of one unit's state (see emu_state.stage_state_specs).
+            num_layers: layers (default: max stage_key + 1).
+            seed: seed of the synthetic initial content.
+
+        Raises:
+            EMUError: the stage exists already, or has no tensors.
+        """
+        if name in self.stages:
+            raise EMUError(f"stage {name!r} is already defined")
+        if not specs:
+            raise EMUError(f"stage {name!r} needs at least one TensorSpec")
+        if num_layers is None:
+            keys = [s.stage_key for s in specs if s.stage_key is not None]
+            num_layers = max(keys) + 1 if keys else 1
+        stage = StageState(name, tuple(specs), num_layers, seed)
+        workers = self.driver.workers
+        self.driver.call(workers, "emu.define_stage", name, stage.specs, num_layers)
+        # Those that knew every earlier stage now know every stage.
+        self._informed = (self._informed if self.stages else set(workers)) & set(workers)
+        self.stages[name] = stage
+        return stage
+
+    def create(self, stage: str, ranks: Sequence[int], *, tp: int = 1, pp: int = 1) -> EMU:
+        """The stage's first unit, its state built from the synthetic content.
+
+        Raises:
+            EMUError: unknown stage, bad (tp, pp) or ranks, ranks owned or not live.
+        """
+        st = self._stage(stage)
+        unit = self._new_unit(st, ranks, tp, pp)
+        t0 = time.perf_counter()
+        gid = self._gid() if unit.degree > 1 else None
+        self._ensure_stage_on(unit.ranks)
+        res = self.driver.call(unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid)
+        self._commit([], [unit], [gid])
+        self._record(
+            "create", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0,
+            comm_setup_s=max(r["comm_setup_s"] for r in res.values()),
+        )  # fmt: skip
+        return unit
+
+    # ---------------------------------------------------------------- primitives
+
+    def extend(
+        self,
+        stage: str,
+        ranks: Sequence[int],
+        *,
+        tp: int | None = None,
+        pp: int | None = None,
+        source: EMU | None = None,
+    ) -> EMU:
+        """Add a unit of ``stage`` on free ``ranks``, its state copied from a live unit.
+
+        Arguments:
+            stage: the stage to grow by one replica.
+            ranks: tp * pp free live worker ranks (Layout order).
+            tp, pp: the new unit's degrees (default: the source's).
+            source: the unit to copy from (default: the stage's oldest unit).
+
+        Returns:
+            The new unit.
+
+        Raises:
+            EMUError: a rank is owned, lost or repeated; bad degrees; the source
+                is not a live unit of the stage. Raised before any byte moves.
+        """
+        st = self._stage(stage)
+        if source is None:
+            live = self.units(stage)
+            if not live:
+                raise EMUError(f"stage {stage!r} has no live unit to copy its state from")
+            source = live[0]
+        self._check_live(source)
+        if source.stage != stage:
+            raise EMUError(f"source {source!r} is not a unit of stage {stage!r}")
+        unit = self._new_unit(st, ranks, tp or source.tp, pp or source.pp)
+        return self._transfer("extend", st, [source], [unit], keep_sources=True)
+
+    def destroy(self, unit: EMU) -> None:
+        """Drop a unit: its shards, its communicator, its claim on its devices.
+
+        Raises:
+            EMUError: the unit is not live, or is the last unit of its stage.
+        """
+        self._check_live(unit)
+        if self.dp_degree(unit.stage) == 1:
+            raise EMUError(
+                f"{unit!r} is the last unit holding stage {unit.stage!r}'s state; "
+                "extend the stage first or keep this unit"
+            )
+        t0 = time.perf_counter()
+        self._commit([unit], [], [])
+        self._record(
+            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0
+        )
+
+    def split(self, unit: EMU, *, tp: int | None = None, pp: int | None = None) -> tuple[EMU, EMU]:
+        """Split a unit of degree d into two units of degree d/2 on its own devices.
+
+        Arguments:
+            unit: the unit to split.
+            tp, pp: degrees of each half (default: tp halved, or pp if tp is odd).
+
+        Returns:
+            The two new units (on the first and second half of unit.ranks).
+
+        Raises:
+            EMUError: the degree is odd or 1, or tp * pp != degree / 2.
+        """
+        self._check_live(unit)
+        st = self._stage(unit.stage)
+        if unit.degree == 1:
+            raise EMUError(
+                f"cannot split {unit!r}: it has degree 1 (a single device); extend the "
+                "stage instead to add a replica"
+            )
+        if unit.degree % 2:
+            raise EMUError(
+                f"cannot split {unit!r}: its degree {unit.degree} is not even "
+                "(split needs tp * pp of at least 2 and divisible by 2)"
+            )
+        if tp is None and pp is None:
+            tp, pp = (unit.tp // 2, unit.pp) if unit.tp % 2 == 0 else (unit.tp, unit.pp // 2)
+        tp, pp = tp or 1, pp or 1
+        if tp * pp * 2 != unit.degree:
+            raise EMUError(
+                f"each half of {unit!r} must have tp * pp = {unit.degree // 2}, got tp={tp} pp={pp}"
+            )
+        half = unit.degree // 2
+        a = self._new_unit(st, unit.ranks[:half], tp, pp, replacing=[unit])
+        b = self._new_unit(st, unit.ranks[half:], tp, pp, replacing=[unit])
+        self._transfer("split", st, [unit], [a, b], keep_sources=False)
+        return self._units[a.uid], self._units[b.uid]
+
+    def merge(self, a: EMU, b: EMU, *, tp: int | None = None, pp: int | None = None) -> EMU:
+        """Merge two units of one stage and one layout into one of twice the degree.
+
+        Arguments:
+            a, b: the units (the new unit's ranks are a.ranks + b.ranks).
+            tp, pp: the new unit's degrees (default: tp doubled).
+
+        Returns:
+            The new unit.
+
+        Raises:
+            EMUError: same unit twice, different stages or layouts, or
+                tp * pp != 2 * degree.
+        """
+        self._check_live(a)
+        self._check_live(b)
+        if a.uid == b.uid:
+            raise EMUError(f"cannot merge {a!r} with itself")
+        if a.stage != b.stage:
+            raise EMUError(f"cannot merge units of different stages: {a!r} and {b!r}")
+        if (a.tp, a.pp) != (b.tp, b.pp):
+            raise EMUError(
+                f"cannot merge units of different layouts: {a!r} and {b!r}; "
+                "split or extend one of them to the other's (tp, pp) first"
+            )
+        st = self._stage(a.stage)
+        if tp is None and pp is None:
+            tp, pp = a.tp * 2, a.pp
+        tp, pp = tp or 1, pp or 1
+        if tp * pp != 2 * a.degree:
+            raise EMUError(f"the merged unit needs tp * pp = {2 * a.degree}, got tp={tp} pp={pp}")
+        unit = self._new_unit(st, a.ranks + b.ranks, tp, pp, replacing=[a, b])
+        return self._transfer("merge", st, [a, b], [unit], keep_sources=False)
+
+    def recover(self, *, spare_ranks: Sequence[int] | None = None) -> list[EMU]:
+        """Rebuild the capacity lost with dead workers from the intact units.
+
+        Every unit that lost a shard is destroyed (its survivors drop their
+        shards and groups); then, per broken unit, a unit of the same stage is
+        extended from an intact one onto free live ranks (``spare_ranks`` first
+        when given), with the broken unit's (tp, pp) if enough ranks are free,
+        else the largest smaller degree that fits. Nothing is read from disk.
+
+        Returns:
+            The new units (possibly fewer than the broken ones, if too few ranks are free).
+
+        Raises:
+            EMUStateLostError: a stage has no intact unit left.
+        """
+        lost = set(self.driver.check_liveness())
+        broken = [u for u in self.units() if lost & set(u.ranks)]
+        for stage in {u.stage for u in broken}:
+            if not any(not (lost & set(u.ranks)) for u in self.units(stage)):
+                raise EMUStateLostError(
+                    f"every unit of stage {stage!r} lost a shard (lost workers {sorted(lost)}); "
+                    "its state must come from a checkpoint"
+                )
+        for u in broken:
+            t0 = time.perf_counter()
+            self._commit([u], [], [])
+            self._record(
+                "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
+                extra={"reason": "lost worker"},
+            )  # fmt: skip
+        self._forget_groups_with(lost)
+        new = []
+        for u in broken:
+            free = self.free_ranks()
+            if spare_ranks is not None:
+                free = [r for r in spare_ranks if r in free] + [
+                    r for r in free if r not in spare_ranks
+                ]
+            for tp, pp in _shrinking(u.tp, u.pp):
+                if tp * pp <= len(free):
+                    new.append(self.extend(u.stage, free[: tp * pp], tp=tp, pp=pp))
+                    break
+        return new
+
+    # ---------------------------------------------------------------- internals
+
+    def _stage(self, stage: str) -> StageState:
+        st = self.stages.get(stage)
+        if st is None:
+            raise EMUError(f"unknown stage {stage!r}; defined: {sorted(self.stages)}")
+        return st
+
+    def _check_live(self, unit: EMU) -> None:
+        if self._units.get(unit.uid) != unit:
+            raise EMUError(f"{unit!r} is not a live unit (destroyed, split or merged already)")
+
+    def _gid(self) -> int:
+        self._next_gid += 1
+        return self._next_gid
+
+    def _new_unit(
+        self,
+        st: StageState,
+        ranks: Sequence[int],
+        tp: int,
+        pp: int,
+        replacing: Sequence[EMU] = (),
+    ) -> EMU:
+        ranks = tuple(int(r) for r in ranks)
+        if tp < 1 or pp < 1:
+            raise EMUError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+        if len(ranks) != tp * pp:
+            raise EMUError(f"a tp={tp} x pp={pp} unit needs {tp * pp} ranks, got {len(ranks)}")
+        if len(set(ranks)) != len(ranks):
+            raise EMUError(f"ranks {list(ranks)} repeat a device")
+        if pp > st.num_layers:
+            raise EMUError(f"pp={pp} exceeds the {st.num_layers} layers of stage {st.name!r}")
+        lost = set(self.driver.check_liveness())
+        workers = set(self.driver.workers)
+        bad = [r for r in ranks if r not in workers or r in lost]
+        if bad:
+            raise EMUError(f"ranks {bad} are not live workers (live: {sorted(workers - lost)})")
+        freed = {r for u in replacing for r in u.ranks}
+        for r in ranks:
+            owner = self.owner(r)
+            if owner is not None and r not in freed:
+                raise EMUError(
+                    f"device {r} is already owned by {owner!r}; destroy that unit or pick a "
+                    f"free device (free: {self.free_ranks()})"
+                )
+        self._next_uid += 1
+        return EMU(self._next_uid - 1, st.name, tp, pp, ranks, st.num_layers)
+
+    def _ensure_stage_on(self, ranks: Sequence[int]) -> None:
+        # A worker that joined after define_stage has not heard of the stages yet.
+        for rank in ranks:
+            if rank not in self._informed:
+                for st in self.stages.values():
+                    self.driver.call([rank], "emu.define_stage", st.name, st.specs, st.num_layers)
+                self._informed.add(rank)
+
+    def _transfer_gid(self, ranks: tuple[int, ...]) -> int:
+        gid = self._transfer_gids.pop(ranks, None)
+        if gid is None:
+            gid = self._gid()
+            if len(self._transfer_gids) >= self.max_cached_groups:
+                old_ranks, old = next(iter(self._transfer_gids.items()))
+                del self._transfer_gids[old_ranks]
+                self._release(old_ranks, [old])
+        self._transfer_gids[ranks] = gid  # most recently used last
+        return gid
+
+    def _release(self, ranks: Sequence[int], gids: list[int]) -> None:
+        live = [r for r in ranks if r not in set(self.driver.check_liveness())]
+        if live and gids:
+            self.driver.call(live, "release_groups", gids)
+
+    def _forget_groups_with(self, lost: set[int]) -> None:
+        for ranks, gid in list(self._transfer_gids.items()):
+            if lost & set(ranks):
+                del self._transfer_gids[ranks]
+                self._release(ranks, [gid])
+
+    def _transfer(
+        self, kind: str, st: StageState, sources: list[EMU], targets: list[EMU], keep_sources: bool
+    ) -> EMU:
+        t0 = time.perf_counter()
+        src = Layout(
+            len(sources), sources[0].tp, sources[0].pp,
+            tuple(r for u in sources for r in u.ranks), num_layers=st.num_layers,
+        )  # fmt: skip
+        dst = Layout(
+            len(targets), targets[0].tp, targets[0].pp,
+            tuple(r for u in targets for r in u.ranks), num_layers=st.num_layers,
+        )  # fmt: skip
+        ranks = tuple(sorted(set(src.ranks) | set(dst.ranks)))
+        gid = self._transfer_gid(ranks)
+        unit_gids = tuple(self._gid() if u.degree > 1 else None for u in targets)
+        self._ensure_stage_on(ranks)
+        try:
+            res = self.driver.call(
+                ranks, "emu.reshard", st.name,
+                tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
+                gid, ranks, unit_gids, self.transfer_timeout,
+                timeout=self.transfer_timeout + 30,
+            )  # fmt: skip
+        except Exception:
+            # Sources are untouched; forget whatever partial targets exist.
+            live = [r for r in dst.ranks if r not in set(self.driver.check_liveness())]
+            self._transfer_gids.pop(ranks, None)
+            if live:
+                try:
+                    self.driver.call(
+                        live, "emu.drop", tuple(u.uid for u in targets),
+                        tuple(g for g in (*unit_gids, gid) if g is not None), timeout=30,
+                    )  # fmt: skip
+                except Exception:
+                    pass  # the original error is the one worth reporting
+            raise
+        self._commit([] if keep_sources else sources, targets, list(unit_gids))
+        total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
+        self._record(
+            kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
+            len(ranks), time.perf_counter() - t0,
+            bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
+            bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
+            comm_setup_s=max(r["comm_setup_s"] for r in res.values()),
+            extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
+                   "reshard_s": max(r["reshard_s"] for r in res.values()),
+                   "plan_s": max(r["plan_s"] for r in res.values())},
+        )  # fmt: skip
+        return targets[0]
+
+    def _commit(self, gone: list[EMU], new: list[EMU], new_gids: list[int | None]) -> None:
+        for u in gone:
+            gid = self._unit_gid.pop(u.uid, None)
+            del self._units[u.uid]
+            live = [r for r in u.ranks if r not in set(self.driver.check_liveness())]
+            if live:
+                self.driver.call(live, "emu.drop", (u.uid,), () if gid is None else (gid,))
+        for u, gid in zip(new, new_gids):
+            self._units[u.uid] = u
+            self._unit_gid[u.uid] = gid
+
+    def _record(
+        self,
+        kind: str,
+        stage: str,
+        inputs: tuple[int, ...],
+        outputs: tuple[int, ...],
+        num_ranks: int,
+        seconds: float,
+        **measured: Any,
+    ) -> None:
+        rec = PrimitiveRecord(kind, stage, inputs, outputs, num_ranks, seconds, **measured)
+        self.records.append(rec)
+        self.driver.records.append(asdict(rec))
+
+
+_SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
+           "buffers_sent")  # fmt: skip
+
+
+def _shrinking(tp: int, pp: int) -> list[tuple[int, int]]:
+    """(tp, pp), then smaller layouts: halve tp first, then pp."""
+    out = [(tp, pp)]
+    while tp > 1 or pp > 1:
+        if tp > 1:
+            tp //= 2
+        else:
+            pp //= 2
+        out.append((tp, pp))
+    return out

@@ -1,0 +1,144 @@
+"""Worker-side EMU commands: hold unit shards, build them, reshard them, drop them.
+
+Imported on every worker by :class:`nereus_rl.emu.EMUManager` (through
+``Driver.import_module``). A worker keeps, per unit id it belongs to, the
+unit's stage, layout and the rank's shard of every tensor of the stage's
+state. Primitives run :func:`_reshard` on every rank that gives or takes
+bytes; the new units' shards are stored under new unit ids, and the old
+units are dropped only when the driver says so, after every rank succeeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nereus_rl.emu_comm import GroupTransport, Layout, TensorSpec, move_state
+from nereus_rl.emu_state import synthetic
+from nereus_rl.runtime.context import WorkerContext, register
+
+
+def _stages(ctx: WorkerContext) -> dict[str, tuple[tuple[TensorSpec, ...], int]]:
+    return ctx.state.setdefault("emu.stages", {})
+
+
+def _units(ctx: WorkerContext) -> dict[int, dict[str, Any]]:
+    return ctx.state.setdefault("emu.units", {})
+
+
+@register("emu.define_stage")
+def define_stage(
+    ctx: WorkerContext, stage: str, specs: tuple[TensorSpec, ...], num_layers: int
+) -> None:
+    """Remember a stage's specs so later commands can name the stage only."""
+    _stages(ctx)[stage] = (tuple(specs), num_layers)
+
+
+def _unit_group(ctx: WorkerContext, layout: Layout, group_id: int | None) -> float:
+    # The unit's own group (its TP/PP traffic); part of what a new unit costs.
+    if group_id is None or len(layout.ranks) == 1:
+        return 0.0
+    return ctx.group(group_id, tuple(layout.ranks))[1]
+
+
+@register("emu.build")
+def build(
+    ctx: WorkerContext, uid: int, stage: str, layout: Layout, seed: int, group_id: int | None
+) -> dict[str, float]:
+    """Make this rank's shards of a new unit from the synthetic state."""
+    specs, num_layers = _stages(ctx)[stage]
+    tensors = {}
+    for spec in specs:
+        box = layout.box(spec, ctx.rank, num_layers)
+        if box is not None:
+            tensors[spec.name] = synthetic(spec, box, seed)
+    setup = _unit_group(ctx, layout, group_id)
+    _units(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": tensors}
+    return {
+        "comm_setup_s": setup,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
+
+
+@register("emu.reshard")
+def _reshard(
+    ctx: WorkerContext,
+    stage: str,
+    src_uids: tuple[int, ...],
+    src_layout: Layout,
+    dst_uids: tuple[int, ...],
+    dst_layout: Layout,
+    group_id: int,
+    group_ranks: tuple[int, ...],
+    unit_group_ids: tuple[int | None, ...],
+    timeout: float,
+) -> dict[str, Any]:
+    """Move a stage's state from src units (one layout, dp = number of units) to new ones.
+
+    Arguments:
+        stage: the stage.
+        src_uids / src_layout: the source units, replica d of src_layout is src_uids[d].
+        dst_uids / dst_layout: the new units, replica d of dst_layout is dst_uids[d].
+        group_id / group_ranks: the gloo group over every participating rank.
+        unit_group_ids: the id of each new unit's own group (None: no group).
+        timeout: seconds the transfer may wait for a peer.
+
+    Returns:
+        Byte counts, seconds, communicator setup seconds and whether anything was packed.
+    """
+    specs, _ = _stages(ctx)[stage]
+    units = _units(ctx)
+    tensors: dict[str, torch.Tensor] = {}
+    if ctx.rank in src_layout:
+        d = src_layout.coords(ctx.rank)[0]
+        tensors = units[src_uids[d]]["tensors"]
+    pg, setup = ctx.group(group_id, tuple(group_ranks))
+    transport = GroupTransport(pg, group_ranks, ctx.rank)
+    result, extra = move_state(
+        specs, src_layout, dst_layout, ctx.rank, tensors, transport, timeout=timeout
+    )
+    if ctx.rank in dst_layout:
+        d = dst_layout.coords(ctx.rank)[0]
+        unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))
+        setup += _unit_group(ctx, unit_layout, unit_group_ids[d])
+        units[dst_uids[d]] = {"stage": stage, "layout": unit_layout, "tensors": result.tensors}
+    return {
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "bytes_local": result.bytes_local,
+        "messages_sent": result.messages_sent,
+        "buffers_sent": result.buffers_sent,
+        "reshard_s": result.seconds,
+        "comm_setup_s": setup,
+        **extra,
+    }
+
+
+def _replica(layout: Layout, d: int) -> tuple[int, ...]:
+    n = layout.tp * layout.pp
+    return tuple(layout.ranks[d * n : (d + 1) * n])
+
+
+@register("emu.drop")
+def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] = ()) -> int:
+    """Forget the named units' shards and groups. Returns the bytes let go."""
+    freed = 0
+    for uid in uids:
+        unit = _units(ctx).pop(uid, None)
+        if unit is not None:
+            freed += sum(t.numel() * t.element_size() for t in unit["tensors"].values())
+    ctx.release_groups(list(group_ids))
+    return freed
+
+
+@register("emu.shards")
+def shards(ctx: WorkerContext, uid: int) -> dict[str, torch.Tensor]:
+    """This rank's shards of a unit, by tensor name."""
+    return dict(_units(ctx)[uid]["tensors"])
+
+
+@register("emu.units")
+def units(ctx: WorkerContext) -> dict[int, tuple[str, Layout]]:
+    """The units this rank holds a shard of: uid -> (stage, layout)."""
+    return {uid: (u["stage"], u["layout"]) for uid, u in _units(ctx).items()}

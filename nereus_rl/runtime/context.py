@@ -1,0 +1,157 @@
+"""What a worker command runs with: the command registry and the WorkerContext.
+
+Commands are functions ``fn(ctx, *args, **kwargs)`` registered by name with
+:func:`register`; a module that defines commands registers them when it is
+imported (the driver asks every worker to import it, see
+``Driver.import_module``). Workers move tensors among themselves over gloo
+groups that the driver names by a group id (:meth:`WorkerContext.group`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus_rl.runtime import protocol as P
+
+COMMANDS: dict[str, Callable[..., Any]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(ctx, *args, **kwargs)`` as the worker command ``name``.
+
+    Arguments:
+        name: the name the driver calls it by (unique per process).
+
+    Returns:
+        A decorator that registers and returns the function unchanged.
+    """
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        COMMANDS[name] = fn
+        return fn
+
+    return deco
+
+
+class WorkerContext:
+    """What a command sees of its worker: rank, store, gloo groups and held state.
+
+    Attributes:
+        rank: this worker's global rank.
+        store: the store client (commands may use it for small rendezvous data).
+        state: free-form per-process state kept between commands (e.g. EMU shards).
+        timings: (command name, seconds) of every command run so far.
+    """
+
+    def __init__(self, rank: int, store: dist.Store, group_timeout: float) -> None:
+        self.rank = rank
+        self.store = store
+        self.state: dict[str, Any] = {}
+        self.timings: list[tuple[str, float]] = []
+        self._groups: dict[int, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
+        self._group_timeout = group_timeout
+
+    def group(
+        self, group_id: int, ranks: tuple[int, ...], timeout: float | None = None
+    ) -> tuple[dist.ProcessGroup, float]:
+        """The gloo group ``group_id`` over the global ``ranks``, created on first use.
+
+        Every member must call this with the same id and ranks (the driver
+        does so by sending them the same command); creation is a rendezvous.
+
+        Arguments:
+            group_id: a job-unique id chosen by the driver.
+            ranks: global ranks of the members, in group-rank order.
+            timeout: seconds a collective or p2p op may wait (default: the worker's).
+
+        Returns:
+            (process group, seconds spent creating it; 0.0 when cached).
+
+        Raises:
+            RuntimeUserError: this worker is not in ``ranks``, or the id was
+                used before for other ranks.
+        """
+        cached = self._groups.get(group_id)
+        if cached is not None:
+            if cached[0] != tuple(ranks):
+                raise P.RuntimeUserError(
+                    f"group id {group_id} already names ranks {cached[0]}, not {tuple(ranks)}; "
+                    "use a fresh group id"
+                )
+            return cached[1], 0.0
+        if self.rank not in ranks:
+            raise P.RuntimeUserError(f"worker {self.rank} is not a member of group {ranks}")
+        t0 = time.perf_counter()
+        store = dist.PrefixStore(P.group_prefix(group_id), self.store)
+        t = datetime.timedelta(seconds=timeout if timeout is not None else self._group_timeout)
+        pg = dist.ProcessGroupGloo(store, ranks.index(self.rank), len(ranks), t)
+        self._groups[group_id] = (tuple(ranks), pg)
+        return pg, time.perf_counter() - t0
+
+    def release_groups(self, group_ids: list[int]) -> int:
+        """Drop this worker's references to the named groups. Returns how many it held."""
+        n = 0
+        for gid in group_ids:
+            if self._groups.pop(gid, None) is not None:
+                n += 1
+        return n
+
+    @property
+    def group_ids(self) -> list[int]:
+        """Ids of the groups this worker currently holds."""
+        return sorted(self._groups)
+
+
+@register("ping")
+def _ping(ctx: WorkerContext) -> int:
+    return ctx.rank
+
+
+@register("import")
+def _import(ctx: WorkerContext, module: str) -> list[str]:
+    importlib.import_module(module)
+    return sorted(COMMANDS)
+
+
+@register("memory")
+def _memory(ctx: WorkerContext) -> dict[str, int]:
+    """Resident set size of this process and bytes of tensors held in ctx.state."""
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    held = 0
+    for value in ctx.state.values():
+        held += _tensor_bytes(value)
+    return {"rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"), "held_tensor_bytes": held}
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+@register("timings")
+def _timings(ctx: WorkerContext) -> list[tuple[str, float]]:
+    return list(ctx.timings)
+
+
+@register("groups")
+def _groups(ctx: WorkerContext) -> list[int]:
+    return ctx.group_ids
+
+
+@register("release_groups")
+def _release_groups(ctx: WorkerContext, group_ids: list[int]) -> int:
+    return ctx.release_groups(group_ids)

@@ -1,0 +1,380 @@
+"""The driver: owns the job's store, starts or admits workers, and calls them.
+
+The driver hosts a torch.distributed.TCPStore. Workers join it, either spawned
+here (:meth:`Driver.spawn_local`) or started elsewhere with
+``python -m nereus_rl.runtime.worker --store HOST:PORT``. The driver then calls
+registered worker commands on any set of workers and gets their results, or a
+:class:`RemoteError` carrying the remote traceback, or within a bounded time a
+:class:`WorkerTimeoutError` / :class:`WorkerLostError` naming the workers that
+did not answer. Liveness comes from heartbeats (a counter each worker bumps)
+and, for local workers, from the process itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from nereus_rl.runtime import protocol as P
+
+
+@dataclass
+class PendingCall:
+    """A command sent to some workers whose replies have not all been read yet."""
+
+    fn: str
+    seqs: dict[int, int]  # rank -> seq of the command on that rank
+    sent_at: float
+
+
+class Driver:
+    """Hosts the job's store and sends commands to workers.
+
+    Arguments:
+        host: address the store listens on and workers connect to.
+        port: store port (0 picks a free one; see :attr:`address`).
+        heartbeat_timeout: seconds without a heartbeat after which a worker counts as lost.
+        call_timeout: default seconds a call waits for its replies.
+
+    Attributes:
+        records: free-form records (dicts) of timed operations, appended by
+            layers above (e.g. one per EMU primitive).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        heartbeat_timeout: float = 5.0,
+        call_timeout: float = 120.0,
+    ) -> None:
+        self.host = host
+        self.store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=30),
+            wait_for_workers=False,
+        )
+        self.port = self.store.port
+        self.heartbeat_timeout = heartbeat_timeout
+        self.call_timeout = call_timeout
+        self.records: list[dict[str, Any]] = []
+        self.infos: dict[int, P.WorkerInfo] = {}
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._seq: dict[int, int] = {}
+        self._hb: dict[int, tuple[int, float]] = {}
+        self._lost: set[int] = set()
+        self._imports: list[str] = []
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the store, the argument of ``--store`` for workers."""
+        return f"{self.host}:{self.port}"
+
+    # ---------------------------------------------------------------- membership
+
+    def spawn_local(
+        self,
+        num_workers: int,
+        *,
+        num_threads: int = 1,
+        group_timeout: float = 60.0,
+        timeout: float = 120.0,
+    ) -> list[int]:
+        """Start ``num_workers`` worker processes on this machine and wait for them to join.
+
+        Arguments:
+            num_workers: how many to start.
+            num_threads: torch threads per worker (its share of the cores).
+            group_timeout: seconds a worker's gloo op may wait for a peer.
+            timeout: seconds to wait for all of them to join.
+
+        Returns:
+            Their global ranks, in the order they were started.
+
+        Raises:
+            WorkerLostError: a worker exited before joining.
+            WorkerTimeoutError: not all of them joined in time.
+        """
+        procs = []
+        for _ in range(num_workers):
+            cmd = [
+                sys.executable,
+                "-m",
+                "nereus_rl.runtime.worker",
+                "--store",
+                self.address,
+                "--num-threads",
+                str(num_threads),
+                "--group-timeout",
+                str(group_timeout),
+            ]
+            env = dict(os.environ)
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # idle store waits log timeouts
+            procs.append(subprocess.Popen(cmd, env=env))
+        by_pid = {p.pid: p for p in procs}
+        deadline = time.monotonic() + timeout
+        ranks: dict[int, int] = {}
+        while len(ranks) < num_workers:
+            for info in self._poll_joined():
+                if info.pid in by_pid:
+                    ranks[info.pid] = info.rank
+                    self._procs[info.rank] = by_pid[info.pid]
+            for p in procs:
+                if p.pid not in ranks and p.poll() is not None:
+                    raise P.WorkerLostError(
+                        f"local worker pid {p.pid} exited with code {p.returncode} before joining",
+                        (),
+                    )
+            if len(ranks) < num_workers:
+                if time.monotonic() > deadline:
+                    raise P.WorkerTimeoutError(
+                        f"only {len(ranks)} of {num_workers} local workers joined "
+                        f"within {timeout:g} s",
+                        (),
+                    )
+                time.sleep(0.05)
+        return [ranks[p.pid] for p in procs]
+
+    def wait_for_workers(self, num_workers: int, timeout: float = 60.0) -> list[int]:
+        """Wait until at least ``num_workers`` workers have joined (ever, lost ones included).
+
+        Returns:
+            The ranks of all workers joined so far.
+
+        Raises:
+            WorkerTimeoutError: fewer joined within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self._poll_joined()
+            if len(self.infos) >= num_workers:
+                return sorted(self.infos)
+            if time.monotonic() > deadline:
+                raise P.WorkerTimeoutError(
+                    f"{len(self.infos)} of {num_workers} workers joined within {timeout:g} s "
+                    f"(store {self.address})",
+                    (),
+                )
+            time.sleep(0.05)
+
+    def _poll_joined(self) -> list[P.WorkerInfo]:
+        n = self.store.add(P.NEXT_RANK_KEY, 0)
+        new = []
+        for rank in range(n):
+            if rank in self.infos:
+                continue
+            if not self.store.check([P.info_key(rank)]):
+                continue  # it took a rank but has not written its info yet
+            info = P.decode(self.store.get(P.info_key(rank)))
+            self.infos[rank] = info
+            self._seq[rank] = 0
+            self._hb[rank] = (-1, time.monotonic())
+            new.append(info)
+            for module in self._imports:
+                # A late joiner learns the commands every other worker has.
+                self.wait(self.submit([rank], "import", module))
+        return new
+
+    @property
+    def workers(self) -> list[int]:
+        """Ranks of the joined workers not known to be lost."""
+        self._poll_joined()
+        return sorted(r for r in self.infos if r not in self._lost)
+
+    def check_liveness(self) -> tuple[int, ...]:
+        """Look at heartbeats (and local processes) now.
+
+        Returns:
+            All workers known to be lost so far (sorted).
+        """
+        now = time.monotonic()
+        for rank in list(self.infos):
+            if rank in self._lost:
+                continue
+            proc = self._procs.get(rank)
+            if proc is not None and proc.poll() is not None:
+                self._lost.add(rank)
+                continue
+            count = self.store.add(P.heartbeat_key(rank), 0)
+            last_count, seen = self._hb[rank]
+            if count != last_count:
+                self._hb[rank] = (count, now)
+            elif now - seen > self.heartbeat_timeout:
+                self._lost.add(rank)
+        return tuple(sorted(self._lost))
+
+    def wait_for_loss(self, timeout: float) -> tuple[int, ...]:
+        """Block until some worker is noticed lost, or ``timeout`` seconds pass.
+
+        Returns:
+            The lost workers (empty if none within the timeout).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            lost = self.check_liveness()
+            if lost or time.monotonic() > deadline:
+                return lost
+            time.sleep(0.05)
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL a local worker (for failure tests and drills)."""
+        proc = self._procs.get(rank)
+        if proc is None:
+            raise P.RuntimeUserError(
+                f"worker {rank} was not spawned by this driver; cannot kill it"
+            )
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    # ---------------------------------------------------------------- calls
+
+    def import_module(self, module: str) -> None:
+        """Make every worker, now and joining later, import ``module`` (it registers commands)."""
+        if module not in self._imports:
+            self._imports.append(module)
+        self.call(self.workers, "import", module)
+
+    def submit(self, ranks: Iterable[int], fn: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Send ``fn(*args, **kwargs)`` to each worker in ``ranks``; do not wait.
+
+        Raises:
+            RuntimeUserError: a rank is not a joined worker, or is known to be lost.
+        """
+        ranks = list(ranks)
+        self._check_ranks(ranks)
+        seqs = {}
+        for rank in ranks:
+            seq = self._seq[rank]
+            self._seq[rank] = seq + 1
+            self.store.set(P.cmd_key(rank, seq), P.encode(P.Command(seq, fn, tuple(args), kwargs)))
+            seqs[rank] = seq
+        return PendingCall(fn, seqs, time.monotonic())
+
+    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, Any]:
+        """Collect the replies of a submitted call.
+
+        Returns:
+            rank -> the value the command returned on that worker.
+
+        Raises:
+            RemoteError: the command raised on a worker (the lowest such rank).
+            WorkerLostError: a worker that owes a reply died.
+            WorkerTimeoutError: some workers did not answer within ``timeout``.
+        """
+        timeout = self.call_timeout if timeout is None else timeout
+        deadline = pending.sent_at + timeout
+        waiting = dict(pending.seqs)
+        replies: dict[int, P.Reply] = {}
+        sleep = 0.0005
+        next_liveness = time.monotonic() + 0.2
+        while waiting:
+            for rank, seq in list(waiting.items()):
+                key = P.reply_key(rank, seq)
+                if self.store.check([key]):
+                    replies[rank] = P.decode(self.store.get(key))
+                    self.store.delete_key(key)
+                    del waiting[rank]
+            if not waiting:
+                break
+            now = time.monotonic()
+            if now > next_liveness:
+                next_liveness = now + 0.2
+                lost = [r for r in waiting if r in self.check_liveness()]
+                if lost:
+                    raise P.WorkerLostError(
+                        f"worker(s) {lost} died before answering {pending.fn!r}", tuple(lost)
+                    )
+            if now > deadline:
+                raise P.WorkerTimeoutError(
+                    f"worker(s) {sorted(waiting)} did not answer {pending.fn!r} within "
+                    f"{timeout:g} s",
+                    tuple(sorted(waiting)),
+                )
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.01)
+        for rank in sorted(replies):
+            r = replies[rank]
+            if not r.ok:
+                raise P.RemoteError(rank, pending.fn, r.error_type, r.error, r.traceback)
+        return {rank: replies[rank].value for rank in sorted(replies)}
+
+    def call(
+        self,
+        ranks: Iterable[int],
+        fn: str,
+        *args: Any,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> dict[int, Any]:
+        """Run the worker command ``fn`` on every worker in ``ranks`` and wait for all of them.
+
+        Arguments:
+            ranks: the workers (they run concurrently, so they may talk to each other).
+            fn: a registered command name.
+            timeout: seconds to wait (default: the driver's call_timeout).
+
+        Returns:
+            rank -> return value.
+
+        Raises:
+            RemoteError, WorkerLostError, WorkerTimeoutError: see :meth:`wait`.
+            RuntimeUserError: unknown or lost rank.
+        """
+        return self.wait(self.submit(ranks, fn, *args, **kwargs), timeout)
+
+    def _check_ranks(self, ranks: Sequence[int]) -> None:
+        if not ranks:
+            raise P.RuntimeUserError("a call needs at least one worker rank")
+        unknown = [r for r in ranks if r not in self.infos]
+        if unknown:
+            self._poll_joined()
+            unknown = [r for r in ranks if r not in self.infos]
+        if unknown:
+            raise P.RuntimeUserError(
+                f"no joined worker with rank(s) {unknown}; joined: {sorted(self.infos)}"
+            )
+        lost = [r for r in ranks if r in self._lost]
+        if lost:
+            raise P.RuntimeUserError(f"worker(s) {lost} are lost; they cannot run commands")
+
+    # ---------------------------------------------------------------- shutdown
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every worker (politely, then by SIGKILL for local ones) and close the store."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [r for r in self.workers if r not in self._lost]
+        for rank in live:
+            try:
+                seq = self._seq[rank]
+                self.store.set(P.cmd_key(rank, seq), P.encode(P.Command(seq, "exit")))
+            except RuntimeError:
+                pass
+        self.store.set(P.SHUTDOWN_KEY, b"1")
+        deadline = time.monotonic() + timeout
+        for proc in self._procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,141 @@
+"""Wire protocol between the driver and its workers.
+
+Commands and replies travel through the job's key-value store (a
+torch.distributed.TCPStore): the driver writes one pickled Command under
+``cmd/<rank>/<seq>``, the worker blocks on that key, runs the command and
+writes a pickled Reply under ``reply/<rank>/<seq>``. Bulk data never goes
+through the store: workers move tensors among themselves over gloo groups.
+
+A per-worker sequence number orders the commands of one worker, so a worker
+runs its commands one at a time in the order the driver issued them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from nereus_comm.errors import MembershipError
+
+PREFIX = "nereus/"
+NEXT_RANK_KEY = PREFIX + "next_rank"
+SHUTDOWN_KEY = PREFIX + "shutdown"
+
+
+def cmd_key(rank: int, seq: int) -> str:
+    """Store key of the seq-th command sent to worker ``rank``."""
+    return f"{PREFIX}cmd/{rank}/{seq}"
+
+
+def reply_key(rank: int, seq: int) -> str:
+    """Store key of the worker's reply to its seq-th command."""
+    return f"{PREFIX}reply/{rank}/{seq}"
+
+
+def heartbeat_key(rank: int) -> str:
+    """Store counter a live worker increments every heartbeat interval."""
+    return f"{PREFIX}hb/{rank}"
+
+
+def info_key(rank: int) -> str:
+    """Store key holding a joined worker's WorkerInfo."""
+    return f"{PREFIX}worker/{rank}"
+
+
+def group_prefix(group_id: int) -> str:
+    """Store prefix under which the members of one gloo group rendezvous."""
+    return f"{PREFIX}pg/{group_id}/"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the driver when it joins.
+
+    Arguments:
+        rank: global worker rank (the order of joining).
+        host: host name of the worker's machine.
+        pid: process id on that host.
+        num_threads: intra-op threads the worker's torch uses.
+    """
+
+    rank: int
+    host: str
+    pid: int
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class Command:
+    """One remote call: run the registered function ``fn`` with these arguments."""
+
+    seq: int
+    fn: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Command(#{self.seq} {self.fn})"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A worker's answer to one Command: a value, or the remote error and traceback."""
+
+    seq: int
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    error: str = ""
+    traceback: str = ""
+    seconds: float = 0.0
+
+
+def encode(obj: Any) -> bytes:
+    """Serialize a Command, Reply or WorkerInfo for the store."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of encode."""
+    return pickle.loads(data)
+
+
+class RuntimeUserError(ValueError):
+    """A runtime call was malformed (unknown worker, unknown command name)."""
+
+
+class StoreUnreachableError(MembershipError):
+    """The job's store could not be reached in time. The message names the address."""
+
+
+class WorkerTimeoutError(TimeoutError):
+    """Workers did not answer a command in time. ``ranks`` lists them."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class WorkerLostError(RuntimeError):
+    """A worker process died (or stopped its heartbeat). ``ranks`` lists the lost ones."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RemoteError(RuntimeError):
+    """A command raised on a worker. Carries the worker's rank and remote traceback."""
+
+    def __init__(self, rank: int, fn: str, error_type: str, error: str, traceback: str) -> None:
+        super().__init__(
+            f"worker {rank} failed in {fn!r}: {error_type}: {error}\n"
+            f"--- remote traceback (worker {rank}) ---\n{traceback}"
+        )
+        self.rank = rank
+        self.fn = fn
+        self.error_type = error_type
+        self.error = error
+        self.remote_traceback = traceback

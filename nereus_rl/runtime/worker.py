@@ -1,0 +1,193 @@
+"""A worker process: one per device, carrying out the driver's commands.
+
+Start one by hand on any machine that can reach the job's store::
+
+    python -m nereus_rl.runtime.worker --store HOST:PORT [--num-threads 1]
+
+(torchrun-style MASTER_ADDR / MASTER_PORT are used when --store is absent).
+The worker joins the running job (it takes the next free rank), then runs
+commands in the order the driver sends them (see nereus_rl.runtime.context
+for how commands are registered and what they see). A worker that cannot
+reach the store gives up after --connect-timeout seconds with an error that
+names the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from nereus_rl.runtime import protocol as P
+from nereus_rl.runtime.context import COMMANDS, WorkerContext
+
+HEARTBEAT_INTERVAL_S = 0.25
+
+
+def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """Connect to the job's store as a client.
+
+    Arguments:
+        host, port: the store's address.
+        timeout: seconds to keep trying before giving up; also the timeout of
+            blocking store operations on this client.
+
+    Returns:
+        A connected TCPStore client.
+
+    Raises:
+        StoreUnreachableError: nothing answered at host:port within timeout.
+    """
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as e:
+        raise P.StoreUnreachableError(
+            f"could not reach the job's store at {host}:{port} within {timeout:g} s ({e}); "
+            "check that the driver is running and that HOST:PORT is its store address"
+        ) from None
+
+
+def _heartbeat(host: str, port: int, rank: int, stop: threading.Event) -> None:
+    # A separate client: the main thread may block in the store for seconds.
+    try:
+        store = connect_store(host, port, 10.0)
+        while not stop.is_set():
+            store.add(P.heartbeat_key(rank), 1)
+            stop.wait(HEARTBEAT_INTERVAL_S)
+    except Exception:
+        return  # the driver's store is gone: the main loop notices too
+
+
+def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
+    t0 = time.perf_counter()
+    try:
+        fn = COMMANDS.get(cmd.fn)
+        if fn is None:
+            raise P.RuntimeUserError(
+                f"no command {cmd.fn!r} on worker {ctx.rank}; registered: {sorted(COMMANDS)}; "
+                "import the module that registers it first (driver.import_module)"
+            )
+        value = fn(ctx, *cmd.args, **cmd.kwargs)
+        dt = time.perf_counter() - t0
+        ctx.timings.append((cmd.fn, dt))
+        return P.Reply(cmd.seq, ctx.rank, True, value=value, seconds=dt)
+    except BaseException as e:
+        return P.Reply(
+            cmd.seq,
+            ctx.rank,
+            False,
+            error_type=type(e).__name__,
+            error=str(e),
+            traceback=traceback.format_exc(),
+            seconds=time.perf_counter() - t0,
+        )
+
+
+def serve(
+    host: str,
+    port: int,
+    *,
+    num_threads: int = 1,
+    connect_timeout: float = 30.0,
+    group_timeout: float = 60.0,
+) -> None:
+    """Join the job whose store is at host:port and run commands until told to stop.
+
+    Arguments:
+        host, port: the store's address.
+        num_threads: torch intra-op threads for this worker (its share of the cores).
+        connect_timeout: seconds to wait for the store before giving up.
+        group_timeout: default seconds a gloo op may wait for a peer.
+
+    Raises:
+        StoreUnreachableError: the store did not answer within connect_timeout.
+    """
+    torch.set_num_threads(num_threads)
+    store = connect_store(host, port, connect_timeout)
+    rank = store.add(P.NEXT_RANK_KEY, 1) - 1
+    info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
+    store.set(P.info_key(rank), P.encode(info))
+    stop = threading.Event()
+    hb = threading.Thread(target=_heartbeat, args=(host, port, rank, stop), daemon=True)
+    hb.start()
+    ctx = WorkerContext(rank, store, group_timeout)
+    seq = 0
+    # Long waits: a new command wakes the wait at once, and a dead driver
+    # breaks the connection; a short timeout would only log timeouts.
+    poll = datetime.timedelta(seconds=30.0)
+    try:
+        while True:
+            key = P.cmd_key(rank, seq)
+            try:
+                store.wait([key], poll)
+            except RuntimeError:
+                # Timed out (or the store went away): stop if told to or if
+                # the driver's store is gone, else keep waiting.
+                try:
+                    if store.check([P.SHUTDOWN_KEY]):
+                        return
+                except RuntimeError:
+                    return
+                continue
+            cmd = P.decode(store.get(key))
+            store.delete_key(key)
+            if cmd.fn == "exit":
+                store.set(P.reply_key(rank, seq), P.encode(P.Reply(seq, rank, True, value=rank)))
+                return
+            store.set(P.reply_key(rank, seq), P.encode(_run(ctx, cmd)))
+            seq += 1
+    finally:
+        stop.set()
+
+
+def _parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise P.RuntimeUserError(f"--store must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m nereus_rl.runtime.worker`` (and ``nereus-rl worker``)."""
+    ap = argparse.ArgumentParser(prog="nereus-rl worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", help="HOST:PORT of the store (default MASTER_ADDR:MASTER_PORT)")
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads of this worker")
+    ap.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach store")
+    ap.add_argument("--group-timeout", type=float, default=60.0, help="seconds a gloo op may wait")
+    args = ap.parse_args(argv)
+    if args.store:
+        host, port = _parse_address(args.store)
+    elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        ap.error("give --store HOST:PORT (or set MASTER_ADDR and MASTER_PORT)")
+    try:
+        serve(
+            host,
+            port,
+            num_threads=args.num_threads,
+            connect_timeout=args.connect_timeout,
+            group_timeout=args.group_timeout,
+        )
+    except P.StoreUnreachableError as e:
+        print(f"nereus-rl worker: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""EMU primitives on 4 live CPU workers: bitwise state after every primitive and sequence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nereus_comm.plan import plan_reshard
+from nereus_rl.emu import EMUError, EMUManager
+from nereus_rl.emu_state import stage_state_specs, synthetic
+from nereus_rl.runtime import Driver
+
+
+@pytest.fixture(scope="module")
+def emus():
+    d = Driver(call_timeout=60.0)
+    try:
+        d.spawn_local(4, num_threads=1)
+        m = EMUManager(d, transfer_timeout=30.0)
+        # Uneven sizes on purpose: 37 and 42 split over tp = 4 leave short shards.
+        m.define_stage("actor", stage_state_specs(3, hidden=12, ffn=42, vocab=37), seed=1)
+        critic = stage_state_specs(2, hidden=8, ffn=16, vocab=11, training=False)
+        m.define_stage("critic", critic, seed=2)
+        yield m
+    finally:
+        d.shutdown()
+
+
+@pytest.fixture
+def clean(emus):
+    """Start each test from no units; tear down whatever it left."""
+    _reset(emus)
+    yield emus
+    _reset(emus)
+
+
+def _reset(m: EMUManager) -> None:
+    for u in m.units():
+        if m.dp_degree(u.stage) > 1:
+            m.destroy(u)
+    for u in m.units():  # the last holder of each stage: bypass the refusal
+        m._commit([u], [], [])
+
+
+def assert_bitwise(m: EMUManager, unit) -> None:
+    ref = m.reference(unit.stage)
+    got = m.full_state(unit)
+    assert got.keys() == ref.keys()
+    for name, t in ref.items():
+        assert torch.equal(got[name], t), f"{unit!r}: {name} differs from the reference"
+
+
+def unit_shard_bytes(m: EMUManager, unit) -> int:
+    st = m.stages[unit.stage]
+    total = 0
+    for spec in st.specs:
+        for r in unit.ranks:
+            box = unit.layout.box(spec, r, st.num_layers)
+            if box is not None:
+                n = 1
+                for a, b in box:
+                    n *= b - a
+                total += n * spec.element_size
+    return total
+
+
+def worker_units(m: EMUManager) -> dict[int, set[int]]:
+    return {r: set(v) for r, v in m.driver.call(m.driver.workers, "emu.units").items()}
+
+
+def test_synthetic_shards_match_the_full_reference():
+    spec = next(s for s in stage_state_specs(2, 8, 20, 11) if s.split_dim == 1)
+    full = synthetic(spec, tuple((0, n) for n in spec.shape), 5)
+    box = ((0, spec.shape[0]), (3, 7))
+    assert torch.equal(synthetic(spec, box, 5), full[:, 3:7])
+    assert not torch.equal(synthetic(spec, box, 6), full[:, 3:7])
+
+
+def test_extend_same_layout_is_zero_copy_and_bitwise(clean):
+    m = clean
+    a = m.create("actor", [0, 1], tp=2)
+    assert_bitwise(m, a)
+    b = m.extend("actor", [2, 3])
+    assert (b.tp, b.pp) == (2, 1) and m.dp_degree("actor") == 2
+    rec = m.records[-1]
+    assert rec.kind == "extend"
+    # Every byte of the new unit came over the wire exactly once, straight from the
+    # source shards (zero copy): one buffer per shard, one message per planned pair.
+    assert rec.bytes_moved == unit_shard_bytes(m, b) and rec.bytes_local == 0
+    assert rec.bytes_direct == rec.bytes_moved and rec.bytes_packed == 0
+    nonempty = sum(
+        1
+        for spec in m.stages["actor"].specs
+        for r in b.ranks
+        if (box := b.layout.box(spec, r, 3)) is not None and all(x < y for x, y in box)
+    )
+    plan = plan_reshard(m.stages["actor"].specs, a.layout, b.layout)
+    assert rec.extra["messages"] == sum(len(plan.sends(r)) for r in a.ranks)
+    assert rec.extra["buffers"] == nonempty
+    assert_bitwise(m, b)
+    assert_bitwise(m, a)
+
+
+@pytest.mark.parametrize(("src", "dst"), [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 1))])
+def test_extend_to_another_layout(clean, src, dst):
+    m = clean
+    a = m.create("actor", [0, 1], tp=src[0], pp=src[1])
+    b = m.extend("actor", [3, 2][: dst[0] * dst[1]], tp=dst[0], pp=dst[1])
+    rec = m.records[-1]
+    assert rec.bytes_moved == unit_shard_bytes(m, b) and rec.bytes_packed > 0
+    assert_bitwise(m, b)
+    assert_bitwise(m, a)
+
+
+def test_destroy_releases_devices_and_groups(clean):
+    m = clean
+    a = m.create("actor", [0, 1], tp=2)
+    b = m.extend("actor", [2, 3], tp=2)
+    gid = m._unit_gid[b.uid]
+    assert gid in m.driver.call([2], "groups")[2]
+    m.destroy(b)
+    assert m.units() == [a] and m.free_ranks() == [2, 3]
+    assert gid not in m.driver.call([2], "groups")[2]
+    assert worker_units(m)[2] == set() and worker_units(m)[0] == {a.uid}
+    assert_bitwise(m, a)
+
+
+def test_split_then_merge_round_trip(clean):
+    m = clean
+    a = m.create("actor", [0, 1, 2, 3], tp=2, pp=2)
+    x, y = m.split(a)
+    assert (x.tp, x.pp, x.ranks) == (1, 2, (0, 1)) and (y.tp, y.pp, y.ranks) == (1, 2, (2, 3))
+    rec = m.records[-1]
+    # Every byte of the two new units is either kept in place or received once.
+    assert rec.bytes_moved + rec.bytes_local == unit_shard_bytes(m, x) + unit_shard_bytes(m, y)
+    assert rec.bytes_local > 0
+    assert m.dp_degree("actor") == 2 and a not in m.units()
+    assert_bitwise(m, x)
+    assert_bitwise(m, y)
+    z = m.merge(x, y, tp=4, pp=1)
+    assert (z.tp, z.pp, z.ranks) == (4, 1, (0, 1, 2, 3)) and m.units() == [z]
+    assert_bitwise(m, z)
+    assert set().union(*worker_units(m).values()) == {z.uid}
+
+
+def test_bad_input_is_refused_before_anything_moves(clean):
+    m = clean
+    a = m.create("actor", [0, 1], tp=2)
+    c = m.create("critic", [2])
+    d = m.extend("critic", [3])
+    before = (m.units(), len(m.records), worker_units(m))
+    with pytest.raises(EMUError, match="device 1 is already owned"):
+        m.extend("actor", [1, 3], tp=2)
+    with pytest.raises(EMUError, match="degree 1"):
+        m.split(c)
+    with pytest.raises(EMUError, match="different stages"):
+        m.merge(a, c)
+    with pytest.raises(EMUError, match="last unit"):
+        m.destroy(a)
+    with pytest.raises(EMUError, match="not live workers"):
+        m.extend("actor", [9], tp=1)
+    with pytest.raises(EMUError, match="unknown stage"):
+        m.extend("policy", [3])
+    assert (m.units(), len(m.records), worker_units(m)) == before
+    m.destroy(d)
+    b = m.extend("actor", [3], tp=1)
+    with pytest.raises(EMUError, match="different layouts"):
+        m.merge(a, b)
+    with pytest.raises(EMUError, match="not a live unit"):
+        m.merge(c, d)
+    assert m.units() == [a, c, b]
+    for u in (a, b, c):
+        assert_bitwise(m, u)
+
+
+def test_random_sequences_keep_every_unit_bitwise(clean):
+    m = clean
+    rng = random.Random(1234)
+    m.create("actor", [0, 1], tp=2)
+    done = []
+    for _ in range(10):
+        units = m.units("actor")
+        free = m.free_ranks()
+        options = []
+        if free:
+            options.append("extend")
+        if len(units) > 1:
+            options.append("destroy")
+        if any(u.degree > 1 for u in units):
+            options.append("split")
+        pairs = [
+            (u, v) for u in units for v in units if u.uid < v.uid and (u.tp, u.pp) == (v.tp, v.pp)
+        ]
+        if pairs:
+            options.append("merge")
+        op = rng.choice(options)
+        if op == "extend":
+            n = rng.choice([k for k in (1, 2, 4) if k <= len(free)])
+            tp = rng.choice([t for t in (1, 2, 4) if n % t == 0])
+            m.extend("actor", rng.sample(free, n), tp=tp, pp=n // tp, source=rng.choice(units))
+        elif op == "destroy":
+            m.destroy(rng.choice(units))
+        elif op == "split":
+            m.split(rng.choice([u for u in units if u.degree > 1]))
+        else:
+            u, v = rng.choice(pairs)
+            tp = rng.choice(
+                [t for t in (1, 2, 4) if (2 * u.degree) % t == 0 and 2 * u.degree // t <= 3]
+            )
+            m.merge(u, v, tp=tp, pp=2 * u.degree // tp)
+        done.append(op)
+        for u in m.units():
+            assert_bitwise(m, u)
+        owned = [r for u in m.units() for r in u.ranks]
+        assert len(owned) == len(set(owned))
+        assert {uid for v in worker_units(m).values() for uid in v} == {u.uid for u in m.units()}
+    assert set(done) == {"extend", "destroy", "split", "merge"}, done

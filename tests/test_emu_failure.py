@@ -1,0 +1,84 @@
+"""A worker joins a running job and gets a unit by Extend; a worker dies (SIGKILL) and the
+job rebuilds the lost capacity from the intact units, without reading anything from disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from nereus_rl.emu import EMUManager, EMUStateLostError
+from nereus_rl.emu_state import stage_state_specs
+from nereus_rl.runtime import Driver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bitwise(m: EMUManager, unit) -> None:
+    ref = m.reference(unit.stage)
+    got = m.full_state(unit)
+    for name, t in ref.items():
+        assert torch.equal(got[name], t), f"{unit!r}: {name}"
+
+
+def test_join_then_kill_then_recover():
+    d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
+    joiner = None
+    try:
+        d.spawn_local(3, num_threads=1)
+        m = EMUManager(d, transfer_timeout=20.0)
+        m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=3)
+        a = m.create("actor", [0, 1], tp=2)
+        b = m.extend("actor", [2], tp=1)
+
+        # A worker started by hand joins the running job and gets a unit by Extend.
+        joiner = subprocess.Popen(
+            [sys.executable, "-m", "nereus_rl.runtime.worker", "--store", d.address],
+            cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+        )  # fmt: skip
+        assert d.wait_for_workers(4, timeout=60) == [0, 1, 2, 3]
+        assert m.free_ranks() == [3]
+        c = m.extend("actor", [3], tp=1, source=a)
+        _bitwise(m, c)
+        assert m.dp_degree("actor") == 3
+
+        # SIGKILL a worker of unit a: noticed within the heartbeat bound.
+        d.kill(1)
+        t0 = time.monotonic()
+        assert d.wait_for_loss(timeout=10) == (1,)
+        assert time.monotonic() - t0 < d.heartbeat_timeout + 2
+        held_before = d.call([2, 3], "emu.units")
+
+        new = m.recover()
+        # a is gone; b and c were not touched; a's surviving device holds a new unit
+        # extended from an intact one (one device left, so tp shrinks to 1).
+        assert len(new) == 1 and new[0].ranks == (0,) and new[0].tp == 1
+        assert m.units() == [b, c, new[0]] and m.dp_degree("actor") == 3
+        assert d.call([2, 3], "emu.units") == held_before
+        kinds = [(r.kind, r.extra.get("reason")) for r in m.records[-2:]]
+        assert kinds == [("destroy", "lost worker"), ("extend", None)]
+        for u in m.units():
+            _bitwise(m, u)
+
+        # Lose every holder but one, then that one too: the state is gone from memory.
+        m.destroy(new[0])
+        m.destroy(c)
+        d.kill(2)
+        d.wait_for_loss(timeout=10)
+        try:
+            m.recover()
+        except EMUStateLostError as e:
+            assert "actor" in str(e)
+        else:
+            raise AssertionError("recover() must refuse when no intact unit is left")
+    finally:
+        d.shutdown()
+        if joiner is not None:
+            try:
+                joiner.wait(10)
+            except subprocess.TimeoutExpired:
+                joiner.kill()
+                joiner.wait()

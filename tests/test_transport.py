@@ -1,0 +1,164 @@
+"""GlooTransport across 4 local processes (one pool for the module); NcclTransport on a device."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
+from nereus_comm.local_workers import LocalWorkers, WorkerContext
+from nereus_comm.transport import GlooTransport, TransportArgumentError
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with LocalWorkers(WORLD, timeout=60) as p:
+        yield p
+
+
+def _payload(src: int, dst: int, i: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * src + 10 * dst + i)
+    n = 1 + (src * 7 + dst * 3 + i * 5) % 50
+    if dtype.is_floating_point:
+        return torch.randn(n, 3, generator=g).to(dtype)
+    return torch.randint(-(2**40), 2**40, (n, 3), generator=g, dtype=dtype)
+
+
+def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int) -> dict:
+    t = GlooTransport()
+    me = ctx.rank
+    others = [r for r in range(ctx.world_size) if r != me]
+    sends = [(p, _payload(me, p, i, dtype)) for p in others for i in range(per_peer)]
+    recvs = [
+        (p, torch.empty_like(_payload(p, me, i, dtype))) for p in others for i in range(per_peer)
+    ]
+    sends.append((others[0], torch.empty(0, dtype=dtype)))  # empty buffers are skipped
+    recvs.append((others[-1], torch.empty(0, dtype=dtype)))
+    # A receive buffer's storage must be written in place (zero copy).
+    ptrs = [b.data_ptr() for _, b in recvs]
+    t.exchange(sends, recvs, timeout=30)
+    ok = all(
+        torch.equal(buf, _payload(p, me, i % per_peer, dtype))
+        for i, (p, buf) in enumerate(recvs[:-1])
+    )
+    same_storage = ptrs == [b.data_ptr() for _, b in recvs]
+    return {"ok": ok, "same_storage": same_storage, "stats": t.stats}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_all_to_all_exact_and_counted(pool, dtype) -> None:
+    per_peer = 2
+    out = pool.run(_all_to_all, dtype, per_peer)
+    for r, res in enumerate(out):
+        assert res["ok"], f"rank {r} received wrong bytes"
+        assert res["same_storage"]
+        s = res["stats"]
+        assert s.exchanges == 1
+        assert s.messages_sent == s.messages_received == (WORLD - 1) * per_peer
+        expected = sum(
+            _payload(r, p, i, dtype).nbytes for p in range(WORLD) if p != r for i in range(per_peer)
+        )
+        assert s.bytes_sent == expected
+
+
+def _bad_args(ctx: WorkerContext) -> list[str]:
+    t = GlooTransport()
+    me = ctx.rank
+    errors = []
+    cases = [
+        ([(me, torch.zeros(2))], []),  # self
+        ([(99, torch.zeros(2))], []),  # not in group
+        ([((me + 1) % ctx.world_size, torch.zeros(4, 4).t())], []),  # non-contiguous
+        ([], [((me + 1) % ctx.world_size, "not a tensor")]),
+    ]
+    for sends, recvs in cases:
+        try:
+            t.exchange(sends, recvs, timeout=5)
+            errors.append("no error")
+        except (TransportArgumentError, TensorMismatchError) as e:
+            errors.append(type(e).__name__)
+    assert t.stats.exchanges == 0  # nothing was posted
+    return errors
+
+
+def test_bad_arguments_raise_before_posting(pool) -> None:
+    for errs in pool.run(_bad_args):
+        assert errs == [
+            "TransportArgumentError",
+            "TransportArgumentError",
+            "TensorMismatchError",
+            "TensorMismatchError",
+        ]
+
+
+def _silent_peer(ctx: WorkerContext, timeout: float) -> dict:
+    # A fresh group: a gloo timeout closes the pair with the silent peer for good.
+    group = dist.new_group(ranks=[0, 1, 2])
+    if ctx.rank not in (0, 1, 2):
+        return {}
+    t = GlooTransport(group)
+    if ctx.rank == 1:
+        time.sleep(timeout + 1.0)  # never posts its send: looks dead to rank 0
+        return {}
+    if ctx.rank == 2:  # a healthy peer of rank 0 in the same batch
+        t.exchange([(0, torch.ones(8))], [], timeout=timeout)
+        return {}
+    start = time.monotonic()
+    try:
+        t.exchange([], [(1, torch.empty(8)), (2, torch.empty(8))], timeout=timeout)
+    except PeerTimeoutError as e:
+        elapsed = time.monotonic() - start
+        again = None
+        try:
+            t.exchange([], [(2, torch.empty(8))], timeout=timeout)
+        except TransportArgumentError as e2:
+            again = str(e2)
+        return {"error": str(e), "elapsed": elapsed, "again": again}
+    return {"error": None}
+
+
+def test_silent_peer_times_out_naming_it(pool) -> None:
+    timeout = 1.0
+    res = pool.run(_silent_peer, timeout, timeout=30)[0]
+    assert res["error"] is not None, "no PeerTimeoutError"
+    assert "peers 1 " in res["error"] and "recv from 1" in res["error"]
+    assert "recv from 2" not in res["error"]  # the healthy peer is not blamed
+    assert timeout * 0.9 <= res["elapsed"] < timeout + 2.0
+    assert "broke earlier" in res["again"]
+
+
+def test_gloo_transport_needs_initialized_distributed() -> None:
+    if dist.is_initialized():
+        pytest.skip("this process already joined a group")
+    with pytest.raises(TransportArgumentError, match="init_process_group"):
+        GlooTransport()
+
+
+def _nccl_self_exchange() -> None:
+    from nereus_comm.transport import NcclTransport
+
+    store = dist.HashStore()
+    t = NcclTransport(store, 0, [0], 0)
+    with pytest.raises(TransportArgumentError, match="this rank"):
+        t.exchange([(0, torch.ones(4, device="cuda"))], [], timeout=5)
+    with pytest.raises(TransportArgumentError, match="not among"):
+        t.exchange([], [(1, torch.ones(4, device="cuda"))], timeout=5)
+    t.close()
+
+
+@pytest.mark.gpu
+def test_nccl_transport_validates_on_device() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        from nereus_comm.nccl import load_nccl
+
+        load_nccl()
+    except Exception as e:
+        pytest.skip(f"NCCL not loadable: {e}")
+    _nccl_self_exchange()
