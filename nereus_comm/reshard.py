@@ -6,15 +6,18 @@ same plan. Each rank:
 1. validates every tensor it was handed (and every ``out`` tensor) against its
    spec and its box in the layout: name, shape, dtype, device, contiguity.
    Nothing moves before all checks pass;
-2. copies the bytes it already holds and needs (the plan's local copies) with
-   one :func:`~nereus_comm.pack.copy_regions` call;
-3. builds the wire buffers of each message: a piece that is contiguous in both
-   the sender's and the receiver's shard (and not tiny) travels on its own,
-   straight from and into the tensors' storage (zero copy); the other pieces of
-   the message are packed into one buffer. Both sides derive the same split
-   from the plan alone, so buffers match without any extra communication;
-4. exchanges every buffer in one batched transport call;
-5. unpacks the packed buffers into the destination shards.
+2. builds the wire buffers of each message (:func:`wire_groups`): every piece
+   of at least 64 KiB travels as its own buffer, the smaller ones share one.
+   A buffer that is one contiguous block of a shard is sent from, or received
+   into, the shard's own storage (zero copy); the others go through one
+   staging buffer, filled by a single :func:`~nereus_comm.pack.pack` call.
+   So a piece is copied only on a side where it is strided. Both sides derive
+   the same buffers from the plan alone: no extra communication;
+3. posts every buffer in one batched transport call and, while the bytes
+   travel, copies the bytes it already holds and needs (the plan's local
+   copies) with one :func:`~nereus_comm.pack.copy_regions` call;
+4. drains the receive staging buffer with a single
+   :func:`~nereus_comm.pack.unpack` call.
 
 Example::
 
@@ -47,13 +50,14 @@ from nereus_comm.transport import Transport
 __all__ = [
     "DIRECT_MIN_BYTES",
     "ReshardResult",
+    "Workspace",
     "reshard",
     "shards_from_full",
-    "wire_layout",
+    "wire_groups",
 ]
 
-#: Pieces at least this large that are contiguous on both ends skip packing.
-#: Smaller ones are cheaper to pack than to send as their own buffer.
+#: Pieces at least this large travel as their own wire buffer; smaller ones of a
+#: message share one (a buffer costs a handshake, a small copy costs less).
 DIRECT_MIN_BYTES = 64 * 1024
 
 
@@ -75,7 +79,10 @@ class ReshardResult:
     messages_received: int
     buffers_sent: int
     buffers_received: int
+    staged_bytes_sent: int = 0
+    staged_bytes_received: int = 0
     pack_seconds: float = 0.0
+    #: posting, local copies and waiting for the transfers.
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
 
@@ -142,42 +149,32 @@ def _check_shards(
             )
 
 
-@dataclass(frozen=True)
-class _Wire:
-    """How one message travels: the packed pieces and the direct pieces, by index."""
+def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[int, ...]]:
+    """Split a message's pieces into the buffers that carry them on the wire.
 
-    packed: tuple[int, ...]
-    direct: tuple[int, ...]
-
-
-def wire_layout(plan, message, direct_min_bytes: int = DIRECT_MIN_BYTES) -> _Wire:
-    """Split a message's pieces into one packed buffer and zero-copy direct buffers.
-
-    A piece goes direct when it has at least ``direct_min_bytes`` bytes and is one
-    contiguous block in both the sender's source shard and the receiver's destination
-    shard (messages of a single piece also never pack on a side where it is
-    contiguous). Sender and receiver compute the same answer from the plan.
+    Every piece of at least ``min_bytes`` bytes travels as its own buffer; the
+    smaller ones share one buffer, which comes first. Each side then moves a
+    buffer straight from or into the tensor's storage when it is one contiguous
+    block there (zero copy), and through a staging buffer otherwise, so a piece is
+    copied only on the side where it is strided. Sender and receiver derive the
+    same groups from the plan alone.
 
     Arguments:
         plan: the ReshardPlan.
         message: one of its Messages.
-        direct_min_bytes: the size threshold.
+        min_bytes: the size from which a piece gets its own buffer.
 
     Returns:
-        The piece indices packed (in order, one buffer, sent first) and sent direct.
+        Tuples of piece indices, one per buffer, in wire order (empty pieces left out).
     """
-    packed, direct = [], []
-    nl = None  # each layout carries its own num_layers
+    small, large = [], []
     for i, piece in enumerate(message.pieces):
-        spec = plan.specs[piece.tensor]
-        # local_region returns a contiguous block as a single row.
-        both = (
-            box_nbytes(piece.box, spec) >= max(direct_min_bytes, 1)
-            and local_region(spec, plan.src, message.src, piece.box, nl)[1] <= 1
-            and local_region(spec, plan.dst, message.dst, piece.box, nl)[1] <= 1
-        )
-        (direct if both else packed).append(i)
-    return _Wire(tuple(packed), tuple(direct))
+        nbytes = box_nbytes(piece.box, plan.specs[piece.tensor])
+        if nbytes >= min_bytes:
+            large.append((i,))
+        elif nbytes:
+            small.append(i)
+    return ([tuple(small)] if small else []) + large
 
 
 def _regions(plan, pieces, layout: Layout, rank: int, tensors) -> list[Region]:
@@ -186,6 +183,60 @@ def _regions(plan, pieces, layout: Layout, rank: int, tensors) -> list[Region]:
         spec = plan.specs[piece.tensor]
         off, rows, row, stride = local_region(spec, layout, rank, piece.box)
         out.append(Region(tensors[spec.name], off, rows, row, stride))
+    return out
+
+
+class Workspace:
+    """Staging buffers that successive reshards reuse (no fresh pages per call).
+
+    Grows to the largest staging need seen; one per process and device is plenty.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, kind: str, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of exactly nbytes, backed by the cached buffer for kind."""
+        buf = self._buffers.get(kind)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._buffers[kind] = buf
+        return buf[:nbytes]
+
+
+def _buffer_plan(plan, messages, layout: Layout, rank: int, tensors, min_bytes, *, outgoing):
+    """(peer, view or None, staged regions or None) per wire buffer of the messages."""
+    out = []
+    for m in messages:
+        peer = m.dst if outgoing else m.src
+        regions = _regions(plan, m.pieces, layout, rank, tensors)
+        for group in wire_groups(plan, m, min_bytes):
+            rs = [regions[i] for i in group]
+            if len(rs) == 1 and is_contiguous_region(rs[0]):
+                out.append((peer, region_view(rs[0]), None))
+            else:
+                out.append((peer, None, rs))
+    return out
+
+
+def _stage(regions, workspace: Workspace | None, kind: str, device_type: str) -> torch.Tensor:
+    nbytes = packed_nbytes(regions) if regions else 0
+    if workspace is not None:
+        return workspace.get(kind, nbytes)
+    device = regions[0].tensor.device if regions else torch.device(device_type)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _buffers(buffer_plan, stage: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """The wire buffers: views, or consecutive slices of the staging buffer."""
+    out, at = [], 0
+    for peer, view, regions in buffer_plan:
+        if view is None:
+            n = sum(r.nbytes for r in regions)
+            view = stage[at : at + n]
+            at += n
+        out.append((peer, view))
     return out
 
 
@@ -198,6 +249,7 @@ def reshard(
     out: Mapping[str, torch.Tensor] | None = None,
     timeout: float = 60.0,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
+    workspace: Workspace | None = None,
 ) -> ReshardResult:
     """Move this rank's part of a reshard: local copies, pack, one batched exchange, unpack.
 
@@ -209,7 +261,10 @@ def reshard(
             device memory); must reach every peer of this rank in the plan.
         out: preallocated destination shards by spec name (default: allocated here).
         timeout: seconds for the exchange.
-        direct_min_bytes: see :func:`wire_layout`.
+        direct_min_bytes: pieces from this size travel as their own buffer (see
+            :func:`wire_groups`).
+        workspace: reuse its staging buffers (default: allocate per call). It must be
+            on the transport's device.
 
     Returns:
         The destination shards and what was measured.
@@ -257,6 +312,23 @@ def reshard(
                     )
 
     start = time.perf_counter()
+    # One buffer per wire group: a view of the tensor where the group is one
+    # contiguous block on this side, else a slice of one staging buffer that a
+    # single pack (before) or unpack (after the exchange) call fills or drains.
+    send_plan = _buffer_plan(plan, sends, src, rank, tensors, direct_min_bytes, outgoing=True)
+    recv_plan = _buffer_plan(plan, recvs, dst, rank, dst_tensors, direct_min_bytes, outgoing=False)
+    send_staged = [r for _, _, regions in send_plan if regions is not None for r in regions]
+    recv_staged = [r for _, _, regions in recv_plan if regions is not None for r in regions]
+    send_stage = _stage(send_staged, workspace, "send", device_type)
+    if send_staged:
+        pack(send_staged, out=send_stage)
+    recv_stage = _stage(recv_staged, workspace, "recv", device_type)
+    send_bufs = _buffers(send_plan, send_stage)
+    recv_bufs = _buffers(recv_plan, recv_stage)
+    packed_at = time.perf_counter()
+
+    # The local copies run while the bytes are on the wire.
+    pending = transport.start(send_bufs, recv_bufs, timeout=timeout)
     local = plan.local_copies(rank) if involved else []
     bytes_local = 0
     if local:
@@ -264,38 +336,10 @@ def reshard(
         dst_regions = _regions(plan, local, dst, rank, dst_tensors)
         copy_regions(src_regions, dst_regions)
         bytes_local = sum(r.nbytes for r in dst_regions)
-
-    send_bufs: list[tuple[int, torch.Tensor]] = []
-    for m in sends:
-        wire = wire_layout(plan, m, direct_min_bytes)
-        regions = _regions(plan, m.pieces, src, rank, tensors)
-        packed = [regions[i] for i in wire.packed]
-        if len(packed) == 1 and is_contiguous_region(packed[0]):
-            send_bufs.append((m.dst, region_view(packed[0])))
-        elif packed:
-            send_bufs.append((m.dst, pack(packed)))
-        send_bufs.extend((m.dst, region_view(regions[i])) for i in wire.direct)
-
-    to_unpack: list[tuple[torch.Tensor, list[Region]]] = []
-    recv_bufs: list[tuple[int, torch.Tensor]] = []
-    for m in recvs:
-        wire = wire_layout(plan, m, direct_min_bytes)
-        regions = _regions(plan, m.pieces, dst, rank, dst_tensors)
-        packed = [regions[i] for i in wire.packed]
-        if len(packed) == 1 and is_contiguous_region(packed[0]):
-            recv_bufs.append((m.src, region_view(packed[0])))
-        elif packed:
-            device = packed[0].tensor.device
-            buf = torch.empty(packed_nbytes(packed), dtype=torch.uint8, device=device)
-            recv_bufs.append((m.src, buf))
-            to_unpack.append((buf, packed))
-        recv_bufs.extend((m.src, region_view(regions[i])) for i in wire.direct)
-    packed_at = time.perf_counter()
-
-    transport.exchange(send_bufs, recv_bufs, timeout=timeout)
+    pending.wait()
     exchanged_at = time.perf_counter()
-    for buf, regions in to_unpack:
-        unpack(buf, regions)
+    if recv_staged:
+        unpack(recv_stage, recv_staged)
     if device_type == "cuda":
         torch.cuda.synchronize()
     end = time.perf_counter()
@@ -310,6 +354,8 @@ def reshard(
         messages_received=len(recvs),
         buffers_sent=sum(1 for _, t in send_bufs if t.nbytes),
         buffers_received=sum(1 for _, t in recv_bufs if t.nbytes),
+        staged_bytes_sent=send_stage.nbytes,
+        staged_bytes_received=recv_stage.nbytes,
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,

@@ -37,6 +37,7 @@ from nereus_comm.errors import (
 __all__ = [
     "GlooTransport",
     "NcclTransport",
+    "PendingExchange",
     "Transport",
     "TransportArgumentError",
     "TransportStats",
@@ -68,7 +69,7 @@ def _peer_list(peers: Sequence[int]) -> str:
 class Transport(ABC):
     """Batched send/recv of contiguous tensors between global ranks.
 
-    Subclasses implement :meth:`_exchange`; :meth:`exchange` validates the
+    Subclasses implement :meth:`_post` and :meth:`_wait`; :meth:`start` validates the
     arguments before anything is posted and keeps :attr:`stats`.
     """
 
@@ -86,6 +87,8 @@ class Transport(ABC):
     def exchange(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> None:
         """Send and receive all buffers as one batch and wait until all are done.
 
+        The same as ``start(sends, recvs, timeout=timeout).wait()``.
+
         Arguments:
             sends: ``(peer, tensor)`` per outgoing buffer (global ranks).
             recvs: ``(peer, tensor)`` per incoming buffer, written in place.
@@ -99,6 +102,16 @@ class Transport(ABC):
                 seconds; the message names those peers. The transport is then broken
                 (the connection to a silent peer is closed): build a new one.
         """
+        self.start(sends, recvs, timeout=timeout).wait()
+
+    def start(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> PendingExchange:
+        """Post the batch and return at once; ``.wait()`` on the result completes it.
+
+        Lets a caller overlap its own work (e.g. local copies) with the transfers.
+        The buffers must stay untouched until ``wait`` returns. Arguments and errors
+        as :meth:`exchange` (PeerTimeoutError comes from ``wait``); the timeout counts
+        from this call.
+        """
         if self._broken is not None:
             raise TransportArgumentError(
                 f"this transport broke earlier ({self._broken}); create a new one "
@@ -108,15 +121,9 @@ class Transport(ABC):
             raise TransportArgumentError(f"timeout must be > 0 seconds, got {timeout}")
         sends = self._checked(sends, "send")
         recvs = self._checked(recvs, "recv")
-        start = time.perf_counter()
-        self._exchange(sends, recvs, timeout)
-        s = self.stats
-        s.exchanges += 1
-        s.messages_sent += len(sends)
-        s.messages_received += len(recvs)
-        s.bytes_sent += sum(t.nbytes for _, t in sends)
-        s.bytes_received += sum(t.nbytes for _, t in recvs)
-        s.seconds += time.perf_counter() - start
+        started = time.perf_counter()
+        state = self._post(sends, recvs, timeout)
+        return PendingExchange(self, state, sends, recvs, started)
 
     def _checked(self, buffers: Buffers, kind: str) -> list[tuple[int, torch.Tensor]]:
         out = []
@@ -151,16 +158,49 @@ class Transport(ABC):
         self._broken = reason
 
     @abstractmethod
-    def _exchange(
+    def _post(
         self,
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         timeout: float,
-    ) -> None:
-        """Post and complete the validated, non-empty batch (see :meth:`exchange`)."""
+    ) -> object:
+        """Post the validated, non-empty batch; return what ``_wait`` needs."""
+
+    @abstractmethod
+    def _wait(self, state: object) -> None:
+        """Complete a posted batch or raise PeerTimeoutError (see :meth:`exchange`)."""
 
     def close(self) -> None:  # noqa: B027  (optional hook: most transports own nothing)
         """Release what the transport owns (communicators); the transport is unusable after."""
+
+
+class PendingExchange:
+    """A posted batch of a transport; :meth:`wait` completes it (once)."""
+
+    def __init__(self, transport: Transport, state: object, sends, recvs, started: float) -> None:
+        self._transport = transport
+        self._state = state
+        self._sends, self._recvs = sends, recvs
+        self._started = started
+        self._done = False
+
+    def wait(self) -> None:
+        """Wait until every transfer finished.
+
+        Raises:
+            PeerTimeoutError: transfers still pending at the timeout; names the peers.
+        """
+        if self._done:
+            return
+        self._transport._wait(self._state)
+        self._done = True
+        s = self._transport.stats
+        s.exchanges += 1
+        s.messages_sent += len(self._sends)
+        s.messages_received += len(self._recvs)
+        s.bytes_sent += sum(t.nbytes for _, t in self._sends)
+        s.bytes_received += sum(t.nbytes for _, t in self._recvs)
+        s.seconds += time.perf_counter() - self._started
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -194,7 +234,7 @@ class GlooTransport(Transport):
     def __repr__(self) -> str:
         return f"GlooTransport(rank={self.rank}, ranks={list(self.ranks)})"
 
-    def _exchange(self, sends, recvs, timeout) -> None:
+    def _post(self, sends, recvs, timeout):
         deadline = time.monotonic() + timeout
         pending: list[tuple[str, int, dist.Work]] = []
         try:
@@ -208,6 +248,10 @@ class GlooTransport(Transport):
             raise PeerTimeoutError(
                 f"could not post transfers (a peer's connection is closed): {e}"
             ) from e
+        return pending, deadline, timeout
+
+    def _wait(self, state) -> None:
+        pending, deadline, timeout = state
         failed: list[tuple[str, int, str]] = []
         for what, peer, work in pending:
             # Work.is_completed() also reports True for timed-out work, so the
@@ -294,7 +338,7 @@ class NcclTransport(Transport):
     def __repr__(self) -> str:
         return f"NcclTransport(rank={self.rank}, ranks={list(self.ranks)}, device={self.device})"
 
-    def _exchange(self, sends, recvs, timeout) -> None:
+    def _post(self, sends, recvs, timeout):
         for peer, t in (*sends, *recvs):
             if t.device != self.device:
                 raise TensorMismatchError(
@@ -336,6 +380,10 @@ class NcclTransport(Transport):
             )
         done = torch.cuda.Event()
         done.record(stream)
+        return done, deadline, peers, timeout
+
+    def _wait(self, state) -> None:
+        done, deadline, peers, timeout = state
         while not done.query():
             state = self.lib.comm_get_async_error(self.comm)
             if state not in (0, 7):

@@ -19,7 +19,7 @@ from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import DIRECT_MIN_BYTES, reshard, shards_from_full
+from nereus_comm.reshard import DIRECT_MIN_BYTES, Workspace, reshard, shards_from_full
 from nereus_comm.transport import GlooTransport
 
 WORLD = 4
@@ -108,7 +108,9 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
         full = _full_state(specs, seed + k)
         mine = shards_from_full(full, specs, plan.src, rank)
         before = transport.stats.bytes_sent, transport.stats.bytes_received
-        res = reshard(plan, rank, mine, transport, timeout=20)
+        # Every other case reuses one workspace (staging buffers of earlier cases).
+        ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
+        res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws)
         want = shards_from_full(full, specs, plan.dst, rank)
         involved = rank in plan.src or rank in plan.dst
         sends = plan.sends(rank) if involved else []
@@ -177,17 +179,19 @@ def _large_pieces(ctx: WorkerContext) -> dict:
     full = _full_state(specs, 5)
     res = reshard(plan, ctx.rank, shards_from_full(full, specs, src, ctx.rank), _transport(ctx))
     want = shards_from_full(full, specs, dst, ctx.rank)
-    # "col" pieces (index 0) are contiguous on both ends and >= 64 KiB: one buffer each;
-    # everything else of a message shares one packed buffer.
+    # Pieces of >= DIRECT_MIN_BYTES get their own buffer; the rest of a message share one.
     expected = 0
     for m in plan.sends(ctx.rank):
-        direct = [p for p in m.pieces if p.tensor == 0 and p.nbytes >= DIRECT_MIN_BYTES]
-        expected += len(direct) + (1 if m.nbytes > sum(p.nbytes for p in direct) else 0)
+        large = [p for p in m.pieces if p.nbytes >= DIRECT_MIN_BYTES]
+        expected += len(large) + (1 if m.nbytes > sum(p.nbytes for p in large) else 0)
+    # "col" pieces (tensor 0, dim-0 split) are contiguous on both sides: never staged.
+    col = sum(p.nbytes for m in plan.sends(ctx.rank) for p in m.pieces if p.tensor == 0)
     return {
         "equal": all(torch.equal(res.tensors[n], want[n]) for n in want),
         "buffers": (res.buffers_sent, expected),
         "messages": res.messages_sent,
         "bytes": (res.bytes_sent, sum(m.nbytes for m in plan.sends(ctx.rank))),
+        "staged": (res.staged_bytes_sent, res.bytes_sent - col),
     }
 
 
@@ -197,6 +201,7 @@ def test_large_contiguous_pieces_go_direct(pool) -> None:
         assert res["equal"], f"rank {r}"
         assert res["bytes"][0] == res["bytes"][1]
         assert res["buffers"][0] == res["buffers"][1], res
+        assert res["staged"][0] <= res["staged"][1], res
     assert sum(r["buffers"][0] for r in results) > sum(r["messages"] for r in results)
 
 
