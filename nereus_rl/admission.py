@@ -1,0 +1,205 @@
+"""Payback admission: decide whether to move from the current plan to a candidate.
+
+Two paths:
+    * urgent: the current plan cannot run (no plan yet, it uses devices that are gone,
+      or its predicted peak memory exceeds a device's capacity under the current
+      workload). The candidate is taken at once, whatever the transition costs,
+      provided the candidate itself can run.
+    * opportunistic: the current plan runs but the candidate is predicted faster. It is
+      taken only when ``saving per step x forecast steps >= transition cost``, where the
+      forecast is the number of steps until the triggering signal next crosses a
+      threshold (after which the planner will be asked again, so savings beyond it
+      cannot be counted on).
+
+Every call returns a :class:`Decision` holding its inputs and its reason, and
+``Admission.history`` keeps them, so a run can explain each transition it made or
+declined.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from nereus_rl.costmodel import CostModel
+from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.workload import Workload
+
+TransitionCost = float | Callable[[GlobalPlan | None, GlobalPlan], float]
+
+
+class AdmissionError(ValueError):
+    """Bad input to admission (negative cost or forecast)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One admission decision with everything it was based on.
+
+    Attributes:
+        taken: whether to execute the transition.
+        path: ``"urgent"`` or ``"opportunistic"``.
+        reason: one sentence a person can read.
+        trigger: the signal that prompted the decision (free text, may be None).
+        current_latency_s: predicted step latency of the current plan (None: no plan).
+        candidate_latency_s: predicted step latency of the candidate.
+        saving_per_step_s: current minus candidate (0 on the urgent path without a plan).
+        forecast_steps: steps until the trigger next crosses its threshold.
+        transition_cost_s: predicted transition completion time.
+        payback_steps: steps needed to repay the transition (inf if no saving).
+        problems: why the current plan cannot run (urgent path), else empty.
+        current, candidate: the plans.
+    """
+
+    taken: bool
+    path: str
+    reason: str
+    trigger: str | None
+    current_latency_s: float | None
+    candidate_latency_s: float
+    saving_per_step_s: float
+    forecast_steps: float
+    transition_cost_s: float
+    payback_steps: float
+    problems: tuple[str, ...]
+    current: GlobalPlan | None
+    candidate: GlobalPlan
+
+    def __repr__(self) -> str:
+        verdict = "TAKE" if self.taken else "DECLINE"
+        return f"Decision({verdict} {self.path}: {self.reason})"
+
+
+class Admission:
+    """The payback admission rule over one cost model.
+
+    Arguments:
+        costmodel: prices both plans under the workload given to :meth:`decide`.
+    """
+
+    def __init__(self, costmodel: CostModel) -> None:
+        self.costmodel = costmodel
+        self.history: list[Decision] = []
+
+    def problems(
+        self, plan: GlobalPlan | None, workload: Workload, available: Iterable[int] | None
+    ) -> tuple[str, ...]:
+        """Why ``plan`` cannot run now (empty when it can)."""
+        if plan is None:
+            return ("no current plan",)
+        out = []
+        if available is not None:
+            lost = sorted(plan.devices - set(available))
+            if lost:
+                out.append(f"uses unavailable devices {lost}")
+        over = self.costmodel.memory_violations(plan, workload)
+        if over:
+            d, b = max(over.items(), key=lambda kv: kv[1])
+            cap = self.costmodel.capacity_bytes
+            out.append(
+                f"{len(over)} devices over memory (worst: device {d} needs "
+                f"{b / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB)"
+            )
+        return tuple(out)
+
+    def decide(
+        self,
+        current: GlobalPlan | None,
+        candidate: GlobalPlan,
+        workload: Workload,
+        *,
+        forecast_steps: float | object,
+        transition_cost: TransitionCost,
+        available_devices: Iterable[int] | None = None,
+        trigger: str | None = None,
+    ) -> Decision:
+        """Decide whether to move from ``current`` to ``candidate``.
+
+        Arguments:
+            current: the running plan (None before the first plan).
+            candidate: the planner's proposal.
+            workload: the workload both are priced under (the new signals' workload).
+            forecast_steps: steps until the trigger next crosses its threshold: a number
+                or a ``controller.Forecast`` (its ``steps``).
+            transition_cost: predicted seconds to carry out the transition: a number or
+                a callable ``(current, candidate) -> seconds`` (e.g. the transition DAG's
+                predicted completion time).
+            available_devices: device ids that are alive (None: all are).
+            trigger: name of the signal that prompted this (kept in the record).
+
+        Returns:
+            Decision (also appended to ``history``).
+
+        Raises:
+            AdmissionError: negative forecast or transition cost.
+        """
+        steps = float(getattr(forecast_steps, "steps", forecast_steps))
+        if steps < 0 or math.isnan(steps):
+            raise AdmissionError(f"forecast_steps={steps} must be >= 0")
+        avail = None if available_devices is None else set(available_devices)
+        cost = float(
+            transition_cost(current, candidate) if callable(transition_cost) else transition_cost
+        )
+        if cost < 0 or math.isnan(cost):
+            raise AdmissionError(f"transition cost {cost} s must be >= 0")
+        cand_lat = self.costmodel.step_latency(candidate, workload).total_s
+        cur_problems = self.problems(current, workload, avail)
+        cand_problems = self.problems(candidate, workload, avail)
+        cur_lat = None
+        if current is not None and not any("unavailable" in p for p in cur_problems):
+            cur_lat = self.costmodel.step_latency(current, workload).total_s
+        saving = (cur_lat - cand_lat) if cur_lat is not None else 0.0
+        payback = cost / saving if saving > 0 else math.inf
+
+        def rec(taken: bool, path: str, reason: str) -> Decision:
+            d = Decision(
+                taken,
+                path,
+                reason,
+                trigger,
+                cur_lat,
+                cand_lat,
+                saving,
+                steps,
+                cost,
+                payback,
+                cur_problems,
+                current,
+                candidate,
+            )
+            self.history.append(d)
+            return d
+
+        if cand_problems:
+            path = "urgent" if cur_problems else "opportunistic"
+            return rec(False, path, "candidate cannot run: " + "; ".join(cand_problems))
+        if cur_problems:
+            return rec(
+                True,
+                "urgent",
+                "current plan cannot run (" + "; ".join(cur_problems) + f"); transition "
+                f"of {cost:.3g} s taken without payback",
+            )
+        if current == candidate:
+            return rec(False, "opportunistic", "candidate is the current plan")
+        if saving <= 0:
+            return rec(
+                False,
+                "opportunistic",
+                f"candidate is not faster ({cand_lat:.4g} s vs {cur_lat:.4g} s per step)",
+            )
+        gain = saving * steps
+        if gain >= cost:
+            return rec(
+                True,
+                "opportunistic",
+                f"saves {saving:.3g} s/step x {steps:.3g} steps = {gain:.3g} s >= "
+                f"transition {cost:.3g} s (repaid in {payback:.3g} steps)",
+            )
+        return rec(
+            False,
+            "opportunistic",
+            f"saves {saving:.3g} s/step x {steps:.3g} steps = {gain:.3g} s < "
+            f"transition {cost:.3g} s (needs {payback:.3g} steps)",
+        )

@@ -1,0 +1,309 @@
+"""Controller signals: what the running job watches, when it triggers, and forecasts.
+
+Four signals, each with levels separated by thresholds and a hysteresis band so that a
+value hovering near a threshold does not trigger again and again:
+
+    seq_len       the step's response length (e.g. its p90) in the workload's buckets;
+                  the level is the bucket the planner plans for.
+    devices       the number of available devices (any change triggers; a loss of a
+                  device the plan uses makes the current plan infeasible: urgent).
+    memory        predicted or measured peak memory / capacity: levels low/ok/high.
+    efficiency    measured / predicted step time: levels fast/ok/slow (the cost model
+                  is off; refine it and replan).
+
+Each signal forecasts the steps until it next crosses a threshold from its recent
+history: a least-squares line through the last ``window`` values, extrapolated to the
+next threshold in the direction of the slope (``horizon`` steps when flat or when the
+line never reaches it). Devices forecast from the mean interval between past changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from nereus_rl.workload import DEFAULT_BUCKETS, bucket_of
+
+
+class SignalError(ValueError):
+    """Bad signal configuration or observation."""
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A signal crossed a threshold at ``step``."""
+
+    signal: str
+    step: int
+    value: float
+    old_level: int
+    new_level: int
+    urgent: bool
+    reason: str
+
+    def __repr__(self) -> str:
+        return f"Trigger({self.signal}@{self.step}: {self.reason})"
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Steps until ``signal`` is expected to cross ``threshold`` next."""
+
+    signal: str
+    steps: float
+    slope_per_step: float
+    threshold: float | None
+
+    def __repr__(self) -> str:
+        return f"Forecast({self.signal}: {self.steps:.3g} steps to {self.threshold})"
+
+
+class LevelSignal:
+    """A scalar signal with sorted thresholds, hysteresis and a trend forecast.
+
+    Level ``i`` holds values in ``(edges[i-1], edges[i]]`` (level 0 below ``edges[0]``,
+    level ``len(edges)`` above the last). The level moves up when a value exceeds
+    ``edges[level] * (1 + hysteresis)`` and down when it falls to
+    ``edges[level-1] * (1 - hysteresis)`` or below.
+
+    Arguments:
+        name: signal name.
+        edges: increasing positive thresholds.
+        hysteresis: relative band around each threshold.
+        window: values used for the trend.
+        horizon: forecast when no crossing is in sight (steps).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        edges: Sequence[float],
+        *,
+        hysteresis: float = 0.1,
+        window: int = 10,
+        horizon: float = 200.0,
+    ) -> None:
+        if not edges or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] <= 0:
+            raise SignalError(f"{name}: edges {list(edges)} must be positive and increasing")
+        if not 0 <= hysteresis < 1:
+            raise SignalError(f"{name}: hysteresis={hysteresis} must be in [0, 1)")
+        self.name = name
+        self.edges = tuple(float(e) for e in edges)
+        self.hysteresis = hysteresis
+        self.horizon = horizon
+        self.history: deque[tuple[int, float]] = deque(maxlen=max(2, window))
+        self.level: int | None = None
+
+    def _raw_level(self, v: float) -> int:
+        for i, e in enumerate(self.edges):
+            if v <= e:
+                return i
+        return len(self.edges)
+
+    def up_threshold(self) -> float | None:
+        if self.level is None or self.level >= len(self.edges):
+            return None
+        return self.edges[self.level] * (1 + self.hysteresis)
+
+    def down_threshold(self) -> float | None:
+        if self.level is None or self.level == 0:
+            return None
+        return self.edges[self.level - 1] * (1 - self.hysteresis)
+
+    def update(self, step: int, value: float) -> Trigger | None:
+        """Record ``value`` at ``step``; a Trigger when the level changes (not on the first)."""
+        if value < 0 or math.isnan(value):
+            raise SignalError(f"{self.name}: value {value} at step {step} must be >= 0")
+        self.history.append((step, float(value)))
+        if self.level is None:
+            self.level = self._raw_level(value)
+            return None
+        old = self.level
+        up, down = self.up_threshold(), self.down_threshold()
+        if (up is not None and value > up) or (down is not None and value <= down):
+            self.level = self._raw_level(value)
+        if self.level == old:
+            return None
+        word = "rose above" if self.level > old else "fell below"
+        thr = up if self.level > old else down
+        return Trigger(
+            self.name,
+            step,
+            value,
+            old,
+            self.level,
+            False,
+            f"{self.name} {value:.4g} {word} {thr:.4g} (level {old} -> {self.level})",
+        )
+
+    def slope(self) -> float:
+        """Least-squares slope of the recent values per step (0 with < 2 values)."""
+        pts = list(self.history)
+        if len(pts) < 2:
+            return 0.0
+        n = len(pts)
+        mx = sum(s for s, _ in pts) / n
+        my = sum(v for _, v in pts) / n
+        sxx = sum((s - mx) ** 2 for s, _ in pts)
+        if sxx == 0:
+            return 0.0
+        return sum((s - mx) * (v - my) for s, v in pts) / sxx
+
+    def forecast(self) -> Forecast:
+        """Steps until the trend line reaches the next threshold in its direction."""
+        k = self.slope()
+        if not self.history:
+            return Forecast(self.name, self.horizon, 0.0, None)
+        pts = list(self.history)
+        n = len(pts)
+        mx = sum(s for s, _ in pts) / n
+        my = sum(v for _, v in pts) / n
+        last_step = pts[-1][0]
+        fitted = my + k * (last_step - mx)
+        thr = self.up_threshold() if k > 0 else self.down_threshold() if k < 0 else None
+        if thr is None or k == 0:
+            return Forecast(self.name, self.horizon, k, thr)
+        steps = (thr - fitted) / k
+        steps = min(self.horizon, max(1.0, steps))
+        return Forecast(self.name, steps, k, thr)
+
+
+class SeqLenSignal(LevelSignal):
+    """Response length in buckets; ``bucket`` is the length to plan for."""
+
+    def __init__(self, buckets: Sequence[int] = DEFAULT_BUCKETS, **kw) -> None:
+        super().__init__("seq_len", buckets, **kw)
+        self.buckets = tuple(buckets)
+
+    @property
+    def bucket(self) -> int | None:
+        if self.level is None:
+            return None
+        if self.level < len(self.buckets):
+            return self.buckets[self.level]
+        return bucket_of(max(v for _, v in self.history), self.buckets)
+
+
+class DevicesSignal:
+    """Available devices. Any change triggers; losing a device the plan uses is urgent."""
+
+    name = "devices"
+
+    def __init__(self, horizon: float = 200.0) -> None:
+        self.available: frozenset[int] | None = None
+        self.changes: list[int] = []
+        self.horizon = horizon
+        self._first_step: int | None = None
+        self._last_step: int | None = None
+
+    def update(
+        self, step: int, available: Iterable[int], in_use: Iterable[int] = ()
+    ) -> Trigger | None:
+        """Record the available device ids; a Trigger when the set changed."""
+        now = frozenset(available)
+        if self._first_step is None:
+            self._first_step = step
+        self._last_step = step
+        old = self.available
+        self.available = now
+        if old is None or now == old:
+            return None
+        self.changes.append(step)
+        lost, gained = sorted(old - now), sorted(now - old)
+        urgent = bool(set(lost) & set(in_use))
+        parts = []
+        if lost:
+            parts.append(f"lost {len(lost)} device(s) {lost[:8]}")
+        if gained:
+            parts.append(f"gained {len(gained)} device(s) {gained[:8]}")
+        if urgent:
+            parts.append("the current plan uses a lost device")
+        return Trigger(self.name, step, len(now), len(old), len(now), urgent, "; ".join(parts))
+
+    def forecast(self) -> Forecast:
+        """Mean steps between past changes (``horizon`` with fewer than one change)."""
+        if not self.changes or self._first_step is None:
+            return Forecast(self.name, self.horizon, 0.0, None)
+        span = self._last_step - self._first_step + 1
+        return Forecast(self.name, max(1.0, span / len(self.changes)), 0.0, None)
+
+
+class Controller:
+    """All four signals together.
+
+    Arguments:
+        buckets: response-length bucket edges.
+        hysteresis: relative band of the seq_len signal.
+        memory_edges: (low, high) fractions of capacity.
+        efficiency_edges: (fast, slow) ratios of measured to predicted time.
+        window, horizon: trend window and the forecast cap, in steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        hysteresis: float = 0.1,
+        memory_edges: tuple[float, float] = (0.5, 0.95),
+        efficiency_edges: tuple[float, float] = (0.85, 1.15),
+        window: int = 10,
+        horizon: float = 200.0,
+    ) -> None:
+        self.seq_len = SeqLenSignal(buckets, hysteresis=hysteresis, window=window, horizon=horizon)
+        self.devices = DevicesSignal(horizon)
+        self.memory = LevelSignal(
+            "memory", memory_edges, hysteresis=0.02, window=window, horizon=horizon
+        )
+        self.efficiency = LevelSignal(
+            "efficiency", efficiency_edges, hysteresis=0.02, window=window, horizon=horizon
+        )
+        self.triggers: list[Trigger] = []
+
+    def update(
+        self,
+        step: int,
+        *,
+        seq_len: float | None = None,
+        available_devices: Iterable[int] | None = None,
+        in_use: Iterable[int] = (),
+        peak_memory_fraction: float | None = None,
+        efficiency_ratio: float | None = None,
+    ) -> list[Trigger]:
+        """Feed one step's observations; returns the triggers it raised.
+
+        A memory fraction above 1 (the plan no longer fits) is urgent.
+        """
+        out = []
+        if seq_len is not None and (t := self.seq_len.update(step, seq_len)):
+            out.append(t)
+        if available_devices is not None and (
+            t := self.devices.update(step, available_devices, in_use)
+        ):
+            out.append(t)
+        if peak_memory_fraction is not None and (
+            t := self.memory.update(step, peak_memory_fraction)
+        ):
+            if peak_memory_fraction > 1.0:
+                t = Trigger(t.signal, t.step, t.value, t.old_level, t.new_level, True, t.reason)
+            out.append(t)
+        if efficiency_ratio is not None and (t := self.efficiency.update(step, efficiency_ratio)):
+            out.append(t)
+        self.triggers.extend(out)
+        return out
+
+    def forecast(self, signal: str) -> Forecast:
+        """The forecast of one signal by name (``seq_len``, ``devices``, ``memory``, ...)."""
+        sig = {
+            "seq_len": self.seq_len,
+            "devices": self.devices,
+            "memory": self.memory,
+            "efficiency": self.efficiency,
+        }.get(signal)
+        if sig is None:
+            raise SignalError(
+                f"unknown signal {signal!r}; use seq_len, devices, memory or efficiency"
+            )
+        return sig.forecast()

@@ -1,0 +1,231 @@
+"""Per-stage work and memory of one layout, as ideal seconds per operation class.
+
+The cost model prices a stage as ``sum_c W_c / e_c``: ``W_c`` is the time the stage's
+class-``c`` operations would take at the device's peak (FLOPs / peak FLOP/s, bytes /
+memory bandwidth, bytes / link bandwidth + latency, kernels x launch overhead) and
+``e_c`` the efficiency achieved on that class (``CostModel`` holds and refines them).
+Latency is linear in ``1/e``, which makes refinement a linear least-squares fit.
+
+Everything here is per device of one data-parallel unit and depends only on the stage,
+its layout ``(dp, tp, pp)`` and the link tier of each of its groups.
+
+Conventions (Llama-style decoder, untied embeddings, causal attention):
+    * forward GEMM FLOPs per token per layer = 2 x layer matmul params / tp; backward
+      is twice the forward (train = 3x forward);
+    * causal attention FLOPs per layer per sequence = 2 s^2 h / tp (forward);
+    * pipeline: ``m`` micro-batches take ``m + pp - 1`` slots of one stage's time
+      (1F1B bubble); generation splits a replica's batch into ``min(b, pp)`` groups;
+    * the last pipeline stage carries the LM (or value) head as well as its layers
+      (so per-stage cost is the slower one: conservative);
+    * tensor parallel: 2 all-reduces per layer forward, 2 more backward, ring-priced;
+    * training state: 16 bytes per parameter (bf16 weights and grads, fp32 master
+      copy and Adam moments), optimizer step streams it twice through memory.
+Memory per device (bytes), the largest pipeline stage charged to every device:
+    * weights (+ grads and optimizer state when training);
+    * training activations after Korthikanti et al. 2022 (tensor parallel without
+      sequence parallel, flash attention so no s^2 score term):
+      ``s * b * h * (10 + 24 / tp)`` bytes per layer per micro-batch in flight, with
+      ``min(m, pp)`` micro-batches in flight on the first stage (1F1B);
+      plus fp32 logits and their gradient;
+    * inference: one layer's activations and the logits of one micro-batch;
+    * generation: the KV cache of all of the replica's sequences at full length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from nereus_rl.spec import ClusterSpec, ModelSpec
+from nereus_rl.workload import StageWork
+
+CLASSES = (
+    "gemm",
+    "attention",
+    "mem",
+    "launch",
+    "allreduce:intra",
+    "allreduce:inter",
+    "allgather:intra",
+    "allgather:inter",
+    "p2p:intra",
+    "p2p:inter",
+)
+CLASS_INDEX = {c: i for i, c in enumerate(CLASSES)}
+NUM_CLASSES = len(CLASSES)
+TRAIN_STATE_BYTES_PER_PARAM = 16
+KERNELS_PER_LAYER_FWD = 12
+KERNELS_PER_LAYER_DECODE = 14
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+class _Shape:
+    """Per-device model quantities for one (tp, pp) layout."""
+
+    __slots__ = ("attn_seq_coef", "flops_tok", "h", "kv_dim_dev", "num_layers_dev", "params_dev")
+
+    def __init__(self, m: ModelSpec, value_head: bool, tp: int, pp: int) -> None:
+        h = m.hidden
+        self.h = h
+        self.num_layers_dev = math.ceil(m.num_layers / pp)
+        head = h * (1 if value_head else m.vocab)
+        layer_mat = m.layer_params - 2 * h
+        # The last pipeline stage holds its layers and the head: the slowest stage.
+        self.flops_tok = 2.0 * (self.num_layers_dev * layer_mat + head) / tp
+        emb = h * m.vocab
+        layers = self.num_layers_dev * m.layer_params
+        extra = emb + head if pp == 1 else max(emb, head)
+        self.params_dev = (layers + extra) / tp
+        # Fewer kv heads than tp ranks: each rank keeps one whole kv head (replicated).
+        self.kv_dim_dev = max(m.num_kv_heads / tp, 1.0) * m.head_dim
+        self.attn_seq_coef = self.num_layers_dev * 2.0 * h / tp  # x s^2 per sequence
+
+
+def _ring(n: int, nbytes: float, bw: float, lat: float) -> float:
+    return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
+
+
+def stage_work(
+    sw: StageWork,
+    dp: int,
+    tp: int,
+    pp: int,
+    tiers: tuple[str, str, str],
+    cluster: ClusterSpec,
+    dtype: str,
+) -> np.ndarray:
+    """Ideal seconds per operation class (indexed as ``CLASSES``) of one stage layout.
+
+    Arguments:
+        sw: the stage's work.
+        dp, tp, pp: its layout.
+        tiers: link tier (``"intra"``/``"inter"``) of its tp groups, pp chains, dp group.
+        cluster: the devices and links.
+        dtype: compute dtype.
+
+    Returns:
+        A float array of length ``NUM_CLASSES``.
+    """
+    w = np.zeros(NUM_CLASSES)
+    if sw.kind == "rule":
+        return w
+    m = sw.model_spec
+    dev = cluster.device
+    peak, bw, ovh = dev.peak(dtype), dev.mem_bw_Bps, dev.kernel_overhead_s
+    links = {"intra": cluster.intra, "inter": cluster.inter}
+    ttp, tpp, tdp = (links[t] for t in tiers)
+    ab = dtype_bytes(dtype)
+    sh = _Shape(m, sw.value_head, tp, pp)
+    nl1 = sh.num_layers_dev + 1
+    b = math.ceil(sw.num_samples / dp)
+    g, ar_t, p2p_t = CLASS_INDEX, "allreduce:" + tiers[0], "p2p:" + tiers[1]
+
+    if sw.kind in ("train", "forward"):
+        s = sw.seq_len
+        mb = min(sw.micro_batch, b)
+        nmb = math.ceil(b / mb)
+        slots = nmb + pp - 1
+        mult = 3.0 if sw.kind == "train" else 1.0
+        reps = sw.epochs if sw.kind == "train" else 1
+        ars = 4 if sw.kind == "train" else 2
+        w[g["gemm"]] = reps * slots * mult * mb * s * sh.flops_tok / peak
+        w[g["attention"]] = reps * slots * mult * mb * s * s * sh.attn_seq_coef / peak
+        w[g["launch"]] = reps * slots * mult * KERNELS_PER_LAYER_FWD * nl1 * ovh
+        if tp > 1:
+            one = _ring(tp, mb * s * sh.h * ab, ttp.bandwidth_Bps, ttp.latency_s)
+            w[g[ar_t]] += reps * slots * sh.num_layers_dev * ars * one
+        if pp > 1:
+            per = (mb * s * sh.h * ab) / tpp.bandwidth_Bps + tpp.latency_s
+            w[g[p2p_t]] += reps * slots * (2 if sw.kind == "train" else 1) * per
+        if sw.kind == "train":
+            w[g["mem"]] = reps * 2.0 * TRAIN_STATE_BYTES_PER_PARAM * sh.params_dev / bw
+            if dp > 1:
+                one = _ring(dp, sh.params_dev * ab, tdp.bandwidth_Bps, tdp.latency_s)
+                w[g["allreduce:" + tiers[2]]] += reps * one
+        return w
+
+    assert sw.kind == "generate", sw.kind
+    p, r = sw.prompt_len, sw.response_len
+    ngrp = min(b, pp)
+    slots = ngrp + pp - 1
+    bg = b / ngrp
+    # Prefill of the prompts.
+    w[g["gemm"]] += slots * bg * p * sh.flops_tok / peak
+    w[g["attention"]] += slots * bg * p * p * sh.attn_seq_coef / peak
+    w[g["launch"]] += slots * KERNELS_PER_LAYER_FWD * nl1 * ovh
+    if tp > 1:
+        one = _ring(tp, bg * p * sh.h * ab, ttp.bandwidth_Bps, ttp.latency_s)
+        w[g[ar_t]] += slots * sh.num_layers_dev * 2 * one
+    if pp > 1:
+        w[g[p2p_t]] += slots * ((bg * p * sh.h * ab) / tpp.bandwidth_Bps + tpp.latency_s)
+    if r > 0:
+        ctx = p + r / 2.0  # mean context over the decode steps
+        kv_bytes = bg * ctx * 2 * sh.num_layers_dev * sh.kv_dim_dev * ab
+        w[g["gemm"]] += r * slots * bg * sh.flops_tok / peak
+        w[g["attention"]] += r * slots * bg * 2.0 * ctx * sh.attn_seq_coef / peak
+        w[g["mem"]] += r * slots * (sh.params_dev * ab + kv_bytes) / bw
+        w[g["launch"]] += r * slots * KERNELS_PER_LAYER_DECODE * nl1 * ovh
+        if tp > 1:
+            one = _ring(tp, bg * sh.h * ab, ttp.bandwidth_Bps, ttp.latency_s)
+            w[g[ar_t]] += r * slots * sh.num_layers_dev * 2 * one
+        if pp > 1:
+            w[g[p2p_t]] += r * slots * ((bg * sh.h * ab) / tpp.bandwidth_Bps + tpp.latency_s)
+    return w
+
+
+def sync_work(
+    actor: ModelSpec, tp: int, pp: int, tier: str, cluster: ClusterSpec, dtype: str
+) -> np.ndarray:
+    """Ideal seconds of the per-step weight sync into one rollout device.
+
+    Each rollout device receives its shard of the actor's weights (the bytes it holds
+    in the rollout layout) from the training layout, whatever that layout is: the
+    receive side is the bottleneck of an all-gather/broadcast-style reshard.
+    """
+    w = np.zeros(NUM_CLASSES)
+    link = cluster.intra if tier == "intra" else cluster.inter
+    sh = _Shape(actor, False, tp, pp)
+    w[CLASS_INDEX["allgather:" + tier]] = (
+        sh.params_dev * dtype_bytes(dtype) / link.bandwidth_Bps + link.latency_s
+    )
+    return w
+
+
+def stage_memory(sw: StageWork, dp: int, tp: int, pp: int, dtype: str) -> int:
+    """Peak bytes on each device of the stage for layout (dp, tp, pp)."""
+    if sw.kind == "rule":
+        return 0
+    m = sw.model_spec
+    ab = dtype_bytes(dtype)
+    sh = _Shape(m, sw.value_head, tp, pp)
+    vout = 1 if sw.value_head else m.vocab
+    b = math.ceil(sw.num_samples / dp)
+    h = m.hidden
+    if sw.kind == "train":
+        s = sw.seq_len
+        mb = min(sw.micro_batch, b)
+        nmb = math.ceil(b / mb)
+        per_layer = s * mb * h * (10 + 24 / tp) * ab / 2
+        act = sh.num_layers_dev * min(nmb, pp) * per_layer
+        logits = 8.0 * mb * s * vout / tp
+        return int(TRAIN_STATE_BYTES_PER_PARAM * sh.params_dev + act + logits)
+    if sw.kind == "forward":
+        s = sw.seq_len
+        mb = min(sw.micro_batch, b)
+        act = s * mb * h * (10 + 24 / tp) * ab / 2
+        return int(ab * sh.params_dev + act + 4.0 * mb * s * vout / tp)
+    assert sw.kind == "generate", sw.kind
+    kv = b * sw.seq_len * 2 * sh.num_layers_dev * sh.kv_dim_dev * ab
+    return int(ab * sh.params_dev + kv + 4.0 * b * vout / tp)
+
+
+def state_bytes(model: ModelSpec, trains: bool, tp: int, pp: int, dtype: str) -> float:
+    """Bytes of one unit's state held per device (what a copy must move)."""
+    sh = _Shape(model, False, tp, pp)
+    per_param = (TRAIN_STATE_BYTES_PER_PARAM - 2) if trains else dtype_bytes(dtype)
+    # Gradients (2 of the 16 bytes) are rebuilt by the next backward; not moved.
+    return per_param * sh.params_dev

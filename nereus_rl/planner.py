@@ -1,0 +1,560 @@
+"""Exact planner: the memory-feasible GlobalPlan with the lowest predicted step latency.
+
+Plan space (``N`` available devices):
+    * each planned stage s gets a layout ``(dp, tp, pp)`` of powers of two, homogeneous
+      within the stage, using ``d_s = dp * tp * pp`` devices;
+    * the stages are partitioned into colocation groups; a group's stages all start at
+      the group's first device (a stage uses the first ``d_s`` devices of its group), so
+      the group spans ``n_G = max_{s in G} d_s`` devices and its stages' memory adds up
+      on its first device; groups are on disjoint devices and ``sum_G n_G <= N``;
+    * groups are placed in decreasing size at consecutive offsets, so every group (and
+      every stage, unit, tp group) is aligned to its power-of-two size and never
+      straddles a node boundary it need not cross.
+
+Objective (``CostModel.step_latency``): ``sum_p max_G T_{G,p}`` with
+``T_{G,p} = sum_{s in G, phase p} t_s``; the rollout's time includes the weight sync,
+intra-node iff rollout and actor_train share a group of at most one node.
+
+Algorithm (exact branch and bound over three levels):
+    1. Stage tables: for every stage and power of two ``n``, the Pareto list ``F_s(n)``
+       of (time, memory) over layouts with ``d <= n`` that fit a device.
+       Keeping only Pareto points is safe: replacing a stage's layout by one that is
+       no slower and needs no more memory or devices keeps the plan feasible and does
+       not increase any ``T_{G,p}`` (sums and maxima are monotone), hence the
+       objective. Times are ``W @ (1/e)`` over a work matrix built once per stage
+       shape; a refinement of the efficiencies only redoes the product.
+    2. Group tables: for a group ``G`` and size ``n``, the Pareto set (over the vector
+       ``(T_{G,0}, T_{G,1}, T_{G,2})``) of choices from ``F_s(n)`` whose memory sum fits
+       a device, built stage by stage, pruning partial choices that are dominated in
+       every phase time and in memory (dominance is preserved by adding the same
+       remaining stages). When the group holds rollout and actor_train and
+       ``n`` exceeds a node, only choices with some stage wider than a node are kept,
+       so the sync tier the table assumes is the one the placed plan gets.
+    3. Search: every set partition of the stages (Bell(6) = 203 at most), in order of
+       a lower bound; depth-first over group sizes (largest first) and group vectors.
+       At each node the bound ``sum_p max(M_p, max_{G' left} min T_{G',p}(n'_{G'}))``
+       (``M``: phase maxima so far; ``n'``: the largest size the remaining devices
+       allow each remaining group) is a valid lower bound because group times do not
+       increase with ``n`` (``F_s(n) ⊆ F_s(2n)``) and maxima and sums are monotone.
+       A node is pruned only when its bound is no better than the incumbent (the k-th
+       best), so the returned plan attains the minimum of the objective over the plan
+       space. Group sizes that cannot fit memory at ``n`` cannot fit at any smaller
+       ``n`` (fewer layouts), which ends the size loop early.
+
+``PlanResult.k_best`` lists the best distinct plans the search met, best first; the
+first is the exact optimum, the others are the next best among plans whose stage
+layouts are Pareto points (a plan that only swaps in a dominated layout is left out).
+
+Caching across calls (``Planner``): work matrices per stage shape, time vectors per
+efficiency version, Pareto and group tables per (shape, version, capacity). A call
+after a signal change (new response bucket, devices lost) rebuilds only what changed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nereus_rl.costmodel import CostModel, StepEstimate
+from nereus_rl.costmodel_work import stage_memory, stage_work, sync_work
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.spec import ClusterSpec
+from nereus_rl.workload import StageWork, Workload
+
+_INF = math.inf
+
+
+class PlanInfeasibleError(ValueError):
+    """No plan in the plan space fits device memory. Attributes give the figures.
+
+    Attributes:
+        needed_bytes: for each stage, the least bytes per device any layout needs.
+        capacity_bytes: usable bytes per device.
+        num_devices: devices available.
+    """
+
+    def __init__(self, msg: str, needed_bytes: dict[str, int], capacity_bytes: int, n: int):
+        super().__init__(msg)
+        self.needed_bytes = needed_bytes
+        self.capacity_bytes = capacity_bytes
+        self.num_devices = n
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer.
+
+    Attributes:
+        plan: the best plan.
+        latency_s: its predicted step latency.
+        estimate: the cost model's full estimate of it.
+        k_best: up to k (latency_s, plan) pairs, best first.
+        timings: ``tables_ms``, ``search_ms``, ``total_ms``, ``nodes`` (search nodes),
+            ``partitions`` (partitions searched).
+    """
+
+    plan: GlobalPlan
+    latency_s: float
+    estimate: StepEstimate = field(repr=False)
+    k_best: tuple[tuple[float, GlobalPlan], ...] = field(repr=False)
+    timings: dict[str, float] = field(repr=False)
+
+
+def _pow2floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1) if x >= 1 else 0
+
+
+def _layouts(max_d: int, sw: StageWork) -> list[tuple[int, int, int]]:
+    m = sw.model_spec
+    out = []
+    d = 1
+    while d <= max_d:
+        tp = 1
+        while tp <= d and tp <= m.num_heads:
+            pp = 1
+            while tp * pp <= d and pp <= m.num_layers:
+                out.append((d // (tp * pp), tp, pp))
+                pp *= 2
+            tp *= 2
+        d *= 2
+    return out
+
+
+def set_partitions(items: list[int]) -> list[list[tuple[int, ...]]]:
+    """All set partitions of ``items`` (each a list of groups, groups as tuples)."""
+    if not items:
+        return [[]]
+    first, rest = items[0], items[1:]
+    out = []
+    for part in set_partitions(rest):
+        out.append([(first,), *part])
+        for i in range(len(part)):
+            out.append([*part[:i], (first, *part[i]), *part[i + 1 :]])
+    return out
+
+
+class _StageTable:
+    """Layouts, work matrix and memory of one stage shape (both sync variants for rollout)."""
+
+    def __init__(self, sw: StageWork, actor, cluster: ClusterSpec, max_d: int, dtype: str):
+        self.layouts = _layouts(max_d, sw)
+        dpn, one_node = cluster.devices_per_node, cluster.num_nodes == 1
+
+        def tier(ok: bool) -> str:
+            return "intra" if (ok or one_node) else "inter"
+
+        rows, mem, d = [], [], []
+        for dp, tp, pp in self.layouts:
+            tiers = (tier(tp <= dpn), tier(tp * pp <= dpn), tier(dp * tp * pp <= dpn))
+            rows.append(stage_work(sw, dp, tp, pp, tiers, cluster, dtype))
+            mem.append(stage_memory(sw, dp, tp, pp, dtype))
+            d.append(dp * tp * pp)
+        self.W = np.array(rows)
+        self.mem = np.array(mem, dtype=np.int64)
+        self.d = np.array(d, dtype=np.int64)
+        self.sync = {}
+        if sw.stage == "rollout" and actor is not None:
+            for t in ("intra", "inter"):
+                self.sync[t] = np.array(
+                    [sync_work(actor, tp, pp, t, cluster, dtype) for _, tp, pp in self.layouts]
+                )
+
+
+class Planner:
+    """Exact planner with caches that survive across calls (see the module docstring).
+
+    Arguments:
+        cluster: the cluster (device ids ``0 .. num_devices-1``).
+        costmodel: prices plans; its ``version`` keys the time caches.
+    """
+
+    def __init__(self, cluster: ClusterSpec, costmodel: CostModel) -> None:
+        self.cluster = cluster
+        self.costmodel = costmodel
+        self._tables: dict = {}
+        self._times: dict = {}
+        self._pareto: dict = {}
+        self._groups: dict = {}
+
+    def _table(self, sw: StageWork, actor, dtype: str) -> _StageTable:
+        key = (sw, actor, dtype)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = _StageTable(
+                sw, actor, self.cluster, self.cluster.num_devices, dtype
+            )
+        return t
+
+    def _pareto_lists(self, key, table: _StageTable, variant: str | None, cap: int):
+        """{n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n."""
+        ver = self.costmodel.version
+        pk = (key, variant, ver, cap)
+        got = self._pareto.get(pk)
+        if got is not None:
+            return got
+        x = self.costmodel._x
+        tk = (key, variant, ver)
+        times = self._times.get(tk)
+        if times is None:
+            W = table.W if variant is None else table.W + table.sync[variant]
+            times = self._times[tk] = W @ x
+        ok = table.mem <= cap
+        out = {}
+        prev: list = []
+        n = 1
+        while n <= self.cluster.num_devices:
+            idx = np.nonzero(ok & (table.d == n))[0]
+            cand = prev + [(float(times[i]), int(table.mem[i]), int(i), n) for i in idx]
+            cand.sort()
+            front, best_mem = [], None
+            for c in cand:
+                if best_mem is None or c[1] < best_mem:
+                    front.append(c)
+                    best_mem = c[1]
+            out[n] = front
+            prev = front
+            n *= 2
+        self._pareto[pk] = out
+        return out
+
+    def _group_vecs(self, gkey, stage_lists, phases, n: int, thr: int, cap: int):
+        """Pareto phase vectors of one group at size n: [(vec, choices)], or []."""
+        k = (gkey, n, thr, cap, self.costmodel.version)
+        got = self._groups.get(k)
+        if got is not None:
+            return got
+        lists = [sl[n] for sl in stage_lists]
+        if any(not lst for lst in lists):
+            self._groups[k] = []
+            return []
+        # Fast path: every stage's fastest layout fits together.
+        fast = [lst[0] for lst in lists]
+        if sum(c[1] for c in fast) <= cap and (thr == 0 or any(c[3] > thr for c in fast)):
+            vec = [0.0, 0.0, 0.0]
+            for c, p in zip(fast, phases):
+                vec[p] += c[0]
+            res = [(tuple(vec), tuple(c[2] for c in fast))]
+            self._groups[k] = res
+            return res
+        # Within a phase the times add: combine that phase's stages as 2-D (time, memory)
+        # Pareto lists, keeping a second list of choices that satisfy the width flag.
+        per_phase: dict[int, tuple[list, list]] = {}
+        for pos, (lst, p) in enumerate(zip(lists, phases)):
+            cur = per_phase.get(p, ([(0.0, 0, thr == 0, ())], []))
+            cur_all = cur[0] if thr == 0 else cur[0] + [c for c in cur[1] if c not in cur[0]]
+            cands = [
+                (a[0] + t, a[1] + m, a[2] or d > thr, (*a[3], (pos, li)))
+                for a in cur_all
+                for t, m, li, d in lst
+                if a[1] + m <= cap
+            ]
+            per_phase[p] = _pareto2(cands)
+        empty = ([(0.0, 0, False, ())], [])
+        P = [per_phase.get(p, empty) for p in range(3)]
+        if thr == 0:
+            combos = _combine3(P[0][0], P[1][0], P[2][0], cap)
+        else:
+            combos = []
+            for star in per_phase:
+                L = [P[p][1] if p == star else P[p][0] for p in range(3)]
+                combos += _combine3(L[0], L[1], L[2], cap)
+        final = _prune3(combos)
+        res = sorted(
+            ((v, tuple(li for _, li in sorted(ch))) for v, ch in final), key=lambda r: sum(r[0])
+        )
+        self._groups[k] = res
+        return res
+
+    def plan(
+        self, workload: Workload, *, devices: Iterable[int] | None = None, k: int = 1
+    ) -> PlanResult:
+        """The best plan for ``workload`` on ``devices`` (see module docstring).
+
+        Arguments:
+            workload: the step to plan.
+            devices: available device ids (default: all of the cluster's).
+            k: how many of the best plans to return in ``k_best``.
+
+        Returns:
+            PlanResult.
+
+        Raises:
+            PlanInfeasibleError: no plan fits memory; says the bytes needed per device.
+            ValueError: k < 1, no devices, or a device id outside the cluster.
+        """
+        t0 = time.perf_counter()
+        if k < 1:
+            raise ValueError(f"k={k} must be >= 1")
+        devs = sorted(set(range(self.cluster.num_devices) if devices is None else devices))
+        if not devs:
+            raise ValueError("no devices available to plan on; pass at least one device id")
+        if devs[0] < 0 or devs[-1] >= self.cluster.num_devices:
+            raise ValueError(
+                f"device ids must be in 0..{self.cluster.num_devices - 1} for {self.cluster.name}"
+            )
+        N = len(devs)
+        cap = self.costmodel.capacity_bytes
+        stages = list(workload.planned_stages)
+        S = len(stages)
+        actor = workload.stage("actor_train").model_spec
+        names = [s.stage for s in stages]
+        phases = [s.phase for s in stages]
+        r_i = names.index("rollout") if "rollout" in names else -1
+        a_i = names.index("actor_train") if "actor_train" in names else -1
+        tables = [
+            self._table(s, actor if s.stage == "rollout" else None, workload.dtype) for s in stages
+        ]
+        plain = [
+            self._pareto_lists((s, workload.dtype), t, None, cap) if i != r_i else None
+            for i, (s, t) in enumerate(zip(stages, tables))
+        ]
+        rvar = {}
+        if r_i >= 0:
+            for v in ("intra", "inter"):
+                rvar[v] = self._pareto_lists((stages[r_i], workload.dtype), tables[r_i], v, cap)
+        t_tables = time.perf_counter()
+
+        dpn = self.cluster.devices_per_node
+        one_node = self.cluster.num_nodes == 1
+
+        ginfo: dict = {}
+
+        def gi(g: tuple[int, ...], n: int):
+            """(Pareto vectors, per-phase lower bound or None) of group g at size n."""
+            got = ginfo.get((g, n))
+            if got is not None:
+                return got
+            both = r_i in g and a_i in g
+            intra = both and (one_node or n <= dpn)
+            thr = dpn if (both and not intra) else 0
+            sl = [(rvar["intra" if intra else "inter"] if i == r_i else plain[i]) for i in g]
+            vecs = self._group_vecs(
+                (tuple(stages[i] for i in g), workload.dtype),
+                sl,
+                [phases[i] for i in g],
+                n,
+                thr,
+                cap,
+            )
+            lb = tuple(min(v[0][p] for v in vecs) for p in range(3)) if vecs else None
+            ginfo[(g, n)] = got = (vecs, lb)
+            return got
+
+        parts = []
+        for part in set_partitions(list(range(S))):
+            if len(part) > N:
+                continue
+            nmax = _pow2floor(N - len(part) + 1)
+            lb = [0.0, 0.0, 0.0]
+            ok = True
+            for g in part:
+                glb = gi(g, nmax)[1]
+                if glb is None:
+                    ok = False
+                    break
+                lb = [max(a, b) for a, b in zip(lb, glb)]
+            if ok:
+                # Big groups first: the size loop prunes best when the heavy choices come early.
+                part = sorted(part, key=lambda g: -sum(gi(g, nmax)[1]))
+                parts.append((sum(lb), part))
+        parts.sort(key=lambda x: x[0])
+        if not parts:
+            raise self._infeasible(stages, tables, N, cap, workload.dtype)
+
+        best: list = []  # max-heap of (-obj, counter, picks) with k entries
+        seen: set = set()
+        counter = [0, 0]
+
+        def thr_now() -> float:
+            return -best[0][0] if len(best) >= k else _INF
+
+        def rec(part, i, rem, M, picks):
+            counter[0] += 1
+            ng = len(part)
+            if i == ng:
+                obj = M[0] + M[1] + M[2]
+                key = tuple(sorted((part[j], picks[j][1]) for j in range(ng)))
+                if key in seen or obj >= thr_now():
+                    return
+                seen.add(key)
+                heapq.heappush(best, (-obj, counter[1], list(zip(part, picks))))
+                counter[1] += 1
+                if len(best) > k:
+                    heapq.heappop(best)
+                return
+            g = part[i]
+            left = ng - i - 1
+            nmax = _pow2floor(rem - left)
+            n = nmax
+            while n >= 1:
+                vecs, _ = gi(g, n)
+                if not vecs:
+                    break
+                rem2 = rem - n
+                rest = [0.0, 0.0, 0.0]
+                feasible = True
+                if left:
+                    n2 = _pow2floor(rem2 - left + 1)
+                    for g2 in part[i + 1 :]:
+                        lb2 = gi(g2, n2)[1] if n2 >= 1 else None
+                        if lb2 is None:
+                            feasible = False
+                            break
+                        rest = [max(a, b) for a, b in zip(rest, lb2)]
+                if feasible:
+                    for vec, ch in vecs:
+                        M2 = (max(M[0], vec[0]), max(M[1], vec[1]), max(M[2], vec[2]))
+                        lb = max(M2[0], rest[0]) + max(M2[1], rest[1]) + max(M2[2], rest[2])
+                        if lb >= thr_now():
+                            continue
+                        rec(part, i + 1, rem2, M2, [*picks, (n, ch)])
+                n //= 2
+
+        nparts = 0
+        for lb, part in parts:
+            if lb >= thr_now():
+                break
+            nparts += 1
+            rec(part, 0, N, (0.0, 0.0, 0.0), [])
+        if not best:
+            raise self._infeasible(stages, tables, N, cap, workload.dtype)
+        t_search = time.perf_counter()
+        ranked = sorted(best, key=lambda e: -e[0])
+        plans = [(-e[0], self._build(workload, stages, tables, e[2], devs)) for e in ranked]
+        est = self.costmodel.step_latency(plans[0][1], workload)
+        t_end = time.perf_counter()
+        timings = {
+            "tables_ms": (t_tables - t0) * 1e3,
+            "search_ms": (t_search - t_tables) * 1e3,
+            "total_ms": (t_end - t0) * 1e3,
+            "nodes": counter[0],
+            "partitions": nparts,
+        }
+        return PlanResult(plans[0][1], plans[0][0], est, tuple(plans), timings)
+
+    def _build(self, workload, stages, tables, picks, devs) -> GlobalPlan:
+        groups = []
+        for g, (_, ch) in picks:
+            lay = {i: tables[i].layouts[li] for i, li in zip(g, ch)}
+            size = max(dp * tp * pp for dp, tp, pp in lay.values())
+            groups.append((size, min(g), lay))
+        groups.sort(key=lambda x: (-x[0], x[1]))
+        out: dict[int, StagePlan] = {}
+        off = 0
+        for size, _, lay in groups:
+            for i, (dp, tp, pp) in lay.items():
+                sw = stages[i]
+                w = tp * pp
+                units = tuple(tuple(devs[off + u * w : off + (u + 1) * w]) for u in range(dp))
+                out[i] = StagePlan(sw.stage, sw.model, sw.trains, dp, tp, pp, units)
+            off += size
+        return GlobalPlan(tuple(out[i] for i in range(len(stages))))
+
+    def _infeasible(self, stages, tables, N, cap, dtype) -> PlanInfeasibleError:
+        need = {}
+        lines = []
+        for sw, t in zip(stages, tables):
+            ok = t.d <= N
+            i = int(np.argmin(np.where(ok, t.mem, np.iinfo(np.int64).max)))
+            need[sw.stage] = int(t.mem[i])
+            dp, tp, pp = t.layouts[i]
+            lines.append(
+                f"{sw.stage}: {t.mem[i] / 2**30:.2f} GiB/device at best (dp{dp} tp{tp} pp{pp})"
+            )
+        msg = (
+            f"no plan fits memory on {N} devices of {cap / 2**30:.2f} GiB usable each; "
+            "least memory needed per device by stage: " + "; ".join(lines) + ". "
+            "Add devices, use devices with more memory, or shrink batch/sequence length."
+        )
+        return PlanInfeasibleError(msg, need, cap, N)
+
+
+def _pareto2(cands: list) -> tuple[list, list]:
+    """(time, memory) Pareto lists of ``cands``: all of them, and those with the flag set."""
+    cands.sort(key=lambda c: (c[0], c[1]))
+    out_all, out_flag = [], []
+    best_all = best_flag = math.inf
+    for c in cands:
+        if c[1] < best_all:
+            out_all.append(c)
+            best_all = c[1]
+        if c[2] and c[1] < best_flag:
+            out_flag.append(c)
+            best_flag = c[1]
+    return out_all, out_flag
+
+
+def _combine3(L0: list, L1: list, L2: list, cap: int) -> list:
+    """Phase vectors from one choice per phase list whose memory sum fits ``cap``.
+
+    For each (phase-0, phase-1) pair only the fastest phase-2 choice that fits is
+    kept: any other fitting one is slower there and equal elsewhere (dominated).
+    Each list is sorted by time with strictly falling memory.
+    """
+    neg = [-c[1] for c in L2]
+    out = []
+    for a in L0:
+        for b in L1:
+            budget = cap - a[1] - b[1]
+            if budget < 0:
+                continue
+            j = bisect.bisect_left(neg, -budget)
+            if j == len(L2):
+                continue
+            c = L2[j]
+            out.append(((a[0], b[0], c[0]), a[3] + b[3] + c[3]))
+    return out
+
+
+def _prune3(items: list) -> list:
+    """Drop (vector, choice) items whose vector is dominated in all three phases."""
+    items = sorted(items, key=lambda it: (sum(it[0]), it[0]))
+    kept: list = []
+    for it in items:
+        v = it[0]
+        if not any(o[0] <= v[0] and o[1] <= v[1] and o[2] <= v[2] for o, _ in kept):
+            kept.append(it)
+    return kept
+
+
+_PLANNERS: dict = {}
+
+
+def plan(
+    workload: Workload,
+    cluster: ClusterSpec,
+    costmodel: CostModel,
+    *,
+    devices: Iterable[int] | None = None,
+    k: int = 1,
+) -> PlanResult:
+    """The memory-feasible plan with the lowest predicted step latency (exact; see module).
+
+    Calls with the same cluster and cost model share one :class:`Planner` and its caches.
+
+    Arguments:
+        workload: the RL step to plan.
+        cluster: the cluster.
+        costmodel: the cost model (its cluster should be ``cluster``).
+        devices: available device ids (default: all).
+        k: number of best plans to return.
+
+    Returns:
+        PlanResult.
+
+    Raises:
+        PlanInfeasibleError: nothing fits memory (message gives bytes needed vs capacity).
+    """
+    key = (id(costmodel), cluster)
+    p = _PLANNERS.get(key)
+    if p is None or p.costmodel is not costmodel:
+        if len(_PLANNERS) > 16:
+            _PLANNERS.clear()
+        p = _PLANNERS[key] = Planner(cluster, costmodel)
+    return p.plan(workload, devices=devices, k=k)

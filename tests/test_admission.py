@@ -1,0 +1,77 @@
+"""Worked examples of the payback rule."""
+
+import pytest
+
+from nereus_rl.admission import Admission, AdmissionError
+from nereus_rl.controller import Forecast
+from nereus_rl.costmodel import CostModel
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.planner import plan
+from nereus_rl.spec import cluster_preset
+from nereus_rl.workload import make_workload
+
+
+def _sp(stage, model, trains, dp, tp, pp, start=0):
+    n = tp * pp
+    units = tuple(tuple(range(start + u * n, start + (u + 1) * n)) for u in range(dp))
+    return StagePlan(stage, model, trains, dp, tp, pp, units)
+
+
+@pytest.fixture
+def setup():
+    c = cluster_preset("h200x16")
+    cm = CostModel(c)
+    w = make_workload("grpo", batch=128, group_size=4, response_len=2048)
+    slow = GlobalPlan(tuple(_sp(s.stage, s.model, s.trains, 1, 8, 1) for s in w.planned_stages))
+    best = plan(w, c, cm).plan
+    return cm, w, slow, best
+
+
+def test_opportunistic_worked_example(setup):
+    cm, w, slow, best = setup
+    adm = Admission(cm)
+    t_slow = cm.step_latency(slow, w).total_s
+    t_best = cm.step_latency(best, w).total_s
+    saving = t_slow - t_best
+    assert saving > 0
+    cost = 10 * saving  # repaid after exactly 10 steps
+    d = adm.decide(slow, best, w, forecast_steps=9, transition_cost=cost, trigger="seq_len")
+    assert not d.taken and d.path == "opportunistic" and "<" in d.reason
+    assert d.payback_steps == pytest.approx(10)
+    d = adm.decide(
+        slow,
+        best,
+        w,
+        forecast_steps=Forecast("seq_len", 10, 0.0, None),
+        transition_cost=lambda cur, cand: cost,
+    )
+    assert d.taken and d.saving_per_step_s == pytest.approx(saving)
+    d = adm.decide(best, slow, w, forecast_steps=1e6, transition_cost=0.0)
+    assert not d.taken and "not faster" in d.reason
+    assert len(adm.history) == 3
+
+
+def test_urgent_ignores_payback(setup):
+    cm, w, slow, best = setup
+    adm = Admission(cm)
+    lost = set(range(16)) - {0}  # device 0 died; the slow plan uses it
+    cand = plan(w, cm.cluster, cm, devices=lost).plan
+    d = adm.decide(slow, cand, w, forecast_steps=0, transition_cost=1e9, available_devices=lost)
+    assert d.taken and d.path == "urgent" and "unavailable devices [0]" in d.reason
+    # Memory: the same plan under a much longer response no longer fits.
+    long = w.with_response_len(16384)
+    assert cm.memory_violations(best, long)
+    cand = plan(long, cm.cluster, cm).plan
+    d = adm.decide(best, cand, long, forecast_steps=0, transition_cost=1e9)
+    assert d.taken and d.path == "urgent" and "over memory" in d.reason
+    # An infeasible candidate is never taken, even urgently.
+    d = adm.decide(best, best, long, forecast_steps=5, transition_cost=0.0)
+    assert not d.taken and "candidate cannot run" in d.reason
+
+
+def test_bad_input(setup):
+    cm, w, slow, best = setup
+    with pytest.raises(AdmissionError, match="transition cost"):
+        Admission(cm).decide(slow, best, w, forecast_steps=3, transition_cost=-1)
+    with pytest.raises(AdmissionError, match="forecast_steps"):
+        Admission(cm).decide(slow, best, w, forecast_steps=-3, transition_cost=1)

@@ -1,0 +1,53 @@
+import pytest
+
+from nereus_rl.controller import Controller, LevelSignal, SignalError
+
+
+def test_seq_len_hysteresis_and_trigger():
+    c = Controller(buckets=(512, 1024, 2048), hysteresis=0.1)
+    assert c.update(0, seq_len=900) == [] and c.seq_len.bucket == 1024
+    # Hovering just above 1024 stays inside the band: no trigger.
+    assert c.update(1, seq_len=1100) == [] and c.update(2, seq_len=1000) == []
+    (t,) = c.update(3, seq_len=1200)
+    assert t.signal == "seq_len" and (t.old_level, t.new_level) == (1, 2)
+    assert c.seq_len.bucket == 2048
+    # Going down needs <= 1024 * 0.9.
+    assert c.update(4, seq_len=1000) == []
+    (t,) = c.update(5, seq_len=900)
+    assert t.new_level == 1 and c.seq_len.bucket == 1024
+
+
+def test_forecast_from_trend():
+    s = LevelSignal("x", (1000.0,), hysteresis=0.1, window=5)
+    for i in range(5):
+        s.update(i, 800 + 10 * i)  # 800..840, +10/step
+    f = s.forecast()
+    assert f.slope_per_step == pytest.approx(10)
+    assert f.threshold == pytest.approx(1100)
+    assert f.steps == pytest.approx((1100 - 840) / 10)
+    flat = LevelSignal("y", (10.0,), horizon=123)
+    for i in range(4):
+        flat.update(i, 5)
+    assert flat.forecast().steps == 123
+
+
+def test_devices_memory_efficiency():
+    c = Controller()
+    assert c.update(0, available_devices=range(8), in_use=range(8)) == []
+    (t,) = c.update(1, available_devices=range(7), in_use=range(8))
+    assert t.urgent and "lost 1 device" in t.reason
+    (t,) = c.update(2, available_devices=range(8), in_use=range(7))
+    assert not t.urgent and "gained" in t.reason
+    assert c.forecast("devices").steps == pytest.approx(1.5)
+    c.update(3, peak_memory_fraction=0.7)
+    (t,) = c.update(4, peak_memory_fraction=1.05)
+    assert t.urgent
+    c.update(5, efficiency_ratio=1.0)
+    (t,) = c.update(6, efficiency_ratio=1.4)
+    assert t.signal == "efficiency"
+    with pytest.raises(SignalError, match="unknown signal"):
+        c.forecast("temperature")
+    with pytest.raises(SignalError, match="increasing"):
+        LevelSignal("z", (3, 2))
+    with pytest.raises(SignalError, match=">= 0"):
+        c.update(7, seq_len=-5)

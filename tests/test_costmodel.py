@@ -1,0 +1,169 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from nereus_rl.costmodel import DEFAULT_EFFICIENCY, CostModel, CostModelError, UnitLayout
+from nereus_rl.costmodel_work import CLASS_INDEX, NUM_CLASSES
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.spec import cluster_preset
+from nereus_rl.workload import make_workload
+
+GIB = 2**30
+
+
+def _sp(stage, model, trains, dp, tp, pp, start=0):
+    n = tp * pp
+    units = tuple(tuple(range(start + u * n, start + (u + 1) * n)) for u in range(dp))
+    return StagePlan(stage, model, trains, dp, tp, pp, units)
+
+
+@pytest.fixture
+def cm():
+    return CostModel(cluster_preset("h200x32"))
+
+
+def test_memory_llama8b_hand_computed(cm):
+    # Llama-3.1-8B: layer = 2*4096^2 + 2*4096*1024 + 3*4096*14336 + 2*4096 = 218,112,000;
+    # one vocab matrix = 128256*4096 = 525,336,576.
+    w = make_workload("ppo", batch=256, prompt_len=1024, response_len=1024, micro_batch=1)
+    train = w.stage("actor_train")
+    # tp1 pp1: 16 B/param x (32 layers + 2 vocab matrices) + 32 layers x s*h*34 + 8 B logits.
+    full = 16 * (32 * 218_112_000 + 2 * 525_336_576)
+    act = 32 * 2048 * 4096 * (10 + 24)
+    logits = 8 * 2048 * 128256
+    assert cm.stage_memory(train, 1, 1, 1, "bf16") == full + act + logits
+    # tp8 pp4: 8 layers + one vocab matrix per device /8; 4 micro-batches in flight.
+    params_dev = (8 * 218_112_000 + 525_336_576) // 8
+    act = 8 * 4 * 2048 * 4096 * (10 + 3)
+    logits = 8 * 2048 * 128256 // 8
+    assert cm.stage_memory(train, 8, 8, 4, "bf16") == 16 * params_dev + act + logits
+    # Rollout tp4: bf16 weights + KV cache of 64 sequences x 2048 tokens (2 kv heads/device).
+    roll = w.stage("rollout")
+    weights = 2 * (32 * 218_112_000 + 2 * 525_336_576) // 4
+    kv = 64 * 2048 * 2 * 32 * 256 * 2
+    logits = 4 * 64 * 128256 // 4
+    assert cm.stage_memory(roll, 4, 4, 1, "bf16") == weights + kv + logits
+    assert kv == 4 * GIB
+
+
+def test_colocated_memory_sums(cm):
+    w = make_workload("grpo", batch=64, group_size=4)
+    plan = GlobalPlan(
+        (
+            _sp("rollout", "actor", False, 2, 4, 1),
+            _sp("reference", "reference", False, 8, 1, 1),
+            _sp("actor_train", "actor", True, 1, 4, 2),
+        )
+    )
+    peak = cm.peak_memory(plan, w)
+    m = {
+        s.stage: cm.stage_memory(s, sp.dp, sp.tp, sp.pp, "bf16")
+        for s, sp in zip(w.planned_stages, plan.stages)
+    }
+    assert peak[0] == m["rollout"] + m["reference"] + m["actor_train"]
+    assert set(peak) == set(range(8))
+
+
+def test_monotonic(cm):
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=256)
+    times = []
+    for dp in (1, 2, 4, 8, 16, 32):
+        plan = GlobalPlan((_sp("reference", "reference", False, dp, 1, 1),))
+        times.append(cm._stage_works(plan, _only(w, "reference"))["reference"] @ cm._x)
+    assert all(b <= a for a, b in itertools.pairwise(times)) and times[-1] < times[0] / 20
+    plan = GlobalPlan(tuple(_sp(s.stage, s.model, s.trains, 4, 2, 1) for s in w.planned_stages))
+    prev = None
+    for r in (256, 512, 1024, 2048, 4096):
+        est = cm.step_latency(plan, w.with_response_len(r))
+        if prev is not None:
+            for name, st in est.stages.items():
+                assert st.seconds >= prev.stages[name].seconds
+        prev = est
+
+
+def _only(w, name):
+    from dataclasses import replace
+
+    return replace(w, stages=(w.stage(name),))
+
+
+def test_refinement_converges_and_unseen_stays_conservative(cm):
+    true = {"gemm": 0.62, "attention": 0.41, "launch": 0.9, "allreduce:intra": 0.7}
+    rng = np.random.default_rng(0)
+    assert cm.efficiency("gemm") == DEFAULT_EFFICIENCY["gemm"] <= 0.3
+    for _ in range(60):
+        work = {c: float(rng.uniform(0.1, 2.0)) for c in true}
+        measured = sum(v / true[c] for c, v in work.items())
+        cm.observe_work(work, measured)
+    for c, e in true.items():
+        assert cm.efficiency(c) == pytest.approx(e, rel=0.02)
+    assert cm.efficiency("p2p:inter") == DEFAULT_EFFICIENCY["p2p:inter"]
+    assert cm.seen("p2p:inter") == 0 and cm.seen("gemm") == 60
+    with pytest.raises(CostModelError, match="> 0"):
+        cm.observe_work({"gemm": 1.0}, 0.0)
+
+
+def test_observe_from_plan_moves_prediction_to_measurement(cm):
+    w = make_workload("grpo", batch=64, group_size=4)
+    plan = GlobalPlan(tuple(_sp(s.stage, s.model, s.trains, 4, 2, 1) for s in w.planned_stages))
+    before = cm.step_latency(plan, w).stages["actor_train"].seconds
+    for _ in range(30):
+        cm.observe(plan, w, {"actor_train": before * 0.5})
+    after = cm.step_latency(plan, w).stages["actor_train"].seconds
+    assert after == pytest.approx(before * 0.5, rel=0.02)
+
+
+def test_sync_tier(cm):
+    w = make_workload("grpo", batch=64, group_size=4)
+    colo = GlobalPlan(tuple(_sp(s.stage, s.model, s.trains, 2, 4, 1) for s in w.planned_stages))
+    apart = GlobalPlan(
+        (
+            _sp("rollout", "actor", False, 2, 4, 1, 0),
+            _sp("reference", "reference", False, 2, 4, 1, 0),
+            _sp("actor_train", "actor", True, 2, 4, 1, 8),
+        )
+    )
+    a, b = cm.step_latency(colo, w), cm.step_latency(apart, w)
+    assert a.sync_s < b.sync_s / 5  # NVLink vs InfiniBand
+    x = np.zeros(NUM_CLASSES)
+    x[CLASS_INDEX["gemm"]] = 1
+    assert a.total_s == pytest.approx(sum(a.phase_s))
+
+
+def test_primitive_costs(cm):
+    m = make_workload("ppo").stage("actor_train").model_spec
+    state = 14 * m.num_params  # master weights + Adam moments, bf16 weights
+    ext = cm.primitive_cost(
+        "extend",
+        m,
+        trains=True,
+        src=(UnitLayout(2, 1, (0, 1)),),
+        dst=(UnitLayout(4, 1, (2, 3, 4, 5)),),
+    )
+    assert ext.bytes_moved == pytest.approx(state, rel=1e-3) and ext.tier == "intra"
+    far = cm.primitive_cost(
+        "extend", m, trains=True, src=(UnitLayout(2, 1, (0, 1)),), dst=(UnitLayout(2, 1, (8, 9)),)
+    )
+    assert far.tier == "inter" and far.seconds > ext.seconds
+    merge = cm.primitive_cost(
+        "merge",
+        m,
+        trains=False,
+        src=(UnitLayout(1, 1, (0,)), UnitLayout(1, 1, (1,))),
+        dst=(UnitLayout(2, 1, (0, 1)),),
+    )
+    assert merge.bytes_moved == 0
+    split = cm.primitive_cost(
+        "split",
+        m,
+        trains=False,
+        src=(UnitLayout(2, 1, (0, 1)),),
+        dst=(UnitLayout(1, 1, (0,)), UnitLayout(1, 1, (1,))),
+    )
+    assert split.bytes_moved == pytest.approx(2 * m.num_params, rel=1e-3)  # each gets half
+    assert (
+        cm.primitive_cost("destroy", m, trains=True, src=(UnitLayout(1, 1, (0,)),)).bytes_moved == 0
+    )
+    with pytest.raises(CostModelError, match="takes 2 source"):
+        cm.primitive_cost("merge", m, trains=False, src=(UnitLayout(1, 1, (0,)),), dst=())

@@ -1,0 +1,145 @@
+"""The planner against brute force over its whole plan space, and against SCIP."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from nereus_rl.costmodel import CostModel
+from nereus_rl.planner import PlanInfeasibleError, Planner, plan, set_partitions
+from nereus_rl.spec import cluster_preset
+from nereus_rl.workload import make_workload
+
+
+def brute_force(workload, cluster, cm, *, prune_dominated=False):
+    """Minimum objective over every (partition, layout per stage) with sum of widths <= N.
+
+    Evaluates the objective formula directly; with ``prune_dominated`` a layout that is
+    no faster, no smaller and no narrower than another of its stage is skipped (replacing
+    it cannot make a plan worse: used only to keep the 5-stage case small).
+    """
+    N = cluster.num_devices
+    cap = cm.capacity_bytes
+    pl = Planner(cluster, cm)
+    stages = list(workload.planned_stages)
+    actor = workload.stage("actor_train").model_spec
+    x = cm.inverse_efficiencies
+    names = [s.stage for s in stages]
+    r, a = names.index("rollout"), names.index("actor_train")
+    cands = []
+    for s in stages:
+        t = pl._table(s, actor if s.stage == "rollout" else None, workload.dtype)
+        rows = []
+        for i, (_dp, _tp, _pp) in enumerate(t.layouts):
+            if t.d[i] > N or t.mem[i] > cap:
+                continue
+            if s.stage == "rollout":
+                ts = {v: float((t.W[i] + t.sync[v][i]) @ x) for v in ("intra", "inter")}
+            else:
+                ts = {v: float(t.W[i] @ x) for v in ("intra", "inter")}
+            rows.append((int(t.d[i]), int(t.mem[i]), ts))
+        if prune_dominated:
+            rows = [
+                row
+                for row in rows
+                if not any(
+                    o is not row
+                    and o[0] <= row[0]
+                    and o[1] <= row[1]
+                    and o[2]["inter"] <= row[2]["inter"]
+                    and o[2]["intra"] <= row[2]["intra"]
+                    and (o[0], o[1], o[2]["inter"]) != (row[0], row[1], row[2]["inter"])
+                    for o in rows
+                )
+            ]
+        cands.append(rows)
+    best = np.inf
+    dpn, one = cluster.devices_per_node, cluster.num_nodes == 1
+    for part in set_partitions(list(range(len(stages)))):
+        for choice in itertools.product(*cands):
+            widths = [max(choice[i][0] for i in g) for g in part]
+            if sum(widths) > N:
+                continue
+            if any(sum(choice[i][1] for i in g) > cap for g in part):
+                continue
+            M = [0.0, 0.0, 0.0]
+            for g, wdt in zip(part, widths):
+                intra = one or (r in g and a in g and wdt <= dpn)
+                T = [0.0, 0.0, 0.0]
+                for i in g:
+                    T[stages[i].phase] += choice[i][2]["intra" if intra else "inter"]
+                M = [max(p, q) for p, q in zip(M, T)]
+            best = min(best, sum(M))
+    return best
+
+
+@pytest.mark.parametrize(
+    "cluster,kw",
+    [
+        ("h200x8", dict(algo="grpo", batch=64, group_size=4, response_len=2048)),
+        ("h100x16", dict(algo="remax", batch=128, response_len=4096)),
+        ("a100x32", dict(algo="grpo", batch=256, group_size=4, response_len=1024)),
+        # memory-bound: 8B on 8 A100s must spread and cannot colocate everything
+        ("a100x8", dict(algo="grpo", batch=64, group_size=4, response_len=4096)),
+    ],
+)
+def test_equals_brute_force(cluster, kw):
+    c = cluster_preset(cluster)
+    cm = CostModel(c)
+    w = make_workload(kw.pop("algo"), **kw)
+    res = plan(w, c, cm)
+    assert res.latency_s == pytest.approx(brute_force(w, c, cm), rel=1e-9)
+    assert res.estimate.total_s == pytest.approx(res.latency_s, rel=1e-9)
+    assert not cm.memory_violations(res.plan, w)
+    assert all(s.is_pow2() for s in res.plan.stages)
+
+
+def test_equals_brute_force_ppo_five_stages():
+    c = cluster_preset("h100x4")
+    cm = CostModel(c, efficiencies={"gemm": 0.5, "allreduce:intra": 0.8})
+    w = make_workload("ppo", actor="medium", batch=64, prompt_len=256, response_len=512)
+    res = plan(w, c, cm)
+    assert res.latency_s == pytest.approx(brute_force(w, c, cm, prune_dominated=True), rel=1e-9)
+
+
+def test_k_best_and_devices_subset():
+    c = cluster_preset("h200x32")
+    cm = CostModel(c)
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=256)
+    res = plan(w, c, cm, k=4)
+    lats = [lat for lat, _ in res.k_best]
+    assert len(lats) == 4 and lats == sorted(lats) and lats[0] == res.latency_s
+    assert len({p for _, p in res.k_best}) == 4
+    for lat, p in res.k_best:
+        assert cm.step_latency(p, w).total_s == pytest.approx(lat, rel=1e-9)
+    sub = plan(w, c, cm, devices=range(16))
+    assert sub.plan.devices <= set(range(16)) and sub.latency_s >= res.latency_s
+
+
+def test_infeasible_says_memory_needed():
+    c = cluster_preset("h100x1")
+    w = make_workload("grpo", actor="llama-3.1-70b", batch=8)
+    with pytest.raises(PlanInfeasibleError, match=r"rollout: [0-9.]+ GiB/device at best") as e:
+        plan(w, c, CostModel(c))
+    assert e.value.needed_bytes["actor_train"] > e.value.capacity_bytes
+    with pytest.raises(ValueError, match="device ids"):
+        plan(w, cluster_preset("h100x8"), CostModel(cluster_preset("h100x8")), devices=[9])
+
+
+def test_matches_scip_on_random_instances():
+    pytest.importorskip("ortools")
+    from nereus_rl.planner_milp import solve_scip
+
+    rng = np.random.default_rng(7)
+    for cluster, algo in (("h200x8", "grpo"), ("h100x16", "remax"), ("h100x8", "ppo")):
+        c = cluster_preset(cluster)
+        eff = {k: float(rng.uniform(0.2, 0.9)) for k in ("gemm", "attention", "mem")}
+        cm = CostModel(c, efficiencies=eff)
+        kw = dict(batch=int(rng.choice([32, 64, 128])), response_len=int(rng.choice([512, 2048])))
+        if algo == "grpo":
+            kw["group_size"] = 4
+        w = make_workload(algo, **kw)
+        res = plan(w, c, cm)
+        milp = solve_scip(w, c, cm, time_limit_s=60)
+        assert milp.proven, milp
+        assert res.latency_s == pytest.approx(milp.objective_s, rel=1e-6)
