@@ -1,0 +1,177 @@
+"""Transition-DAG planning time and completion time against an OR-Tools CP-SAT schedule.
+
+Table 1 (scale): the scaled rebalance of ``nereus_rl.transition_scenarios.scaled_scenario``
+at 32, 128, 512, 1,024 and 4,096 devices: the actor side takes an eighth of the
+devices from the critic side and rollout re-lays-out from tp2 to tp1 (in-place
+splits, extends onto the new devices, destroys that must come first). Columns:
+
+  plan_ms       compile_transition() end to end (diff + DAG + funding), wall clock,
+                minimum of the repeats
+  plan_cpu_ms   the same in this thread's CPU time (the dev box is shared: CPU time is
+                what one uncontended core would take)
+  cpsat_*       the CP-SAT interval/reservoir model (nereus_rl.transition_milp) of the same
+                primitives and data edges, minimizing completion time: build and solve
+                seconds, status (OPTIMAL = proven; FEASIBLE = stopped at the time limit
+                without proof), makespan and proven bound
+  dag_makespan_s  the DAG's completion time (critical path) with the same durations
+  gap_pct       (dag_makespan_s - cpsat_makespan_s) / cpsat_makespan_s
+  speedup_x     (cpsat build + solve) / plan time
+
+Table 2 (random): the gap on the small random transitions of the trials benchmark
+(12 devices, six stages, dense: current plans fill at least half of the memory), per
+transition type, over the instances CP-SAT proves optimal.
+
+Durations are the default primitive cost table (``default_primitive_cost``), in 10 ms
+units. CP-SAT runs with one worker (the dev box has two shared cores) and starts from
+the DAG's own schedule as a hint.
+
+Usage: python benchmarks/bench_transition_plan.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+
+from nereus_rl.transition import InfeasibleTargetError, compile_transition
+from nereus_rl.transition_milp import schedule_cpsat
+from nereus_rl.transition_scenarios import (
+    SCALED_CAPACITY,
+    SCENARIO_CAPACITY,
+    TRANSITION_TYPES,
+    random_scenario,
+    scaled_scenario,
+    scenario_unit_memory,
+)
+
+SCALES = (32, 128, 512, 1024, 4096)
+GOAL_MS_AT_1024 = 1.22
+
+
+def _plan_times(sc, repeats: int):
+    best_wall, best_cpu, dag = math.inf, math.inf, None
+    for _ in range(repeats):
+        t, c = time.perf_counter(), time.thread_time()
+        dag = compile_transition(
+            sc.current,
+            sc.target,
+            devices=sc.devices,
+            lost_devices=sc.lost,
+            unit_memory=scenario_unit_memory,
+            capacity=SCALED_CAPACITY,
+        )
+        best_cpu = min(best_cpu, time.thread_time() - c)
+        best_wall = min(best_wall, time.perf_counter() - t)
+    return best_wall, best_cpu, dag
+
+
+def scale_rows(quick: bool) -> list[dict]:
+    rows = []
+    for n in SCALES:
+        sc = scaled_scenario(n)
+        repeats = 3 if (quick and n >= 1024) else 7
+        wall, cpu, dag = _plan_times(sc, repeats)
+        limit = (5.0 if n <= 512 else 20.0) if quick else (20.0 if n <= 512 else 60.0)
+        res = schedule_cpsat(dag, time_limit_s=limit)
+        plan_s = wall
+        row = {
+            "devices": n,
+            "primitives": len(dag.primitives),
+            "resource_edges": dag.num_resource_edges,
+            "plan_ms": wall * 1e3,
+            "plan_cpu_ms": cpu * 1e3,
+            "cpsat_build_s": res.build_s,
+            "cpsat_solve_s": res.solve_s,
+            "cpsat_time_limit_s": limit,
+            "cpsat_status": res.status,
+            "cpsat_makespan_s": res.makespan_s,
+            "cpsat_bound_s": res.bound_s,
+            "dag_makespan_s": res.dag_makespan_s,
+            "gap_pct": res.gap_pct,
+            "speedup_x": (res.build_s + res.solve_s) / plan_s,
+        }
+        rows.append(row)
+        print(
+            f"{n:>5} dev {row['primitives']:>5} prims {row['resource_edges']:>5} redges | "
+            f"plan {row['plan_ms']:8.2f} ms (cpu {row['plan_cpu_ms']:8.2f}) | "
+            f"cpsat {res.status:>8} build {res.build_s:6.2f} s solve {res.solve_s:7.2f} s "
+            f"makespan {res.makespan_s:6.2f} s bound {res.bound_s:6.2f} | "
+            f"dag {res.dag_makespan_s:6.2f} s gap {res.gap_pct:6.2f}% | "
+            f"speedup {row['speedup_x']:9.1f}x",
+            flush=True,
+        )
+    return rows
+
+
+def random_rows(quick: bool) -> list[dict]:
+    per_type = 10 if quick else 40
+    rng = random.Random(2024)
+    rows = []
+    for kind in TRANSITION_TYPES:
+        gaps, statuses, edges = [], [], []
+        while len(statuses) < per_type:
+            sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
+            try:
+                dag = compile_transition(
+                    sc.current,
+                    sc.target,
+                    devices=sc.devices,
+                    lost_devices=sc.lost,
+                    unit_memory=scenario_unit_memory,
+                    capacity=SCENARIO_CAPACITY,
+                )
+            except InfeasibleTargetError:
+                continue
+            res = schedule_cpsat(dag, time_limit_s=5.0)
+            statuses.append(res.status)
+            edges.append(dag.num_resource_edges)
+            if res.proven_optimal:
+                gaps.append(res.gap_pct)
+        row = {
+            "transition": kind,
+            "instances": per_type,
+            "proven_optimal": len(gaps),
+            "gap_pct_mean": statistics.fmean(gaps) if gaps else float("nan"),
+            "gap_pct_median": statistics.median(gaps) if gaps else float("nan"),
+            "gap_pct_max": max(gaps) if gaps else float("nan"),
+            "within_5pct": sum(g <= 5.0 for g in gaps),
+            "resource_edges_mean": statistics.fmean(edges),
+        }
+        rows.append(row)
+        print(
+            f"{kind:>13}: {row['proven_optimal']}/{per_type} proven optimal; gap mean "
+            f"{row['gap_pct_mean']:.2f}% median {row['gap_pct_median']:.2f}% max "
+            f"{row['gap_pct_max']:.2f}%; {row['within_5pct']} within 5%; "
+            f"resource edges {row['resource_edges_mean']:.1f}",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter solver limits, fewer repeats")
+    ap.add_argument("--json", type=str, default=None, help="write the rows here")
+    args = ap.parse_args()
+    print("Table 1: planning time and completion-time gap at scale")
+    scale = scale_rows(args.quick)
+    at1024 = next(r for r in scale if r["devices"] == 1024)
+    print(
+        f"at 1,024 devices: plan {at1024['plan_ms']:.2f} ms wall / {at1024['plan_cpu_ms']:.2f} ms "
+        f"CPU vs goal {GOAL_MS_AT_1024} ms: "
+        f"{'met' if at1024['plan_cpu_ms'] <= GOAL_MS_AT_1024 else 'NOT met'}"
+    )
+    print("Table 2: completion-time gap on random 12-device transitions")
+    rand = random_rows(args.quick)
+    rows = [{"table": "scale", **r} for r in scale] + [{"table": "random", **r} for r in rand]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "bench_transition_plan", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Plan diff: which current units stay, split, merge, re-lay-out, extend or go.
+
+The diff maps the current units onto the target plan, moving as little state as
+possible: a unit whose layout and devices already match stays; two units whose
+devices make up one target unit are merged in place; one unit whose devices make
+up two target units is split in place; a unit re-laid-out on the same devices is
+split into halves and merged back; every other target unit is an ``extend`` (a
+copy from a live unit of the same model) and every other current unit a
+``destroy``. It also refuses a change that would lose state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+from nereus_rl.transition import Placement, StateLossError, Unit
+
+
+@dataclass(frozen=True)
+class TransitionDiff:
+    """Which current units stay, split, merge, relayout, extend or go.
+
+    Attributes:
+        kept: current units that stay as they are (also target units).
+        splits: ``(unit, (half_a, half_b))``: one unit split in place into two target units.
+        merges: ``((unit_a, unit_b), unit)``: two units merged in place into one target unit.
+        relayouts: ``(unit, (half_a, half_b), target_unit)``: same devices, new layout,
+            through a split into halves and a merge.
+        extends: target units created by copying state from a live unit.
+        destroys: current units no target unit keeps.
+        lost: current units on lost devices (their state there is gone).
+        target: the target placement (kept units keep their uid).
+    """
+
+    kept: tuple[Unit, ...]
+    splits: tuple[tuple[Unit, tuple[Unit, Unit]], ...]
+    merges: tuple[tuple[tuple[Unit, Unit], Unit], ...]
+    relayouts: tuple[tuple[Unit, tuple[Unit, Unit], Unit], ...]
+    extends: tuple[Unit, ...]
+    destroys: tuple[Unit, ...]
+    lost: tuple[Unit, ...]
+    target: Placement
+
+    def __repr__(self) -> str:
+        return (
+            f"TransitionDiff(kept {len(self.kept)}, split {len(self.splits)}, "
+            f"merge {len(self.merges)}, relayout {len(self.relayouts)}, "
+            f"extend {len(self.extends)}, destroy {len(self.destroys)}, lost {len(self.lost)})"
+        )
+
+
+def _half_layout(u: Unit) -> tuple[int, int]:
+    return (u.tp // 2, u.pp) if u.tp % 2 == 0 else (u.tp, u.pp // 2)
+
+
+def diff_plans(
+    current: Placement | GlobalPlan, target: GlobalPlan, *, lost_devices: Collection[int] = ()
+) -> TransitionDiff:
+    """Map the current units onto ``target``, keeping every unit that already fits.
+
+    Arguments:
+        current: the live units (or the plan they were made from).
+        target: the plan to reach.
+        lost_devices: devices that died; units on them are lost.
+    Returns:
+        the diff.
+    Raises:
+        StateLossError: some state (a model's weights, a training stage's optimizer
+            state) would have no holder: the target plan drops it, or all its holders
+            are on lost devices.
+    """
+    cur = current if isinstance(current, Placement) else Placement.from_plan(current)
+    lost_set = frozenset(lost_devices)
+    lost = tuple(u for u in cur.units if lost_set.intersection(u.devices))
+    alive = [u for u in cur.units if not lost_set.intersection(u.devices)]
+
+    # Every state must survive: held by a live unit now, and by some target unit.
+    target_states = {
+        s for sp in target.stages for s in Unit("", sp.stage, sp.model, sp.trains, 1, 1, ()).states
+    }
+    alive_states = {s for u in alive for s in u.states}
+    for u in cur.units:
+        for s in u.states:
+            if s not in target_states:
+                holders = [v for v in cur.units if s in v.states]
+                raise StateLossError(
+                    f"target plan keeps no holder of {s[0]} of {s[1]!r}: destroying "
+                    f"{holders} would lose it; keep a stage with that state in the target plan"
+                )
+    for sp in target.stages:
+        for s in Unit("", sp.stage, sp.model, sp.trains, 1, 1, ()).states:
+            if s not in alive_states:
+                holders = [v for v in lost if s in v.states]
+                where = (
+                    f"was held only by {holders} on lost devices {_fmt_devices(sorted(lost_set))}"
+                    if holders
+                    else "is held by no current unit"
+                )
+                raise StateLossError(
+                    f"stage {sp.stage!r} needs {s[0]} of {s[1]!r}, which {where}; "
+                    "restore it from a checkpoint before this transition"
+                )
+
+    cur_uids = {u.uid for u in cur.units}
+    kept: list[Unit] = []
+    splits: list[tuple[Unit, tuple[Unit, Unit]]] = []
+    merges: list[tuple[tuple[Unit, Unit], Unit]] = []
+    relayouts: list[tuple[Unit, tuple[Unit, Unit], Unit]] = []
+    extends: list[Unit] = []
+    destroys: list[Unit] = []
+    final: list[Unit] = []
+    by_stage: dict[str, list[Unit]] = {}
+    for u in alive:
+        by_stage.setdefault(u.stage, []).append(u)
+
+    for sp in target.stages:
+        rem = by_stage.pop(sp.stage, [])
+        by_layout = {u.layout: u for u in rem}
+        todo: list[tuple[int, ...]] = []
+        for devs in sp.units:
+            u = by_layout.pop((sp.tp, sp.pp, devs), None)
+            if u is not None:
+                kept.append(u)
+                final.append(u)
+            else:
+                todo.append(devs)
+        rem = [u for u in rem if u.layout in by_layout]
+        used_idx = {int(u.uid.rsplit("#", 1)[1]) for u in rem + kept if "#" in u.uid}
+        nxt = max([*used_idx, -1]) + 1
+        new: list[Unit] = []
+        for devs in todo:
+            while f"{sp.stage}#{nxt}" in cur_uids:
+                nxt += 1
+            new.append(Unit(f"{sp.stage}#{nxt}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs))
+            nxt += 1
+        final.extend(new)
+
+        # Relayout in place: same device set, other layout.
+        by_set = {frozenset(u.devices): u for u in rem}
+        left: list[Unit] = []
+        for t in new:
+            u = by_set.get(frozenset(t.devices))
+            if u is not None and len(u.devices) % 2 == 0:
+                del by_set[frozenset(u.devices)]
+                tp, pp = _half_layout(u)
+                k = len(u.devices) // 2
+                ha = Unit(f"{u.uid}a", u.stage, u.model, u.trains, tp, pp, u.devices[:k])
+                hb = Unit(f"{u.uid}b", u.stage, u.model, u.trains, tp, pp, u.devices[k:])
+                relayouts.append((u, (ha, hb), t))
+            else:
+                left.append(t)
+        rem = list(by_set.values())
+        new = left
+
+        # Merge: two current units whose devices make up one target unit.
+        dev_u = {d: u for u in rem for d in u.devices}
+        left = []
+        for t in new:
+            tset = set(t.devices)
+            u1 = dev_u.get(t.devices[0])
+            if u1 is not None and 2 * len(u1.devices) == len(tset) and tset.issuperset(u1.devices):
+                rest = tset.difference(u1.devices)
+                u2 = dev_u.get(min(rest))
+                if u2 is not None and set(u2.devices) == rest:
+                    merges.append(((u1, u2), t))
+                    for d in tset:
+                        del dev_u[d]
+                    continue
+            left.append(t)
+        new = left
+        rem = [u for u in rem if u.devices[0] in dev_u]
+
+        # Split: one current unit whose devices make up two target units.
+        dev_t = {d: t for t in new for d in t.devices}
+        left_u = []
+        for u in rem:
+            uset = set(u.devices)
+            t1 = dev_t.get(u.devices[0])
+            if t1 is not None and 2 * len(t1.devices) == len(uset) and uset.issuperset(t1.devices):
+                rest = uset.difference(t1.devices)
+                t2 = dev_t.get(min(rest))
+                if t2 is not None and set(t2.devices) == rest:
+                    splits.append((u, (t1, t2)))
+                    for d in uset:
+                        del dev_t[d]
+                    continue
+            left_u.append(u)
+        extends.extend(t for t in new if t.devices[0] in dev_t)
+        destroys.extend(left_u)
+    for rest_units in by_stage.values():  # stages the target drops
+        destroys.extend(rest_units)
+
+    return TransitionDiff(
+        tuple(kept),
+        tuple(splits),
+        tuple(merges),
+        tuple(relayouts),
+        tuple(extends),
+        tuple(destroys),
+        lost,
+        Placement(tuple(final)),
+    )
