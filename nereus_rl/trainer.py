@@ -1,0 +1,590 @@
+"""The RL trainer: PPO, GRPO and ReMax on worker processes, adapting their layout as they run.
+
+``train(...)`` is the project's main job. A driver (this process) runs the RL
+loop's control; one worker process per device (``nereus_rl.runtime``) holds
+the shards of every model-stage placed on it (:mod:`nereus_rl.trainer_worker`)
+and runs that stage's work: rollout generation, reference / critic
+inference, training. Where each stage runs and how it is split (dp, tp, pp)
+is the current :class:`~nereus_rl.globalplan.GlobalPlan`.
+
+One RL step (synchronous mode):
+
+    weight sync   actor_train -> rollout layout, nereus_comm reshard (every step)
+    rollout       sample responses (+ behaviour log-probs; ReMax: greedy baseline)
+    reward        rule-based, on the driver
+    reference     reference log-probs (PPO: critic values too)
+    advantages    on the driver (GRPO group-normalised, PPO GAE, ReMax greedy baseline)
+    training      one optimizer step per training stage, batch split over its units
+    adapt         (safe boundary) controller -> planner -> admission -> transition
+
+Asynchronous mode generates the next step's responses while the current step
+trains (one step stale, the behaviour log-probs come from the rollout
+weights that sampled them); the weight sync is the safe boundary.
+
+The adaptation loop lives in :mod:`nereus_rl.trainer_adapt`; the run folder
+in :mod:`nereus_rl.report`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus_rl.algos.grpo import group_advantages
+from nereus_rl.algos.ppo import gae, kl_penalized_rewards
+from nereus_rl.algos.remax import remax_advantages
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.model import Decoder, ModelConfig, get_preset
+from nereus_rl.runtime import Driver
+from nereus_rl.tasks import (
+    TOKENIZER,
+    LengthCurriculum,
+    LengthTrace,
+    encode_prompts,
+    get_task,
+    score_responses,
+    warm_start,
+)
+
+ALGOS = ("grpo", "ppo", "remax")
+MODES = ("sync", "async")
+
+
+class TrainConfigError(ValueError):
+    """An option of ``train`` is invalid (unknown name, impossible value)."""
+
+
+class UnknownAlgorithmError(TrainConfigError):
+    """``algo`` is not one of :data:`ALGOS`."""
+
+
+class NotEnoughDevicesError(TrainConfigError):
+    """Fewer devices than the smallest feasible plan needs."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one run (see :func:`train` for their meaning)."""
+
+    algo: str = "grpo"
+    model: str = "tiny"
+    task: str = "sort"
+    devices: int = 4
+    steps: int = 30
+    adapt: bool = True
+    seed: int = 0
+    mode: str = "sync"
+    memory_budget: int | None = None
+    batch: int = 8
+    group_size: int = 4
+    lr: float = 2e-4
+    warmup_steps: int = 3
+    kl_coef: float = 0.02
+    temperature: float = 1.0
+    num_micro: int = 2
+    warm_steps: int = 300
+    length_start: int = 6
+    length_end: int = 14
+    trace: str | None = None
+    plan: str = "auto"
+    admission: str = "payback"
+    buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
+
+    def hyper(self) -> dict[str, Any]:
+        return {
+            "algo": self.algo,
+            "lr": self.lr,
+            "kl_coef": self.kl_coef,
+            "num_micro": self.num_micro,
+        }
+
+
+@dataclass
+class TrainResult:
+    """What a run produced.
+
+    Attributes:
+        config: the options.
+        metrics: one dict per RL step (reward, loss, kl, times, plan, ...).
+        plans: (step, GlobalPlan) each time the plan was set or changed.
+        decisions: one dict per admission decision.
+        run_dir: the run folder (None when not written).
+        error: the message of the error that ended the run early, else None.
+    """
+
+    config: TrainConfig
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    plans: list[tuple[int, GlobalPlan]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: Path | None = None
+    error: str | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [m["reward_mean"] for m in self.metrics]
+
+    @property
+    def num_transitions(self) -> int:
+        return sum(1 for d in self.decisions if d.get("taken"))
+
+
+def check_config(cfg: TrainConfig) -> ModelConfig:
+    """Validate options before any process starts. Returns the model config.
+
+    Raises:
+        UnknownAlgorithmError, UnknownPresetError, UnknownTaskError, TraceFormatError,
+        TrainConfigError: with what is wrong and what to do.
+    """
+    if cfg.algo not in ALGOS:
+        raise UnknownAlgorithmError(f"unknown algorithm {cfg.algo!r}; choose one of {ALGOS}")
+    if cfg.mode not in MODES:
+        raise TrainConfigError(f"unknown mode {cfg.mode!r}; choose one of {MODES}")
+    if cfg.admission not in ("payback", "always"):
+        raise TrainConfigError(
+            f"unknown admission {cfg.admission!r}; use 'payback' or 'always' (replan on every "
+            "trigger)"
+        )
+    mc = get_preset(cfg.model)
+    get_task(cfg.task)
+    if cfg.trace is not None:
+        LengthTrace.from_file(cfg.trace)
+    if cfg.steps < 1:
+        raise TrainConfigError(f"steps={cfg.steps} must be >= 1")
+    if cfg.devices < 1:
+        raise NotEnoughDevicesError(f"devices={cfg.devices}; a run needs at least 1 device")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise TrainConfigError("GRPO needs group_size >= 2 (responses per prompt)")
+    if cfg.memory_budget is not None and cfg.memory_budget <= 0:
+        raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
+    return mc
+
+
+def stage_desc(sp: StagePlan) -> dict[str, Any]:
+    """A StagePlan as the plain dict the worker commands take."""
+    return {
+        "stage": sp.stage,
+        "model": sp.model,
+        "trains": sp.trains,
+        "dp": sp.dp,
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "units": [list(u) for u in sp.units],
+    }
+
+
+def stage_names(algo: str) -> list[tuple[str, str, bool]]:
+    """(stage, model, trains) of the planned stages of an algorithm, in workload order."""
+    out = [("rollout", "actor", False), ("reference", "reference", False)]
+    out.append(("actor_train", "actor", True))
+    if algo == "ppo":
+        out.append(("critic_train", "critic", True))
+    return out
+
+
+def simple_plan(algo: str, devices: int, kind: str, tp: int = 1, pp: int = 1) -> GlobalPlan:
+    """A fixed plan: ``colocated`` (every stage on every device, as verl) or
+    ``disaggregated`` (rollout on the first half, the rest on the second, as OpenRLHF).
+
+    Raises:
+        TrainConfigError: unknown kind; NotEnoughDevicesError: too few devices for it.
+    """
+    names = stage_names(algo)
+    if kind == "colocated":
+        groups = {n: list(range(devices)) for n, _, _ in names}
+    elif kind == "disaggregated":
+        if devices < 2:
+            raise NotEnoughDevicesError("a disaggregated plan needs at least 2 devices")
+        half = devices // 2
+        groups = {n: list(range(half)) if n == "rollout" else list(range(half, devices)) for n, _, _ in names}
+    else:
+        raise TrainConfigError(f"unknown plan {kind!r}; use auto, colocated or disaggregated")
+    stages = []
+    for n, model, trains in names:
+        devs = groups[n]
+        width = tp * pp if len(devs) % (tp * pp) == 0 else 1
+        t, p = (tp, pp) if width > 1 else (1, 1)
+        dp = len(devs) // (t * p)
+        units = tuple(tuple(devs[u * t * p : (u + 1) * t * p]) for u in range(dp))
+        stages.append(StagePlan(n, model, trains, dp, t, p, units))
+    return GlobalPlan(tuple(stages))
+
+
+def _lengths(cfg: TrainConfig):
+    if cfg.trace is not None:
+        return LengthTrace.from_file(cfg.trace)
+    return LengthCurriculum(cfg.length_start, cfg.length_end, cfg.steps)
+
+
+def _split(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Split rows evenly over units (sizes differ by at most one; rows stay in order)."""
+    n = t.shape[0]
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    return list(t.split(sizes))
+
+
+def _gather(replies: dict[int, Any], key: str) -> torch.Tensor:
+    outs = sorted((r for r in replies.values() if r is not None), key=lambda r: r["unit"])
+    return torch.cat([r[key] for r in outs])
+
+
+def _stage_seconds(replies: dict[int, Any]) -> float:
+    return max((r["seconds"] for r in replies.values() if r is not None), default=0.0)
+
+
+class Trainer:
+    """The driver side of one run: workers, plan, and the RL loop (see the module docstring).
+
+    Arguments:
+        cfg: the options (checked with :func:`check_config`).
+        driver: a runtime Driver with at least ``cfg.devices`` workers (tests reuse one);
+            None spawns local workers and shuts them down in :meth:`close`.
+        log: a :class:`nereus_rl.report.RunLog` (or None): metrics and decisions go there
+            as they happen.
+        progress: called after every step with (step, metrics).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        driver: Driver | None = None,
+        log=None,
+        progress: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.mc = check_config(cfg)
+        self.task = get_task(cfg.task)
+        self.lengths = _lengths(cfg)
+        self.own_driver = driver is None
+        self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
+        self.log = log
+        self.progress = progress
+        self.result = TrainResult(cfg)
+        self.rng = random.Random(cfg.seed)
+        self.plan: GlobalPlan | None = None
+        self.adapter = None
+        self._prefix_gen = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self, plan: GlobalPlan | None = None) -> None:
+        """Spawn/attach workers, warm-start the policy, choose the first plan, build stages."""
+        cfg = self.cfg
+        if self.own_driver:
+            self.driver.spawn_local(cfg.devices)
+        workers = sorted(self.driver.workers)[: cfg.devices]
+        if len(workers) < cfg.devices:
+            raise NotEnoughDevicesError(
+                f"{cfg.devices} devices asked but only {len(workers)} workers joined"
+            )
+        self.workers = workers
+        self.driver.import_module("nereus_rl.trainer_worker")
+        self._init_world()
+        full = self._initial_states()
+        from nereus_rl.trainer_adapt import Adapter
+
+        self.adapter = Adapter(self, enabled=cfg.adapt)
+        self.plan = plan or self.adapter.initial_plan(self._response_len(0))
+        self._set_plan(0, self.plan)
+        descs = [stage_desc(sp) for sp in self.plan.stages]
+        self._all("rl.setup", descs, self.mc, full, cfg.hyper())
+
+    def _init_world(self) -> None:
+        self._prefix_gen += 1
+        n = len(self.workers)
+        prefix = f"rl.world.{self._prefix_gen}/"
+        pend = [
+            self.driver.submit([w], "rl.init", i, n, prefix) for i, w in enumerate(self.workers)
+        ]
+        for p in pend:
+            self.driver.wait(p)
+
+    def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        policy = Decoder(self.mc, seed=cfg.seed)
+        warm_start(policy, self.task, steps=cfg.warm_steps, seed=cfg.seed)
+        actor = {k: v.detach().clone() for k, v in policy.shard_state_dict().items()}
+        out = {"actor": actor, "reference": actor}
+        if cfg.algo == "ppo":
+            critic = Decoder(self.mc, value_head=True, seed=cfg.seed + 1)
+            critic.load_shard_state_dict(
+                {k: v for k, v in actor.items() if k != "lm_head.weight"}, strict=False
+            )
+            out["critic"] = {k: v.detach().clone() for k, v in critic.shard_state_dict().items()}
+        return out
+
+    def _set_plan(self, step: int, plan: GlobalPlan) -> None:
+        self.plan = plan
+        self.result.plans.append((step, plan))
+        if self.log is not None:
+            self.log.plan(step, plan)
+
+    def _all(self, fn: str, *args, **kwargs) -> dict[int, Any]:
+        # Every worker runs every stage command (non-members return at once), so that
+        # collectives over the default group and new_group calls stay in step.
+        return self.driver.call(self.workers, fn, *args, **kwargs)
+
+    def _submit(self, fn: str, *args, **kwargs):
+        return self.driver.submit(self.workers, fn, *args, **kwargs)
+
+    def _response_len(self, step: int) -> int:
+        return int(self.lengths.response_len(step))
+
+    # ------------------------------------------------------------------ work
+
+    def weight_sync(self) -> dict[str, float]:
+        """actor_train -> rollout through nereus_comm reshard (collective over workers)."""
+        src = stage_desc(self.plan.stage("actor_train"))
+        dst = stage_desc(self.plan.stage("rollout"))
+        t0 = time.perf_counter()
+        rep = self._all("rl.move", src, dst, params_only=True, replace=False)
+        return {
+            "sync_s": time.perf_counter() - t0,
+            "sync_bytes_sent": sum(r["bytes_sent"] for r in rep.values()),
+        }
+
+    def _rollout_submit(self, step: int):
+        """Sample a step's prompts and send them to the rollout units (not waiting)."""
+        cfg = self.cfg
+        rlen = self._response_len(step)
+        level = self.task.level_for_response_len(rlen)
+        problems = self.task.sample(cfg.batch, level, self.rng)
+        if cfg.algo == "grpo":
+            problems = [p for p in problems for _ in range(cfg.group_size)]
+        prompts = encode_prompts(problems)
+        rp = self.plan.stage("rollout")
+        parts = _split(prompts, rp.dp)
+        pend = self._submit(
+            "rl.generate",
+            "rollout",
+            parts,
+            rlen,
+            cfg.temperature,
+            cfg.seed * 100_003 + step,
+            TOKENIZER.EOS,
+            greedy=cfg.algo == "remax",
+        )
+        return {"step": step, "problems": problems, "rlen": rlen, "level": level, "pend": pend}
+
+    def _rollout_wait(self, job) -> dict[str, Any]:
+        rep = self.driver.wait(job["pend"])
+        job["sequences"] = _gather(rep, "sequences")
+        job["mask"] = _gather(rep, "mask")
+        job["old_logp"] = _gather(rep, "logp")
+        job["rollout_s"] = _stage_seconds(rep)
+        if self.cfg.algo == "remax":
+            job["greedy"] = _gather(rep, "greedy")
+        return job
+
+    def _train_on(self, job) -> dict[str, Any]:
+        """Reward, reference (and critic) inference, advantages and the training stages."""
+        cfg = self.cfg
+        seqs, mask, old_logp = job["sequences"], job["mask"], job["old_logp"]
+        plen = seqs.shape[1] - mask.shape[1]
+        problems = job["problems"]
+        t0 = time.perf_counter()
+        scores = score_responses(self.task, problems, seqs[:, plen:])
+        reward_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_p = self.plan.stage("reference")
+        rep = self._all("rl.infer", "reference", _split(seqs, ref_p.dp), plen, cfg.num_micro)
+        ref_logp = _gather(rep, "out")
+        values = None
+        if cfg.algo == "ppo":
+            cp = self.plan.stage("critic_train")
+            rep_v = self._all("rl.infer", "critic_train", _split(seqs, cp.dp), plen, cfg.num_micro)
+            values = _gather(rep_v, "out")
+        infer_s = time.perf_counter() - t0
+        num_tokens = float(mask.sum())
+        batch: dict[str, torch.Tensor] = {
+            "sequences": seqs,
+            "mask": mask,
+            "old_logp": old_logp,
+            "ref_logp": ref_logp,
+        }
+        if cfg.algo == "grpo":
+            batch["advantages"] = group_advantages(scores, cfg.group_size)
+        elif cfg.algo == "ppo":
+            rewards = kl_penalized_rewards(scores, old_logp, ref_logp, mask, kl_coef=cfg.kl_coef)
+            adv, ret = gae(rewards, values, mask, whiten=True)
+            batch.update(advantages=adv, returns=ret, old_values=values)
+        else:
+            gscores = score_responses(self.task, problems, job["greedy"])
+            rewards = kl_penalized_rewards(scores, old_logp, ref_logp, mask, kl_coef=cfg.kl_coef)
+            batch["advantages"] = remax_advantages(rewards, gscores, mask)
+        t0 = time.perf_counter()
+        hp = {**cfg.hyper(), "lr": self._lr(job["step"])}
+        pend = []
+        for stage in ("actor_train", "critic_train") if cfg.algo == "ppo" else ("actor_train",):
+            sp = self.plan.stage(stage)
+            parts = []
+            for i, rows in enumerate(_split(torch.arange(seqs.shape[0]), sp.dp)):
+                b = {k: v[rows] for k, v in batch.items()}
+                b["prompt_len"] = torch.tensor(plen)
+                b["num_tokens"] = torch.tensor(num_tokens)
+                parts.append(b)
+            pend.append((stage, self._submit("rl.train", stage, parts, hp)))
+        stats: dict[str, float] = {}
+        train_s = 0.0
+        for stage, p in pend:
+            rep = self.driver.wait(p)
+            train_s = max(train_s, _stage_seconds(rep))
+            outs = [r for r in rep.values() if r is not None]
+            prefix = "critic_" if stage == "critic_train" else ""
+            stats[prefix + "loss"] = sum(r["loss"] for r in outs)
+            for r in outs:
+                for k, v in r["stats"].items():
+                    stats[prefix + k] = stats.get(prefix + k, 0.0) + v
+        kl = float(((old_logp - ref_logp) * mask).sum() / max(num_tokens, 1.0))
+        return {
+            "reward_mean": float(scores.mean()),
+            "reward_exact": float((scores >= 1.0).float().mean()),
+            "kl": kl,
+            "loss": stats.get("loss", 0.0),
+            "critic_loss": stats.get("critic_loss"),
+            "response_tokens_mean": float(mask.sum(-1).mean()),
+            "stage_s": {
+                "rollout": job["rollout_s"],
+                "reward": reward_s,
+                "inference": infer_s,
+                "train": train_s,
+            },
+        }
+
+    def _lr(self, step: int) -> float:
+        # Linear warm-up after the warm start: the first RL updates are the noisiest.
+        return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> TrainResult:
+        """Run every step (metrics and decisions are logged as they happen)."""
+        cfg = self.cfg
+        ahead = None
+        for step in range(cfg.steps):
+            t_step = time.perf_counter()
+            sync: dict[str, float] = {}
+            if cfg.mode == "sync" or step == 0:
+                sync = self.weight_sync()
+            job = ahead if ahead is not None else self._rollout_wait(self._rollout_submit(step))
+            nxt = None
+            if cfg.mode == "async" and step + 1 < cfg.steps:
+                # The next step's rollout runs on the current rollout weights while this
+                # step trains (on disjoint devices the two overlap).
+                nxt = self._rollout_submit(step + 1)
+            m = self._train_on(job)
+            if nxt is not None:
+                nxt = self._rollout_wait(nxt)
+                sync = self.weight_sync()
+            ahead = nxt
+            m.update(sync)
+            m.update(
+                step=step,
+                response_len=job["rlen"],
+                level=job["level"],
+                plan=repr(self.plan),
+                num_devices=len(self.plan.devices),
+            )
+            m["step_s"] = time.perf_counter() - t_step
+            m["transition_s"] = 0.0
+            if step + 1 < cfg.steps:
+                m.update(self.adapter.boundary(step, m))
+            self.result.metrics.append(m)
+            if self.log is not None:
+                self.log.metrics(m)
+            if self.progress is not None:
+                self.progress(step, m)
+        return self.result
+
+    def close(self) -> None:
+        """Release the workers (shut them down when this trainer spawned them)."""
+        try:
+            if self.driver.workers:
+                self.driver.call(self.workers, "rl.close", timeout=30.0)
+        except Exception:  # noqa: BLE001 - closing after a failure must not hide it
+            pass
+        if self.own_driver:
+            self.driver.shutdown()
+
+
+def train(
+    algo: str = "grpo",
+    model: str = "tiny",
+    task: str = "sort",
+    devices: int = 4,
+    steps: int = 30,
+    adapt: bool = True,
+    seed: int = 0,
+    run_dir: str | Path | None = None,
+    mode: str = "sync",
+    memory_budget: int | None = None,
+    *,
+    driver: Driver | None = None,
+    progress: Callable[[int, dict[str, Any]], None] | None = None,
+    **options: Any,
+) -> TrainResult:
+    """Train a policy with PPO, GRPO or ReMax on ``devices`` worker processes.
+
+    Arguments:
+        algo: ``"grpo"``, ``"ppo"`` or ``"remax"``.
+        model: model preset (``"tiny"``, ``"small"``, ``"medium"``).
+        task: bundled task (``"sort"``, ``"reverse"``, ``"addition"``).
+        devices: worker processes (one per device), spawned locally unless ``driver``
+            already has them.
+        steps: RL steps.
+        adapt: run the adaptation loop (False: keep the first plan).
+        seed: seeds the warm start, the prompts and the sampling.
+        run_dir: folder for metrics.jsonl, decisions.jsonl, plots and summary (None: none).
+        mode: ``"sync"`` or ``"async"`` (rollout one step ahead of training).
+        memory_budget: bytes per worker the plan must fit (None: the machine's share).
+        driver: a runtime Driver whose workers to use (they are kept running).
+        progress: called after every step with (step, metrics).
+        options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
+            admission, length_start, length_end, ...).
+
+    Returns:
+        A :class:`TrainResult`; if a worker failed mid-run, ``error`` says so and the
+        metrics hold every step finished before.
+
+    Raises:
+        TrainConfigError (and the model/task/trace errors, all ValueError): bad options,
+        raised before any process starts.
+    """
+    from nereus_rl.report import RunLog
+
+    try:
+        cfg = TrainConfig(
+            algo=algo,
+            model=model,
+            task=task,
+            devices=devices,
+            steps=steps,
+            adapt=adapt,
+            seed=seed,
+            mode=mode,
+            memory_budget=memory_budget,
+            **options,
+        )
+    except TypeError as e:
+        raise TrainConfigError(f"{e}; see TrainConfig for the options") from None
+    check_config(cfg)
+    log = RunLog(run_dir, cfg) if run_dir is not None else None
+    trainer = Trainer(cfg, driver=driver, log=log, progress=progress)
+    try:
+        trainer.start()
+        trainer.run()
+    except (KeyboardInterrupt, RuntimeError, OSError) as e:
+        trainer.result.error = f"{type(e).__name__}: {e}"
+        if log is not None:
+            log.error(trainer.result.error)
+    finally:
+        trainer.close()
+        if log is not None:
+            trainer.result.run_dir = log.finish(trainer.result)
+    return trainer.result
