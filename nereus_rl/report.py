@@ -41,7 +41,7 @@ class RunLog:
         )
         self._files = {}
         for name in ("metrics", "decisions", "plans"):
-            self._files[name] = open(self.dir / f"{name}.jsonl", "w")  # noqa: SIM115
+            self._files[name] = open(self.dir / f"{name}.jsonl", "w")
         self.started = time.time()
 
     def _write(self, name: str, row: dict[str, Any]) -> None:
@@ -73,7 +73,7 @@ class RunLog:
         (self.dir / "summary.txt").write_text(summary + "\n")
         try:
             plot_run(result.metrics, result.decisions, self.dir)
-        except Exception as e:  # noqa: BLE001 - a plot must never lose the logs
+        except Exception as e:
             (self.dir / "plot_error.txt").write_text(f"{type(e).__name__}: {e}\n")
         return self.dir
 
@@ -106,7 +106,10 @@ def summary_table(result: Any) -> str:
         taken = [d for d in result.decisions if d.get("taken")]
         rows.append(("decisions (taken)", f"{len(result.decisions)} ({len(taken)})"))
         rows.append(
-            ("transition time (s)", f"{sum(d.get('measured_transition_s') or 0 for d in taken):.3f}")
+            (
+                "transition time (s)",
+                f"{sum(d.get('measured_transition_s') or 0 for d in taken):.3f}",
+            )
         )
         w = max(len(r[0]) for r in rows)
         lines += [f"  {a:<{w}}  {b}" for a, b in rows]

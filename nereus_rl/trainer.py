@@ -92,6 +92,7 @@ class TrainConfig:
     length_start: int = 6
     length_end: int = 14
     trace: str | None = None
+    fixed_level: bool = True
     plan: str = "auto"
     admission: str = "payback"
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
@@ -116,6 +117,7 @@ class TrainResult:
         decisions: one dict per admission decision.
         run_dir: the run folder (None when not written).
         error: the message of the error that ended the run early, else None.
+        timings: seconds of the start-up parts (spawn_s, warm_start_s, setup_s).
     """
 
     config: TrainConfig
@@ -124,6 +126,7 @@ class TrainResult:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     run_dir: Path | None = None
     error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def rewards(self) -> list[float]:
@@ -181,10 +184,16 @@ def stage_desc(sp: StagePlan) -> dict[str, Any]:
 def stage_names(algo: str) -> list[tuple[str, str, bool]]:
     """(stage, model, trains) of the planned stages of an algorithm, in workload order."""
     out = [("rollout", "actor", False), ("reference", "reference", False)]
+    if algo == "ppo":
+        out.append(("critic_inference", "critic", False))
     out.append(("actor_train", "actor", True))
     if algo == "ppo":
         out.append(("critic_train", "critic", True))
     return out
+
+
+# Inference copies refreshed from their training stage every step (weights only).
+SYNC_PAIRS = (("actor_train", "rollout"), ("critic_train", "critic_inference"))
 
 
 def simple_plan(algo: str, devices: int, kind: str, tp: int = 1, pp: int = 1) -> GlobalPlan:
@@ -201,7 +210,10 @@ def simple_plan(algo: str, devices: int, kind: str, tp: int = 1, pp: int = 1) ->
         if devices < 2:
             raise NotEnoughDevicesError("a disaggregated plan needs at least 2 devices")
         half = devices // 2
-        groups = {n: list(range(half)) if n == "rollout" else list(range(half, devices)) for n, _, _ in names}
+        groups = {
+            n: list(range(half)) if n == "rollout" else list(range(half, devices))
+            for n, _, _ in names
+        }
     else:
         raise TrainConfigError(f"unknown plan {kind!r}; use auto, colocated or disaggregated")
     stages = []
@@ -275,6 +287,7 @@ class Trainer:
     def start(self, plan: GlobalPlan | None = None) -> None:
         """Spawn/attach workers, warm-start the policy, choose the first plan, build stages."""
         cfg = self.cfg
+        t0 = time.perf_counter()
         if self.own_driver:
             self.driver.spawn_local(cfg.devices)
         workers = sorted(self.driver.workers)[: cfg.devices]
@@ -285,7 +298,11 @@ class Trainer:
         self.workers = workers
         self.driver.import_module("nereus_rl.trainer_worker")
         self._init_world()
+        self.result.timings["spawn_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         full = self._initial_states()
+        self.result.timings["warm_start_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         from nereus_rl.trainer_adapt import Adapter
 
         self.adapter = Adapter(self, enabled=cfg.adapt)
@@ -293,6 +310,7 @@ class Trainer:
         self._set_plan(0, self.plan)
         descs = [stage_desc(sp) for sp in self.plan.stages]
         self._all("rl.setup", descs, self.mc, full, cfg.hyper())
+        self.result.timings["setup_s"] = time.perf_counter() - t0
 
     def _init_world(self) -> None:
         self._prefix_gen += 1
@@ -339,21 +357,30 @@ class Trainer:
     # ------------------------------------------------------------------ work
 
     def weight_sync(self) -> dict[str, float]:
-        """actor_train -> rollout through nereus_comm reshard (collective over workers)."""
-        src = stage_desc(self.plan.stage("actor_train"))
-        dst = stage_desc(self.plan.stage("rollout"))
+        """actor_train -> rollout (PPO: critic_train -> critic_inference too) through
+        nereus_comm reshard, collective over the workers; never a gather on one rank."""
         t0 = time.perf_counter()
-        rep = self._all("rl.move", src, dst, params_only=True, replace=False)
-        return {
-            "sync_s": time.perf_counter() - t0,
-            "sync_bytes_sent": sum(r["bytes_sent"] for r in rep.values()),
-        }
+        sent = 0.0
+        names = self.plan.stage_names
+        for src, dst in SYNC_PAIRS:
+            if src in names and dst in names:
+                rep = self._all(
+                    "rl.move",
+                    stage_desc(self.plan.stage(src)),
+                    stage_desc(self.plan.stage(dst)),
+                    params_only=True,
+                    replace=False,
+                )
+                sent += sum(r["bytes_sent"] for r in rep.values())
+        return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent}
 
     def _rollout_submit(self, step: int):
         """Sample a step's prompts and send them to the rollout units (not waiting)."""
         cfg = self.cfg
         rlen = self._response_len(step)
-        level = self.task.level_for_response_len(rlen)
+        # The response limit follows the length schedule; the task level stays at the
+        # first step's (fixed_level) so that reward can rise while responses grow.
+        level = self.task.level_for_response_len(self._response_len(0) if cfg.fixed_level else rlen)
         problems = self.task.sample(cfg.batch, level, self.rng)
         if cfg.algo == "grpo":
             problems = [p for p in problems for _ in range(cfg.group_size)]
@@ -397,8 +424,10 @@ class Trainer:
         ref_logp = _gather(rep, "out")
         values = None
         if cfg.algo == "ppo":
-            cp = self.plan.stage("critic_train")
-            rep_v = self._all("rl.infer", "critic_train", _split(seqs, cp.dp), plen, cfg.num_micro)
+            cp = self.plan.stage("critic_inference")
+            rep_v = self._all(
+                "rl.infer", "critic_inference", _split(seqs, cp.dp), plen, cfg.num_micro
+            )
             values = _gather(rep_v, "out")
         infer_s = time.perf_counter() - t0
         num_tokens = float(mask.sum())
@@ -424,7 +453,7 @@ class Trainer:
         for stage in ("actor_train", "critic_train") if cfg.algo == "ppo" else ("actor_train",):
             sp = self.plan.stage(stage)
             parts = []
-            for i, rows in enumerate(_split(torch.arange(seqs.shape[0]), sp.dp)):
+            for rows in _split(torch.arange(seqs.shape[0]), sp.dp):
                 b = {k: v[rows] for k, v in batch.items()}
                 b["prompt_len"] = torch.tensor(plen)
                 b["num_tokens"] = torch.tensor(num_tokens)
@@ -460,6 +489,28 @@ class Trainer:
     def _lr(self, step: int) -> float:
         # Linear warm-up after the warm start: the first RL updates are the noisiest.
         return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
+
+    def transition(self, new: GlobalPlan, order: list[str], step: int) -> int:
+        """Move every changed stage's state to its new layout, in ``order``; returns bytes sent.
+
+        Weights (and a training stage's Adam moments and step) travel by nereus_comm
+        reshard between the old and the new units; nothing is rebuilt from scratch.
+        """
+        sent = 0
+        for name in order:
+            old_sp, new_sp = self.plan.stage(name), new.stage(name)
+            if old_sp == new_sp:
+                continue
+            rep = self._all(
+                "rl.move",
+                stage_desc(old_sp),
+                stage_desc(new_sp),
+                params_only=not new_sp.trains,
+                replace=True,
+            )
+            sent += int(sum(r["bytes_sent"] for r in rep.values()))
+        self._set_plan(step, new)
+        return sent
 
     # ------------------------------------------------------------------ loop
 
@@ -507,7 +558,7 @@ class Trainer:
         try:
             if self.driver.workers:
                 self.driver.call(self.workers, "rl.close", timeout=30.0)
-        except Exception:  # noqa: BLE001 - closing after a failure must not hide it
+        except Exception:
             pass
         if self.own_driver:
             self.driver.shutdown()

@@ -214,9 +214,7 @@ def move(
             src_state = {s.name: src_state[s.name] for s in specs if s.name in src_state}
     new_model = _build_model(dst_desc, config, rl["rank"]) if replace else None
     t0 = time.perf_counter()
-    plan = _plan(
-        specs, _layout(src_desc, config.num_layers), _layout(dst_desc, config.num_layers)
-    )
+    plan = _plan(specs, _layout(src_desc, config.num_layers), _layout(dst_desc, config.num_layers))
     result = reshard(plan, rl["rank"], src_state, GlooTransport(), timeout=timeout)
     if result.tensors:
         if replace:
@@ -352,9 +350,7 @@ def rl_train(
         mk = mask[i]
         if critic:
             v = response_values(y, prompt_len)
-            loss, st = value_loss(
-                v, b["old_values"][i], b["returns"][i], mk, num_tokens=num_tokens
-            )
+            loss, st = value_loss(v, b["old_values"][i], b["returns"][i], mk, num_tokens=num_tokens)
         else:
             logp = response_logprobs(y, mbs[m], prompt_len, g)
             algo = hp["algo"]
