@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,15 +273,19 @@ class Trainer:
         self.mc = check_config(cfg)
         self.task = get_task(cfg.task)
         self.lengths = _lengths(cfg)
-        self.own_driver = driver is None
-        self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
         self.log = log
         self.progress = progress
         self.result = TrainResult(cfg)
         self.rng = random.Random(cfg.seed)
+        from nereus_rl.trainer_adapt import Adapter
+
+        # Planned before any process starts, so that too few devices or too little
+        # memory is reported at once.
+        self.adapter = Adapter(self, enabled=cfg.adapt)
+        self.first_plan = self.adapter.initial_plan(self._response_len(0))
         self.plan: GlobalPlan | None = None
-        self.adapter = None
-        self._prefix_gen = 0
+        self.own_driver = driver is None
+        self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
 
     # ------------------------------------------------------------------ setup
 
@@ -303,19 +308,15 @@ class Trainer:
         full = self._initial_states()
         self.result.timings["warm_start_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        from nereus_rl.trainer_adapt import Adapter
-
-        self.adapter = Adapter(self, enabled=cfg.adapt)
-        self.plan = plan or self.adapter.initial_plan(self._response_len(0))
-        self._set_plan(0, self.plan)
+        self._set_plan(0, plan or self.first_plan)
         descs = [stage_desc(sp) for sp in self.plan.stages]
         self._all("rl.setup", descs, self.mc, full, cfg.hyper())
         self.result.timings["setup_s"] = time.perf_counter() - t0
 
     def _init_world(self) -> None:
-        self._prefix_gen += 1
         n = len(self.workers)
-        prefix = f"rl.world.{self._prefix_gen}/"
+        # a fresh prefix per run: workers reused by another run must not meet old keys
+        prefix = f"rl.world.{uuid.uuid4().hex[:12]}/"
         pend = [
             self.driver.submit([w], "rl.init", i, n, prefix) for i, w in enumerate(self.workers)
         ]
@@ -624,9 +625,9 @@ def train(
         )
     except TypeError as e:
         raise TrainConfigError(f"{e}; see TrainConfig for the options") from None
-    check_config(cfg)
+    trainer = Trainer(cfg, driver=driver, progress=progress)  # checks every option
     log = RunLog(run_dir, cfg) if run_dir is not None else None
-    trainer = Trainer(cfg, driver=driver, log=log, progress=progress)
+    trainer.log = log
     try:
         trainer.start()
         trainer.run()
