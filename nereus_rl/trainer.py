@@ -94,7 +94,7 @@ class TrainConfig:
     length_end: int = 14
     trace: str | None = None
     fixed_level: bool = True
-    plan: str = "auto"
+    plan: str | GlobalPlan = "auto"
     admission: str = "payback"
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
 
@@ -156,6 +156,21 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         )
     mc = get_preset(cfg.model)
     get_task(cfg.task)
+    if isinstance(cfg.plan, GlobalPlan):
+        want = [n for n, _, _ in stage_names(cfg.algo)]
+        if sorted(cfg.plan.stage_names) != sorted(want):
+            raise TrainConfigError(
+                f"plan has stages {list(cfg.plan.stage_names)}; {cfg.algo} needs {want}"
+            )
+        if not cfg.plan.devices <= set(range(cfg.devices)):
+            raise NotEnoughDevicesError(
+                f"plan uses devices {sorted(cfg.plan.devices)} but only 0..{cfg.devices - 1} "
+                "exist; raise devices or plan over fewer"
+            )
+    elif cfg.plan not in ("auto", "colocated", "disaggregated"):
+        raise TrainConfigError(
+            f"unknown plan {cfg.plan!r}; use auto, colocated, disaggregated or a GlobalPlan"
+        )
     if cfg.trace is not None:
         LengthTrace.from_file(cfg.trace)
     if cfg.steps < 1:
@@ -192,6 +207,10 @@ def stage_names(algo: str) -> list[tuple[str, str, bool]]:
         out.append(("critic_train", "critic", True))
     return out
 
+
+# Warm-started initial states by (critic, model, task, seed, warm steps): runs in one
+# process (tests, benchmarks) that differ only in plan or algorithm share the warm start.
+_WARM_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
 
 # Inference copies refreshed from their training stage every step (weights only).
 SYNC_PAIRS = (("actor_train", "rollout"), ("critic_train", "critic_inference"))
@@ -324,6 +343,15 @@ class Trainer:
             self.driver.wait(p)
 
     def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        key = (cfg.algo == "ppo", cfg.model, cfg.task, cfg.seed, cfg.warm_steps)
+        if key not in _WARM_CACHE:
+            if len(_WARM_CACHE) > 8:
+                _WARM_CACHE.clear()
+            _WARM_CACHE[key] = self._warm_start()
+        return _WARM_CACHE[key]
+
+    def _warm_start(self) -> dict[str, dict[str, torch.Tensor]]:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         policy = Decoder(self.mc, seed=cfg.seed)
@@ -467,10 +495,12 @@ class Trainer:
             train_s = max(train_s, _stage_seconds(rep))
             outs = [r for r in rep.values() if r is not None]
             prefix = "critic_" if stage == "critic_train" else ""
-            stats[prefix + "loss"] = sum(r["loss"] for r in outs)
+            # each unit's loss was scaled by dp (the gradient all-reduce averages)
+            dp = self.plan.stage(stage).dp
+            stats[prefix + "loss"] = sum(r["loss"] for r in outs) / dp
             for r in outs:
                 for k, v in r["stats"].items():
-                    stats[prefix + k] = stats.get(prefix + k, 0.0) + v
+                    stats[prefix + k] = stats.get(prefix + k, 0.0) + v / dp
         kl = float(((old_logp - ref_logp) * mask).sum() / max(num_tokens, 1.0))
         return {
             "reward_mean": float(scores.mean()),

@@ -156,9 +156,12 @@ class Adapter:
         )
 
     def initial_plan(self, rlen: int) -> GlobalPlan:
-        """The first plan: the planner's (``plan="auto"``) or a fixed colocated/disaggregated."""
+        """The first plan: the planner's (``plan="auto"``), a fixed colocated/disaggregated
+        one, or the GlobalPlan given as ``plan``."""
         from nereus_rl.trainer import simple_plan
 
+        if isinstance(self.cfg.plan, GlobalPlan):
+            return self.cfg.plan
         if self.cfg.plan == "auto":
             return self.best_plan(rlen)[0]
         return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
