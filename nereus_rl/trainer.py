@@ -42,7 +42,7 @@ from nereus_rl.algos.ppo import gae, kl_penalized_rewards
 from nereus_rl.algos.remax import remax_advantages
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import Decoder, ModelConfig, get_preset
-from nereus_rl.runtime import Driver
+from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
 from nereus_rl.tasks import (
     TOKENIZER,
     LengthCurriculum,
@@ -320,6 +320,9 @@ class Trainer:
                 f"{cfg.devices} devices asked but only {len(workers)} workers joined"
             )
         self.workers = workers
+        # plan device id -> rank in the workers' default group (changes after a loss)
+        self.world_rank = {d: d for d in range(len(workers))}
+        self.device_worker = dict(enumerate(workers))
         self.driver.import_module("nereus_rl.trainer_worker")
         self._init_world()
         self.result.timings["spawn_s"] = time.perf_counter() - t0
@@ -328,9 +331,14 @@ class Trainer:
         self.result.timings["warm_start_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._set_plan(0, plan or self.first_plan)
-        descs = [stage_desc(sp) for sp in self.plan.stages]
+        descs = [self._desc(sp) for sp in self.plan.stages]
         self._all("rl.setup", descs, self.mc, full, cfg.hyper())
         self.result.timings["setup_s"] = time.perf_counter() - t0
+
+    def _desc(self, sp: StagePlan) -> dict[str, Any]:
+        d = stage_desc(sp)
+        d["units"] = [[self.world_rank[x] for x in u] for u in d["units"]]
+        return d
 
     def _init_world(self) -> None:
         n = len(self.workers)
@@ -395,8 +403,8 @@ class Trainer:
             if src in names and dst in names:
                 rep = self._all(
                     "rl.move",
-                    stage_desc(self.plan.stage(src)),
-                    stage_desc(self.plan.stage(dst)),
+                    self._desc(self.plan.stage(src)),
+                    self._desc(self.plan.stage(dst)),
                     params_only=True,
                     replace=False,
                 )
@@ -534,8 +542,8 @@ class Trainer:
                 continue
             rep = self._all(
                 "rl.move",
-                stage_desc(old_sp),
-                stage_desc(new_sp),
+                self._desc(old_sp),
+                self._desc(new_sp),
                 params_only=not new_sp.trains,
                 replace=True,
             )
@@ -543,46 +551,115 @@ class Trainer:
         self._set_plan(step, new)
         return sent
 
+    def recover(self, step: int, error: Exception) -> None:
+        """Continue after a worker died: a new default group over the survivors, a plan
+        over the remaining devices, every stage's state copied from a unit that lost no
+        device (reshard into the new plan).
+
+        Raises:
+            the original error: no worker was lost (it was something else), or some stage
+            had no intact unit left (its state is gone; the message says which).
+        """
+        lost = self.driver.check_liveness() or self.driver.wait_for_loss(10.0)
+        dead = {d for d, w in self.device_worker.items() if w in lost}
+        if not dead:
+            raise error
+        t0 = time.perf_counter()
+        alive = sorted(d for d in self.device_worker if d not in dead)
+        sources = {}
+        for sp in self.plan.stages:
+            intact = [u for u in sp.units if not dead.intersection(u)]
+            if not intact:
+                raise RuntimeError(
+                    f"worker(s) on devices {sorted(dead)} died and stage {sp.stage!r} "
+                    f"({sp!r}) has no unit left without them: its state is lost. Use a plan "
+                    "with dp >= 2 for every stage to survive a device loss"
+                ) from error
+            sources[sp.stage] = StagePlan(sp.stage, sp.model, sp.trains, 1, sp.tp, sp.pp,
+                                          (intact[0],))  # fmt: skip
+        self.workers = [self.device_worker[d] for d in alive]
+        self.device_worker = {d: self.device_worker[d] for d in alive}
+        self._init_world()
+        self.world_rank = {d: i for i, d in enumerate(alive)}
+        new, _ = self.adapter.best_plan(self._response_len(step), devices=alive)
+        for sp in new.stages:
+            self._all(
+                "rl.move",
+                self._desc(sources[sp.stage]),
+                self._desc(sp),
+                params_only=not sp.trains,
+                replace=True,
+            )
+        self._set_plan(step, new)
+        row = {
+            "step": step,
+            "signal": "devices",
+            "trigger": f"lost devices {sorted(dead)} ({type(error).__name__})",
+            "urgent": True,
+            "current": repr(self.plan),
+            "candidate": repr(new),
+            "taken": True,
+            "path": "urgent",
+            "reason": "recovery from the intact units after a worker died",
+            "predicted_saving_s": None,
+            "predicted_transition_s": None,
+            "measured_transition_s": time.perf_counter() - t0,
+        }
+        self.adapter._log(row)
+
     # ------------------------------------------------------------------ loop
 
     def run(self) -> TrainResult:
         """Run every step (metrics and decisions are logged as they happen)."""
         cfg = self.cfg
         ahead = None
-        for step in range(cfg.steps):
-            t_step = time.perf_counter()
-            sync: dict[str, float] = {}
-            if cfg.mode == "sync" or step == 0:
-                sync = self.weight_sync()
-            job = ahead if ahead is not None else self._rollout_wait(self._rollout_submit(step))
-            nxt = None
-            if cfg.mode == "async" and step + 1 < cfg.steps:
-                # The next step's rollout runs on the current rollout weights while this
-                # step trains (on disjoint devices the two overlap).
-                nxt = self._rollout_submit(step + 1)
-            m = self._train_on(job)
-            if nxt is not None:
-                nxt = self._rollout_wait(nxt)
-                sync = self.weight_sync()
-            ahead = nxt
-            m.update(sync)
-            m.update(
-                step=step,
-                response_len=job["rlen"],
-                level=job["level"],
-                plan=repr(self.plan),
-                num_devices=len(self.plan.devices),
-            )
-            m["step_s"] = time.perf_counter() - t_step
-            m["transition_s"] = 0.0
-            if step + 1 < cfg.steps:
-                m.update(self.adapter.boundary(step, m))
-            self.result.metrics.append(m)
-            if self.log is not None:
-                self.log.metrics(m)
-            if self.progress is not None:
-                self.progress(step, m)
+        step = 0
+        while step < cfg.steps:
+            try:
+                ahead = self._step(step, ahead)
+            except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+                self.recover(step, e)
+                ahead = None  # the step is run again on the new plan
+                continue
+            step += 1
         return self.result
+
+    def _step(self, step: int, ahead):
+        """One RL step (and its safe boundary); returns the next step's rollout (async)."""
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        sync: dict[str, float] = {}
+        if cfg.mode == "sync" or step == 0:
+            sync = self.weight_sync()
+        job = ahead if ahead is not None else self._rollout_wait(self._rollout_submit(step))
+        nxt = None
+        if cfg.mode == "async" and step + 1 < cfg.steps:
+            # The next step's rollout runs on the current rollout weights while this
+            # step trains (on disjoint devices the two overlap).
+            nxt = self._rollout_submit(step + 1)
+        m = self._train_on(job)
+        if nxt is not None:
+            nxt = self._rollout_wait(nxt)
+            sync = self.weight_sync()
+        ahead = nxt
+        m.update(sync)
+        m.update(
+            step=step,
+            response_len=job["rlen"],
+            level=job["level"],
+            plan=repr(self.plan),
+            num_devices=len(self.plan.devices),
+        )
+        m["step_s"] = time.perf_counter() - t_step
+        m["transition_s"] = 0.0
+        if step + 1 < cfg.steps:
+            m.update(self.adapter.boundary(step, m))
+        self.result.metrics.append(m)
+        if self.log is not None:
+            self.log.metrics(m)
+        if self.progress is not None:
+            self.progress(step, m)
+        return ahead
 
     def close(self) -> None:
         """Release the workers (shut them down when this trainer spawned them)."""

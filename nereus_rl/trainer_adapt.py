@@ -130,7 +130,7 @@ class Adapter:
                 return False
         return True
 
-    def best_plan(self, rlen: int) -> tuple[GlobalPlan, float]:
+    def best_plan(self, rlen: int, devices=None) -> tuple[GlobalPlan, float]:
         """The planner's best runnable plan for the workload at ``rlen``, and its latency.
 
         Raises:
@@ -140,7 +140,7 @@ class Adapter:
 
         wl = self.workload(rlen)
         try:
-            res = plan_best(wl, self.cluster, self.cm, k=64)
+            res = plan_best(wl, self.cluster, self.cm, devices=devices, k=64)
         except PlanInfeasibleError as e:
             raise NotEnoughDevicesError(
                 f"{self.cfg.devices} devices with a {self.budget / 2**20:.2f} MiB budget each "
@@ -191,7 +191,7 @@ class Adapter:
         dag = compile_transition(
             current,
             target,
-            devices=range(self.cfg.devices),
+            devices=sorted(self.trainer.device_worker),
             capacity=float("inf"),
             cost_fn=self._primitive_cost,
         )
@@ -232,7 +232,7 @@ class Adapter:
         triggers = self.controller.update(
             step,
             seq_len=nxt,
-            available_devices=range(self.cfg.devices),
+            available_devices=sorted(tr.device_worker),
             in_use=plan.devices,
             peak_memory_fraction=frac,
             efficiency_ratio=eff,
@@ -242,7 +242,7 @@ class Adapter:
         if not triggers:
             return out
         trig = max(triggers, key=lambda t: t.urgent)
-        cand, _ = self.best_plan(nxt)
+        cand, _ = self.best_plan(nxt, devices=sorted(tr.device_worker))
         row: dict[str, Any] = {
             "step": step,
             "signal": trig.signal,
@@ -264,7 +264,7 @@ class Adapter:
             wl,
             forecast_steps=self.controller.forecast(trig.signal),
             transition_cost=cost,
-            available_devices=range(self.cfg.devices),
+            available_devices=sorted(tr.device_worker),
             trigger=trig.reason,
         )
         taken = dec.taken or self.cfg.admission == "always"

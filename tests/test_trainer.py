@@ -134,3 +134,24 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     assert taken and taken[0]["measured_transition_s"] > 0
     for key in ("signal", "predicted_saving_s", "predicted_transition_s"):
         assert key in taken[0]
+
+
+def test_worker_death_mid_run_recovers_and_keeps_logs(driver, tmp_path):
+    # Runs last: it kills one of the shared workers.
+    victim = sorted(driver.workers)[3]
+
+    def kill_after_step_one(step, m):
+        if step == 1:
+            driver.kill(victim)
+
+    res = train(
+        steps=4, driver=driver, plan="colocated", adapt=False, run_dir=tmp_path,
+        progress=kill_after_step_one, **FAST,
+    )  # fmt: skip
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    rec = [d for d in res.decisions if d["signal"] == "devices"]
+    assert len(rec) == 1 and rec[0]["taken"] and "lost devices [3]" in rec[0]["trigger"]
+    assert 3 not in res.plans[-1][1].devices
+    lines = (tmp_path / "decisions.jsonl").read_text().splitlines()
+    assert any("lost devices" in x for x in lines)
