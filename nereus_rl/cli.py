@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-QUICK = {"steps": 8, "warm_steps": 150, "batch": 4, "group_size": 4}
+QUICK = {"steps": 8, "warm_steps": 100, "batch": 4, "group_size": 4}
 
 
 def _progress_bar(total: int):
