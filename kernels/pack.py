@@ -4,18 +4,21 @@ One launch copies a whole table: pack (regions -> one flat buffer), unpack (the
 inverse) and region-to-region copies are all the same kernel, only the table differs.
 The kernel moves bytes, never values: a bf16 NaN or an int64 survives bit for bit.
 
-Why bytes through a same-width integer view: the widest power-of-two unit (up to 16
-bytes) that divides every address, row length and stride of the table is chosen on
-the host; the kernel loads 1/2/4-byte integers and is told (tl.multiple_of) that each
-row starts on that boundary, so on a GPU a fully 16-byte aligned table compiles to
-128-bit loads and stores, the widest a thread can issue, which is what it takes to
-reach copy bandwidth. Misaligned tables still work, with narrower accesses.
+Why bytes through a same-width integer view: the widest power-of-two alignment (up to
+16 bytes) that divides every address, row length and stride of the table is chosen on
+the host; the kernel moves 1/2/4-byte integers and is told (tl.multiple_of on the row
+pointers) that each row starts on that boundary, so a fully 16-byte aligned table
+compiles to 128-bit loads and stores (checked in the sm_90 PTX by tests/test_pack.py),
+the widest a thread can issue, which is what it takes to reach copy bandwidth.
+Misaligned tables still work, with narrower accesses; note that one odd-sized region
+in a pack shifts every later offset in the buffer and so narrows the whole table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +29,8 @@ TABLE_COLUMNS = 6
 """Columns of a region table: src_addr, dst_addr, num_rows, row_bytes, src_stride_bytes,
 dst_stride_bytes (all int64, addresses are raw data pointers)."""
 
-_BLOCK = 4096  # units per program: 16 KiB per program for 4-byte units
+_MAX_BLOCK = 4096  # units per program: 16 KiB per program for 4-byte units
+_MIN_BLOCK = 512
 _NUM_WARPS = 4
 _MAX_FLAT_UNITS = 1 << 30  # short-row regions are split below this so int32 indices suffice
 _UNIT_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
@@ -42,27 +46,30 @@ def _copy_regions_kernel(
     ALIGN_BYTES: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    ROW_MIN: tl.constexpr,
 ):
     """Copy one tile (BLOCK units) of one region of a table.
 
     table_ptr: int64 [num_regions, 6] in units of UNIT: src_addr and dst_addr (bytes),
     num_rows, row_units, src_stride_units, dst_stride_units. tile_start_ptr: int64
     [num_regions + 1], the first tile of each region (a prefix sum). Regions with
-    row_units >= BLOCK get one tile per BLOCK-chunk of each row (contiguous, vectorized);
-    shorter rows are tiled over their flattened rows (an index division per element).
+    row_units >= ROW_MIN get one tile per BLOCK-chunk of each row (contiguous,
+    vectorized); shorter rows are tiled over their flattened rows (an index division
+    per element).
 
-    Worked example, BLOCK=4, bytes as units: table [[s, d, 2, 3, 8, 3]] (two rows of 3
-    bytes, 8 apart, packed back to back) has one flat tile: elements 0..5 map to
-    (row, col) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2), read s+0 s+1 s+2 s+8 s+9 s+10 and
-    written to d+0..d+5; elements 6 and 7 are masked off.
+    Worked example, BLOCK=8, ROW_MIN=4, bytes as units: table [[s, d, 2, 3, 8, 3]] (two
+    rows of 3 bytes, 8 apart, packed back to back; 3 < ROW_MIN) has one flat tile:
+    elements 0..5 map to (row, col) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2), read s+0 s+1
+    s+2 s+8 s+9 s+10 and written to d+0..d+5; elements 6 and 7 are masked off. A row of
+    20 bytes would instead get 3 row tiles: columns 0..7, 8..15 and 16..19 (masked).
     """
     pid = tl.program_id(0).to(tl.int64)
     # Region of this tile: the last i with tile_start[i] <= pid (empty regions have no
     # tiles, so they are never chosen). Invariant: tile_start[lo] <= pid < tile_start[hi].
+    # A runtime loop, not a static one, so tables of any length share one compiled kernel.
     lo = pid * 0
     hi = lo + num_regions
-    for _ in tl.static_range(SEARCH_STEPS):
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         right = (tl.load(tile_start_ptr + mid) <= pid).to(tl.int64)
         lo = lo + (mid - lo) * right
@@ -75,26 +82,29 @@ def _copy_regions_kernel(
     src_stride = tl.load(row_ptr + 4)
     dst_stride = tl.load(row_ptr + 5)
     local = pid - tl.load(tile_start_ptr + lo)
-    if row_units >= BLOCK:
+    if row_units >= ROW_MIN:
         tiles_per_row = tl.cdiv(row_units, BLOCK)
         row = local // tiles_per_row
         col = (local - row * tiles_per_row) * BLOCK + tl.arange(0, BLOCK)
         mask = col < row_units
-        src_row = tl.multiple_of(src_addr + row * src_stride * UNIT_BYTES, ALIGN_BYTES)
-        dst_row = tl.multiple_of(dst_addr + row * dst_stride * UNIT_BYTES, ALIGN_BYTES)
-        src = src_row.to(tl.pointer_type(UNIT)) + col
-        dst = dst_row.to(tl.pointer_type(UNIT)) + col
+        # The alignment hint goes on the pointer (after the int->pointer cast); a hint on
+        # the integer address does not survive the cast and leaves 4-byte accesses.
+        src_row = (src_addr + row * src_stride * UNIT_BYTES).to(tl.pointer_type(UNIT))
+        dst_row = (dst_addr + row * dst_stride * UNIT_BYTES).to(tl.pointer_type(UNIT))
+        src = tl.multiple_of(src_row, ALIGN_BYTES) + col
+        dst = tl.multiple_of(dst_row, ALIGN_BYTES) + col
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
     else:
+        # Names differ from the other branch: the compiler unifies same-named values.
         # int32 indices: the host keeps num_rows * row_units of short-row regions < 2**30.
         idx = local.to(tl.int32) * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < (num_rows * row_units).to(tl.int32)
+        in_region = idx < (num_rows * row_units).to(tl.int32)
         row_units32 = row_units.to(tl.int32)
-        row = idx // row_units32
-        col = idx - row * row_units32
-        src = src_addr.to(tl.pointer_type(UNIT)) + row.to(tl.int64) * src_stride + col
-        dst = dst_addr.to(tl.pointer_type(UNIT)) + row.to(tl.int64) * dst_stride + col
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        idx_row = idx // row_units32
+        idx_col = idx - idx_row * row_units32
+        src_ptrs = src_addr.to(tl.pointer_type(UNIT)) + idx_row.to(tl.int64) * src_stride + idx_col
+        dst_ptrs = dst_addr.to(tl.pointer_type(UNIT)) + idx_row.to(tl.int64) * dst_stride + idx_col
+        tl.store(dst_ptrs, tl.load(src_ptrs, mask=in_region), mask=in_region)
 
 
 def _interpreting() -> bool:
@@ -112,10 +122,10 @@ def _alignment(table: np.ndarray) -> int:
     return bits & -bits
 
 
-def _split_long_flat(table: np.ndarray, block_units: int, unit: int) -> np.ndarray:
+def _split_long_flat(table: np.ndarray, row_min: int, unit: int) -> np.ndarray:
     """Split short-row regions with >= 2**30 units by rows (the flat path indexes in int32)."""
     row_units = table[:, 3] // unit
-    too_big = (row_units < block_units) & (table[:, 2] * row_units >= _MAX_FLAT_UNITS)
+    too_big = (row_units < row_min) & (table[:, 2] * row_units >= _MAX_FLAT_UNITS)
     if not too_big.any():
         return table
     pieces = [table[~too_big]]
@@ -141,8 +151,44 @@ def _split_long_flat(table: np.ndarray, block_units: int, unit: int) -> np.ndarr
     return np.concatenate(pieces)
 
 
-def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
-    """Copy every region of a table whose memory lives on `device`, in one launch.
+class CopyLaunch(NamedTuple):
+    """A region table prepared for the device: run() queues the copy (again and again)."""
+
+    meta: torch.Tensor  # int64 on the device: the table in units, then the tile prefix
+    num_regions: int
+    num_tiles: int
+    unit_bytes: int
+    align_bytes: int
+    block: int
+    device: torch.device
+
+    def run(self) -> None:
+        """Queue the copy on the current stream of the device (nothing if no tiles)."""
+        if self.num_tiles == 0:
+            return
+        cols = self.num_regions * TABLE_COLUMNS
+        ctx = (
+            torch.cuda.device(self.device)
+            if self.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            _copy_regions_kernel[(self.num_tiles,)](
+                self.meta[:cols],
+                self.meta[cols:],
+                self.num_regions,
+                UNIT=_UNIT_DTYPES[self.unit_bytes],
+                UNIT_BYTES=self.unit_bytes,
+                ALIGN_BYTES=self.align_bytes,
+                VEC=self.align_bytes // self.unit_bytes,
+                BLOCK=self.block,
+                ROW_MIN=self.block // 8,
+                num_warps=_NUM_WARPS,
+            )
+
+
+def plan_copy(*, table: torch.Tensor, device: torch.device) -> CopyLaunch:
+    """Check a region table, choose access width and tiling, and upload it to `device`.
 
     Arguments:
         table: CPU int64 tensor of shape (num_regions, 6): src_addr, dst_addr, num_rows,
@@ -152,8 +198,7 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
         device: a CUDA device (a CPU device too when TRITON_INTERPRET=1).
 
     Returns:
-        The number of programs launched (0 when the table moves no byte). The copy is
-        queued on the current stream of `device`.
+        A CopyLaunch whose run() queues the copy.
 
     Raises:
         ValueError: a malformed table (dtype, shape, device, negative sizes, null
@@ -177,6 +222,8 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
             f"Triton copies need a CUDA device, got {device}; use the host path for CPU "
             "memory (or set TRITON_INTERPRET=1 before importing triton to test on CPU)"
         )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     rows = table.contiguous().numpy()
     if (rows[:, 2:4] < 0).any():
         raise ValueError("table has a negative num_rows or row_bytes; sizes must be >= 0")
@@ -184,7 +231,7 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
     if (rows[:, :2] == 0).any():
         raise ValueError("table has a null address; pass data_ptr() of live tensors")
     if len(rows) == 0:
-        return 0
+        return CopyLaunch(torch.zeros(1, dtype=torch.int64), 0, 0, 1, 1, _MIN_BLOCK, device)
     rows = rows.copy()
     # Rows that follow each other on both sides are one long row: vectorized row tiles.
     packed = (rows[:, 2] > 1) & (rows[:, 4] == rows[:, 3]) & (rows[:, 5] == rows[:, 3])
@@ -192,33 +239,45 @@ def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
     rows[packed, 2] = 1
     align = _alignment(rows)
     unit = min(align, 4)
-    rows = _split_long_flat(rows, _BLOCK, unit)
+    # Programs as wide as the longest row (up to _MAX_BLOCK): few programs for long rows,
+    # few idle lanes when every row is short.
+    longest = int(rows[:, 3].max()) // unit
+    block = min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << max(0, longest - 1).bit_length()))
+    row_min = block // 8
+    rows = _split_long_flat(rows, row_min, unit)
     units = rows.copy()
     units[:, 3:6] //= unit
     row_units = units[:, 3]
-    long_rows = row_units >= _BLOCK
     tiles = np.where(
-        long_rows,
-        units[:, 2] * -(-row_units // _BLOCK),
-        -(-(units[:, 2] * row_units) // _BLOCK),
+        row_units >= row_min,
+        units[:, 2] * -(-row_units // block),
+        -(-(units[:, 2] * row_units) // block),
     )
     tile_start = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int64)
     num_tiles = int(tile_start[-1])
     if num_tiles >= 2**31:
         raise ValueError(f"table needs {num_tiles} programs, over the grid limit; split it")
-    meta = torch.from_numpy(np.concatenate([units.ravel(), tile_start])).to(device)
-    num_regions = len(units)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _copy_regions_kernel[(num_tiles,)](
-            meta[: num_regions * TABLE_COLUMNS],
-            meta[num_regions * TABLE_COLUMNS :],
-            num_regions,
-            UNIT=_UNIT_DTYPES[unit],
-            UNIT_BYTES=unit,
-            ALIGN_BYTES=align,
-            VEC=align // unit,
-            BLOCK=_BLOCK,
-            SEARCH_STEPS=max(1, num_regions.bit_length()),
-            num_warps=_NUM_WARPS,
-        )
-    return num_tiles
+    meta = torch.from_numpy(np.concatenate([units.ravel(), tile_start]))
+    if device.type == "cuda":
+        # Pinned + non_blocking: a pageable upload would wait for the whole stream. The
+        # caching host allocator keeps the pinned block until the copy has run.
+        meta = meta.pin_memory().to(device, non_blocking=True)
+    return CopyLaunch(meta, len(units), num_tiles, unit, align, block, device)
+
+
+def copy_regions(*, table: torch.Tensor, device: torch.device) -> int:
+    """Copy every region of a table whose memory lives on `device`, in one launch.
+
+    Arguments:
+        table, device: as for plan_copy().
+
+    Returns:
+        The number of programs launched (0 when the table moves no byte). The copy is
+        queued on the current stream of `device`.
+
+    Raises:
+        ValueError: as for plan_copy().
+    """
+    launch = plan_copy(table=table, device=device)
+    launch.run()
+    return launch.num_tiles

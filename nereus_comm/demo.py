@@ -25,7 +25,19 @@ from nereus_comm.reshard import reshard, shards_from_full
 from nereus_comm.specs import transformer_state_specs
 from nereus_comm.transport import GlooTransport
 
-MODEL = dict(num_layers=4, hidden=256, ffn=688, num_heads=8, num_kv_heads=4, vocab=4096)
+NUM_LAYERS = 4
+
+
+def model_shape(hidden: int) -> dict[str, int]:
+    """The demo model's sizes for a hidden size (256 gives a ~67 MiB training state)."""
+    return dict(
+        num_layers=NUM_LAYERS,
+        hidden=hidden,
+        ffn=hidden * 43 // 16,
+        num_heads=8,
+        num_kv_heads=4,
+        vocab=hidden * 16,
+    )
 
 
 def full_state(specs: list[TensorSpec], seed: int) -> dict[str, torch.Tensor]:
@@ -48,7 +60,7 @@ def demo_layouts(num_workers: int) -> list[Layout]:
 def _worker(ctx: WorkerContext, specs, layouts, seed: int) -> list[dict]:
     transport = GlooTransport()
     full = full_state(specs, seed)
-    num_layers = MODEL["num_layers"]
+    num_layers = NUM_LAYERS
     shards = shards_from_full(full, specs, layouts[0], ctx.rank, num_layers)
     rows = []
     for src, dst in pairwise(layouts):
@@ -75,19 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; return 0 when every byte matched."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="local processes (even, >= 2)")
+    parser.add_argument("--hidden", type=int, default=256, help="model width (multiple of 8)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.workers < 2 or args.workers % 2:
         parser.error("--workers must be an even number >= 2")
+    if args.hidden < 8 or args.hidden % 8:
+        parser.error("--hidden must be a multiple of 8")
     start = time.perf_counter()
-    specs = transformer_state_specs(**MODEL)
+    specs = transformer_state_specs(**model_shape(args.hidden))
     layouts = demo_layouts(args.workers)
     total = sum(s.nbytes for s in specs)
     print(
         f"state: {len(specs)} tensors, {total / 2**20:.1f} MiB "
-        f"(bf16 weights, fp32 master + Adam moments) of a {MODEL['num_layers']}-layer model"
+        f"(bf16 weights, fp32 master + Adam moments) of a {NUM_LAYERS}-layer model"
     )
-    plans = [plan_reshard(specs, a, b, MODEL["num_layers"]) for a, b in pairwise(layouts)]
+    plans = [plan_reshard(specs, a, b, NUM_LAYERS) for a, b in pairwise(layouts)]
     for plan in plans:
         print(f"plan {plan.src!r} -> {plan.dst!r}\n  {plan.stats!r}")
     with LocalWorkers(args.workers) as pool:

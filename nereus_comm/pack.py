@@ -77,28 +77,16 @@ class Region(NamedTuple):
         )
 
 
-class _Checked(NamedTuple):
-    """A validated region in bytes: address, rows, row bytes, stride bytes."""
+class _TensorInfo(NamedTuple):
+    """What a table needs of a tensor, looked up once per tensor per call."""
 
-    addr: int
-    num_rows: int
-    row_bytes: int
-    stride_bytes: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_rows * self.row_bytes
-
-    @property
-    def contiguous(self) -> bool:
-        return self.num_rows <= 1 or self.stride_bytes == self.row_bytes
+    data_ptr: int
+    element_size: int
+    available: int  # elements the storage holds from data_ptr()
+    device: torch.device
 
 
-def _check_region(region: Region, index: int, what: str) -> _Checked:
-    """Validate one region against its tensor's storage and return it in bytes."""
-    if not isinstance(region, tuple) or len(region) != 5:
-        raise PackError(f"{what} {index} is {region!r}; expected a Region")
-    t, *sizes = region
+def _tensor_info(t: object, index: int, what: str) -> _TensorInfo:
     if not isinstance(t, torch.Tensor):
         raise PackError(f"{what} {index}: tensor is a {type(t).__name__}, expected torch.Tensor")
     if not t.is_contiguous():
@@ -106,46 +94,133 @@ def _check_region(region: Region, index: int, what: str) -> _Checked:
             f"{what} {index}: tensor of shape {tuple(t.shape)} is not contiguous; region "
             "offsets count elements from data_ptr(), so pass a contiguous tensor"
         )
+    es = t.element_size()
+    available = t.untyped_storage().nbytes() // es - t.storage_offset()
+    return _TensorInfo(t.data_ptr(), es, available, t.device)
+
+
+def _check_region(
+    region: Region, index: int, what: str, info: _TensorInfo | None = None
+) -> tuple[int, int, int, int]:
+    """Validate one region; return (addr, num_rows, row_bytes, stride_bytes)."""
+    if not isinstance(region, tuple) or len(region) != 5:
+        raise PackError(f"{what} {index} is {region!r}; expected a Region")
+    t, *sizes = region
+    if info is None:
+        info = _tensor_info(t, index, what)
     try:
-        offset, num_rows, row_elems, row_stride = (operator.index(v) for v in sizes)
+        offset, num_rows, row_elems, row_stride = map(operator.index, sizes)
     except TypeError:
         raise PackError(f"{what} {index}: sizes {sizes!r} must be ints") from None
-    for name, value in (("offset", offset), ("num_rows", num_rows), ("row_elems", row_elems)):
-        if value < 0:
-            raise PackError(f"{what} {index}: {name}={value}, expected >= 0")
+    if offset < 0 or num_rows < 0 or row_elems < 0:
+        raise PackError(
+            f"{what} {index}: offset={offset}, num_rows={num_rows}, row_elems={row_elems}; "
+            "each must be >= 0"
+        )
     if num_rows > 1 and row_stride < row_elems:
         raise PackError(
             f"{what} {index}: row_stride={row_stride} < row_elems={row_elems}; rows overlap"
         )
-    es = t.element_size()
     if num_rows == 0 or row_elems == 0:
-        return _Checked(t.data_ptr(), 0, 0, 0)
+        return (info.data_ptr, 0, 0, 0)
     end = offset + (num_rows - 1) * row_stride + row_elems
-    available = t.untyped_storage().nbytes() // es - t.storage_offset()
-    if end > available:
+    if end > info.available:
         raise PackError(
             f"{what} {index}: {region!r} ends at element {end} but the tensor's storage holds "
-            f"{available} elements from data_ptr(); the region lies outside the storage"
+            f"{info.available} elements from data_ptr(); the region lies outside the storage"
         )
-    return _Checked(t.data_ptr() + offset * es, num_rows, row_elems * es, row_stride * es)
+    es = info.element_size
+    return (info.data_ptr + offset * es, num_rows, row_elems * es, row_stride * es)
 
 
-def _check_all(regions: Sequence[Region], what: str) -> tuple[list[_Checked], torch.device | None]:
-    """Validate a table; every region must be on one device (returned; None if empty)."""
+class _Table(NamedTuple):
+    """A validated table in bytes, one array entry per region (int64 arrays)."""
+
+    addr: np.ndarray
+    num_rows: np.ndarray
+    row_bytes: np.ndarray
+    stride: np.ndarray
+    device: torch.device | None  # None for an empty table
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self.num_rows * self.row_bytes
+
+    @property
+    def contiguous(self) -> np.ndarray:
+        return (self.num_rows <= 1) | (self.stride == self.row_bytes)
+
+    @staticmethod
+    def flat(addr: int, nbytes: np.ndarray, device: torch.device | None) -> _Table:
+        """Back-to-back regions of `nbytes` from `addr` (a packed buffer)."""
+        starts = addr + np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+        return _Table(starts[: len(nbytes)], np.ones_like(nbytes), nbytes, nbytes, device)
+
+
+def _check_all(regions: Sequence[Region], what: str) -> _Table:
+    """Validate a table; every region must be on one device.
+
+    The common case is vectorized: one Python pass pulls the fields out, numpy checks
+    them (a table may hold 10,000 regions, a few microseconds each would show). Any
+    failure re-checks the first offending region one by one for a precise message.
+    """
+    n = len(regions)
+    if not all(type(r) is Region or (isinstance(r, tuple) and len(r) == 5) for r in regions):
+        for i, r in enumerate(regions):
+            _check_region(r, i, what)
+    # Many regions share a tensor (a message holds pieces of few tensors): look each
+    # tensor up once. The regions keep the tensors alive, so id() is a safe key.
+    index_of: dict[int, int] = {}
+    infos: list[_TensorInfo] = []
+    which = []
     device = None
-    checked = []
     for i, r in enumerate(regions):
-        c = _check_region(r, i, what)
-        dev = r[0].device
-        if device is None:
-            device = dev
-        elif dev != device:
-            raise PackError(
-                f"{what} {i} is on {dev} but {what} 0 is on {device}; one table holds one "
-                "device's memory, so split the table by device"
-            )
-        checked.append(c)
-    return checked, device
+        key = id(r[0])
+        j = index_of.get(key)
+        if j is None:
+            info = _tensor_info(r[0], i, what)
+            if device is None:
+                device = info.device
+            elif info.device != device:
+                raise PackError(
+                    f"{what} {i} is on {info.device} but {what} 0 is on {device}; one table "
+                    "holds one device's memory, so split the table by device"
+                )
+            j = index_of[key] = len(infos)
+            infos.append(info)
+        which.append(j)
+    try:
+        # No dtype given: a float or an oversized int shows up as a non-integer dtype.
+        sizes = np.array([r[1:] for r in regions]).reshape(n, 4)
+    except (TypeError, ValueError, OverflowError):
+        sizes = None
+    if sizes is None or (n and sizes.dtype.kind not in "iu"):
+        checked = [_check_region(r, i, what, infos[which[i]]) for i, r in enumerate(regions)]
+        cols = np.array(checked, dtype=np.int64).reshape(n, 4)
+        return _Table(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
+    sizes = sizes.astype(np.int64, copy=False)
+    which = np.array(which, dtype=np.int64)
+    base = np.array([x.data_ptr for x in infos], dtype=np.int64)[which]
+    es = np.array([x.element_size for x in infos], dtype=np.int64)[which]
+    available = np.array([x.available for x in infos], dtype=np.int64)[which]
+    offset, num_rows, row_elems, row_stride = sizes.T
+    empty = (num_rows == 0) | (row_elems == 0)
+    end = offset + (num_rows - 1) * row_stride + row_elems
+    bad = (offset < 0) | (num_rows < 0) | (row_elems < 0)
+    bad |= (num_rows > 1) & (row_stride < row_elems)
+    bad |= ~empty & (end > available)
+    if bad.any():
+        i = int(np.argmax(bad))
+        _check_region(regions[i], i, what)
+        raise AssertionError(f"{what} {i} failed the vectorized check but not the exact one")
+    num_rows = np.where(empty, 0, num_rows)
+    return _Table(
+        np.where(empty, base, base + offset * es),
+        num_rows,
+        np.where(empty, 0, row_elems * es),
+        np.where(empty, 0, row_stride * es),
+        device,
+    )
 
 
 def _check_buffer(buf: torch.Tensor, nbytes: int, device: torch.device | None, what: str) -> None:
@@ -165,58 +240,67 @@ def _check_buffer(buf: torch.Tensor, nbytes: int, device: torch.device | None, w
         )
 
 
-def _entry(src: _Checked, dst: _Checked) -> list[tuple[int, int, int, int, int, int]]:
-    """Table rows copying src onto dst (same bytes, any row shapes)."""
-    if src.nbytes == 0:
-        return []
-    if src.num_rows == dst.num_rows and src.row_bytes == dst.row_bytes:
-        return [
-            (src.addr, dst.addr, src.num_rows, src.row_bytes, src.stride_bytes, dst.stride_bytes)
-        ]
-    if src.contiguous:
-        return [(src.addr, dst.addr, dst.num_rows, dst.row_bytes, dst.row_bytes, dst.stride_bytes)]
-    if dst.contiguous:
-        return [(src.addr, dst.addr, src.num_rows, src.row_bytes, src.stride_bytes, src.row_bytes)]
-    # Both strided with different row lengths (never produced by a reshard plan, whose
-    # two sides split the same dim): one row per run that stays inside a row of each.
-    rows = []
-    pos = 0
-    while pos < src.nbytes:
-        s_row, s_col = divmod(pos, src.row_bytes)
-        d_row, d_col = divmod(pos, dst.row_bytes)
-        n = min(src.row_bytes - s_col, dst.row_bytes - d_col)
-        s_addr = src.addr + s_row * src.stride_bytes + s_col
-        rows.append((s_addr, dst.addr + d_row * dst.stride_bytes + d_col, 1, n, n, n))
-        pos += n
-    return rows
+def _pair_table(src: _Table, dst: _Table) -> np.ndarray:
+    """The (k, 6) copy table moving src region i onto dst region i (same bytes each)."""
+    keep = src.nbytes > 0
+    same = (src.num_rows == dst.num_rows) & (src.row_bytes == dst.row_bytes)
+    # A contiguous side can take the other side's row shape.
+    like_dst = ~same & src.contiguous
+    like_src = ~same & ~like_dst & dst.contiguous
+    general = keep & ~same & ~like_dst & ~like_src
+    table = np.stack(
+        [
+            src.addr,
+            dst.addr,
+            np.where(like_dst, dst.num_rows, src.num_rows),
+            np.where(like_dst, dst.row_bytes, src.row_bytes),
+            np.where(like_dst, dst.row_bytes, src.stride),
+            np.where(like_src, src.row_bytes, dst.stride),
+        ],
+        axis=1,
+    )[keep & ~general]
+    if not general.any():
+        return table
+    # Both strided with different row lengths (a reshard plan never makes these: its two
+    # sides split the same dim): one row per run that stays inside a row of each.
+    runs = []
+    for i in np.flatnonzero(general).tolist():
+        s_rb, d_rb = int(src.row_bytes[i]), int(dst.row_bytes[i])
+        s_st, d_st = int(src.stride[i]), int(dst.stride[i])
+        pos, nbytes = 0, int(src.nbytes[i])
+        while pos < nbytes:
+            s_row, s_col = divmod(pos, s_rb)
+            d_row, d_col = divmod(pos, d_rb)
+            n = min(s_rb - s_col, d_rb - d_col)
+            s_addr = int(src.addr[i]) + s_row * s_st + s_col
+            runs.append((s_addr, int(dst.addr[i]) + d_row * d_st + d_col, 1, n, n, n))
+            pos += n
+    return np.concatenate([table, np.array(runs, dtype=np.int64)])
 
 
 def _run(
-    table: list[tuple[int, ...]],
-    device: torch.device | None,
-    num_threads: int | None,
-    backend: str | None,
+    table: np.ndarray, device: torch.device | None, num_threads: int | None, backend: str | None
 ) -> None:
     """Copy a table on the backend that owns `device`'s memory."""
     if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
         raise PackError(f"num_threads={num_threads!r}, expected None or an int >= 1")
     if backend is not None and backend not in _BACKENDS:
         raise PackError(f"backend={backend!r}, expected None or one of {_BACKENDS}")
-    if not table or device is None:
+    if len(table) == 0 or device is None:
         return
     if backend is None:
         backend = "host" if device.type == "cpu" else "triton"
-    array = np.array(table, dtype=np.int64).reshape(-1, 6)
+    table = np.ascontiguousarray(table, dtype=np.int64)
     if backend == "host":
         if device.type != "cpu":
             raise PackError(f"the host path copies CPU memory only, got {device}")
-        _C.copy_regions(array, num_threads or 0)
+        _C.copy_regions(table, num_threads or 0)
         return
     if device.type not in ("cuda", "cpu"):
         raise PackError(f"no pack path for {device}; regions must be on CPU or CUDA")
     from nereus_comm.kernels import pack as kernels  # imports triton: only when needed
 
-    kernels.copy_regions(table=torch.from_numpy(array), device=device)
+    kernels.copy_regions(table=torch.from_numpy(table), device=device)
 
 
 def packed_nbytes(regions: Sequence[Region]) -> int:
@@ -228,7 +312,7 @@ def packed_nbytes(regions: Sequence[Region]) -> int:
     Returns:
         The sum of the regions' bytes.
     """
-    return sum(r.num_rows * r.row_elems * r.tensor.element_size() for r in regions)
+    return sum(int(r[2]) * int(r[3]) * r[0].element_size() for r in regions)
 
 
 def pack(
@@ -256,18 +340,14 @@ def pack(
         PackError: a region outside its tensor's storage, a non-contiguous tensor,
             regions on different devices, a bad or too small `out`.
     """
-    checked, device = _check_all(regions, "region")
-    nbytes = sum(c.nbytes for c in checked)
+    src = _check_all(regions, "region")
+    nbytes = int(src.nbytes.sum())
     if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=device or "cpu")
+        out = torch.empty(nbytes, dtype=torch.uint8, device=src.device or "cpu")
     else:
-        _check_buffer(out, nbytes, device, "out")
-    table = []
-    addr = out.data_ptr()
-    for c in checked:
-        table += _entry(c, _Checked(addr, 1, c.nbytes, c.nbytes))
-        addr += c.nbytes
-    _run(table, device, num_threads, backend)
+        _check_buffer(out, nbytes, src.device, "out")
+    table = _pair_table(src, _Table.flat(out.data_ptr(), src.nbytes, src.device))
+    _run(table, src.device, num_threads, backend)
     return out[:nbytes]
 
 
@@ -289,15 +369,11 @@ def unpack(
     Raises:
         PackError: as for pack(), with `buf` in place of `out`.
     """
-    checked, device = _check_all(regions, "region")
-    nbytes = sum(c.nbytes for c in checked)
-    _check_buffer(buf, nbytes, device, "buf")
-    table = []
-    addr = buf.data_ptr()
-    for c in checked:
-        table += _entry(_Checked(addr, 1, c.nbytes, c.nbytes), c)
-        addr += c.nbytes
-    _run(table, device, num_threads, backend)
+    dst = _check_all(regions, "region")
+    nbytes = int(dst.nbytes.sum())
+    _check_buffer(buf, nbytes, dst.device, "buf")
+    table = _pair_table(_Table.flat(buf.data_ptr(), dst.nbytes, dst.device), dst)
+    _run(table, dst.device, num_threads, backend)
 
 
 def copy_regions(
@@ -310,6 +386,8 @@ def copy_regions(
     """Copy src_regions[i] onto dst_regions[i] for every i, in one call.
 
     Pairs may differ in dtype and row shape; each pair must hold the same bytes.
+    Destinations must not overlap each other or any source (they are copied in
+    parallel, in no particular order).
 
     Arguments:
         src_regions, dst_regions: equally long tables, all on one device.
@@ -323,19 +401,18 @@ def copy_regions(
             f"{len(src_regions)} source regions but {len(dst_regions)} destination regions; "
             "pass one destination per source"
         )
-    src, src_device = _check_all(src_regions, "source region")
-    dst, dst_device = _check_all(dst_regions, "destination region")
-    if src_device is not None and src_device != dst_device:
-        raise PackError(f"source regions are on {src_device} but destinations on {dst_device}")
-    table = []
-    for i, (s, d) in enumerate(zip(src, dst)):
-        if s.nbytes != d.nbytes:
-            raise PackError(
-                f"pair {i}: source holds {s.nbytes} bytes, destination {d.nbytes}; "
-                "a pair must hold the same bytes"
-            )
-        table += _entry(s, d)
-    _run(table, src_device, num_threads, backend)
+    src = _check_all(src_regions, "source region")
+    dst = _check_all(dst_regions, "destination region")
+    if src.device is not None and src.device != dst.device:
+        raise PackError(f"source regions are on {src.device} but destinations on {dst.device}")
+    differ = src.nbytes != dst.nbytes
+    if differ.any():
+        i = int(np.argmax(differ))
+        raise PackError(
+            f"pair {i}: source holds {src.nbytes[i]} bytes, destination {dst.nbytes[i]}; "
+            "a pair must hold the same bytes"
+        )
+    _run(_pair_table(src, dst), src.device, num_threads, backend)
 
 
 def is_contiguous_region(region: Region) -> bool:

@@ -9,12 +9,15 @@ compact plan and wraps it in a `ReshardPlan` whose per-rank views
   bytes sent equal the lower bound (what the destination lacks);
 - among the source replicas of a byte (dp copies, tp-replicated tensors,
   tensors on every pipeline stage) sources are chosen to balance bytes sent
-  per source rank, preferring a source on the receiver's node (a remote
-  source counts one part heavier); with fewer receivers than holders a
-  receiver's share is cut into parts spread over several holders;
+  per source rank: parts go to the least-loaded holder, or to a holder that
+  already sends to the receiver (saves a message) or sits on its node
+  (saves cross-node bytes) when that keeps the holders within one part of
+  balanced; with fewer receivers than holders a receiver's share is cut
+  into parts spread over several holders;
 - all pieces between two ranks form one `Message`, the same on both sides.
 
 Every rank computes the same plan independently: no communication.
+tests/reference_planner.py states the source-choice rules in plain Python.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,14 +85,22 @@ class PlanStats:
     num_messages: int
 
     def __repr__(self) -> str:
-        mib = 1 << 20
         return (
-            f"PlanStats(sent {self.total_bytes / mib:.1f} MiB (lower bound "
-            f"{self.lower_bound_bytes / mib:.1f}), local {self.local_bytes / mib:.1f} MiB, "
-            f"max send {self.max_send_bytes / mib:.1f} MiB, max recv "
-            f"{self.max_recv_bytes / mib:.1f} MiB, cross-node {self.cross_node_bytes / mib:.1f} "
-            f"MiB, {self.num_messages} messages)"
+            f"PlanStats(sent {_fmt(self.total_bytes)} (lower bound "
+            f"{_fmt(self.lower_bound_bytes)}), local {_fmt(self.local_bytes)}, max send "
+            f"{_fmt(self.max_send_bytes)}, max recv {_fmt(self.max_recv_bytes)}, cross-node "
+            f"{_fmt(self.cross_node_bytes)}, {self.num_messages} messages)"
         )
+
+
+def _fmt(nbytes: int) -> str:
+    """Bytes in a short human unit (B, KiB, MiB, GiB, TiB)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{nbytes}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TiB"
 
 
 class ReshardPlan:
@@ -104,7 +116,14 @@ class ReshardPlan:
         src, dst: the layouts, with num_layers filled in.
         num_layers: the destination's number of layers (src.num_layers may differ).
         stats: PlanStats.
-        raw: the compact plan arrays.
+        raw: the compact plan (read-only numpy arrays, positions are indices
+            into src.ranks / dst.ranks): items (item_tensor, item_start,
+            item_stop, item_bytes; an interval of the split dim, (0, 1) for
+            replicated tensors), blocks (item ranges, block_offset), sends
+            (asg_dst, asg_src, asg_begin, asg_end, asg_bytes: items
+            [begin, end) from src to dst, sorted by (dst, src); send_order
+            sorts them by (src, dst)), local copies (local_dst, local_block),
+            per-rank totals (send_bytes, recv_bytes, local_bytes).
     """
 
     def __init__(
@@ -131,6 +150,7 @@ class ReshardPlan:
             num_messages=raw.num_messages,
         )
         self._pieces: dict[int, Piece] = {}
+        self._item_lists: tuple[list[int], list[int], list[int], list[int]] | None = None
         self._send_src: np.ndarray | None = None
         self._cache: dict[tuple[str, int], list] = {}
 
@@ -143,36 +163,50 @@ class ReshardPlan:
                 f"{self.dst!r}; ask only about ranks of the plan"
             )
 
+    def _items(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        if self._item_lists is None:
+            raw = self.raw
+            self._item_lists = (
+                raw.item_tensor.tolist(),
+                raw.item_start.tolist(),
+                raw.item_stop.tolist(),
+                raw.item_bytes.tolist(),
+            )
+        return self._item_lists
+
     def _piece(self, item: int) -> Piece:
         # Pieces are immutable and shared by every dp replica of a shard class,
         # so one object per item serves all ranks.
         piece = self._pieces.get(item)
         if piece is None:
-            raw = self.raw
-            t = int(raw.item_tensor[item])
+            tensors, starts, stops, nbytes = self._items()
+            t = tensors[item]
             spec = self.specs[t]
-            a, b = int(raw.item_start[item]), int(raw.item_stop[item])
             if spec.split_dim is None:
                 box = spec.full_box()
             else:
                 dims = list(spec.full_box())
-                dims[spec.split_dim] = (a, b)
+                dims[spec.split_dim] = (starts[item], stops[item])
                 box = tuple(dims)
-            piece = Piece(t, box, int(raw.item_bytes[item]))
+            piece = Piece(t, box, nbytes[item])
             self._pieces[item] = piece
         return piece
 
     def _sorted_pieces(self, items: list[int]) -> tuple[Piece, ...]:
-        raw = self.raw
-        items.sort(key=lambda i: (raw.item_tensor[i], raw.item_start[i]))
+        tensors, starts, _, _ = self._items()
+        items.sort(key=lambda i: (tensors[i], starts[i]))
         return tuple(self._piece(i) for i in items)
 
     def _messages(self, indices: np.ndarray, *, outgoing: bool) -> list[Message]:
         raw = self.raw
         pairs: dict[tuple[int, int], list[int]] = {}
-        for i in indices.tolist():
-            key = (int(raw.asg_src[i]), int(raw.asg_dst[i]))
-            pairs.setdefault(key, []).extend(range(int(raw.asg_begin[i]), int(raw.asg_end[i])))
+        for s, d, a, b in zip(
+            raw.asg_src[indices].tolist(),
+            raw.asg_dst[indices].tolist(),
+            raw.asg_begin[indices].tolist(),
+            raw.asg_end[indices].tolist(),
+        ):
+            pairs.setdefault((s, d), []).extend(range(a, b))
         out = [
             Message(self.src.ranks[s], self.dst.ranks[d], self._sorted_pieces(items))
             for (s, d), items in pairs.items()
@@ -194,8 +228,9 @@ class ReshardPlan:
             raw, r = self.raw, self.dst.position(rank)
             lo, hi = np.searchsorted(raw.local_dst, [r, r + 1])
             items: list[int] = []
+            offsets = raw.block_offset
             for b in raw.local_block[lo:hi].tolist():
-                items.extend(range(int(raw.block_offset[b]), int(raw.block_offset[b + 1])))
+                items.extend(range(int(offsets[b]), int(offsets[b + 1])))
             self._cache[key] = list(self._sorted_pieces(items))
         return list(self._cache[key])
 
@@ -250,13 +285,12 @@ class ReshardPlan:
         lines = [repr(self), f"  src {self.src!r}", f"  dst {self.dst!r}", f"  {self.stats!r}"]
         for rank in list(ranks)[:max_ranks]:
             local = self.local_copies(rank)
-            lines.append(
-                f"  rank {rank}: local {len(local)} pieces {sum(p.nbytes for p in local)}B"
-            )
+            local_bytes = _fmt(sum(p.nbytes for p in local))
+            lines.append(f"  rank {rank}: local {len(local)} pieces {local_bytes}")
             for m in self.sends(rank):
-                lines.append(f"    send -> {m.dst}: {len(m.pieces)} pieces {m.nbytes}B")
+                lines.append(f"    send -> {m.dst}: {len(m.pieces)} pieces {_fmt(m.nbytes)}")
             for m in self.recvs(rank):
-                lines.append(f"    recv <- {m.src}: {len(m.pieces)} pieces {m.nbytes}B")
+                lines.append(f"    recv <- {m.src}: {len(m.pieces)} pieces {_fmt(m.nbytes)}")
         if len(ranks) > max_ranks:
             lines.append(f"  ... {len(ranks) - max_ranks} more ranks")
         return "\n".join(lines)
@@ -352,20 +386,44 @@ def plan_reshard(
         PlanError: src and dst disagree on the specs or on num_layers; a
             destination byte no source holds.
     """
+    prepared = prepare_plan(specs, src, dst, num_layers, dst_specs=dst_specs)
+    return ReshardPlan(
+        prepared.specs,
+        prepared.src,
+        prepared.dst,
+        _C.remap_plan(*prepared.args),
+        prepared.dst_specs,
+    )
+
+
+class PreparedPlan(NamedTuple):
+    """Checked planner input: `_C.remap_plan(*args)` plans it (benchmarks time that alone)."""
+
+    specs: tuple[TensorSpec, ...]
+    dst_specs: tuple[TensorSpec, ...]
+    src: Layout
+    dst: Layout
+    args: tuple
+
+
+def prepare_plan(
+    specs: Sequence[TensorSpec],
+    src: Layout,
+    dst: Layout,
+    num_layers: int | None = None,
+    *,
+    dst_specs: Sequence[TensorSpec] | None = None,
+) -> PreparedPlan:
+    """Check the input of `plan_reshard` and turn it into the C++ planner's arrays.
+
+    Arguments and Raises: as `plan_reshard`.
+    """
     specs = tuple(specs)
     _check_specs(specs, dst_specs)
     dspecs = specs if dst_specs is None else tuple(dst_specs)
     inferred = max(infer_num_layers(specs), infer_num_layers(dspecs))
     src = _resolve_layers(src, num_layers, inferred, "src")
     dst = _resolve_layers(dst, num_layers, inferred, "dst")
-    if src.node_of is not None and dst.node_of is not None:
-        for r in set(src.ranks) & set(dst.ranks):
-            if src.node(r) != dst.node(r):
-                raise LayoutError(
-                    f"rank {r} is on node {src.node(r)} in src but node {dst.node(r)} in dst; "
-                    "a rank is one device, give it one node"
-                )
-
     n = len(specs)
     src_keys = np.fromiter((-1 if s.stage_key is None else s.stage_key for s in specs), np.int64, n)
     dst_keys = np.fromiter(
@@ -381,28 +439,34 @@ def plan_reshard(
                 f"{layout.num_layers} ({len(bad)} such tensors); src and dst must cover the "
                 "same layers"
             )
-    length = np.empty(n, np.int64)
-    unit = np.empty(n, np.int64)
-    split = np.empty(n, np.int32)
-    for i, s in enumerate(specs):
-        nbytes = s.nbytes
-        if s.split_dim is None:
-            length[i], unit[i], split[i] = 1, nbytes, 0
-        else:
-            size = s.shape[s.split_dim]
-            length[i], unit[i], split[i] = size, (nbytes // size if size else 0), 1
+    length, unit, split = [], [], []
+    for s in specs:
+        size = 1 if s.split_dim is None else s.shape[s.split_dim]
+        length.append(size)
+        unit.append(s.nbytes // size if size else 0)
+        split.append(s.split_dim is not None)
     pos = src._pos
     dst_in_src = np.fromiter((pos.get(r, -1) for r in dst.ranks), np.int64, dst.world_size)
-    raw = _C.remap_plan(
+    src_node, dst_node = _node_array(src), _node_array(dst)
+    if src.node_of is not None and dst.node_of is not None:
+        both = np.nonzero(dst_in_src >= 0)[0]
+        clash = both[src_node[dst_in_src[both]] != dst_node[both]]
+        if len(clash):
+            r = dst.ranks[int(clash[0])]
+            raise LayoutError(
+                f"rank {r} is on node {src.node(r)} in src but node {dst.node(r)} in dst; "
+                "a rank is one device, give it one node"
+            )
+    args = (
         (src.dp, src.tp, src.pp),
-        _node_array(src),
+        src_node,
         (dst.dp, dst.tp, dst.pp),
-        _node_array(dst),
+        dst_node,
         dst_in_src,
-        length,
-        unit,
-        split,
+        np.array(length, np.int64),
+        np.array(unit, np.int64),
+        np.array(split, np.int32),
         _stages(src_keys, src.num_layers, src.pp),
         _stages(dst_keys, dst.num_layers, dst.pp),
     )
-    return ReshardPlan(specs, src, dst, raw, dspecs)
+    return PreparedPlan(specs, dspecs, src, dst, args)

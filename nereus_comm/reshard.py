@@ -177,10 +177,10 @@ def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[
     return ([tuple(small)] if small else []) + large
 
 
-def _regions(plan, pieces, layout: Layout, rank: int, tensors) -> list[Region]:
+def _regions(specs, pieces, layout: Layout, rank: int, tensors) -> list[Region]:
     out = []
     for piece in pieces:
-        spec = plan.specs[piece.tensor]
+        spec = specs[piece.tensor]
         off, rows, row, stride = local_region(spec, layout, rank, piece.box)
         out.append(Region(tensors[spec.name], off, rows, row, stride))
     return out
@@ -205,12 +205,12 @@ class Workspace:
         return buf[:nbytes]
 
 
-def _buffer_plan(plan, messages, layout: Layout, rank: int, tensors, min_bytes, *, outgoing):
+def _buffer_plan(plan, specs, messages, layout: Layout, rank, tensors, min_bytes, *, outgoing):
     """(peer, view or None, staged regions or None) per wire buffer of the messages."""
     out = []
     for m in messages:
         peer = m.dst if outgoing else m.src
-        regions = _regions(plan, m.pieces, layout, rank, tensors)
+        regions = _regions(specs, m.pieces, layout, rank, tensors)
         for group in wire_groups(plan, m, min_bytes):
             rs = [regions[i] for i in group]
             if len(rs) == 1 and is_contiguous_region(rs[0]):
@@ -281,11 +281,18 @@ def reshard(
     # The plan resolved num_layers into each layout (src and dst may differ): nl=None
     # makes every box query use the layout's own.
     specs, src, dst, nl = plan.specs, plan.src, plan.dst, None
+    # The destination may place tensors on other stages (plan_reshard's dst_specs).
+    dst_specs = getattr(plan, "dst_specs", specs)
     if rank != transport.rank:
         raise TransportArgumentError(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
         )
     device_type = transport.device_type
+    if workspace is not None and workspace.device.type != device_type:
+        raise TransportArgumentError(
+            f"the workspace holds {workspace.device} memory but {transport!r} moves "
+            f"{device_type} memory; use Workspace({device_type!r})"
+        )
     _check_shards(tensors, specs, src, rank, nl, device_type, "source")
     involved = rank in src or rank in dst
     sends = plan.sends(rank) if involved else []
@@ -298,13 +305,13 @@ def reshard(
                 f"rank {rank} exchanges with rank {peer}, which {transport!r} cannot reach"
             )
     if out is not None:
-        _check_shards(out, specs, dst, rank, nl, device_type, "destination")
+        _check_shards(out, dst_specs, dst, rank, nl, device_type, "destination")
         dst_tensors = dict(out)
     else:
         device = getattr(transport, "device", None) or torch.device(device_type)
         dst_tensors = {}
         if rank in dst:
-            for spec in specs:
+            for spec in dst_specs:
                 box = dst.box(spec, rank, nl)
                 if box is not None:
                     dst_tensors[spec.name] = torch.empty(
@@ -315,8 +322,12 @@ def reshard(
     # One buffer per wire group: a view of the tensor where the group is one
     # contiguous block on this side, else a slice of one staging buffer that a
     # single pack (before) or unpack (after the exchange) call fills or drains.
-    send_plan = _buffer_plan(plan, sends, src, rank, tensors, direct_min_bytes, outgoing=True)
-    recv_plan = _buffer_plan(plan, recvs, dst, rank, dst_tensors, direct_min_bytes, outgoing=False)
+    send_plan = _buffer_plan(
+        plan, specs, sends, src, rank, tensors, direct_min_bytes, outgoing=True
+    )
+    recv_plan = _buffer_plan(
+        plan, dst_specs, recvs, dst, rank, dst_tensors, direct_min_bytes, outgoing=False
+    )
     send_staged = [r for _, _, regions in send_plan if regions is not None for r in regions]
     recv_staged = [r for _, _, regions in recv_plan if regions is not None for r in regions]
     send_stage = _stage(send_staged, workspace, "send", device_type)
@@ -332,8 +343,8 @@ def reshard(
     local = plan.local_copies(rank) if involved else []
     bytes_local = 0
     if local:
-        src_regions = _regions(plan, local, src, rank, tensors)
-        dst_regions = _regions(plan, local, dst, rank, dst_tensors)
+        src_regions = _regions(specs, local, src, rank, tensors)
+        dst_regions = _regions(dst_specs, local, dst, rank, dst_tensors)
         copy_regions(src_regions, dst_regions)
         bytes_local = sum(r.nbytes for r in dst_regions)
     pending.wait()

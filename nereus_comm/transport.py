@@ -33,8 +33,10 @@ from nereus_comm.errors import (
     TensorMismatchError,
     TransportError,
 )
+from nereus_comm.nccl import NCCL_IN_PROGRESS
 
 __all__ = [
+    "GLOO_CHUNK_BYTES",
     "GlooTransport",
     "NcclTransport",
     "PendingExchange",
@@ -44,6 +46,9 @@ __all__ = [
 ]
 
 Buffers = Sequence[tuple[int, torch.Tensor]]
+
+#: GlooTransport splits larger buffers into chunks of this size (see its docstring).
+GLOO_CHUNK_BYTES = 1 << 20
 
 
 class TransportArgumentError(NereusCommError, ValueError):
@@ -208,18 +213,31 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _chunks(t: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
+    flat = _as_bytes(t)
+    return [flat[i : i + chunk_bytes] for i in range(0, flat.numel(), chunk_bytes)]
+
+
 class GlooTransport(Transport):
     """Exchange over a torch.distributed gloo process group (host memory).
 
     Arguments:
         group: the gloo group (default: the default process group). Peers are
             global ranks, as everywhere in nereus_comm.
+        chunk_bytes: buffers larger than this travel as consecutive chunks of this
+            size (both sides split the same way, since their sizes match). Gloo moves
+            many ~1 MiB transfers faster than one huge one: they pipeline.
     """
 
     device_type = "cpu"
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, chunk_bytes: int = GLOO_CHUNK_BYTES
+    ) -> None:
         super().__init__()
+        if chunk_bytes < 1:
+            raise TransportArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         if not dist.is_initialized():
             raise TransportArgumentError(
                 "torch.distributed is not initialized; call init_process_group('gloo', ...) "
@@ -240,9 +258,11 @@ class GlooTransport(Transport):
         try:
             # Receives first, so that data arriving early lands in place.
             for peer, t in recvs:
-                pending.append(("recv from", peer, dist.irecv(_as_bytes(t), peer, self.group)))
+                for chunk in _chunks(t, self.chunk_bytes):
+                    pending.append(("recv from", peer, dist.irecv(chunk, peer, self.group)))
             for peer, t in sends:
-                pending.append(("send to", peer, dist.isend(_as_bytes(t), peer, self.group)))
+                for chunk in _chunks(t, self.chunk_bytes):
+                    pending.append(("send to", peer, dist.isend(chunk, peer, self.group)))
         except RuntimeError as e:  # a pair closed earlier: the peer is gone
             self._break(f"posting failed: {e}")
             raise PeerTimeoutError(
@@ -252,7 +272,7 @@ class GlooTransport(Transport):
 
     def _wait(self, state) -> None:
         pending, deadline, timeout = state
-        failed: list[tuple[str, int, str]] = []
+        failed: dict[tuple[str, int], str] = {}
         for what, peer, work in pending:
             # Work.is_completed() also reports True for timed-out work, so the
             # outcome of each wait is the only truth about what is still pending.
@@ -260,14 +280,15 @@ class GlooTransport(Transport):
             try:
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as e:
-                failed.append((what, peer, str(e).splitlines()[-1]))
+                failed.setdefault((what, peer), str(e).splitlines()[-1])
         if failed:
-            peers = [p for _, p, _ in failed]
+            peers = [p for _, p in failed]
             self._break(f"peers {_peer_list(peers)} timed out")
-            detail = "; ".join(f"{w} {p}" for w, p, _ in failed)
+            detail = "; ".join(f"{w} {p}" for w, p in failed)
+            first = next(iter(failed.values()))
             raise PeerTimeoutError(
                 f"rank {self.rank}: peers {_peer_list(peers)} did not complete within "
-                f"{timeout:g} s (pending: {detail}; gloo: {failed[0][2]}). The peer may have "
+                f"{timeout:g} s (pending: {detail}; gloo: {first}). The peer may have "
                 "died; form a new group without it."
             )
 
@@ -286,7 +307,9 @@ class NcclTransport(Transport):
         rank: this process's global rank.
         ranks: the global ranks of the communicator, in communicator order.
         device: this process's CUDA device (index or torch.device).
-        key: store key prefix; must be unique per communicator.
+        key: store key prefix; must be unique per communicator created through
+            ``store`` (default: derived from ``ranks``, so pass one when the same
+            ranks build a second communicator over the same store).
         lib: the NCCL library (default: :func:`nereus_comm.nccl.load_nccl`).
         comm: an existing communicator to wrap instead of creating one (e.g. from
             the communicator pool); the transport then does not destroy it.
@@ -307,13 +330,13 @@ class NcclTransport(Transport):
         ranks: Sequence[int],
         device: int | torch.device,
         *,
-        key: str = "nereus/nccl_transport",
+        key: str | None = None,
         lib=None,
         comm: int | None = None,
         init_timeout: float = 300.0,
     ) -> None:
         super().__init__()
-        from nereus_comm.nccl import load_nccl
+        from nereus_comm.nccl import load_nccl  # here: no NCCL is needed for gloo
 
         if not torch.cuda.is_available():
             raise TransportArgumentError("NcclTransport needs a CUDA device; use GlooTransport")
@@ -327,6 +350,8 @@ class NcclTransport(Transport):
         self._owns_comm = comm is None
         if comm is None:
             torch.cuda.set_device(self.device)
+            if key is None:
+                key = "nereus/nccl_transport/" + "-".join(map(str, self.ranks))
             uid_key = f"{key}/unique_id"
             if self._index[rank] == 0:
                 store.set(uid_key, self.lib.get_unique_id())
@@ -385,11 +410,11 @@ class NcclTransport(Transport):
     def _wait(self, state) -> None:
         done, deadline, peers, timeout = state
         while not done.query():
-            state = self.lib.comm_get_async_error(self.comm)
-            if state not in (0, 7):
+            code = self.lib.comm_get_async_error(self.comm)
+            if code not in (0, NCCL_IN_PROGRESS):
                 self._abort_comm()
                 raise TransportError(
-                    f"rank {self.rank}: NCCL reported {self.lib.error_string(state)} during an "
+                    f"rank {self.rank}: NCCL reported {self.lib.error_string(code)} during an "
                     f"exchange with peers {_peer_list(peers)}"
                 )
             if time.monotonic() > deadline:

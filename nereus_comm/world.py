@@ -12,7 +12,10 @@ hosted by the process that calls ``World.create``):
 - ``member/<id>/hb``: a counter each member's heartbeat thread increments every
   ``heartbeat_interval`` seconds. Watchers compare values, never clocks: a member
   whose counter has not moved for ``heartbeat_timeout`` seconds of the watcher's
-  own monotonic clock is dead. So clocks need not agree across hosts.
+  own monotonic clock is dead. So clocks need not agree across hosts, and a
+  death is seen within ``heartbeat_timeout + heartbeat_interval`` seconds (plus
+  store latency); a live member is never reported dead unless its heartbeat
+  thread stalls for ``heartbeat_timeout``.
 - ``member/<id>/left``: set by ``leave()``; a member that left is not alive.
 - ``gen/<g>/members``: the member ids of generation ``g`` in rank order (ascending
   ids, so the members that stay keep their relative order). Agreed by
@@ -87,12 +90,14 @@ class _Watcher:
     def _beat(self) -> None:
         updates = {}
         left = set()
+        with self._lock:
+            known_left = set(self._left)
         with self._io:
             _add(self._store, f"member/{self._member_id}/hb", 1)
             num_ids = _add(self._store, "num_ids")
             now = time.monotonic()
             for m in range(num_ids):
-                if m == self._member_id:
+                if m == self._member_id or m in known_left:
                     continue
                 if _add(self._store, f"member/{m}/left"):
                     left.add(m)
@@ -137,6 +142,15 @@ class World:
 
     Make one with ``World.create`` (the first process, hosts the store) or
     ``World.join`` (any later process). See the module docstring for the protocol.
+    A World owns torch.distributed's default process group: each generation
+    replaces it, so make at most one World per process.
+
+    Example::
+
+        world = World.create("0.0.0.0", 29500, min_members=2)   # or World.join(host, port)
+        dist.all_reduce(t, group=world.process_group())
+        if world.membership_changed():                          # at a safe boundary, on all
+            world.next_generation()
     """
 
     def __init__(
@@ -431,7 +445,8 @@ class World:
                 timeout=datetime.timedelta(seconds=timeout),
             )
         except (RuntimeError, dist.DistError) as e:
-            self._generation, self._members = g, ()
+            # Keep the old members: a retry proposes the alive ones again, as g + 1.
+            self._generation = g
             raise MembershipError(
                 f"generation {g} (members {members}) did not form within {timeout} s: a listed "
                 f"process may have died; call next_generation() again: {e}"

@@ -33,108 +33,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from nereus_rl.emu_comm import Layout, TensorSpec, box_slices
 from nereus_rl.emu_state import reference_state
+from nereus_rl.emu_types import EMU, EMUError, EMUStateLostError, PrimitiveRecord, StageState
 from nereus_rl.runtime import Driver
-
-
-class EMUError(ValueError):
-    """A primitive was asked for something it cannot do; nothing moved."""
-
-
-class EMUStateLostError(RuntimeError):
-    """Every unit holding a stage's state lost a shard; it cannot be rebuilt from memory."""
-
-
-@dataclass(frozen=True)
-class StageState:
-    """What a model-stage's units hold.
-
-    Arguments:
-        name: the stage (e.g. "actor.train").
-        specs: the TensorSpecs of one unit's full state.
-        num_layers: layers the pipeline split divides.
-        seed: seed of the synthetic initial content.
-    """
-
-    name: str
-    specs: tuple[TensorSpec, ...]
-    num_layers: int
-    seed: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one full copy of the state."""
-        return sum(s.nbytes for s in self.specs)
-
-    def __repr__(self) -> str:
-        return (
-            f"StageState({self.name} tensors={len(self.specs)} layers={self.num_layers} "
-            f"{self.nbytes / 2**20:.1f} MiB)"
-        )
-
-
-@dataclass(frozen=True)
-class EMU:
-    """One replica of one model-stage on tp x pp worker ranks.
-
-    Arguments:
-        uid: job-unique unit id.
-        stage: the stage's name.
-        tp, pp: tensor and pipeline degrees.
-        ranks: tp * pp worker ranks, pp-major then tp (Layout order).
-        num_layers: layers of the stage (for the layout's pipeline split).
-    """
-
-    uid: int
-    stage: str
-    tp: int
-    pp: int
-    ranks: tuple[int, ...]
-    num_layers: int
-
-    @property
-    def degree(self) -> int:
-        """Number of devices (tp * pp)."""
-        return self.tp * self.pp
-
-    @property
-    def layout(self) -> Layout:
-        """The unit's Layout (dp = 1)."""
-        return Layout(1, self.tp, self.pp, self.ranks, num_layers=self.num_layers)
-
-    def __repr__(self) -> str:
-        return f"EMU(#{self.uid} {self.stage} tp{self.tp} pp{self.pp} ranks={list(self.ranks)})"
-
-
-@dataclass(frozen=True)
-class PrimitiveRecord:
-    """Measured cost of one primitive.
-
-    bytes_moved: bytes sent between ranks; bytes_local: bytes copied inside a
-    rank; bytes_direct / bytes_packed: of bytes_moved, those sent straight from
-    the source tensors (zero copy) / packed into per-message buffers;
-    comm_setup_s: the slowest rank's communicator creation time; seconds: wall
-    time on the driver (planning, setup, transfer, commit).
-    """
-
-    kind: str
-    stage: str
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    num_ranks: int
-    seconds: float
-    bytes_moved: int = 0
-    bytes_local: int = 0
-    bytes_direct: int = 0
-    bytes_packed: int = 0
-    comm_setup_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EMUManager:
@@ -447,6 +354,52 @@ class EMUManager:
                     new.append(self.extend(u.stage, free[: tp * pp], tp=tp, pp=pp))
                     break
         return new
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(
+        self, stage: str, step: int, *, global_batch: int = 8, lr: float = 1e-3
+    ) -> float:
+        """One synthetic data-parallel Adam step on every unit of a training stage.
+
+        See nereus_rl.emu_train: the result is bitwise independent of the DP
+        degree, the layouts and the primitives run between steps.
+
+        Arguments:
+            stage: a training stage (its state has Adam moments, a step and RNG).
+            step: the step number.
+            global_batch: samples per step over all units.
+            lr: the learning rate.
+
+        Returns:
+            The sum of every rank's gradient elements (a cheap log value).
+
+        Raises:
+            EMUError: the stage has no units, its units differ in (tp, pp), or it
+                is not a training stage.
+        """
+        st = self._stage(stage)
+        units = self.units(stage)
+        if not units:
+            raise EMUError(f"stage {stage!r} has no units to train")
+        if len({(u.tp, u.pp) for u in units}) > 1:
+            raise EMUError(
+                f"the units of {stage!r} differ in layout ({units}); a DP step needs one "
+                "(tp, pp) per stage: split, merge or re-extend first"
+            )
+        if not any(s.name == "optim.step" for s in st.specs):
+            raise EMUError(f"stage {stage!r} has no optimizer state; it is not a training stage")
+        dp_gids = tuple(
+            self._transfer_gid(tuple(u.ranks[i] for u in units)) if len(units) > 1 else 0
+            for i in range(units[0].degree)
+        )
+        ranks = [r for u in units for r in u.ranks]
+        self._ensure_stage_on(ranks)
+        res = self.driver.call(
+            ranks, "emu.train_step", stage, tuple(u.uid for u in units),
+            tuple(u.ranks for u in units), dp_gids, step, global_batch, lr,
+        )  # fmt: skip
+        return sum(res.values())
 
     # ---------------------------------------------------------------- internals
 

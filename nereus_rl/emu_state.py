@@ -113,7 +113,7 @@ def synthetic(spec: TensorSpec, box: Box, seed: int = 0) -> torch.Tensor:
     if out.numel() == 0:
         return out
     if not shape:
-        out.copy_(_hashed(spec, box, s))
+        out.copy_(_hashed(spec, box, s).abs())
         return out
     # Rows of dim 0 in chunks, so that the int64 temporaries stay small.
     row = max(1, out[0].numel())
@@ -122,6 +122,8 @@ def synthetic(spec: TensorSpec, box: Box, seed: int = 0) -> torch.Tensor:
     for start in range(a0, b0, step):
         stop = min(b0, start + step)
         out[start - a0 : stop - a0] = _hashed(spec, ((start, stop), *box[1:]), s)
+    if "exp_avg_sq" in spec.name:
+        out.abs_()  # a second moment is never negative (Adam takes its square root)
     return out
 
 

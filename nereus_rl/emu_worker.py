@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from nereus_comm.reshard import Workspace
+from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
 from nereus_rl.emu_comm import GroupTransport, Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
@@ -95,9 +97,11 @@ def _reshard(
         tensors = units[src_uids[d]]["tensors"]
     pg, setup = ctx.group(group_id, tuple(group_ranks))
     transport = GroupTransport(pg, group_ranks, ctx.rank)
+    workspace = ctx.state.setdefault("emu.workspace", Workspace("cpu"))
     result, extra = move_state(
-        specs, src_layout, dst_layout, ctx.rank, tensors, transport, timeout=timeout
-    )
+        specs, src_layout, dst_layout, ctx.rank, tensors, transport,
+        timeout=timeout, workspace=workspace,
+    )  # fmt: skip
     if ctx.rank in dst_layout:
         d = dst_layout.coords(ctx.rank)[0]
         unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))

@@ -7,11 +7,17 @@ source-choice rules as csrc/remap, so its plan must equal the C++ plan:
    dim at the source's tp chunk boundaries; the holders of a segment are the
    source ranks whose box contains it. A segment the rank holds itself is a
    local copy. Otherwise it joins the rank's block for that holder set.
-2. Holder sets are visited in sorted order. With n needers and h holders each
-   block is cut into k = min(max(1, h // n), items) parts of about equal bytes
-   (cut before the first item where the running bytes reach j/k of the block).
-3. Parts, largest first (then by destination position, then part index), go
-   to the holder minimizing (load + (bytes if remote else 0), remote, position).
+2. Holder sets are visited smallest first (ties: sorted holder lists). With
+   n needers and h holders each block is cut into k = min(max(1, h // n),
+   items) parts of about equal bytes (cut after the first item where the
+   running bytes reach j/k of the block).
+3. Parts whose receiver has a holder on its node first, then largest first
+   (then by destination position, then part index), go
+   to the least-loaded holder (lowest position on ties), unless a holder that
+   can take the part without exceeding the cap max(the group's highest load,
+   lowest load + part bytes, the holders' mean load once the group is placed)
+   already sends to the receiver (allowed 64 KiB more: what a message costs),
+   or else is on the receiver's node: then to the least-loaded such holder.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import itertools
 from nereus_comm.errors import PlanError
 from nereus_comm.layout import Layout, TensorSpec, chunk_range, infer_num_layers
 
+MSG = 64 << 10  # kMessageCostBytes: slack for a holder already sending to the receiver
 Item = tuple[int, int, int]  # (tensor, start, stop) along the split axis
 
 
@@ -85,12 +92,19 @@ def reference_plan(
                     key = tuple(sorted(src.position(q) for q in holders))
                     blocks.setdefault(key, {}).setdefault(dst.position(r), []).append((i, s0, s1))
 
+    def src_node(s: int) -> int:
+        return src.node_of[s] if src.node_of else 0
+
+    def dst_node(r: int) -> int:
+        return dst.node_of[r] if dst.node_of else 0
+
     def nbytes(items: list[Item]) -> int:
         return sum((b - a) * units[t] for t, a, b in items)
 
     load = [0] * src.world_size
     messages: dict[tuple[int, int], list[Item]] = {}
-    for holders in sorted(blocks):
+    peers: dict[int, set[int]] = {}  # dst position -> source positions chosen so far
+    for holders in sorted(blocks, key=lambda h: (len(h), h)):
         need = blocks[holders]
         k = max(1, len(holders) // len(need))
         parts = []
@@ -107,16 +121,20 @@ def reference_plan(
                 parts.append((items[start:end], r, j))
                 start = max(start, end)
         parts = [p for p in parts if p[0]]
-        parts.sort(key=lambda p: (-nbytes(p[0]), p[1], p[2]))
+        holder_nodes = {src_node(h) for h in holders}
+        total = sum(load[h] for h in holders) + sum(nbytes(p[0]) for p in parts)
+        mean = -(-total // len(holders))  # mean final load of the holders, rounded up
+        parts.sort(key=lambda p: (dst_node(p[1]) not in holder_nodes, -nbytes(p[0]), p[1], p[2]))
         for items, r, _ in parts:
             u = nbytes(items)
-            rnode = dst.node_of[r] if dst.node_of else 0
-
-            def score(s: int, u: int = u, rnode: int = rnode) -> tuple[int, int, int]:
-                remote = int((src.node_of[s] if src.node_of else 0) != rnode)
-                return load[s] + remote * u, remote, s
-
-            s = min(holders, key=score)
+            s = min(holders, key=lambda h: (load[h], h))
+            cap = max(max(load[h] for h in holders), load[s] + u, mean)
+            fits = [h for h in holders if load[h] + u <= cap]
+            mine = [h for h in holders if h in peers.get(r, ()) and load[h] + u <= cap + MSG]
+            on_node = [h for h in fits if src_node(h) == dst_node(r)]
+            if mine or on_node:
+                s = min(mine or on_node, key=lambda h: (load[h], h))
+            peers.setdefault(r, set()).add(s)
             load[s] += u
             messages.setdefault((src.ranks[s], dst.ranks[r]), []).extend(items)
 

@@ -217,3 +217,42 @@ def test_random_sequences_keep_every_unit_bitwise(clean):
         assert len(owned) == len(set(owned))
         assert {uid for v in worker_units(m).values() for uid in v} == {u.uid for u in m.units()}
     assert set(done) == {"extend", "destroy", "split", "merge"}, done
+
+
+def test_training_with_transitions_matches_the_uninterrupted_run(clean):
+    m = clean
+    a = m.create("actor", [0, 1], tp=2)
+    for step in range(4):
+        m.train_step("actor", step)
+    want = m.full_state(a)
+    initial = m.reference("actor")
+    assert not torch.equal(want["embed_tokens.weight"], initial["embed_tokens.weight"])
+    assert want["optim.step"].item() == initial["optim.step"].item() + 4
+    assert not torch.equal(want["rng"], initial["rng"])
+    _reset(m)
+
+    # The same steps, with the DP degree, tp and devices changing between them.
+    x = m.create("actor", [0], tp=1)
+    m.train_step("actor", 0)
+    y = m.extend("actor", [1])  # dp 1 -> 2
+    m.train_step("actor", 1)
+    z = m.merge(x, y, tp=2)  # dp 2 -> 1, tp 1 -> 2
+    w = m.extend("actor", [3, 2], tp=2)  # dp 1 -> 2 on other devices
+    with pytest.raises(EMUError, match="differ in layout"):
+        m.destroy(z)
+        m.extend("actor", [0], tp=1)
+        m.train_step("actor", 2)
+    for u in m.units("actor"):
+        if u.degree == 1:
+            m.destroy(u)
+    m.extend("actor", [0, 1], tp=1, pp=2)
+    m.destroy(w)
+    m.train_step("actor", 2)  # dp 1, pp 2
+    for u in m.units("actor"):
+        m.split(u)  # dp 2 of tp 1 pp 1
+    m.train_step("actor", 3)
+    assert m.dp_degree("actor") == 2
+    for u in m.units("actor"):
+        got = m.full_state(u)
+        for name, t in want.items():
+            assert torch.equal(got[name], t), f"{u!r}: {name} differs from the uninterrupted run"

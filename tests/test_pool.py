@@ -296,6 +296,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, out) -> None:
         out.put((rank, traceback.format_exc(), None, None))
 
 
+@pytest.mark.timeout(150)
 def test_gloo_backend_three_processes():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -466,3 +467,114 @@ def test_nccl_backend_one_device():
     assert pool.get((0,)).how == "hit"
     pool.destroy_all()
     assert pool.stats.size == 0 and pool.stats.create_seconds > 0.0
+
+
+# -- the C++ core against a short Python reference, on random operation sequences --
+
+
+class ReferencePool:
+    """The pool's rules, written out plainly (see nereus_comm/pool.py's docstring)."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.entries = {}  # key -> [pins, last_used, broken]
+        self.dead = set()
+        self.tick = 0
+        self.destroyed = []
+
+    def get(self, key):
+        self.tick += 1
+        if key in self.entries:
+            e = self.entries[key]
+            e[0] += 1
+            e[1] = self.tick
+            return "hit", None
+        order = lambda k: (len(k), k)  # noqa: E731
+        healthy = [k for k, e in self.entries.items() if not e[2]]
+        shrink = [
+            k
+            for k, e in self.entries.items()
+            if e[2] and tuple(r for r in k if r not in self.dead) == key
+        ]
+        split = [k for k in healthy if set(key) <= set(k)]
+        grow = [k for k in healthy if len(k) < len(key) and key[: len(k)] == k]
+        if shrink:
+            how, parent = "shrink", min(shrink, key=order)
+        elif split:
+            how, parent = "split", min(split, key=order)
+        elif grow:
+            how, parent = "grow", max(grow, key=len)
+        else:
+            how, parent = "init", None
+        if parent:
+            self.entries[parent][1] = self.tick
+        self.tick += 1
+        self.entries[key] = [1, self.tick, False]
+        if how == "shrink" and self.entries[parent][0] == 0:
+            del self.entries[parent]
+            self.destroyed.append((parent, True))
+        self._evict()
+        return how, parent
+
+    def release(self, key):
+        self.entries[key][0] -= 1
+        self._evict()
+
+    def lost(self, rank):
+        self.dead.add(rank)
+        for k, e in self.entries.items():
+            e[2] = e[2] or rank in k
+
+    def _evict(self):
+        while len(self.entries) > self.capacity:
+            free = [k for k, e in self.entries.items() if e[0] == 0]
+            if not free:
+                return
+            victim = min(free, key=lambda k: (not self.entries[k][2], self.entries[k][1]))
+            self.destroyed.append((victim, self.entries.pop(victim)[2]))
+
+    def cached(self):
+        return sorted(self.entries, key=lambda k: self.entries[k][1])
+
+
+def test_core_matches_reference_on_random_sequences():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    op = st.one_of(
+        st.tuples(st.just("get"), st.permutations(range(6)), st.integers(1, 4)),
+        st.tuples(st.just("release"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("lost"), st.integers(0, 5), st.just(0)),
+    )
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 4), st.lists(op, max_size=40))
+    def check(capacity, ops):
+        be = RecordingBackend(rank=0, world_size=6)
+        pool, ref = CommPool(be, capacity=capacity), ReferencePool(capacity)
+        held = []
+        for kind, a, b in ops:
+            if kind == "get":
+                key = tuple(r for r in a if r not in ref.dead)[:b]
+                if not key:
+                    continue
+                be.calls.clear()
+                comm = pool.get(key)
+                how, parent = ref.get(key)
+                assert comm.how == how
+                if how != "hit":
+                    assert be.calls == [(how, key, parent)]
+                held.append(key)
+            elif kind == "release" and held:
+                key = held.pop(a % len(held))
+                pool.release(key)
+                ref.release(key)
+            elif kind == "lost" and len(ref.dead) < 4:
+                pool.on_ranks_lost([a])
+                ref.lost(a)
+            assert pool.cached() == ref.cached()
+            assert be.destroyed == [d for d in ref.destroyed if 0 in d[0]]
+            assert all(pool.is_held(k) for k in held)
+            assert pool.stats.size <= max(capacity, len(set(held)))
+
+    check()

@@ -109,7 +109,9 @@ def _case(draw):
     specs = []
     for i in range(draw(st.integers(1, 5))):
         ndim = draw(st.integers(0, 3))
-        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+        # mostly tiny dims; some large ones so that parts exceed the 64 KiB message slack
+        dim = st.integers(0, 9) | st.sampled_from([1000, 4099])
+        shape = tuple(draw(st.lists(dim, min_size=ndim, max_size=ndim)))
         split = draw(st.sampled_from([None, *range(ndim)]))
         stage = draw(st.sampled_from([None, *range(num_layers)]))
         dtype = draw(st.sampled_from(DTYPES))
@@ -173,13 +175,14 @@ def test_dp_grow_balances_one_to_one():
 
 
 def test_single_new_replica_is_fed_by_all_holders():
-    specs = [TensorSpec(f"w{i}", (8, 4), torch.float32, split_dim=0) for i in range(8)]
+    # 128 KiB tensors: big enough that sharing the work beats saving messages
+    specs = [TensorSpec(f"w{i}", (8192, 4), torch.float32, split_dim=0) for i in range(8)]
     src = Layout(4, 1, 1, (0, 1, 2, 3))
     dst = Layout(5, 1, 1, (0, 1, 2, 3, 4))
     plan = plan_reshard(specs, src, dst)
     msgs = plan.recvs(4)
     assert [m.src for m in msgs] == [0, 1, 2, 3]
-    assert all(m.nbytes == 2 * 8 * 4 * 4 for m in msgs)
+    assert all(m.nbytes == 2 * 8192 * 4 * 4 for m in msgs)
     assert plan.stats.max_send_bytes == plan.stats.total_bytes // 4
 
 
@@ -250,3 +253,28 @@ def test_dst_specs_may_move_layers():
     plan = plan_reshard([a], lay, lay, dst_specs=[b])
     assert [m.src for m in plan.recvs(1)] == [0]
     assert plan.stats.total_bytes == 16
+
+
+def test_tp_change_keeps_senders_balanced():
+    specs = transformer_state_specs(4, 64, 128, 8, 4, 256)
+    src = Layout(16, 8, 1, tuple(range(128)), node_of=tuple(r // 8 for r in range(128)))
+    dst = Layout(32, 4, 1, tuple(range(128)), node_of=tuple(r // 8 for r in range(128)))
+    plan = plan_reshard(specs, src, dst)
+    mean = plan.stats.total_bytes / 128
+    assert plan.stats.max_send_bytes <= 1.15 * mean
+    # every node holds a whole tp 8 group, so every byte can come from the same node
+    assert plan.stats.cross_node_bytes == 0
+    _check_rules(plan)
+
+
+def test_replicated_tensors_ride_along():
+    # a new 2-replica pp 4 copy of a 1-replica pp 2 job: each receiver needs a layer's
+    # projections from one holder and the (tp-replicated) norms from either of two;
+    # the norms come with the projections, so every receiver talks to one source
+    specs = transformer_state_specs(4, 16, 32, 4, 2, 64)
+    src = Layout(1, 2, 2, (0, 1, 2, 3))
+    dst = Layout(2, 2, 4, tuple(range(4, 20)))
+    plan = plan_reshard(specs, src, dst)
+    assert all(len(plan.recvs(r)) == 1 for r in dst.ranks)
+    assert plan.stats.num_messages == 16
+    _check_rules(plan)

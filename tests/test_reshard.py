@@ -20,7 +20,7 @@ from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import DIRECT_MIN_BYTES, Workspace, reshard, shards_from_full
-from nereus_comm.transport import GlooTransport
+from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
@@ -64,7 +64,7 @@ def _random_layout(rng: random.Random, num_layers: int, max_ranks: int = WORLD) 
     return Layout(dp, tp, pp, ranks, num_layers=num_layers)
 
 
-def _fixed_cases() -> list[tuple[list[TensorSpec], Layout, Layout]]:
+def _fixed_cases() -> list[tuple]:
     specs = [
         TensorSpec("w", (13, 6), torch.float32, 0, 0),
         TensorSpec("o", (5, 9), torch.bfloat16, 1, 1),
@@ -80,6 +80,15 @@ def _fixed_cases() -> list[tuple[list[TensorSpec], Layout, Layout]]:
         (specs, L(1, 1, 1, [2]), L(2, 2, 1, [0, 1, 2, 3])),  # grow 1 -> 4
         (specs, L(2, 1, 2, [0, 1, 2, 3]), L(1, 1, 1, [1])),  # shrink 4 -> 1
         (specs, L(1, 3, 1, [0, 1, 2]), L(3, 1, 1, [1, 2, 3])),  # overlapping, tp3 -> dp3
+        # The destination moves "w" to the last stage and "norm" to the first.
+        (specs, L(1, 2, 2, [0, 1, 2, 3]), L(1, 1, 2, [3, 1]), _moved(specs, {"w": 1, "norm": 0})),
+    ]
+
+
+def _moved(specs: list[TensorSpec], stages: dict[str, int]) -> list[TensorSpec]:
+    return [
+        TensorSpec(s.name, s.shape, s.dtype, s.split_dim, stages.get(s.name, s.stage_key))
+        for s in specs
     ]
 
 
@@ -103,15 +112,16 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
     transport = _transport(ctx)
     rank = ctx.rank
     out = []
-    for k, (specs, src, dst) in enumerate(cases):
-        plan = plan_reshard(specs, src, dst)
+    for k, (specs, src, dst, *more) in enumerate(cases):
+        dst_specs = more[0] if more else specs  # tensors that change pipeline stage
+        plan = plan_reshard(specs, src, dst, dst_specs=dst_specs if more else None)
         full = _full_state(specs, seed + k)
         mine = shards_from_full(full, specs, plan.src, rank)
         before = transport.stats.bytes_sent, transport.stats.bytes_received
         # Every other case reuses one workspace (staging buffers of earlier cases).
         ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
         res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws)
-        want = shards_from_full(full, specs, plan.dst, rank)
+        want = shards_from_full(full, dst_specs, plan.dst, rank)
         involved = rank in plan.src or rank in plan.dst
         sends = plan.sends(rank) if involved else []
         recvs = plan.recvs(rank) if involved else []
@@ -137,7 +147,7 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
 
 
 def _check(results_by_rank: list[list[dict]], cases) -> None:
-    for k, (specs, src, dst) in enumerate(cases):
+    for k, (specs, src, dst, *_) in enumerate(cases):
         rows = [results_by_rank[r][k] for r in range(WORLD)]
         where = f"case {k}: {src!r} -> {dst!r}, specs {specs}"
         for r, row in enumerate(rows):
@@ -227,6 +237,11 @@ def _error_cases(ctx: WorkerContext) -> list[str]:
         ({**good, "a": torch.zeros(4, 4).t()[:, :4]}, None),  # non-contiguous (right shape)
         (good, {**out_sentinel, "a": out_sentinel["a"][:1].clone()}),  # bad out
     ]
+    try:  # staging memory of the wrong device
+        reshard(plan, ctx.rank, good, transport, workspace=Workspace("meta"), timeout=5)
+        wrong_workspace = "no error"
+    except TransportArgumentError as e:
+        wrong_workspace = str(e)
     messages = []
     exchanges = transport.stats.exchanges
     for tensors, out in bad_inputs:
@@ -236,12 +251,13 @@ def _error_cases(ctx: WorkerContext) -> list[str]:
         except TensorMismatchError as e:
             messages.append(str(e))
     untouched = all(bool((t == 7).all()) for n, t in out_sentinel.items() if n != "a")
-    return [*messages, transport.stats.exchanges == exchanges, untouched]
+    return [*messages, wrong_workspace, transport.stats.exchanges == exchanges, untouched]
 
 
 def test_bad_input_raises_before_any_byte_moves(pool) -> None:
     for r, res in enumerate(pool.run(_error_cases)):
-        shape_msg, dtype_msg, missing_msg, unknown_msg, contig_msg, out_msg, quiet, kept = res
+        shape_msg, dtype_msg, missing_msg, unknown_msg, contig_msg, out_msg, ws_msg, *rest = res
+        quiet, kept = rest
         assert "'a'" in shape_msg and "expected shape (4, 4)" in shape_msg, shape_msg
         assert "got shape (3, 4)" in shape_msg
         assert "'b'" in dtype_msg and "torch.bfloat16" in dtype_msg and "float32" in dtype_msg
@@ -249,6 +265,7 @@ def test_bad_input_raises_before_any_byte_moves(pool) -> None:
         assert "'zzz'" in unknown_msg and "not a tensor of the plan" in unknown_msg
         assert "non-contiguous" in contig_msg
         assert "destination tensor 'a'" in out_msg
+        assert "workspace holds meta memory" in ws_msg
         assert quiet, f"rank {r} exchanged bytes despite bad input"
         assert kept, f"rank {r} wrote into out despite bad input"
 
@@ -275,3 +292,11 @@ def test_silent_peer_gives_timeout_naming_it(pool) -> None:
     assert res["error"] is not None
     assert "peers 1 " in res["error"], res["error"]
     assert 1.3 < res["elapsed"] < 4.0
+
+
+def test_demo_main_job_checks_every_byte(capsys) -> None:
+    from nereus_comm import demo
+
+    assert demo.main(["--workers", "2", "--hidden", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("all equal to the reference") == 2 and "OK in" in out

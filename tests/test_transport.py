@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
-from nereus_comm.local_workers import LocalWorkers, WorkerContext
+from nereus_comm.local_workers import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
@@ -29,8 +30,8 @@ def _payload(src: int, dst: int, i: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randint(-(2**40), 2**40, (n, 3), generator=g, dtype=dtype)
 
 
-def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int) -> dict:
-    t = GlooTransport()
+def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int, chunk: int) -> dict:
+    t = GlooTransport(chunk_bytes=chunk)
     me = ctx.rank
     others = [r for r in range(ctx.world_size) if r != me]
     sends = [(p, _payload(me, p, i, dtype)) for p in others for i in range(per_peer)]
@@ -50,10 +51,19 @@ def _all_to_all(ctx: WorkerContext, dtype: torch.dtype, per_peer: int) -> dict:
     return {"ok": ok, "same_storage": same_storage, "stats": t.stats}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_all_to_all_exact_and_counted(pool, dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "chunk"),
+    [
+        (torch.float32, 1 << 20),
+        (torch.bfloat16, 1 << 20),
+        (torch.int64, 1 << 20),
+        (torch.bfloat16, 7),
+    ],
+)
+def test_all_to_all_exact_and_counted(pool, dtype, chunk) -> None:
+    # chunk=7 splits every buffer into odd-sized chunks (and a short last one).
     per_peer = 2
-    out = pool.run(_all_to_all, dtype, per_peer)
+    out = pool.run(_all_to_all, dtype, per_peer, chunk)
     for r, res in enumerate(out):
         assert res["ok"], f"rank {r} received wrong bytes"
         assert res["same_storage"]
@@ -162,3 +172,15 @@ def test_nccl_transport_validates_on_device() -> None:
     except Exception as e:
         pytest.skip(f"NCCL not loadable: {e}")
     _nccl_self_exchange()
+
+
+def _die(ctx: WorkerContext) -> None:
+    os._exit(3)
+
+
+def test_a_dead_worker_is_reported_not_waited_for() -> None:
+    with LocalWorkers(1, timeout=60) as pool:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 0 \(exit code 3\) died"):
+            pool.run(_die)
+        assert time.monotonic() - start < 10

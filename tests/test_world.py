@@ -85,13 +85,17 @@ def _member(role: str, port: int, out) -> None:
             # Generation 2: the late joiner is in; these two never restart.
             world.wait_for_members(3, timeout=30)
             assert world.pending_joiners() == {2}, world.pending_joiners()
+            t0 = time.perf_counter()
             world.next_generation()
+            print(f"{role}: next_generation to 2 took {time.perf_counter() - t0:.3f} s")
         _report(out, role, world, _all_reduce(world, world.member_id + 1.0))
         if role == "b":
             time.sleep(120)  # until the test kills it
             return
         dead, seen_at = _wait_dead(world, deadline_s=30)
+        t0 = time.perf_counter()
         world.next_generation()
+        print(f"{role}: next_generation to 3 took {time.perf_counter() - t0:.3f} s")
         value = _all_reduce(world, 10.0 * world.rank + 1)
         # The pool's gloo groups are made inside the new generation's default group.
         pool = CommPool(GlooBackend(timeout=30), capacity=2)
@@ -100,7 +104,14 @@ def _member(role: str, port: int, out) -> None:
         torch.distributed.broadcast(t, group_src=0, group=comm.handle)  # from rank 1 = "c"
         pool.destroy_all()
         _report(out, role, world, value, dead=dead, at=seen_at, pool_rank=comm.rank, bcast=t.item())
-        world.leave()
+        if role == "c":
+            world.leave()
+            out.put({"role": role, "at": time.time()})
+        else:
+            # A member that leaves is gone at once, not after the heartbeat timeout.
+            dead, seen_at = _wait_dead(world, deadline_s=30)
+            out.put({"role": role, "dead": dead, "at": seen_at})
+            world.leave()
     except BaseException:
         out.put({"role": role, "error": traceback.format_exc()})
         if world is not None:
@@ -118,21 +129,28 @@ def _next(out, waiting_for: str, timeout: float = 45.0) -> dict:
     return msg
 
 
+@pytest.mark.timeout(150)
 def test_late_join_and_sigkill_form_new_generations():
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    # One queue per member: a process killed while writing to a shared queue
+    # could die holding its lock and block everyone else's reports.
+    outs = {r: ctx.Queue() for r in "abc"}
     port = _free_port()
-    procs = {r: ctx.Process(target=_member, args=(r, port, out)) for r in "abc"}
+    procs = {r: ctx.Process(target=_member, args=(r, port, outs[r])) for r in "abc"}
+
+    def reports(what: str, roles: str) -> dict:
+        return {r: _next(outs[r], f"{what} from {r}") for r in roles}
+
     try:
         procs["a"].start()
         procs["b"].start()
-        gen1 = {m["role"]: m for m in (_next(out, "gen 1"), _next(out, "gen 1"))}
+        gen1 = reports("gen 1", "ab")
         assert {m["generation"] for m in gen1.values()} == {1}
         assert gen1["a"]["members"] == (0, 1) and gen1["a"]["sum"] == 3.0
         assert (gen1["a"]["rank"], gen1["b"]["rank"]) == (0, 1)
 
         procs["c"].start()
-        gen2 = {m["role"]: m for m in [_next(out, "gen 2") for _ in range(3)]}
+        gen2 = reports("gen 2", "abc")
         for m in gen2.values():
             assert m["generation"] == 2 and m["members"] == (0, 1, 2), m
             assert m["sum"] == 6.0
@@ -141,7 +159,7 @@ def test_late_join_and_sigkill_form_new_generations():
 
         killed_at = time.time()
         os.kill(procs["b"].pid, signal.SIGKILL)
-        gen3 = {m["role"]: m for m in [_next(out, "gen 3") for _ in range(2)]}
+        gen3 = reports("gen 3", "ac")
         for role in "ac":
             m = gen3[role]
             assert m["dead"] == {1}
@@ -156,6 +174,10 @@ def test_late_join_and_sigkill_form_new_generations():
         assert (gen3["a"]["rank"], gen3["c"]["rank"]) == (0, 1)
         assert (gen3["a"]["pool_rank"], gen3["c"]["pool_rank"]) == (1, 0)
         assert gen3["a"]["bcast"] == gen3["c"]["bcast"] == 2.0  # c's member id
+
+        leave = reports("leave", "ac")
+        assert leave["a"]["dead"] == {2}
+        assert leave["a"]["at"] - leave["c"]["at"] < HB_TIMEOUT / 2
     finally:
         for p in procs.values():
             if p.pid is not None:

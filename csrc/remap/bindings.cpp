@@ -22,10 +22,12 @@ std::vector<T> to_vector(const py::array_t<T, py::array::c_style | py::array::fo
   return std::vector<T>(a.data(), a.data() + a.size());
 }
 
-// A zero-copy numpy view of a vector owned by the PlanResult behind `self`.
+// A zero-copy, read-only numpy view of a vector owned by the PlanResult behind `self`.
 template <typename T>
 py::array view(const py::object& self, const std::vector<T>& v) {
-  return py::array_t<T>({static_cast<py::ssize_t>(v.size())}, {sizeof(T)}, v.data(), self);
+  py::array a = py::array_t<T>({static_cast<py::ssize_t>(v.size())}, {sizeof(T)}, v.data(), self);
+  a.attr("setflags")(py::arg("write") = false);
+  return a;
 }
 
 #define NEREUS_ARRAY(name)     \

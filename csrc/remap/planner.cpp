@@ -19,6 +19,11 @@ void chunk_range(int64_t n, int64_t parts, int64_t index, int64_t* start, int64_
   *stop = std::min(*start + size, n);
 }
 
+// What one more message costs, in bytes of transfer time (a few microseconds of
+// latency at tens of GB/s): a holder already sending to a receiver may carry
+// this much more load than the balance rule allows, to save a message.
+constexpr int64_t kMessageCostBytes = 64 << 10;
+
 struct Block {
   int64_t group;  // holder-group key
   int64_t begin, end;
@@ -28,6 +33,7 @@ struct Block {
 // A needer's share of one block, to be sent by one holder.
 struct Part {
   int64_t bytes, dst, index, block, begin, end;
+  bool near;  // some holder is on the receiver's node
 };
 
 // Holder groups are keyed by (stage, tp coordinate) of the source layout, -1
@@ -159,18 +165,28 @@ PlanResult plan(const PlanInput& in) {
   for (int64_t r = 0; r < num_dst; ++r) R.local_total += R.local_bytes[r];
   R.lower_bound_bytes -= R.local_total;
 
-  // 3. Groups in a fixed order (their holder lists, lexicographically), so that
-  // the balancing below is reproducible.
+  // 3. Groups in a fixed order so that the balancing below is reproducible:
+  // smallest holder sets first (they have the fewest choices; the big replicated
+  // groups then can reuse the pairs already chosen), ties by holder list.
   std::vector<std::pair<std::vector<int64_t>, int64_t>> groups;
   for (int64_t key = 0; key < keys.count(); ++key)
     if (!needers[key].empty()) groups.push_back({keys.holders(key), key});
-  std::sort(groups.begin(), groups.end());
+  std::sort(groups.begin(), groups.end(), [](const auto& x, const auto& y) {
+    if (x.first.size() != y.first.size()) return x.first.size() < y.first.size();
+    return x < y;
+  });
 
   // 4. Assign each needer's block to holders. With fewer needers than holders a
   // block is cut into k = holders / needers parts of about equal bytes so that
-  // the holders share the work; parts go, largest first, to the holder with the
-  // lowest load, where a holder on another node counts one part heavier.
+  // the holders share the work. Parts go, largest first, to the holder with the
+  // lowest load, unless a holder that already sends to the receiver (saves a
+  // message), or else one on the receiver's node (saves cross-node bytes), can
+  // take the part within the cap: the larger of the load the lowest-load choice
+  // would reach and the group's mean final load (for a holder already sending:
+  // plus kMessageCostBytes, what a message costs). Loads then stay within one
+  // part of balanced, as with plain least-loaded list scheduling.
   std::vector<int64_t>& load = R.send_bytes;
+  std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver
   std::vector<Part> parts;
   for (const auto& [holders, key] : groups) {
     const auto& need = needers[key];
@@ -188,15 +204,10 @@ PlanResult plan(const PlanInput& in) {
           end = std::lower_bound(prefix.begin() + blk.begin, prefix.begin() + blk.end + 1, want) -
                 prefix.begin();
         }
-        if (end > begin) parts.push_back({prefix[end] - prefix[begin], r, j, b, begin, end});
+        if (end > begin) parts.push_back({prefix[end] - prefix[begin], r, j, b, begin, end, false});
         begin = end;
       }
     }
-    std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) {
-      if (x.bytes != y.bytes) return x.bytes > y.bytes;
-      if (x.dst != y.dst) return x.dst < y.dst;
-      return x.index < y.index;
-    });
     using Entry = std::pair<int64_t, int64_t>;  // (load, source position)
     std::set<Entry> all;
     std::map<int32_t, std::set<Entry>> by_node;
@@ -204,26 +215,52 @@ PlanResult plan(const PlanInput& in) {
       all.insert({load[s], s});
       by_node[S.node[s]].insert({load[s], s});
     }
+    int64_t mean = 0;  // the group's holders' mean load once every part is placed
+    for (int64_t s : holders) mean += load[s];
+    for (Part& part : parts) {
+      part.near = by_node.count(D.node[part.dst]) > 0;
+      mean += part.bytes;
+    }
+    const int64_t h = static_cast<int64_t>(holders.size());
+    mean = (mean + h - 1) / h;
+    // Parts with an on-node holder first, so that receivers elsewhere do not take
+    // those holders' capacity; then largest first.
+    std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) {
+      if (x.near != y.near) return x.near;
+      if (x.bytes != y.bytes) return x.bytes > y.bytes;
+      if (x.dst != y.dst) return x.dst < y.dst;
+      return x.index < y.index;
+    });
     for (const Part& part : parts) {
       const int32_t node = D.node[part.dst];
-      // best = argmin over holders of (load + (remote ? bytes : 0), remote, position)
       Entry best = *all.begin();
-      bool best_remote = S.node[best.second] != node;
-      int64_t best_score = best.first + (best_remote ? part.bytes : 0);
-      auto same = by_node.find(node);
-      if (best_remote && same != by_node.end()) {
-        const Entry cand = *same->second.begin();
-        if (cand.first <= best_score) {
-          best = cand;
-          best_remote = false;
-          best_score = cand.first;
+      const int64_t cap = std::max({all.rbegin()->first, best.first + part.bytes, mean});
+      bool found = false;
+      Entry pick{0, 0};
+      for (int64_t q : peers[part.dst]) {
+        const Entry cand{load[q], q};
+        const bool fits = cand.first + part.bytes <= cap + kMessageCostBytes;
+        if (keys.holds(key, q) && fits && (!found || cand < pick)) {
+          pick = cand;
+          found = true;
         }
       }
+      auto same = by_node.find(node);
+      if (!found && same != by_node.end()) {
+        const Entry cand = *same->second.begin();
+        if (cand.first + part.bytes <= cap) {
+          pick = cand;
+          found = true;
+        }
+      }
+      if (found) best = pick;
       const int64_t s = best.second;
       all.erase(best);
       auto& own = by_node[S.node[s]];
       own.erase(best);
       load[s] += part.bytes;
+      if (std::find(peers[part.dst].begin(), peers[part.dst].end(), s) == peers[part.dst].end())
+        peers[part.dst].push_back(s);
       all.insert({load[s], s});
       own.insert({load[s], s});
       R.asg_dst.push_back(part.dst);

@@ -6,8 +6,9 @@ here (:meth:`Driver.spawn_local`) or started elsewhere with
 registered worker commands on any set of workers and gets their results, or a
 :class:`RemoteError` carrying the remote traceback, or within a bounded time a
 :class:`WorkerTimeoutError` / :class:`WorkerLostError` naming the workers that
-did not answer. Liveness comes from heartbeats (a counter each worker bumps)
-and, for local workers, from the process itself.
+did not answer. Membership and liveness are nereus_comm.world.World's (the
+driver creates the World, workers join it; heartbeats are counters compared
+on the watcher's own clock) and, for local workers, the process itself.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
 
 
@@ -37,12 +39,16 @@ class PendingCall:
 
 
 class Driver:
-    """Hosts the job's store and sends commands to workers.
+    """Hosts the job's store and World, and sends commands to workers.
 
     Arguments:
         host: address the store listens on and workers connect to.
         port: store port (0 picks a free one; see :attr:`address`).
-        heartbeat_timeout: seconds without a heartbeat after which a worker counts as lost.
+        heartbeat_timeout: seconds without a heartbeat after which a worker counts
+            as lost (the World's; its heartbeat interval is min(0.5, timeout / 4)).
+
+    Raises:
+        MembershipError: the store cannot listen at host:port.
         call_timeout: default seconds a call waits for its replies.
 
     Attributes:
@@ -59,21 +65,26 @@ class Driver:
         call_timeout: float = 120.0,
     ) -> None:
         self.host = host
-        self.store = dist.TCPStore(
+        self.world = World.create(
             host,
             port,
-            is_master=True,
-            timeout=datetime.timedelta(seconds=30),
-            wait_for_workers=False,
+            min_members=1,
+            heartbeat_interval=min(0.5, heartbeat_timeout / 4),
+            heartbeat_timeout=heartbeat_timeout,
         )
-        self.port = self.store.port
+        self.port = self.world.port
+        # A client of our own: the World's store object is its business.
+        self.store = dist.TCPStore(
+            host, self.port, is_master=False, timeout=datetime.timedelta(seconds=30)
+        )
         self.heartbeat_timeout = heartbeat_timeout
         self.call_timeout = call_timeout
         self.records: list[dict[str, Any]] = []
         self.infos: dict[int, P.WorkerInfo] = {}
         self._procs: dict[int, subprocess.Popen] = {}
         self._seq: dict[int, int] = {}
-        self._hb: dict[int, tuple[int, float]] = {}
+        self._seen_alive: set[int] = set()
+        self._joined_at: dict[int, float] = {}
         self._lost: set[int] = set()
         self._imports: list[str] = []
         self._closed = False
@@ -171,9 +182,9 @@ class Driver:
             time.sleep(0.05)
 
     def _poll_joined(self) -> list[P.WorkerInfo]:
-        n = self.store.add(P.NEXT_RANK_KEY, 0)
+        num_ids = self.store.add(P.WORLD_NUM_IDS_KEY, 0)
         new = []
-        for rank in range(n):
+        for rank in range(P.rank_of_member(num_ids)):
             if rank in self.infos:
                 continue
             if not self.store.check([P.info_key(rank)]):
@@ -181,7 +192,7 @@ class Driver:
             info = P.decode(self.store.get(P.info_key(rank)))
             self.infos[rank] = info
             self._seq[rank] = 0
-            self._hb[rank] = (-1, time.monotonic())
+            self._joined_at[rank] = time.monotonic()
             new.append(info)
             for module in self._imports:
                 # A late joiner learns the commands every other worker has.
@@ -200,6 +211,7 @@ class Driver:
         Returns:
             All workers known to be lost so far (sorted).
         """
+        alive = self.world.alive()
         now = time.monotonic()
         for rank in list(self.infos):
             if rank in self._lost:
@@ -207,12 +219,11 @@ class Driver:
             proc = self._procs.get(rank)
             if proc is not None and proc.poll() is not None:
                 self._lost.add(rank)
-                continue
-            count = self.store.add(P.heartbeat_key(rank), 0)
-            last_count, seen = self._hb[rank]
-            if count != last_count:
-                self._hb[rank] = (count, now)
-            elif now - seen > self.heartbeat_timeout:
+            elif P.member_of_rank(rank) in alive:
+                self._seen_alive.add(rank)
+            elif rank in self._seen_alive or now - self._joined_at[rank] > self.heartbeat_timeout:
+                # Its heartbeat stopped for heartbeat_timeout (or it left); a fresh
+                # joiner gets that long for the World's watcher to first see it.
                 self._lost.add(rank)
         return tuple(sorted(self._lost))
 
@@ -372,6 +383,7 @@ class Driver:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.world.leave()
 
     def __enter__(self) -> Driver:
         return self

@@ -1,5 +1,9 @@
 """Wire protocol between the driver and its workers.
 
+Membership (joining, heartbeats, who is alive) is nereus_comm.world.World's:
+the driver creates the World (member 0), each worker joins it (worker rank =
+member id - 1) without entering a process-group generation.
+
 Commands and replies travel through the job's key-value store (a
 torch.distributed.TCPStore): the driver writes one pickled Command under
 ``cmd/<rank>/<seq>``, the worker blocks on that key, runs the command and
@@ -18,9 +22,21 @@ from typing import Any
 
 from nereus_comm.errors import MembershipError
 
-PREFIX = "nereus/"
-NEXT_RANK_KEY = PREFIX + "next_rank"
+PREFIX = "nereus/rt/"
 SHUTDOWN_KEY = PREFIX + "shutdown"
+# nereus_comm.world's registration counter (documented in its protocol): every
+# process that ever joined took one id; the driver is member 0.
+WORLD_NUM_IDS_KEY = "nereus/world/num_ids"
+
+
+def rank_of_member(member_id: int) -> int:
+    """Worker rank of a World member id (the driver is member 0, workers follow)."""
+    return member_id - 1
+
+
+def member_of_rank(rank: int) -> int:
+    """World member id of a worker rank."""
+    return rank + 1
 
 
 def cmd_key(rank: int, seq: int) -> str:
@@ -31,11 +47,6 @@ def cmd_key(rank: int, seq: int) -> str:
 def reply_key(rank: int, seq: int) -> str:
     """Store key of the worker's reply to its seq-th command."""
     return f"{PREFIX}reply/{rank}/{seq}"
-
-
-def heartbeat_key(rank: int) -> str:
-    """Store counter a live worker increments every heartbeat interval."""
-    return f"{PREFIX}hb/{rank}"
 
 
 def info_key(rank: int) -> str:

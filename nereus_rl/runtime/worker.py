@@ -5,7 +5,8 @@ Start one by hand on any machine that can reach the job's store::
     python -m nereus_rl.runtime.worker --store HOST:PORT [--num-threads 1]
 
 (torchrun-style MASTER_ADDR / MASTER_PORT are used when --store is absent).
-The worker joins the running job (it takes the next free rank), then runs
+The worker joins the job's nereus_comm World (its rank is its member id - 1,
+the driver being member 0; the World carries its heartbeat), then runs
 commands in the order the driver sends them (see nereus_rl.runtime.context
 for how commands are registered and what they see). A worker that cannot
 reach the store gives up after --connect-timeout seconds with an error that
@@ -19,17 +20,16 @@ import datetime
 import os
 import socket
 import sys
-import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
+from nereus_comm.errors import MembershipError
+from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
 from nereus_rl.runtime.context import COMMANDS, WorkerContext
-
-HEARTBEAT_INTERVAL_S = 0.25
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
@@ -59,17 +59,6 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
             f"could not reach the job's store at {host}:{port} within {timeout:g} s ({e}); "
             "check that the driver is running and that HOST:PORT is its store address"
         ) from None
-
-
-def _heartbeat(host: str, port: int, rank: int, stop: threading.Event) -> None:
-    # A separate client: the main thread may block in the store for seconds.
-    try:
-        store = connect_store(host, port, 10.0)
-        while not stop.is_set():
-            store.add(P.heartbeat_key(rank), 1)
-            stop.wait(HEARTBEAT_INTERVAL_S)
-    except Exception:
-        return  # the driver's store is gone: the main loop notices too
 
 
 def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
@@ -117,13 +106,19 @@ def serve(
         StoreUnreachableError: the store did not answer within connect_timeout.
     """
     torch.set_num_threads(num_threads)
+    try:
+        # Registration and heartbeats are the World's; the worker never enters a
+        # generation (its data groups are standalone, see WorkerContext.group).
+        world = World.join(host, port, timeout=connect_timeout, wait=False)
+    except MembershipError as e:
+        raise P.StoreUnreachableError(
+            f"could not join the job at {host}:{port} within {connect_timeout:g} s; check "
+            f"that the driver is running and that HOST:PORT is its store address ({e})"
+        ) from None
+    rank = P.rank_of_member(world.member_id)
     store = connect_store(host, port, connect_timeout)
-    rank = store.add(P.NEXT_RANK_KEY, 1) - 1
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
     store.set(P.info_key(rank), P.encode(info))
-    stop = threading.Event()
-    hb = threading.Thread(target=_heartbeat, args=(host, port, rank, stop), daemon=True)
-    hb.start()
     ctx = WorkerContext(rank, store, group_timeout)
     seq = 0
     # Long waits: a new command wakes the wait at once, and a dead driver
@@ -151,7 +146,7 @@ def serve(
             store.set(P.reply_key(rank, seq), P.encode(_run(ctx, cmd)))
             seq += 1
     finally:
-        stop.set()
+        world.leave()
 
 
 def _parse_address(text: str) -> tuple[str, int]:

@@ -1,0 +1,104 @@
+"""A synthetic data-parallel training step on a stage's units, to check training semantics.
+
+Every unit of a training stage runs the same step: the gradient of each
+parameter is the sum, over the unit's share of the global batch, of a
+deterministic per-sample gradient; the units sum their gradients with an
+all-reduce over DP groups (the ranks at the same position of every unit),
+then apply Adam to their shards and advance the unit's RNG.
+
+Per-sample gradients are multiples of 2**-16 in [-0.5, 0.5), so their sums
+are exact in fp32 whatever the order, and Adam is elementwise: the state after
+N steps is bitwise the same for any DP degree, any (tp, pp), and any sequence
+of primitives between steps. That is what lets a test compare a run with
+transitions against an uninterrupted one bitwise. The real model's step
+(nereus_rl.model / trainer) plugs in here later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nereus_rl.emu_state import RNG_SPEC, Box, _hashed, _name_seed
+from nereus_rl.runtime.context import WorkerContext, register
+
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+
+
+def _is_param(name: str) -> bool:
+    return not name.startswith("optim.") and name != RNG_SPEC.name
+
+
+def sample_grad(spec, box: Box, sample: int, step: int) -> torch.Tensor:
+    """The gradient of ``spec``'s box for one sample of one step (fp32)."""
+    return _hashed(spec, box, _name_seed(spec.name, 1_000_003 * (step + 1) + sample)).to(
+        torch.float32
+    )
+
+
+@register("emu.train_step")
+def train_step(
+    ctx: WorkerContext,
+    stage: str,
+    uids: tuple[int, ...],
+    unit_ranks: tuple[tuple[int, ...], ...],
+    dp_group_ids: tuple[int, ...],
+    step: int,
+    global_batch: int,
+    lr: float,
+) -> float:
+    """One Adam step of this rank's shards of the stage's unit it belongs to.
+
+    Arguments:
+        stage: the stage.
+        uids / unit_ranks: every unit of the stage, and its ranks (same (tp, pp) for all).
+        dp_group_ids: the group id of each position's DP group (ranks[i] of every unit).
+        step: the step number (0-based; the per-sample gradients depend on it).
+        global_batch: samples per step over all units; unit d takes samples d, d + D, ...
+        lr: the learning rate.
+
+    Returns:
+        The sum of this rank's gradient elements (for logging).
+    """
+    d = next(i for i, ranks in enumerate(unit_ranks) if ctx.rank in ranks)
+    pos = unit_ranks[d].index(ctx.rank)
+    unit = ctx.state["emu.units"][uids[d]]
+    specs, num_layers = ctx.state["emu.stages"][stage]
+    tensors, layout = unit["tensors"], unit["layout"]
+    params = [s for s in specs if _is_param(s.name) and s.name in tensors]
+    grads = []
+    for spec in params:
+        box = layout.box(spec, ctx.rank, num_layers)
+        g = torch.zeros(tensors[spec.name].shape, dtype=torch.float32)
+        for sample in range(d, global_batch, len(uids)):
+            g += sample_grad(spec, box, sample, step)
+        grads.append(g)
+    if len(uids) > 1 and grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dp_ranks = tuple(ranks[pos] for ranks in unit_ranks)
+        pg, _ = ctx.group(dp_group_ids[pos], dp_ranks)
+        pg.allreduce([flat]).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view(g.shape))
+            offset += g.numel()
+    t = tensors["optim.step"]
+    t += 1
+    b1, b2 = BETAS
+    c1, c2 = 1 - b1 ** t.item(), 1 - b2 ** t.item()
+    for spec, g in zip(params, grads):
+        p = tensors[spec.name]
+        m = tensors[f"optim.exp_avg.{spec.name}"]
+        v = tensors[f"optim.exp_avg_sq.{spec.name}"]
+        # No fused multiply-adds (add_ with alpha, addcmul_): a vectorized body and
+        # its scalar tail may round them differently, and where a shard's tail
+        # falls depends on the layout. Plain ops round once each, everywhere.
+        m.mul_(b1).add_(g * (1 - b1))
+        v.mul_(b2).add_(g * g * (1 - b2))
+        update = (m / c1) / ((v / c2).sqrt() + EPS)
+        p.sub_((update * lr).to(p.dtype))
+    gen = torch.Generator()
+    gen.set_state(tensors["rng"])
+    torch.rand(1, generator=gen)  # the step's draw (dropout and sampling would use these)
+    tensors["rng"].copy_(gen.get_state())
+    return float(sum(g.sum() for g in grads))
