@@ -19,7 +19,8 @@ Conventions (Llama-style decoder, untied embeddings, causal attention):
       (so per-stage cost is the slower one: conservative);
     * tensor parallel: 2 all-reduces per layer forward, 2 more backward, ring-priced;
     * training state: 16 bytes per parameter (bf16 weights and grads, fp32 master
-      copy and Adam moments), optimizer step streams it twice through memory.
+      copy and Adam moments), optimizer step streams it twice through memory and
+      launches a few kernels per parameter tensor (non-fused optimizer, zero_grad).
 Memory per device (bytes), the largest pipeline stage charged to every device:
     * weights (+ grads and optimizer state when training);
     * training activations after Korthikanti et al. 2022 (tensor parallel without
@@ -57,6 +58,8 @@ NUM_CLASSES = len(CLASSES)
 TRAIN_STATE_BYTES_PER_PARAM = 16
 KERNELS_PER_LAYER_FWD = 12
 KERNELS_PER_LAYER_DECODE = 14
+TENSORS_PER_LAYER = 9  # q, k, v, o, gate, up, down, two norms
+OPT_KERNELS_PER_TENSOR = 12
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -143,6 +146,9 @@ def stage_work(
             w[g[p2p_t]] += reps * slots * (2 if sw.kind == "train" else 1) * per
         if sw.kind == "train":
             w[g["mem"]] = reps * 2.0 * TRAIN_STATE_BYTES_PER_PARAM * sh.params_dev / bw
+            # A non-fused optimizer step and zero_grad launch kernels per parameter tensor.
+            tensors = TENSORS_PER_LAYER * sh.num_layers_dev + 3
+            w[g["launch"]] += reps * OPT_KERNELS_PER_TENSOR * tensors * ovh
             if dp > 1:
                 one = _ring(dp, sh.params_dev * ab, tdp.bandwidth_Bps, tdp.latency_s)
                 w[g["allreduce:" + tiers[2]]] += reps * one

@@ -93,7 +93,7 @@ class PlanResult:
     Attributes:
         plan: the best plan.
         latency_s: its predicted step latency.
-        estimate: the cost model's full estimate of it.
+        estimate: the cost model's full estimate of it (computed on first use).
         k_best: up to k (latency_s, plan) pairs, best first.
         timings: ``tables_ms``, ``search_ms``, ``total_ms``, ``nodes`` (search nodes),
             ``partitions`` (partitions searched).
@@ -101,9 +101,18 @@ class PlanResult:
 
     plan: GlobalPlan
     latency_s: float
-    estimate: StepEstimate = field(repr=False)
     k_best: tuple[tuple[float, GlobalPlan], ...] = field(repr=False)
     timings: dict[str, float] = field(repr=False)
+    _costmodel: CostModel = field(repr=False, compare=False)
+    _workload: Workload = field(repr=False, compare=False)
+
+    @property
+    def estimate(self) -> StepEstimate:
+        est = self.__dict__.get("_estimate")
+        if est is None:
+            est = self._costmodel.step_latency(self.plan, self._workload)
+            object.__setattr__(self, "_estimate", est)
+        return est
 
 
 def _pow2floor(x: int) -> int:
@@ -181,6 +190,7 @@ class Planner:
         self._times: dict = {}
         self._pareto: dict = {}
         self._groups: dict = {}
+        self._ids: dict = {}
 
     def _table(self, sw: StageWork, actor, dtype: str) -> _StageTable:
         key = (sw, actor, dtype)
@@ -322,6 +332,8 @@ class Planner:
 
         dpn = self.cluster.devices_per_node
         one_node = self.cluster.num_nodes == 1
+        # Small ints for stage shapes: cache keys then hash cheaply.
+        sid = [self._ids.setdefault((s, workload.dtype), len(self._ids)) for s in stages]
 
         ginfo: dict = {}
 
@@ -335,7 +347,7 @@ class Planner:
             thr = dpn if (both and not intra) else 0
             sl = [(rvar["intra" if intra else "inter"] if i == r_i else plain[i]) for i in g]
             vecs = self._group_vecs(
-                (tuple(stages[i] for i in g), workload.dtype),
+                tuple(sid[i] for i in g),
                 sl,
                 [phases[i] for i in g],
                 n,
@@ -427,7 +439,6 @@ class Planner:
         t_search = time.perf_counter()
         ranked = sorted(best, key=lambda e: -e[0])
         plans = [(-e[0], self._build(workload, stages, tables, e[2], devs)) for e in ranked]
-        est = self.costmodel.step_latency(plans[0][1], workload)
         t_end = time.perf_counter()
         timings = {
             "tables_ms": (t_tables - t0) * 1e3,
@@ -436,7 +447,7 @@ class Planner:
             "nodes": counter[0],
             "partitions": nparts,
         }
-        return PlanResult(plans[0][1], plans[0][0], est, tuple(plans), timings)
+        return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
 
     def _build(self, workload, stages, tables, picks, devs) -> GlobalPlan:
         groups = []

@@ -160,8 +160,8 @@ def local_cpu_cluster(
     workers_per_core: float = 2.0,
     *,
     memory_bytes: int = 24 * 2**30,
-    core_peak_flops: float = 50e9,
-    core_mem_bw_Bps: float = 10e9,
+    core_peak_flops: float = 150e9,
+    core_mem_bw_Bps: float = 25e9,
 ) -> ClusterSpec:
     """The local CPU workers as a cluster: one device per worker process.
 

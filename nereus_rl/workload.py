@@ -25,7 +25,7 @@ Response lengths are bucketed (the planner plans for a bucket, not a raw length)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nereus_rl.spec import ModelSpec, SpecError, model_preset
 
@@ -111,12 +111,15 @@ class Workload:
         raise KeyError(f"no stage {name!r}; stages are {[s.stage for s in self.stages]}")
 
     def with_response_len(self, response_len: int) -> Workload:
-        """The same workload planned for another response-length bucket."""
-        return make_workload(response_len=response_len, **self._args)
+        """The same workload planned for another response-length bucket.
 
-    @property
-    def _args(self) -> dict:
-        return self.__dict__.get("_make_args", {})
+        Raises:
+            WorkloadError: a negative length.
+        """
+        if response_len < 0:
+            raise WorkloadError(f"response_len={response_len} is negative")
+        stages = tuple(replace(s, response_len=response_len) for s in self.stages)
+        return replace(self, stages=stages, response_len=response_len)
 
     def __repr__(self) -> str:
         return (
@@ -209,20 +212,6 @@ def make_workload(
     for name, v in (("batch", batch), ("group_size", group_size), ("micro_batch", micro_batch)):
         if v < 1:
             raise WorkloadError(f"{name}={v} must be >= 1")
-    args = dict(
-        algo=algo,
-        actor=actor,
-        critic=critic,
-        reference=reference,
-        reward=reward,
-        batch=batch,
-        prompt_len=prompt_len,
-        group_size=group_size,
-        micro_batch=micro_batch,
-        infer_micro_batch=infer_micro_batch,
-        epochs=epochs,
-        dtype=dtype,
-    )
     act = model_preset(actor) if isinstance(actor, str) else actor
     imb = infer_micro_batch or 4 * micro_batch
     if algo != "grpo" and group_size != 1:
@@ -253,6 +242,4 @@ def make_workload(
     stages.append(sw("actor_train", "actor", "train", act, samples, mb=micro_batch))
     if algo == "ppo":
         stages.append(sw("critic_train", "critic", "train", crit, samples, True, micro_batch))
-    w = Workload(algo, tuple(stages), batch, prompt_len, response_len, dtype)
-    object.__setattr__(w, "_make_args", args)
-    return w
+    return Workload(algo, tuple(stages), batch, prompt_len, response_len, dtype)

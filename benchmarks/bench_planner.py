@@ -1,0 +1,140 @@
+"""Planner decision time against OR-Tools SCIP and CP-SAT, and whether the optima match.
+
+For each cluster size (H200 nodes of 8) the benchmark makes a sequence of planner calls
+in which the signals change from one call to the next (response-length bucket,
+available devices, a refinement of the efficiencies), with one persistent Planner (its
+caches are kept across calls, as in a running job), and reports the median decision
+time. It also reports the median of the same calls made cold (a fresh Planner each
+time: nothing cached). SCIP and CP-SAT solve the first call's problem with a time
+limit; a solver that stops without proof is reported as such.
+
+Workload: PPO, Llama-3.1-8B actor, critic, reference and reward model, batch 2 x
+devices prompts of 1,024 tokens. All latencies are cost-model predictions.
+
+    python benchmarks/bench_planner.py --quick --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from nereus_rl.costmodel import CostModel
+from nereus_rl.planner import Planner
+from nereus_rl.planner_milp import solve_cpsat, solve_scip
+from nereus_rl.spec import cluster_preset
+from nereus_rl.workload import make_workload
+
+# (response bucket, devices lost, refine efficiencies before the call)
+SIGNALS = [
+    (2048, 0, False),
+    (4096, 0, False),
+    (4096, 8, False),
+    (1024, 8, False),
+    (1024, 0, True),
+    (2048, 0, False),
+    (2048, 16, False),
+    (4096, 16, True),
+    (8192, 0, False),
+    (1024, 0, False),
+]
+
+
+def _calls(n_dev: int, signals, persistent: bool) -> list[float]:
+    c = cluster_preset(f"h200x{n_dev}")
+    cm = CostModel(c)
+    base = make_workload(
+        "ppo", reward="llama-3.1-8b", batch=2 * n_dev, prompt_len=1024, response_len=2048
+    )
+    planner = Planner(c, cm)
+    out = []
+    prev = None
+    for resp, lost, refine in signals:
+        assert (resp, lost, refine) != prev
+        prev = (resp, lost, refine)
+        w = base.with_response_len(resp)
+        if refine:  # a measured step moves the efficiencies (version bump)
+            cm.observe_work({"gemm": 1.0, "mem": 0.5, "allreduce:intra": 0.1}, 3.1)
+        devs = range(n_dev - lost) if lost < n_dev else range(n_dev)
+        p = planner if persistent else Planner(c, cm)
+        t0 = time.perf_counter()
+        p.plan(w, devices=devs)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer calls, MILP only at 32-64")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--milp-limit-s", type=float, default=None)
+    args = ap.parse_args()
+    sizes = [32, 64, 128, 256, 512, 1024, 4096]
+    signals = SIGNALS[:6] if args.quick else SIGNALS
+    milp_sizes = {32, 64} if args.quick else set(sizes)
+    limit = args.milp_limit_s or (20.0 if args.quick else 120.0)
+    rows = []
+    hdr = (
+        f"{'devices':>7} {'plan_ms':>9} {'min_ms':>8} {'cold_ms':>9} {'scip_ms':>10} {'scip':>9} "
+        f"{'cpsat_ms':>10} {'cpsat':>9} {'step_s':>8} {'=scip':>6} {'=cpsat':>6} {'scip/plan':>9}"
+    )
+    print(hdr)
+    for n in sizes:
+        warm = _calls(n, signals, True)
+        cold = _calls(n, signals, False)
+        # Median over calls whose signals differ from the previous call's: all but the
+        # first call of the persistent planner (the first has no previous call).
+        plan_ms = statistics.median(warm[1:])
+        cold_ms = statistics.median(cold)
+        c = cluster_preset(f"h200x{n}")
+        cm = CostModel(c)
+        w = make_workload("ppo", reward="llama-3.1-8b", batch=2 * n, response_len=2048)
+        best = Planner(c, cm).plan(w)
+        row = {
+            "devices": n,
+            "plan_ms": plan_ms,
+            "plan_cold_ms": cold_ms,
+            "plan_min_ms": min(warm[1:]),
+            "plan_max_ms": max(warm[1:]),
+            "num_calls": len(warm) - 1,
+            "objective_s": best.latency_s,
+        }
+        for name, fn in (("scip", solve_scip), ("cpsat", solve_cpsat)):
+            if n in milp_sizes:
+                r = fn(w, c, cm, time_limit_s=limit)
+                row[f"{name}_ms"] = r.solve_ms
+                row[f"{name}_status"] = "proven" if r.proven else r.status
+                row[f"{name}_objective_s"] = r.objective_s
+                row[f"{name}_match"] = (
+                    r.objective_s is not None
+                    and abs(r.objective_s - best.latency_s) <= 1e-6 * best.latency_s + 1e-5
+                )
+            else:
+                row[f"{name}_ms"] = None
+                row[f"{name}_status"] = "not run"
+                row[f"{name}_objective_s"] = None
+                row[f"{name}_match"] = None
+        row["scip_over_plan_x"] = row["scip_ms"] / plan_ms if row["scip_ms"] else None
+        rows.append(row)
+
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+
+        print(
+            f"{n:>7} {plan_ms:>9.2f} {min(warm[1:]):>8.2f} {cold_ms:>9.2f} "
+            f"{f(row['scip_ms'], '>10.0f')} "
+            f"{row['scip_status'][:9]:>9} {f(row['cpsat_ms'], '>10.0f')} "
+            f"{row['cpsat_status'][:9]:>9} {best.latency_s:>8.2f} "
+            f"{f(row['scip_match'], '>6')} {f(row['cpsat_match'], '>6')} "
+            f"{f(row['scip_over_plan_x'], '>9.0f')}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"benchmark": "bench_planner", "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
