@@ -9,6 +9,9 @@ splits, extends onto the new devices, destroys that must come first). Columns:
                 minimum of the repeats
   plan_cpu_ms   the same in this thread's CPU time (the dev box is shared: CPU time is
                 what one uncontended core would take)
+  plan_cpu_norefine_ms  CPU time with refine=False: the sequential simulation alone
+                (diff, safe order, funded resource edges), without the list-schedule
+                refinement; dag_norefine_makespan_s its completion time
   cpsat_*       the CP-SAT interval/reservoir model (nereus_rl.transition_milp) of the same
                 primitives and data edges, minimizing completion time: build and solve
                 seconds, status (OPTIMAL = proven; FEASIBLE = stopped at the time limit
@@ -16,14 +19,16 @@ splits, extends onto the new devices, destroys that must come first). Columns:
   dag_makespan_s  the DAG's completion time (critical path) with the same durations
   gap_pct       (dag_makespan_s - cpsat_makespan_s) / cpsat_makespan_s
   speedup_x     (cpsat build + solve) / plan time
+  cpsat_cold_*  the same model solved without the DAG's schedule as a hint (the solver
+                on its own); cold_speedup_x likewise
 
 Table 2 (random): the gap on the small random transitions of the trials benchmark
 (12 devices, six stages, dense: current plans fill at least half of the memory), per
 transition type, over the instances CP-SAT proves optimal.
 
 Durations are the default primitive cost table (``default_primitive_cost``), in 10 ms
-units. CP-SAT runs with one worker (the dev box has two shared cores) and starts from
-the DAG's own schedule as a hint.
+units. CP-SAT runs with one worker (the dev box has two shared cores), once starting
+from the DAG's own schedule as a hint and once cold.
 
 Usage: python benchmarks/bench_transition_plan.py [--quick] [--json PATH]
 """
@@ -37,7 +42,12 @@ import random
 import statistics
 import time
 
-from nereus_rl.transition import InfeasibleTargetError, compile_transition
+from nereus_rl.transition import (
+    InfeasibleTargetError,
+    compile_transition,
+    default_primitive_cost,
+    predicted_completion_time,
+)
 from nereus_rl.transition_milp import schedule_cpsat
 from nereus_rl.transition_scenarios import (
     SCALED_CAPACITY,
@@ -49,10 +59,17 @@ from nereus_rl.transition_scenarios import (
 )
 
 SCALES = (32, 128, 512, 1024, 4096)
+
+
+def _cost(p):
+    """The default table rounded to the CP-SAT model's 10 ms units."""
+    return max(1, round(default_primitive_cost(p) / 0.01)) * 0.01
+
+
 GOAL_MS_AT_1024 = 1.22
 
 
-def _plan_times(sc, repeats: int):
+def _plan_times(sc, repeats: int, refine: bool = True):
     best_wall, best_cpu, dag = math.inf, math.inf, None
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
@@ -63,6 +80,7 @@ def _plan_times(sc, repeats: int):
             lost_devices=sc.lost,
             unit_memory=scenario_unit_memory,
             capacity=SCALED_CAPACITY,
+            refine=refine,
         )
         best_cpu = min(best_cpu, time.thread_time() - c)
         best_wall = min(best_wall, time.perf_counter() - t)
@@ -75,8 +93,10 @@ def scale_rows(quick: bool) -> list[dict]:
         sc = scaled_scenario(n)
         repeats = 3 if (quick and n >= 1024) else 7
         wall, cpu, dag = _plan_times(sc, repeats)
+        _, cpu_plain, dag_plain = _plan_times(sc, repeats, refine=False)
         limit = (5.0 if n <= 512 else 20.0) if quick else (20.0 if n <= 512 else 60.0)
         res = schedule_cpsat(dag, time_limit_s=limit)
+        cold = schedule_cpsat(dag, time_limit_s=limit, hint_dag_schedule=False)
         plan_s = wall
         row = {
             "devices": n,
@@ -84,6 +104,8 @@ def scale_rows(quick: bool) -> list[dict]:
             "resource_edges": dag.num_resource_edges,
             "plan_ms": wall * 1e3,
             "plan_cpu_ms": cpu * 1e3,
+            "plan_cpu_norefine_ms": cpu_plain * 1e3,
+            "dag_norefine_makespan_s": predicted_completion_time(dag_plain, _cost),
             "cpsat_build_s": res.build_s,
             "cpsat_solve_s": res.solve_s,
             "cpsat_time_limit_s": limit,
@@ -92,16 +114,23 @@ def scale_rows(quick: bool) -> list[dict]:
             "cpsat_bound_s": res.bound_s,
             "dag_makespan_s": res.dag_makespan_s,
             "gap_pct": res.gap_pct,
+            "cpsat_cold_solve_s": cold.solve_s,
+            "cpsat_cold_status": cold.status,
+            "cpsat_cold_makespan_s": cold.makespan_s,
+            "cold_speedup_x": (cold.build_s + cold.solve_s) / plan_s,
             "speedup_x": (res.build_s + res.solve_s) / plan_s,
         }
         rows.append(row)
         print(
             f"{n:>5} dev {row['primitives']:>5} prims {row['resource_edges']:>5} redges | "
-            f"plan {row['plan_ms']:8.2f} ms (cpu {row['plan_cpu_ms']:8.2f}) | "
+            f"plan {row['plan_ms']:8.2f} ms (cpu {row['plan_cpu_ms']:7.2f}, "
+            f"no refine {row['plan_cpu_norefine_ms']:7.2f}) | "
             f"cpsat {res.status:>8} build {res.build_s:6.2f} s solve {res.solve_s:7.2f} s "
             f"makespan {res.makespan_s:6.2f} s bound {res.bound_s:6.2f} | "
             f"dag {res.dag_makespan_s:6.2f} s gap {res.gap_pct:6.2f}% | "
-            f"speedup {row['speedup_x']:9.1f}x",
+            f"speedup {row['speedup_x']:7.1f}x | cold cpsat {cold.status:>8} solve "
+            f"{cold.solve_s:7.2f} s makespan {cold.makespan_s:6.2f} s "
+            f"speedup {row['cold_speedup_x']:7.1f}x",
             flush=True,
         )
     return rows
@@ -152,6 +181,11 @@ def random_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def _finite(v):
+    """JSON has no inf or nan: write null for a figure that does not exist."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter solver limits, fewer repeats")
@@ -170,6 +204,7 @@ def main() -> None:
     rows = [{"table": "scale", **r} for r in scale] + [{"table": "random", **r} for r in rand]
     if args.json:
         with open(args.json, "w") as f:
+            rows = [{k: _finite(v) for k, v in r.items()} for r in rows]
             json.dump({"benchmark": "bench_transition_plan", "rows": rows}, f, indent=1)
 
 

@@ -20,6 +20,9 @@ run the *same* pair on the real executors with sleeping primitives:
 A drawn pair whose target no order can reach (the compiler proves no safe order,
 e.g. a single unit that must move onto devices its own stage holds) is redrawn
 and counted in ``redrawn_unreachable``; those pairs are run by neither method.
+``--no-stage-slots`` compiles with ``stage_slots=False`` (only memory limits how
+units share a device, the rule the per-component baseline always uses), which
+makes most of those pairs reachable.
 
 Usage: python benchmarks/bench_transition_trials.py [--quick] [--json PATH]
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import random
 import statistics
 import threading
@@ -62,7 +66,13 @@ def _impls(rng: random.Random, jitter_s: float):
 
 
 def run_type(
-    kind: str, trials: int, seed: int, timeout_s: float, jitter_s: float, min_fill: float
+    kind: str,
+    trials: int,
+    seed: int,
+    timeout_s: float,
+    jitter_s: float,
+    min_fill: float,
+    stage_slots: bool = True,
 ) -> dict:
     rng = random.Random(seed)
     redrawn = 0
@@ -87,6 +97,7 @@ def run_type(
                     lost_devices=sc.lost,
                     unit_memory=scenario_unit_memory,
                     capacity=SCENARIO_CAPACITY,
+                    stage_slots=stage_slots,
                 )
                 break
             except InfeasibleTargetError:
@@ -122,6 +133,7 @@ def run_type(
     return {
         "transition": kind,
         "min_fill": min_fill,
+        "stage_slots": stage_slots,
         "trials": trials,
         "redrawn_unreachable": redrawn,
         "nereus_success_pct": 100.0 * nereus_ok / trials,
@@ -140,6 +152,11 @@ def run_type(
     }
 
 
+def _finite(v):
+    """JSON has no inf or nan: write null for a figure that does not exist."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="20 trials per type instead of 100")
@@ -149,12 +166,18 @@ def main() -> None:
     ap.add_argument(
         "--min-fill", type=float, default=MIN_FILL, help="least mean memory fill of current plans"
     )
+    ap.add_argument(
+        "--no-stage-slots",
+        action="store_true",
+        help="let a new unit share devices with an old unit of its stage (memory only)",
+    )
     ap.add_argument("--json", type=str, default=None, help="write the rows here")
     args = ap.parse_args()
     trials = args.trials or (20 if args.quick else 100)
     print(
         f"{trials} trials per type, launch jitter 0-{args.jitter_ms} ms, timeout "
-        f"{args.timeout} s, current plans >= {args.min_fill:.0%} memory full"
+        f"{args.timeout} s, current plans >= {args.min_fill:.0%} memory full, stage slots "
+        f"{'off' if args.no_stage_slots else 'on'}"
     )
     rows = []
     hdr = (
@@ -164,7 +187,15 @@ def main() -> None:
     )
     print(hdr)
     for i, kind in enumerate(TRANSITION_TYPES):
-        r = run_type(kind, trials, 1 + i, args.timeout, args.jitter_ms * 1e-3, args.min_fill)
+        r = run_type(
+            kind,
+            trials,
+            1 + i,
+            args.timeout,
+            args.jitter_ms * 1e-3,
+            args.min_fill,
+            not args.no_stage_slots,
+        )
         rows.append(r)
         ratio = r["nereus_success_pct"] / max(r["per_component_success_pct"], 1e-9)
         span = f"[{r['resource_edges_min']}-{r['resource_edges_max']}]"
@@ -181,6 +212,7 @@ def main() -> None:
     print(f"goal (Nereus 100% in every type): {'met' if goal else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:
+            rows = [{k: _finite(v) for k, v in r.items()} for r in rows]
             json.dump({"benchmark": "bench_transition_trials", "rows": rows}, f, indent=1)
 
 

@@ -5,14 +5,19 @@ Elastic Model Unit primitives (``extend``, ``destroy``, ``split``, ``merge``).
 Nodes are primitives; edges are *data* edges (a source unit lives until its
 state is copied; a unit is destroyed only while another holder of its state
 lives) and *resource* edges (a device's memory, or a stage's slot on a device,
-freed by one primitive before another acquires it). The compiler lives in
-:mod:`nereus_rl.transition_compile`, the safety check in
+freed by one primitive before another acquires it). The plan diff lives in
+:mod:`nereus_rl.transition_diff`, the compiler in
+:mod:`nereus_rl.transition_compile` (refined by
+:mod:`nereus_rl.transition_refine`), the safety check in
 :mod:`nereus_rl.transition_safety`, the executor in
-:mod:`nereus_rl.transition_exec`.
+:mod:`nereus_rl.transition_exec`, the per-component baseline in
+:mod:`nereus_rl.transition_baseline` and the CP-SAT scheduling model in
+:mod:`nereus_rl.transition_milp`.
 
 Resources. A device serves at most one unit of each stage at a time (its
-*stage slot*), and the units on a device must fit its memory. Colocated stages
-(different stages on one device) share the device's memory, as in a GlobalPlan.
+*stage slot*; ``stage_slots=False`` drops this rule), and the units on a device
+must fit its memory. Colocated stages (different stages on one device) share the
+device's memory, as in a GlobalPlan.
 A primitive acquires the memory (and slots) of the units it creates when it
 starts and releases the memory (and slots) of the units it consumes when it
 ends: ``split`` and ``merge`` work in place, so for a moment they hold both.
@@ -26,9 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+
+if TYPE_CHECKING:  # loaded lazily by __getattr__ at the bottom (they import this module)
+    from nereus_rl.transition_compile import compile_transition, transition_cost
+    from nereus_rl.transition_diff import TransitionDiff, diff_plans
 
 # ---------------------------------------------------------------------------
 # Errors
@@ -96,6 +105,13 @@ class Placement:
     """The live units of a job: what a GlobalPlan looks like once it runs."""
 
     units: tuple[Unit, ...]
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for u in self.units:
+            if u.uid in seen:
+                raise ValueError(f"Placement: uid {u.uid!r} names two units; give each a uid")
+            seen.add(u.uid)
 
     @staticmethod
     def from_plan(plan: GlobalPlan) -> Placement:
@@ -281,6 +297,9 @@ class TransitionDAG:
             every topological execution (see :mod:`nereus_rl.transition_safety`).
         anchors: for each non-lost destroy, ``(pid, state, holder uid)``: which unit keeps
             each state alive.
+        stage_slots: whether a device serves at most one unit of each stage at a time
+            (the default). When False only memory limits sharing, so a new unit may
+            land on devices an old unit of its stage still holds while both fit.
         early_destroys: ``(destroy pid, blocked pid)``: destroys the compiler brought
             forward because an acquisition was blocked (``-1``: every one was).
     """
@@ -296,6 +315,15 @@ class TransitionDAG:
     funding: tuple[Funding, ...] | None = None
     anchors: tuple[tuple[int, tuple[str, str], str], ...] = ()
     early_destroys: tuple[tuple[int, int], ...] = ()
+    stage_slots: bool = True
+
+    def slots_acquired(self, p: Primitive) -> tuple[tuple[str, int], ...]:
+        """The stage slots ``p`` takes under this DAG's rules (none without stage slots)."""
+        return p.slots_acquired() if self.stage_slots else ()
+
+    def slots_released(self, p: Primitive) -> tuple[tuple[str, int], ...]:
+        """The stage slots ``p`` frees under this DAG's rules (none without stage slots)."""
+        return p.slots_released() if self.stage_slots else ()
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -484,8 +512,23 @@ def _find_cycle(preds: list[list[int]], nodes: set[int]) -> list[int]:
     return [*cycle, cycle[0]]
 
 
-from nereus_rl.transition_compile import compile_transition  # noqa: E402
-from nereus_rl.transition_diff import TransitionDiff, diff_plans  # noqa: E402
+_LAZY = {
+    "compile_transition": "nereus_rl.transition_compile",
+    "transition_cost": "nereus_rl.transition_compile",
+    "TransitionDiff": "nereus_rl.transition_diff",
+    "diff_plans": "nereus_rl.transition_diff",
+}
+
+
+def __getattr__(name: str) -> object:
+    # The compiler and the diff import this module's types; loading them lazily keeps
+    # ``from nereus_rl.transition import compile_transition`` working without a cycle.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -509,4 +552,5 @@ __all__ = [
     "longest_path",
     "predicted_completion_time",
     "topo_order",
+    "transition_cost",
 ]

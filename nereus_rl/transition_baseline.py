@@ -46,7 +46,8 @@ class BaselineResult:
 
     Attributes:
         success: every stage finished and the placement equals the target.
-        failure: ``None``, ``"deadlock"``, ``"timeout"`` or ``"state_lost"``.
+        failure: ``None``, ``"deadlock"``, ``"timeout"``, ``"state_lost"`` or ``"error"``
+            (a primitive implementation raised).
         detail: which stages waited on which devices (for a failure).
         elapsed_s: seconds until the last stage finished or gave up.
     """
@@ -252,6 +253,9 @@ def run_per_component(
                 board.release(stage, u, m(u))
         except _Abort:
             return
+        except Exception as e:  # a failing primitive ends the whole migration
+            with board.cond:
+                board.fail("error", f"{stage}: {e!r}")
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=migrate, args=(s,), daemon=True) for s in stages]

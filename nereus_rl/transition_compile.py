@@ -19,6 +19,7 @@ list schedule by predicted cost, and the faster of the two DAGs is returned.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 
@@ -38,7 +39,7 @@ from nereus_rl.transition import (
     capacity_of,
     default_primitive_cost,
     default_unit_memory,
-    predicted_completion_time,
+    longest_path,
 )
 from nereus_rl.transition_diff import TransitionDiff, diff_plans
 from nereus_rl.transition_refine import refine_by_list_schedule
@@ -56,6 +57,7 @@ def compile_transition(
     capacity: CapacityLike = DEFAULT_CAPACITY,
     cost_fn: PrimitiveCostFn = default_primitive_cost,
     refine: bool = True,
+    stage_slots: bool = True,
 ) -> TransitionDAG:
     """Compile the change ``current -> target`` into a deadlock-free DAG of primitives.
 
@@ -71,6 +73,9 @@ def compile_transition(
         cost_fn: predicted seconds per primitive (the cost model's estimate plugs in).
         refine: also re-derive the resource edges from a list schedule by ``cost_fn``
             (:mod:`nereus_rl.transition_refine`) and keep the DAG that finishes sooner.
+        stage_slots: a device serves at most one unit of each stage at a time. False
+            lets a new unit share devices with an old unit of its stage while memory
+            allows (needed, e.g., to grow the tp of a stage with a single unit).
     Returns:
         the DAG, with a safe order and the funding certificate.
     Raises:
@@ -93,15 +98,47 @@ def compile_transition(
             f"{len(after)} devices exist ({_fmt_devices(sorted(after))}): plan over those"
         )
     diff = diff_plans(cur, target, lost_devices=lost_set)
-    dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity).run()
+    dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots).run()
     if not refine:
         return dag
-    better = refine_by_list_schedule(dag, cost_fn)
-    if better is not None and predicted_completion_time(
-        better, cost_fn
-    ) < predicted_completion_time(dag, cost_fn):
-        return better
-    return dag
+    return _refine(dag, cost_fn)
+
+
+def _refine(dag: TransitionDAG, cost_fn: PrimitiveCostFn, repairs: int = 3) -> TransitionDAG:
+    """The fastest of the compiled DAG and its list-schedule refinements.
+
+    After the two plain priority rules, a few repair rounds boost the primitives whose
+    start on the critical path waits on a resource edge, so that they take the freed
+    memory before primitives with slack do; a round that does not help ends the search.
+    """
+    dur = [float(cost_fn(p)) for p in dag.primitives]
+    best, (best_t, path) = dag, longest_path(dag, dur)
+    kinds = {(e.src, e.dst): e.kind for e in dag.edges}
+    if all(kinds.get(ab) == "data" for ab in itertools.pairwise(path)):
+        return dag  # the critical path is data edges only: no schedule can be shorter
+    for priority in ("bottom", "order"):
+        alt = refine_by_list_schedule(dag, cost_fn, priority)
+        if alt is not None:
+            t, _ = longest_path(alt, dur)
+            if t < best_t - 1e-12:
+                best, best_t = alt, t
+    boost = [0.0] * len(dag.primitives)
+    for _ in range(repairs):
+        _, path = longest_path(best, dur)
+        kinds = {(e.src, e.dst): e.kind for e in best.edges}
+        waits = [b for a, b in itertools.pairwise(path) if kinds.get((a, b)) == "resource"]
+        if not waits:
+            break
+        for p in waits:
+            boost[p] += best_t
+        alt = refine_by_list_schedule(dag, cost_fn, "bottom", boost)
+        if alt is None:
+            break
+        t, _ = longest_path(alt, dur)
+        if t >= best_t - 1e-12:
+            break
+        best, best_t = alt, t
+    return best
 
 
 class _Compiler:
@@ -116,7 +153,9 @@ class _Compiler:
         lost: frozenset[int],
         unit_memory: UnitMemoryFn,
         capacity: CapacityLike,
+        stage_slots: bool = True,
     ) -> None:
+        self.stage_slots = stage_slots
         self.cur, self.diff, self.exist, self.lostdev = cur, diff, exist, lost
         self.capacity = capacity
         if isinstance(capacity, Mapping):
@@ -143,7 +182,7 @@ class _Compiler:
         lost = kind == "destroy" and bool(self.lostdev.intersection(ins[0].devices))
         prim = Primitive(pid, kind, stage, ins, outs, None, acq, rel, lost)
         self.prims.append(prim)
-        self.slot_acq.append(prim.slots_acquired())
+        self.slot_acq.append(prim.slots_acquired() if self.stage_slots else ())
         return pid
 
     # -- building blocks -------------------------------------------------
@@ -283,6 +322,7 @@ class _Compiler:
             funding=tuple(self.funding),
             anchors=tuple(self.anchors),
             early_destroys=tuple(self.early),
+            stage_slots=self.stage_slots,
         )
 
     # -- liveness ----------------------------------------------------------
@@ -430,9 +470,7 @@ class _Compiler:
                 for d, a in prim.acquire
                 if self.used[d] + a > self.cap[d] + _TOL
             ]
-            slots = [
-                f"{s} owned by {self.slot[s]}" for s in prim.slots_acquired() if s in self.slot
-            ]
+            slots = [f"{s} owned by {self.slot[s]}" for s in self.slot_acq[p] if s in self.slot]
             lines.append(f"{prim!r}: " + "; ".join(short + slots or ["waits for its inputs"]))
         raise InfeasibleTargetError(
             "no order reaches the target without overfilling a device or destroying the last "
@@ -523,7 +561,31 @@ class _Compiler:
         for d, r in prim.release:
             self.used[d] -= r
             self.funds[d].append([p, r])
-        for s in prim.slots_released():
+        for s in prim.slots_released() if self.stage_slots else ():
             self.slot_free_by[s] = p
         self.order.append(p)
         self.done.add(p)
+
+
+def transition_cost(
+    current: Placement | GlobalPlan,
+    target: GlobalPlan,
+    *,
+    cost_fn: PrimitiveCostFn = default_primitive_cost,
+    **compile_kwargs: object,
+) -> float:
+    """Predicted seconds to change ``current`` into ``target``: what admission weighs.
+
+    Arguments:
+        current: the live units (or their plan).
+        target: the plan to reach.
+        cost_fn: predicted seconds per primitive (the cost model's ``primitive_cost``).
+        compile_kwargs: passed to :func:`compile_transition` (devices, lost_devices,
+            unit_memory, capacity, stage_slots).
+    Returns:
+        the compiled DAG's critical-path length under ``cost_fn``.
+    Raises:
+        InfeasibleTargetError, StateLossError: as :func:`compile_transition`.
+    """
+    dag = compile_transition(current, target, cost_fn=cost_fn, **compile_kwargs)  # type: ignore[arg-type]
+    return longest_path(dag, [cost_fn(p) for p in dag.primitives])[0]

@@ -127,8 +127,7 @@ def diff_plans(
             else:
                 todo.append(devs)
         rem = [u for u in rem if u.layout in by_layout]
-        used_idx = {int(u.uid.rsplit("#", 1)[1]) for u in rem + kept if "#" in u.uid}
-        nxt = max([*used_idx, -1]) + 1
+        nxt = 0  # new units are "<stage>#<k>", the smallest k no current unit uses
         new: list[Unit] = []
         for devs in todo:
             while f"{sp.stage}#{nxt}" in cur_uids:

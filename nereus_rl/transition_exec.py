@@ -59,7 +59,7 @@ class ExecutionReport:
         critical_path: primitive ids that determined the makespan, in order.
         final: the placement at the end (equal to the DAG's target).
         resource_waits: how often a ready primitive had to wait for the resource manager.
-        max_concurrency: the most primitives running at once.
+        max_concurrency: the most primitives running at once (from the records).
         any_order: the DAG was certified safe in every order (no tickets used).
     """
 
@@ -95,6 +95,7 @@ class ResourceManager:
         capacity: CapacityLike,
         tickets: dict[int, list[int]] | None,
     ) -> None:
+        self.dag = dag
         mem = dict(dag.unit_bytes)
         self.cap = {d: capacity_of(capacity, d) for d in dag.devices}
         self.used = dict.fromkeys(dag.devices, 0.0)
@@ -123,7 +124,7 @@ class ResourceManager:
         for d, a in p.acquire:
             if self.used[d] + a > self.cap[d] + _TOL:
                 return False
-        for s in p.slots_acquired():
+        for s in self.dag.slots_acquired(p):
             if s in self.slots:
                 return False
         for d, a in p.acquire:
@@ -165,7 +166,7 @@ def execute_dag(
         impls: ``kind -> callable(primitive)`` for ``extend``, ``destroy``, ``split``,
             ``merge``; each returns when the primitive is done and raises on failure.
         capacity: device memory (default: the DAG's).
-        max_workers: threads running primitives at once (default: every primitive).
+        max_workers: threads running primitives at once (default: up to 64).
         safety: a report from :func:`check_dag` to reuse (default: checked here).
     Returns:
         the execution report.
@@ -195,6 +196,7 @@ def execute_dag(
     npred = [len(set(x)) for x in preds]
     rank = {p: i for i, p in enumerate(rep.order)}
     waiting = sorted((i for i in range(n) if npred[i] == 0), key=rank.__getitem__)
+    new_ready: list[int] = []
     done_q: queue.Queue[tuple[int, float, float, BaseException | None]] = queue.Queue()
     start = [0.0] * n
     end = [0.0] * n
@@ -210,14 +212,16 @@ def execute_dag(
         done_q.put((p, s, time.perf_counter() - t0, err))
 
     running = 0
-    max_running = 0
     resource_waits = 0
     failed: tuple[int, BaseException] | None = None
     finished = 0
     seen_edges: set[tuple[int, int]] = set()
     waited: set[int] = set()
-    with ThreadPoolExecutor(max_workers=max_workers or max(1, n)) as pool:
+    with ThreadPoolExecutor(max_workers=max_workers or min(64, max(1, n))) as pool:
         while finished < n:
+            if new_ready:  # merge the newly ready into the (sorted) waiting list
+                waiting = sorted(waiting + new_ready, key=rank.__getitem__)
+                new_ready = []
             if failed is None:
                 still = []
                 for p in waiting:
@@ -230,7 +234,6 @@ def execute_dag(
                             resource_waits += 1
                         still.append(p)
                 waiting = still
-                max_running = max(max_running, running)
             if running == 0:
                 if failed is not None:
                     break
@@ -252,8 +255,7 @@ def execute_dag(
                 seen_edges.add((p, q))
                 npred[q] -= 1
                 if npred[q] == 0:
-                    waiting.append(q)
-            waiting.sort(key=rank.__getitem__)
+                    new_ready.append(q)
     if failed is not None:
         p, err = failed
         raise TransitionExecutionError(
@@ -272,9 +274,19 @@ def execute_dag(
         critical_path=tuple(_critical_path(preds, start, end)),
         final=final,
         resource_waits=resource_waits,
-        max_concurrency=max_running,
+        max_concurrency=_max_overlap(start, end),
         any_order=rep.any_order,
     )
+
+
+def _max_overlap(start: list[float], end: list[float]) -> int:
+    """The most primitives whose measured [start, end) intervals overlap at one moment."""
+    events = sorted([(t, 1) for t in start] + [(t, -1) for t in end])
+    best = cur = 0
+    for _, k in events:  # at equal times, ends (-1) sort before starts (+1)
+        cur += k
+        best = max(best, cur)
+    return best
 
 
 def _critical_path(preds: list[list[int]], start: list[float], end: list[float]) -> list[int]:

@@ -102,8 +102,10 @@ def schedule_cpsat(
     m = cp_model.CpModel()
     start = [m.new_int_var(0, horizon, f"s{i}") for i in range(n)]
     end = [m.new_int_var(0, horizon, f"e{i}") for i in range(n)]
+    # One interval per primitive; memory and slots are reservoirs over its start and end
+    # (an acquisition persists after the primitive ends, so a cumulative would not do).
     for i in range(n):
-        m.add(end[i] == start[i] + dur[i])
+        m.new_interval_var(start[i], dur[i], end[i], f"i{i}")
     for e in dag.edges:
         if e.kind == "data":
             m.add(start[e.dst] >= end[e.src])
@@ -136,10 +138,10 @@ def schedule_cpsat(
     owned = {(u.stage, d) for u in dag.current.units for d in u.devices}
     slot_events: dict[tuple[str, int], list[tuple[object, int]]] = {}
     for p in prims:
-        for s in p.slots_acquired():
+        for s in dag.slots_acquired(p):
             slot_events.setdefault(s, []).append((start[p.pid], 1))
     for p in prims:
-        for s in p.slots_released():
+        for s in dag.slots_released(p):
             if s in slot_events:
                 slot_events[s].append((end[p.pid], -1))
     for s, ev in sorted(slot_events.items()):

@@ -18,6 +18,7 @@ the two DAGs has the shorter predicted completion time.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from nereus_rl.transition import (
     Edge,
@@ -30,12 +31,21 @@ from nereus_rl.transition import (
 _TOL = 1e-3
 
 
-def refine_by_list_schedule(dag: TransitionDAG, cost_fn: PrimitiveCostFn) -> TransitionDAG | None:
+def refine_by_list_schedule(
+    dag: TransitionDAG,
+    cost_fn: PrimitiveCostFn,
+    priority: str = "bottom",
+    boost: Sequence[float] | None = None,
+) -> TransitionDAG | None:
     """The DAG with resource edges re-derived from a list schedule, or None if it gets stuck.
 
     Arguments:
         dag: a compiled DAG (its data edges, sources and anchors are kept).
         cost_fn: predicted seconds per primitive.
+        priority: which ready primitive starts first: ``"bottom"`` (longest remaining
+            data path, then the compiler's order) or ``"order"`` (the compiler's order).
+        boost: seconds added to a primitive's priority (to start it before others that
+            compete for the same memory).
     Returns:
         the refined DAG, or None when greedy list scheduling reaches a state where
         nothing runs and no ready primitive fits (the compiled DAG is then kept).
@@ -66,9 +76,13 @@ def refine_by_list_schedule(dag: TransitionDAG, cost_fn: PrimitiveCostFn) -> Tra
                 slots.add((u.stage, d))
     funds = {d: [[-1, cap[d] - used[d]]] for d in dag.devices}
     slot_free_by: dict[tuple[str, int], int] = {}
-    slot_acq = [p.slots_acquired() for p in prims]
+    slot_acq = [dag.slots_acquired(p) for p in prims]
 
     npred = [len(set(x)) for x in dpreds]
+    if priority == "order":
+        bottom = [0.0] * n
+    if boost is not None:
+        bottom = [b + x for b, x in zip(bottom, boost)]
     ready = [(-bottom[p], rank_sigma[p], p) for p in range(n) if npred[p] == 0]
     heapq.heapify(ready)
     running: list[tuple[float, int]] = []
@@ -119,7 +133,7 @@ def refine_by_list_schedule(dag: TransitionDAG, cost_fn: PrimitiveCostFn) -> Tra
             for d, r in prim.release:
                 used[d] -= r
                 funds[d].append([p, r])
-            for s in prim.slots_released():
+            for s in dag.slots_released(prim):
                 slots.discard(s)
                 slot_free_by[s] = p
             finished += 1
@@ -139,6 +153,7 @@ def refine_by_list_schedule(dag: TransitionDAG, cost_fn: PrimitiveCostFn) -> Tra
         funding=tuple(funding),
         anchors=dag.anchors,
         early_destroys=dag.early_destroys,
+        stage_slots=dag.stage_slots,
     )
 
 

@@ -18,6 +18,7 @@ Two levels, in the spirit of the banker's algorithm:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from nereus_rl.globalplan import _fmt_devices
@@ -121,7 +122,17 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
             if d in cap:
                 slots[(u.stage, d)] = u.uid
     peak = max(used.values(), default=0.0)
-    ready = sorted((i for i in range(n) if npred[i] == 0), key=lambda i: (rank.get(i, i), i))
+    holders: dict[tuple[str, str], int] = {}  # live, not lost, units holding each state
+    for u in live.values():
+        if u.uid not in lost_uids:
+            for st in u.states:
+                holders[st] = holders.get(st, 0) + 1
+
+    def key(i: int) -> tuple[bool, int, int]:
+        return (prims[i].kind != "destroy", rank.get(i, i), i)
+
+    ready = [key(i) for i in range(n) if npred[i] == 0]
+    heapq.heapify(ready)
     seen_edges: set[tuple[int, int]] = set()
     order: list[int] = []
 
@@ -130,16 +141,14 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
         for u in p.inputs:
             if u.uid not in live:
                 return f"input {u.uid} is not alive"
-        if p.kind == "extend" and (p.source is None or p.source.uid not in live):
+        if p.kind == "extend" and (
+            p.source is None or p.source.uid not in live or p.source.uid in lost_uids
+        ):
             return f"copy source {p.source.uid if p.source else None} is not alive"
         if p.kind == "destroy" and not p.lost:
             u = p.inputs[0]
             for s in u.states:
-                others = [
-                    v
-                    for v in live.values()
-                    if v.uid != u.uid and v.uid not in lost_uids and s in v.states
-                ]
+                others = holders.get(s, 0) - (u.uid not in lost_uids)
                 if not others:
                     return f"{u.uid} is the last live holder of {s[0]} of {s[1]!r}"
         for d, a in p.acquire:
@@ -151,38 +160,47 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
                     f"device {d} needs {a:.3g} bytes but has {cap[d] - used[d]:.3g} free "
                     f"(held by {on})"
                 )
-        for s in p.slots_acquired():
+        for s in dag.slots_acquired(p):
             if s in slots:
                 return f"device {s[1]} already serves {slots[s]} of stage {s[0]!r}"
         return None
 
     while ready:
-        pick = None
         # Releases first (they only make room), then acquisitions in the DAG's own order.
-        for i in sorted(ready, key=lambda i: (prims[i].kind != "destroy", rank.get(i, i), i)):
-            if why_not(i) is None:
-                pick = i
+        pick = None
+        skipped = []
+        while ready:
+            item = heapq.heappop(ready)
+            if why_not(item[2]) is None:
+                pick = item[2]
                 break
+            skipped.append(item)
+        for item in skipped:
+            heapq.heappush(ready, item)
         if pick is None:
-            details = " | ".join(f"{prims[i]!r}: {why_not(i)}" for i in ready)
-            devs = sorted({d for i in ready for d in prims[i].devices})
+            blocked = [item[2] for item in ready]
+            details = " | ".join(f"{prims[i]!r}: {why_not(i)}" for i in blocked)
+            devs = sorted({d for i in blocked for d in prims[i].devices})
             raise UnsafeDAGError(
                 f"no safe order: every ready primitive is blocked (devices {_fmt_devices(devs)}): "
                 f"{details}; add edges so releases come before these acquisitions, or keep "
                 "another holder of the state alive"
             )
-        ready.remove(pick)
         p = prims[pick]
         for d, a in p.acquire:
             used[d] += a
             peak = max(peak, used[d])
         for u in p.inputs:
-            live.pop(u.uid, None)
+            if live.pop(u.uid, None) is not None and u.uid not in lost_uids:
+                for st in u.states:
+                    holders[st] -= 1
             for d in u.devices:
                 if slots.get((u.stage, d)) == u.uid:
                     del slots[(u.stage, d)]
         for u in p.outputs:
             live[u.uid] = u
+            for st in u.states:
+                holders[st] = holders.get(st, 0) + 1
             for d in u.devices:
                 slots[(u.stage, d)] = u.uid
         for d, r in p.release:
@@ -194,7 +212,7 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
             seen_edges.add((pick, q))
             npred[q] -= 1
             if npred[q] == 0:
-                ready.append(q)
+                heapq.heappush(ready, key(q))
 
     final = Placement(tuple(u for u in live.values() if u.uid not in lost_uids))
     if not final.matches(dag.target):
@@ -228,7 +246,7 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
     for p in prims:
         for d, a in p.acquire:
             need[(p.pid, d)] = need.get((p.pid, d), 0.0) + a
-        for s in p.slots_acquired():
+        for s in dag.slots_acquired(p):
             need[(p.pid, s)] = 1.0
     given: dict[tuple[int, object], float] = {}
     spent: dict[tuple[int, object], float] = {}
@@ -245,7 +263,7 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
             continue
         p = prims[funder]
         if isinstance(res, tuple):
-            avail = 1.0 if res in p.slots_released() else 0.0
+            avail = 1.0 if res in dag.slots_released(p) else 0.0
         else:
             avail = sum(r for d, r in p.release if d == res)
         if amt > avail + _TOL:
@@ -266,9 +284,11 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
     consumer = {u.uid: p.pid for p in prims for u in p.inputs}
     final = {u.uid for u in dag.target.units}
     anchored = {(p, s) for p, s, _ in dag.anchors}
+    states = {u.uid: u.states for u in dag.current.units}
+    states.update((u.uid, u.states) for p in prims for u in p.outputs)
     for p, s, uid in dag.anchors:
         q = consumer.get(uid)
-        ok = (
+        ok = s in states.get(uid, ()) and (
             (uid in final and uid not in creator)
             or (uid in creator and (anc[p] >> creator[uid]) & 1 and uid in final)
             or (q is not None and prims[q].kind in ("split", "merge"))
@@ -281,4 +301,17 @@ def _check_funding(dag: TransitionDAG, cap_like: CapacityLike, anc: list[int]) -
             for s in p.inputs[0].states:
                 if (p.pid, s) not in anchored:
                     return False, f"{p!r} has no anchor for {s}"
+    # Inputs exist before they are consumed, and copy sources live until copied.
+    for p in prims:
+        for u in p.inputs:
+            c = creator.get(u.uid)
+            if c is not None and not (anc[p.pid] >> c) & 1:
+                return False, f"{p!r} may run before {prims[c]!r} creates {u.uid}"
+        if p.source is not None:
+            c = creator.get(p.source.uid)
+            if c is not None and not (anc[p.pid] >> c) & 1:
+                return False, f"{p!r} may copy before {prims[c]!r} creates {p.source.uid}"
+            q = consumer.get(p.source.uid)
+            if q is not None and not (anc[q] >> p.pid) & 1:
+                return False, f"{prims[q]!r} may consume {p.source.uid} before {p!r} copies it"
     return True, ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -20,6 +21,7 @@ from nereus_rl.transition import (
     diff_plans,
     predicted_completion_time,
     topo_order,
+    transition_cost,
 )
 from nereus_rl.transition_safety import check_dag
 from nereus_rl.transition_scenarios import (
@@ -110,6 +112,10 @@ def test_two_resource_edges_chain():
     assert rep.any_order and rep.peak_bytes <= MEM
     # The chain is serial: (extend, destroy) three times on the critical path.
     assert predicted_completion_time(dag, lambda p: 1.0) == 6.0
+    cost = transition_cost(
+        cur, tgt, cost_fn=lambda p: 1.0, devices=range(4), unit_memory=lambda u: MEM, capacity=MEM
+    )
+    assert cost == 6.0
 
 
 def test_stage_order_breaks_ties():
@@ -293,7 +299,7 @@ def _random_concurrent_run(dag, rng, cap):
             for d, a in p.acquire:
                 used[d] += a
                 assert used[d] <= cap + 1e-6, f"{p!r} overfills device {d}"
-            for s in p.slots_acquired():
+            for s in dag.slots_acquired(p):
                 assert s not in slots, f"{p!r} takes slot {s} held by {slots[s]}"
                 slots[s] = p.outputs[0].uid
             if p.kind == "destroy" and not p.lost:
@@ -311,7 +317,7 @@ def _random_concurrent_run(dag, rng, cap):
             p = running.pop(rng.randrange(len(running)))
             for u in p.inputs:
                 live.pop(u.uid, None)
-            for s in p.slots_released():
+            for s in dag.slots_released(p):
                 slots.pop(s, None)  # a lost unit's slots on lost devices were never held
             for u in p.outputs:
                 live[u.uid] = u
@@ -410,3 +416,56 @@ def test_cpsat_schedule_matches_the_chain_and_never_beats_its_bound():
         bare, lambda p: 1.0, time_limit_s=10.0, quantum_s=1.0, hint_dag_schedule=False
     )
     assert res2.makespan_s == 4.0 and res2.dag_makespan_s == 2.0
+
+
+def test_certificate_needs_the_copy_source_edge():
+    dag = _chain_dag()
+    e = next(p for p in dag.primitives if p.kind == "extend" and p.stage == "reference")
+    d = next(p for p in dag.primitives if p.kind == "destroy" and p.stage == "reference")
+    assert e.source.uid == d.inputs[0].uid
+    edges = [x for x in dag.edges if (x.src, x.dst) != (e.pid, d.pid)]
+    rep = check_dag(dataclasses.replace(dag, edges=tuple(edges)))
+    # The one edge both keeps the source alive for the copy and anchors the state.
+    assert not rep.any_order
+    assert re.search(r"may consume reference#0|anchors .* on reference#1", rep.reason)
+
+
+def test_single_unit_tp_growth_needs_stage_overlap():
+    # critic_train (one unit) grows from tp2 on devices 0-1 to tp4 on 0-3: the new unit
+    # overlaps the old one, which is the last holder of the optimizer state.
+    cur = plan(sp("critic_train", 2, 1, [[0, 1]], model="critic", trains=True))
+    tgt = plan(sp("critic_train", 4, 1, [[0, 1, 2, 3]], model="critic", trains=True))
+    kw = dict(unit_memory=lambda u: 8.0 / u.tp, capacity=8.0, devices=range(4))
+    with pytest.raises(InfeasibleTargetError, match=r"\('critic_train', 0\) owned by"):
+        compile_transition(cur, tgt, **kw)
+    dag = compile_transition(cur, tgt, stage_slots=False, **kw)
+    assert [p.kind for p in (dag.primitives[i] for i in dag.order)] == ["extend", "destroy"]
+    rep = check_dag(dag)
+    assert rep.any_order and rep.peak_bytes == 6.0  # old 4 + new 2 on devices 0 and 1
+    # Memory still rules: at capacity 5 the copy cannot sit beside the original.
+    with pytest.raises(InfeasibleTargetError, match="device 0 needs 2 bytes"):
+        compile_transition(cur, tgt, stage_slots=False, **{**kw, "capacity": 5.0})
+
+
+@pytest.mark.parametrize("kind", ["tp_pp_change", "scale_up"])
+def test_random_pairs_without_stage_slots(kind):
+    rng = random.Random(90 + TRANSITION_TYPES.index(kind))
+    compiled = 0
+    while compiled < 10:
+        sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
+        try:
+            dag = compile_transition(
+                sc.current,
+                sc.target,
+                devices=sc.devices,
+                lost_devices=sc.lost,
+                unit_memory=scenario_unit_memory,
+                capacity=SCENARIO_CAPACITY,
+                stage_slots=False,
+            )
+        except InfeasibleTargetError:
+            continue
+        compiled += 1
+        assert check_dag(dag).any_order
+        for _ in range(3):
+            _random_concurrent_run(dag, rng, SCENARIO_CAPACITY)

@@ -155,3 +155,32 @@ def test_per_component_timeout_and_success():
     assert slow.failure == "timeout" and "device 2" in slow.detail
     ok = run_per_component(cur, tgt, impls, timeout_s=1.0, **kw)
     assert ok.success, ok
+
+
+def test_scaled_rebalance_executes_to_target():
+    from nereus_rl.transition_scenarios import SCALED_CAPACITY, scaled_scenario
+
+    sc = scaled_scenario(128)
+    dag = compile_transition(
+        sc.current, sc.target, unit_memory=scenario_unit_memory, capacity=SCALED_CAPACITY
+    )
+    assert dag.counts() == {"extend": 20, "destroy": 28, "split": 32, "merge": 0}
+    rep = execute_dag(dag, sleeping_impls(lambda p: 0.001), max_workers=16)
+    assert rep.final.matches(sc.target)
+    assert rep.resource_waits == 0
+    assert 1 < rep.max_concurrency <= 16
+
+
+def test_per_component_reports_a_failing_primitive():
+    impls = sleeping_impls(lambda p: 0.001)
+
+    def boom(p):
+        raise OSError("link down")
+
+    impls["extend"] = boom
+    res = run_per_component(SWAP[0], SWAP[0], impls, unit_memory=lambda u: MEM, capacity=MEM)
+    assert res.success  # nothing to do: no primitive runs
+    cur = plan(sp("rollout", [[0]]))
+    tgt = plan(sp("rollout", [[1]]))
+    res = run_per_component(cur, tgt, impls, unit_memory=lambda u: MEM, capacity=MEM)
+    assert res.failure == "error" and "link down" in res.detail
