@@ -33,7 +33,15 @@ from nereus_comm import _C
 from nereus_comm.errors import LayoutError, PlanError
 from nereus_comm.layout import Box, Layout, TensorSpec, infer_num_layers
 
-__all__ = ["Message", "Piece", "PlanStats", "ReshardPlan", "plan_reshard"]
+__all__ = [
+    "Message",
+    "Piece",
+    "PlanStats",
+    "PreparedPlan",
+    "ReshardPlan",
+    "plan_reshard",
+    "prepare_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -268,29 +276,59 @@ class ReshardPlan:
             self._cache[key] = self._messages(self.raw.send_order[lo:hi], outgoing=True)
         return list(self._cache[key])
 
+    def rank_bytes(self, rank: int) -> tuple[int, int, int]:
+        """(bytes sent, bytes received, bytes copied locally) of `rank`, without building views.
+
+        Raises:
+            LayoutError: the rank is in neither layout.
+        """
+        self._check_rank(rank)
+        raw = self.raw
+        sent = int(raw.send_bytes[self.src.position(rank)]) if rank in self.src else 0
+        if rank not in self.dst:
+            return sent, 0, 0
+        r = self.dst.position(rank)
+        return sent, int(raw.recv_bytes[r]), int(raw.local_bytes[r])
+
     # -- printing ---------------------------------------------------------------------
 
-    def describe(self, ranks: Sequence[int] | None = None, max_ranks: int = 16) -> str:
+    def describe(
+        self, ranks: Sequence[int] | None = None, max_ranks: int = 16, *, pieces: bool = False
+    ) -> str:
         """A per-rank listing of local copies, sends and receives.
 
         Arguments:
             ranks: ranks to show (default: every rank of src and dst, in order).
             max_ranks: show at most this many ranks.
+            pieces: also list every piece (tensor name and box).
 
         Returns:
             A multi-line string.
         """
         if ranks is None:
             ranks = sorted(set(self.src.ranks) | set(self.dst.ranks))
+        ranks = list(ranks)
+
+        def listing(items: Sequence[Piece]) -> list[str]:
+            if not pieces:
+                return []
+            return [
+                f"      {self.specs[p.tensor].name}"
+                f"[{','.join(f'{a}:{b}' for a, b in p.box)}] {_fmt(p.nbytes)}"
+                for p in items
+            ]
+
         lines = [repr(self), f"  src {self.src!r}", f"  dst {self.dst!r}", f"  {self.stats!r}"]
-        for rank in list(ranks)[:max_ranks]:
+        for rank in ranks[:max_ranks]:
             local = self.local_copies(rank)
             local_bytes = _fmt(sum(p.nbytes for p in local))
             lines.append(f"  rank {rank}: local {len(local)} pieces {local_bytes}")
+            lines += listing(local)
             for m in self.sends(rank):
                 lines.append(f"    send -> {m.dst}: {len(m.pieces)} pieces {_fmt(m.nbytes)}")
             for m in self.recvs(rank):
                 lines.append(f"    recv <- {m.src}: {len(m.pieces)} pieces {_fmt(m.nbytes)}")
+                lines += listing(m.pieces)
         if len(ranks) > max_ranks:
             lines.append(f"  ... {len(ranks) - max_ranks} more ranks")
         return "\n".join(lines)

@@ -125,6 +125,7 @@ def reference_plan(
         total = sum(load[h] for h in holders) + sum(nbytes(p[0]) for p in parts)
         mean = -(-total // len(holders))  # mean final load of the holders, rounded up
         parts.sort(key=lambda p: (dst_node(p[1]) not in holder_nodes, -nbytes(p[0]), p[1], p[2]))
+        before = max(load[h] for h in holders)
         for items, r, _ in parts:
             u = nbytes(items)
             s = min(holders, key=lambda h: (load[h], h))
@@ -137,6 +138,8 @@ def reference_plan(
             peers.setdefault(r, set()).add(s)
             load[s] += u
             messages.setdefault((src.ranks[s], dst.ranks[r]), []).extend(items)
+        biggest = max((nbytes(p[0]) for p in parts), default=0)
+        assert max(load[h] for h in holders) <= max(before, mean + biggest) + MSG
 
     local_bytes = sum(nbytes(v) for v in local.values())
     return {

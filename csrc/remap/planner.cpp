@@ -178,13 +178,15 @@ PlanResult plan(const PlanInput& in) {
 
   // 4. Assign each needer's block to holders. With fewer needers than holders a
   // block is cut into k = holders / needers parts of about equal bytes so that
-  // the holders share the work. Parts go, largest first, to the holder with the
-  // lowest load, unless a holder that already sends to the receiver (saves a
-  // message), or else one on the receiver's node (saves cross-node bytes), can
-  // take the part within the cap: the larger of the load the lowest-load choice
-  // would reach and the group's mean final load (for a holder already sending:
-  // plus kMessageCostBytes, what a message costs). Loads then stay within one
-  // part of balanced, as with plain least-loaded list scheduling.
+  // the holders share the work. Parts (those whose receiver has a holder on its
+  // node first, then largest first) go to the holder with the lowest load, unless
+  // a holder that already sends to the receiver (saves a message), or else one on
+  // the receiver's node (saves cross-node bytes), can take the part within the
+  // cap: the larger of the group's highest load, the lowest load plus the part,
+  // and the holders' mean load once the group is placed (a holder already sending
+  // may exceed the cap by kMessageCostBytes). So, as in list scheduling, the
+  // group's highest load ends at most at max(the highest load before the group,
+  // the mean + the largest part) + kMessageCostBytes.
   std::vector<int64_t>& load = R.send_bytes;
   std::vector<std::vector<int64_t>> peers(num_dst);  // sources chosen per receiver
   std::vector<Part> parts;
