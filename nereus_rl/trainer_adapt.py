@@ -44,9 +44,9 @@ from nereus_rl.transition import topo_order
 from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
 
-# The default per-worker memory budget is this much above the colocated plan's predicted
-# peak at the first response length: the first plan fits, and growing responses exceed
-# it, so the default run meets real memory pressure and makes a transition.
+# The default per-worker memory budget is this much above the predicted peak of the best
+# plan at the first response length: the first plan fits, and growing responses exceed
+# it, so the default run meets memory pressure and makes a transition.
 AUTO_BUDGET_HEADROOM = 1.08
 
 
@@ -104,16 +104,17 @@ class Adapter:
         )
 
     def _auto_budget(self) -> int:
-        from nereus_rl.trainer import simple_plan
-
+        # The best plan with the machine's memory, at the first response length; the
+        # budget sits just above its predicted peak.
         cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
+        cm = CostModel(cl)
         wl = self.workload(self.trainer._response_len(0))
-        peak = max(
-            CostModel(cl)
-            .peak_memory(simple_plan(self.cfg.algo, self.cfg.devices, "colocated"), wl)
-            .values()
-        )
-        return int(peak * AUTO_BUDGET_HEADROOM)
+        try:
+            res = plan_best(wl, cl, cm, k=64)
+            first = next(p for _, p in res.k_best if self._runnable(p))
+        except (PlanInfeasibleError, StopIteration):
+            return cl.device.memory_bytes
+        return int(max(cm.peak_memory(first, wl).values()) * AUTO_BUDGET_HEADROOM)
 
     # -------------------------------------------------------------- planning
 
@@ -242,7 +243,13 @@ class Adapter:
         if not triggers:
             return out
         trig = max(triggers, key=lambda t: t.urgent)
-        cand, _ = self.best_plan(nxt, devices=sorted(tr.device_worker))
+        try:
+            cand, _ = self.best_plan(nxt, devices=sorted(tr.device_worker))
+        except ValueError as e:  # nothing fits: keep running the current plan
+            self._log({"step": step, "signal": trig.signal, "trigger": trig.reason,
+                       "urgent": trig.urgent, "taken": False, "reason": str(e),
+                       "current": repr(plan), "measured_transition_s": None})  # fmt: skip
+            return out
         row: dict[str, Any] = {
             "step": step,
             "signal": trig.signal,
