@@ -51,7 +51,7 @@ def _train(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None:
             options[name] = v
-    steps = options.pop("steps", 30)
+    steps = options.pop("steps", 60)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     driver = None
     try:
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium")
     t.add_argument("--task", default="sort", help="bundled task: sort, reverse, addition")
     t.add_argument("--devices", type=int, default=4, help="worker processes (devices)")
-    t.add_argument("--steps", type=int, default=None, help="RL steps (default 30; --quick 8)")
+    t.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --quick 8)")
     t.add_argument("--mode", default="sync", help="sync, or async (rollout one step ahead)")
     t.add_argument("--no-adapt", action="store_true", help="keep the first plan")
     t.add_argument("--seed", type=int, default=0)

@@ -77,14 +77,14 @@ class TrainConfig:
     model: str = "tiny"
     task: str = "sort"
     devices: int = 4
-    steps: int = 30
+    steps: int = 60
     adapt: bool = True
     seed: int = 0
     mode: str = "sync"
     memory_budget: int | None = None
     batch: int = 8
     group_size: int = 4
-    lr: float = 2e-4
+    lr: float = 1e-4
     warmup_steps: int = 3
     kl_coef: float = 0.02
     temperature: float = 1.0
@@ -677,7 +677,7 @@ def train(
     model: str = "tiny",
     task: str = "sort",
     devices: int = 4,
-    steps: int = 30,
+    steps: int = 60,
     adapt: bool = True,
     seed: int = 0,
     run_dir: str | Path | None = None,
