@@ -103,6 +103,12 @@ def summary_table(result: Any) -> str:
             ("total time (s)", f"{sum(x['step_s'] + x.get('transition_s', 0) for x in m):.2f}"),
             ("response length", f"{m[0]['response_len']} -> {m[-1]['response_len']}"),
         ]
+        budget = next((x["memory_budget_bytes"] for x in m if "memory_budget_bytes" in x), None)
+        if budget:
+            rows.append(("memory budget / worker", f"{budget / 2**20:.2f} MiB (predicted peak)"))
+        rows.append(
+            ("state held / worker (max)", f"{max(x['held_bytes_max'] for x in m) / 2**20:.2f} MiB")
+        )
         taken = [d for d in result.decisions if d.get("taken")]
         rows.append(("decisions (taken)", f"{len(result.decisions)} ({len(taken)})"))
         rows.append(

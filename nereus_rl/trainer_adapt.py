@@ -227,7 +227,11 @@ class Adapter:
         peak = max(self.cm.peak_memory(plan, wl).values())
         frac = peak / self.budget
         eff = m["step_s"] / predicted if predicted > 0 else None
-        out = {"predicted_step_s": predicted, "peak_memory_fraction": frac}
+        out = {
+            "predicted_step_s": predicted,
+            "peak_memory_fraction": frac,
+            "memory_budget_bytes": self.budget,
+        }
         if not self.enabled:
             return out
         triggers = self.controller.update(
