@@ -40,7 +40,7 @@ from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
-from nereus_rl.transition import topo_order
+from nereus_rl.transition import TransitionError, topo_order
 from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
 
@@ -268,7 +268,15 @@ class Adapter:
                        predicted_saving_s=0.0, predicted_transition_s=0.0)  # fmt: skip
             self._log(row)
             return out
-        dag, cost = self.compile(plan, cand)
+        try:
+            dag, cost = self.compile(plan, cand)
+            dag_note = None
+        except TransitionError as e:
+            # The DAG compiler's unit-by-unit model cannot order this change (e.g. a
+            # stage slot held by the unit being replaced); the stage-level reshard that
+            # executes it moves each stage at once, so price it as one extend per new unit.
+            dag, dag_note = None, f"DAG not compiled: {e}"
+            cost = self._stagewise_cost(plan, cand)
         dec = self.admission.decide(
             plan,
             cand,
@@ -286,8 +294,10 @@ class Adapter:
             predicted_saving_s=dec.saving_per_step_s,
             forecast_steps=dec.forecast_steps,
             predicted_transition_s=cost,
-            primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives],
+            primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
         )
+        if dag_note:
+            row["dag_note"] = dag_note
         if taken:
             t0 = time.perf_counter()
             moved = tr.transition(cand, self._stage_order(dag, plan, cand), step + 1)
@@ -297,9 +307,26 @@ class Adapter:
         self._log(row)
         return out
 
+    def _stagewise_cost(self, old: GlobalPlan, new: GlobalPlan) -> float:
+        total = 0.0
+        for sp in new.stages:
+            src = old.stage(sp.stage)
+            if sp == src:
+                continue
+            for u in sp.units:
+                total += self.cm.primitive_cost(
+                    "extend",
+                    self.mspec,
+                    trains=sp.trains,
+                    src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
+                    dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
+                    dtype="fp32",
+                ).seconds
+        return total
+
     def _stage_order(self, dag, old: GlobalPlan, new: GlobalPlan) -> list[str]:
         order: list[str] = []
-        for pid in topo_order(dag):
+        for pid in topo_order(dag) if dag is not None else ():
             s = dag.primitives[pid].stage
             if s not in order:
                 order.append(s)
