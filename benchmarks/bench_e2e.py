@@ -12,8 +12,10 @@ schedule (the default curriculum, or --trace FILE):
 
 Reported per variant: mean step latency (transitions included), total seconds,
 transitions, mean reward, and whether the fixed plan exceeded the per-worker memory
-budget (predicted peak / budget > 1: a plan that a device with that memory could not
-run). Ratios are against the adaptive run.
+budget (predicted peak / budget > 1 at some step: a plan that a device with that
+memory could not run; on this CPU machine it still runs, since the budget is enforced
+on the cost model's prediction). best_fixed is chosen among the fixed plans that fit.
+Ratios are against the adaptive run.
 
     python benchmarks/bench_e2e.py --quick
     python benchmarks/bench_e2e.py --algos grpo,ppo,remax --modes sync,async --steps 20
@@ -47,6 +49,8 @@ def _row(name, algo, mode, res, budget):
         "transitions": res.num_transitions,
         "reward_mean": _mean([x["reward_mean"] for x in m]),
         "peak_memory_fraction": frac,
+        # adaptive runs move away before the next step when the signal passes 1
+        "fits_budget": frac <= 1.0 or res.num_transitions > 0,
         "memory_budget_bytes": budget,
         "plans": len(res.plans),
         "error": res.error,
@@ -77,8 +81,12 @@ def run_setting(driver, algo, mode, common):
         fixed.append(row)
         if name != "planner_first_fixed":
             rows.append(row)
-    best = min(fixed, key=lambda r: r["step_latency_s"])
-    rows.append({**best, "variant": f"best_fixed ({best['variant']})"})
+    # A fixed plan whose predicted peak exceeds the per-worker budget at some step could
+    # not run on devices with that memory; the best fixed plan is chosen among the others.
+    fits = [r for r in fixed if r["fits_budget"]]
+    best = min(fits or fixed, key=lambda r: r["step_latency_s"])
+    label = best["variant"] if fits else f"{best['variant']}, none fits the budget"
+    rows.append({**best, "variant": f"best_fixed ({label})"})
     base = rows[0]["step_latency_s"]
     for r in rows:
         r["latency_vs_adaptive_x"] = r["step_latency_s"] / base
@@ -115,15 +123,16 @@ def main(argv=None) -> int:
     finally:
         driver.shutdown()
     head = (
-        f"{'algo':6} {'mode':5} {'variant':36} {'step_s':>8} {'total_s':>8} {'vs_adapt':>8} "
-        f"{'trans':>5} {'reward':>7} {'mem/budget':>10}"
+        f"{'algo':6} {'mode':5} {'variant':44} {'step_s':>8} {'total_s':>8} {'vs_adapt':>8} "
+        f"{'trans':>5} {'reward':>7} {'mem/budget':>10} fits"
     )
     print(head)
     for r in rows:
+        fits = "yes" if r["fits_budget"] else "NO"
         print(
-            f"{r['algo']:6} {r['mode']:5} {r['variant']:36} {r['step_latency_s']:8.3f} "
+            f"{r['algo']:6} {r['mode']:5} {r['variant']:44} {r['step_latency_s']:8.3f} "
             f"{r['total_s']:8.2f} {r['latency_vs_adaptive_x']:8.2f}x {r['transitions']:5d} "
-            f"{r['reward_mean']:7.3f} {r['peak_memory_fraction']:10.2f}"
+            f"{r['reward_mean']:7.3f} {r['peak_memory_fraction']:10.2f} {fits}"
             + (f"  ERROR {r['error']}" if r["error"] else "")
         )
     print(f"bench_e2e: {time.perf_counter() - t0:.0f} s")
