@@ -78,6 +78,10 @@ class RunLog:
         return self.dir
 
 
+def _total(m: list[dict[str, Any]]) -> float:
+    return sum(x["step_s"] + x.get("transition_s", 0.0) for x in m)
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -100,7 +104,7 @@ def summary_table(result: Any) -> str:
             ("exact answers (last quarter)", f"{_mean([x['reward_exact'] for x in m[-k:]]):.3f}"),
             ("kl (last)", f"{m[-1]['kl']:.4f}"),
             ("step latency mean (s)", f"{_mean([x['step_s'] for x in m]):.3f}"),
-            ("total time (s)", f"{sum(x['step_s'] + x.get('transition_s', 0) for x in m):.2f}"),
+            ("time in RL steps (s)", f"{_total(m):.2f}"),
             ("response length", f"{m[0]['response_len']} -> {m[-1]['response_len']}"),
         ]
         budget = next((x["memory_budget_bytes"] for x in m if "memory_budget_bytes" in x), None)
@@ -117,6 +121,9 @@ def summary_table(result: Any) -> str:
                 f"{sum(d.get('measured_transition_s') or 0 for d in taken):.3f}",
             )
         )
+        t = getattr(result, "timings", {})
+        if t:
+            rows.append(("start-up (s)", " ".join(f"{k[:-2]} {v:.1f}" for k, v in t.items())))
         w = max(len(r[0]) for r in rows)
         lines += [f"  {a:<{w}}  {b}" for a, b in rows]
         lines.append("  plans:")
