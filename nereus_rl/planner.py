@@ -9,7 +9,11 @@ Plan space (``N`` available devices):
       on its first device; groups are on disjoint devices and ``sum_G n_G <= N``;
     * groups are placed in decreasing size at consecutive offsets, so every group (and
       every stage, unit, tp group) is aligned to its power-of-two size and never
-      straddles a node boundary it need not cross.
+      straddles a node boundary it need not cross. (When the available devices have
+      holes, e.g. after a loss, groups are laid over the sorted survivors; alignment
+      then is not guaranteed, and the returned latencies are re-priced as placed:
+      ``timings["aligned"]`` says which case applied. Exactness is claimed for the
+      aligned case.)
 
 Objective (``CostModel.step_latency``): ``sum_p max_G T_{G,p}`` with
 ``T_{G,p} = sum_{s in G, phase p} t_s``; the rollout's time includes the weight sync,
@@ -32,14 +36,18 @@ Algorithm (exact branch and bound over three levels):
        so the sync tier the table assumes is the one the placed plan gets.
     3. Search: every set partition of the stages (Bell(6) = 203 at most), in order of
        a lower bound; depth-first over group sizes (largest first) and group vectors.
-       At each node the bound ``sum_p max(M_p, max_{G' left} min T_{G',p}(n'_{G'}))``
+       At each node the bound ``sum_p max(M_p, max_{G' left} LB_{G',p}(n'_{G'}))``
        (``M``: phase maxima so far; ``n'``: the largest size the remaining devices
-       allow each remaining group) is a valid lower bound because group times do not
-       increase with ``n`` (``F_s(n) ⊆ F_s(2n)``) and maxima and sums are monotone.
+       allow each remaining group; ``LB_G(n)``: the component-wise minimum of the
+       group's phase vectors over every size up to ``n``) is a valid lower bound:
+       whatever size a remaining group gets is at most ``n'``, so each of its phase
+       times is at least ``LB``, and maxima and sums are monotone. (Taking the minimum
+       over smaller sizes matters: a group holding rollout and actor_train may be
+       faster within one node, where its sync is intra-node, than at a wider size;
+       for other groups ``F_s(n) ⊆ F_s(2n)`` makes times non-increasing in ``n``.)
        A node is pruned only when its bound is no better than the incumbent (the k-th
        best), so the returned plan attains the minimum of the objective over the plan
-       space. Group sizes that cannot fit memory at ``n`` cannot fit at any smaller
-       ``n`` (fewer layouts), which ends the size loop early.
+       space. The size loop ends when no size up to ``n`` fits memory.
 
 ``PlanResult.k_best`` lists the best distinct plans the search met, best first; the
 first is the exact optimum, the others are the next best among plans whose stage
@@ -53,6 +61,7 @@ after a signal change (new response bucket, devices lost) rebuilds only what cha
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import time
@@ -68,6 +77,26 @@ from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork, Workload
 
 _INF = math.inf
+
+
+class PlanSpaceError(ValueError):
+    """A plan outside the planner's plan space (a degree that is not a power of two)."""
+
+
+def check_plan_space(plan: GlobalPlan) -> None:
+    """Raise PlanSpaceError unless every stage's dp, tp and pp are powers of two.
+
+    Raises:
+        PlanSpaceError: names the stage and the degree.
+    """
+    for sp in plan.stages:
+        for name in ("dp", "tp", "pp"):
+            v = getattr(sp, name)
+            if v & (v - 1):
+                raise PlanSpaceError(
+                    f"stage {sp.stage!r} has {name}={v}; the plan space needs powers of two "
+                    "(1, 2, 4, ...): round it to one"
+                )
 
 
 class PlanInfeasibleError(ValueError):
@@ -133,6 +162,11 @@ def _layouts(max_d: int, sw: StageWork) -> list[tuple[int, int, int]]:
             tp *= 2
         d *= 2
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _partitions(num: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(p) for p in set_partitions(list(range(num))))
 
 
 def set_partitions(items: list[int]) -> list[list[tuple[int, ...]]]:
@@ -355,26 +389,32 @@ class Planner:
                 cap,
             )
             lb = tuple(min(v[0][p] for v in vecs) for p in range(3)) if vecs else None
+            # The bound must hold for every size up to n: a group holding rollout and
+            # actor_train can be faster at a size within one node (intra-node sync).
+            if both and n > 1:  # other groups' bounds already fall with n
+                lo = gi(g, n // 2)[1]
+                if lo is not None:
+                    lb = lo if lb is None else tuple(min(a, b) for a, b in zip(lb, lo))
             ginfo[(g, n)] = got = (vecs, lb)
             return got
 
         parts = []
-        for part in set_partitions(list(range(S))):
+        for part in _partitions(S):
             if len(part) > N:
                 continue
             nmax = _pow2floor(N - len(part) + 1)
-            lb = [0.0, 0.0, 0.0]
-            ok = True
+            l0 = l1 = l2 = 0.0
+            glbs = []
             for g in part:
                 glb = gi(g, nmax)[1]
                 if glb is None:
-                    ok = False
                     break
-                lb = [max(a, b) for a, b in zip(lb, glb)]
-            if ok:
-                # Big groups first: the size loop prunes best when the heavy choices come early.
-                part = sorted(part, key=lambda g: -sum(gi(g, nmax)[1]))
-                parts.append((sum(lb), part))
+                glbs.append((-(glb[0] + glb[1] + glb[2]), g))
+                l0, l1, l2 = max(l0, glb[0]), max(l1, glb[1]), max(l2, glb[2])
+            else:
+                # Heavy groups first: the size loop prunes best when they come early.
+                glbs.sort()
+                parts.append((l0 + l1 + l2, [g for _, g in glbs]))
         parts.sort(key=lambda x: x[0])
         if not parts:
             raise self._infeasible(stages, tables, N, cap, workload.dtype)
@@ -386,7 +426,7 @@ class Planner:
         def thr_now() -> float:
             return -best[0][0] if len(best) >= k else _INF
 
-        def rec(part, i, rem, M, picks):
+        def rec(part, i, rem, M, picks, rest_memo):
             counter[0] += 1
             ng = len(part)
             if i == ng:
@@ -402,30 +442,43 @@ class Planner:
                 return
             g = part[i]
             left = ng - i - 1
-            nmax = _pow2floor(rem - left)
-            n = nmax
+            n = _pow2floor(rem - left)
             while n >= 1:
-                vecs, _ = gi(g, n)
-                if not vecs:
+                vecs, glb = gi(g, n)
+                if glb is None:  # nothing fits at n or at any smaller size
                     break
+                if not vecs:
+                    n //= 2
+                    continue
                 rem2 = rem - n
-                rest = [0.0, 0.0, 0.0]
-                feasible = True
-                if left:
-                    n2 = _pow2floor(rem2 - left + 1)
-                    for g2 in part[i + 1 :]:
-                        lb2 = gi(g2, n2)[1] if n2 >= 1 else None
-                        if lb2 is None:
-                            feasible = False
-                            break
-                        rest = [max(a, b) for a, b in zip(rest, lb2)]
-                if feasible:
+                # Bound for the groups after i given rem2 devices (memoized per partition).
+                n2 = _pow2floor(rem2 - left + 1) if left else 0
+                rest = rest_memo.get((i, n2))
+                if rest is None:
+                    r0 = r1 = r2 = 0.0
+                    if left:
+                        for g2 in part[i + 1 :]:
+                            lb2 = gi(g2, n2)[1] if n2 >= 1 else None
+                            if lb2 is None:
+                                r0 = _INF
+                                break
+                            r0, r1, r2 = max(r0, lb2[0]), max(r1, lb2[1]), max(r2, lb2[2])
+                    rest = rest_memo[(i, n2)] = (r0, r1, r2)
+                if rest[0] != _INF:
+                    r0, r1, r2 = rest
+                    m0, m1, m2 = M
                     for vec, ch in vecs:
-                        M2 = (max(M[0], vec[0]), max(M[1], vec[1]), max(M[2], vec[2]))
-                        lb = max(M2[0], rest[0]) + max(M2[1], rest[1]) + max(M2[2], rest[2])
+                        a0 = m0 if m0 > vec[0] else vec[0]
+                        a1 = m1 if m1 > vec[1] else vec[1]
+                        a2 = m2 if m2 > vec[2] else vec[2]
+                        lb = (
+                            (a0 if a0 > r0 else r0)
+                            + (a1 if a1 > r1 else r1)
+                            + (a2 if a2 > r2 else r2)
+                        )
                         if lb >= thr_now():
                             continue
-                        rec(part, i + 1, rem2, M2, [*picks, (n, ch)])
+                        rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
                 n //= 2
 
         nparts = 0
@@ -433,12 +486,20 @@ class Planner:
             if lb >= thr_now():
                 break
             nparts += 1
-            rec(part, 0, N, (0.0, 0.0, 0.0), [])
+            rec(part, 0, N, (0.0, 0.0, 0.0), [], {})
         if not best:
             raise self._infeasible(stages, tables, N, cap, workload.dtype)
         t_search = time.perf_counter()
         ranked = sorted(best, key=lambda e: -e[0])
         plans = [(-e[0], self._build(workload, stages, tables, e[2], devs)) for e in ranked]
+        # Placement is node-aligned when the devices are a run starting on a node
+        # boundary; otherwise (holes after a loss) price the placed plans as placed.
+        aligned = devs == list(range(devs[0], devs[0] + N)) and devs[0] % dpn == 0
+        if not aligned:
+            plans = sorted(
+                ((self.costmodel.step_latency(p, workload).total_s, p) for _, p in plans),
+                key=lambda lp: lp[0],
+            )
         t_end = time.perf_counter()
         timings = {
             "tables_ms": (t_tables - t0) * 1e3,
@@ -446,6 +507,7 @@ class Planner:
             "total_ms": (t_end - t0) * 1e3,
             "nodes": counter[0],
             "partitions": nparts,
+            "aligned": aligned,
         }
         return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
 

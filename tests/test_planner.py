@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import PlanInfeasibleError, Planner, plan, set_partitions
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.planner import (
+    PlanInfeasibleError,
+    Planner,
+    PlanSpaceError,
+    check_plan_space,
+    plan,
+    set_partitions,
+)
 from nereus_rl.spec import cluster_preset
 from nereus_rl.workload import make_workload
 
@@ -143,3 +151,15 @@ def test_matches_scip_on_random_instances():
         milp = solve_scip(w, c, cm, time_limit_s=60)
         assert milp.proven, milp
         assert res.latency_s == pytest.approx(milp.objective_s, rel=1e-6)
+
+
+def test_plan_space_and_holes():
+    with pytest.raises(PlanSpaceError, match="tp=3"):
+        check_plan_space(GlobalPlan((StagePlan("rollout", "actor", False, 1, 3, 1, ((0, 1, 2),)),)))
+    c = cluster_preset("h200x16")
+    cm = CostModel(c)
+    w = make_workload("grpo", batch=64, group_size=4)
+    res = plan(w, c, cm, devices=set(range(16)) - {3})
+    assert res.timings["aligned"] is False and 3 not in res.plan.devices
+    assert res.latency_s == pytest.approx(cm.step_latency(res.plan, w).total_s)
+    check_plan_space(res.plan)
