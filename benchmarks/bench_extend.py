@@ -17,8 +17,10 @@ second tp=2 unit on ranks 2, 3 holding the same state. Ways:
   rebuild the runtime, load.
 
 Also a tp change (tp=2 -> two tp=1 units on the same devices): EMU split vs DCP.
-Every way's result is checked against the reference content. Cluster-scale
-predictions need nereus_rl.costmodel, which is not on this branch yet.
+Every way's result is checked against the reference content. Then the cost
+model's predicted Extend of one 8B actor (training) and critic unit (tp=8,
+from the first node to the last) on the H200 preset at 48..3,264 devices,
+labelled predicted.
 
     python benchmarks/bench_extend.py --quick [--json PATH]
 """
@@ -443,6 +445,29 @@ def run(args) -> list[dict]:
     return rows
 
 
+def predicted_rows() -> list[dict]:
+    """Cost-model Extend predictions for the 8B actor/critic units on H200 clusters."""
+    try:
+        from nereus_rl.costmodel import CostModel, UnitLayout
+        from nereus_rl.spec import cluster_preset, model_preset
+    except ImportError:
+        print("(no nereus_rl.costmodel on this branch: no predicted rows)")
+        return []
+    model = model_preset("llama-3.1-8b")
+    rows = []
+    for n in (48, 256, 1024, 3264):
+        cm = CostModel(cluster_preset("h200x4096").with_devices(n))
+        src = UnitLayout(8, 1, tuple(range(8)))
+        dst = UnitLayout(8, 1, tuple(range(n - 8, n)))
+        # The critic's state is taken as the same size as the actor's (a value head
+        # instead of the lm head), with Adam state: both train.
+        cost = cm.primitive_cost("extend", model, trains=True, src=(src,), dst=(dst,))
+        rows.append(dict(scenario=f"h200x{n}_predicted", way="emu_extend_8b_unit_predicted",
+                         seconds=float(cost.seconds), bytes_moved=int(cost.bytes_moved),
+                         comm_setup_s=float(cost.setup_s), predicted=True))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small state (~100 MiB), < 2 minutes")
@@ -457,6 +482,14 @@ def main() -> None:
         print(f"{r['scenario']:<15}{r['way']:<15}{r['seconds']:>10.3f}{r['ratio_to_emu_x']:>9.1f}")
     print(f"(state {rows[0]['state_bytes'] / 2**20:.0f} MiB per replica; "
           f"total run {time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    pred = predicted_rows()
+    if pred:
+        print("\nPREDICTED by the cost model (not measured): Extend of one 8B training unit")
+        print("(tp=8, weights + fp32 master + Adam), first node -> last node, H200 preset:")
+        for r in pred:
+            print(f"  {r['scenario']:<22}{r['seconds']:>8.2f} s  "
+                  f"{r['bytes_moved'] / 2**30:>6.1f} GiB")  # fmt: skip
+        rows += pred
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_extend", "rows": rows}, f, indent=1)

@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 
-def box_slices(box: tuple[tuple[int, int], ...], origin: tuple[tuple[int, int], ...]):
+def box_slices(
+    box: tuple[tuple[int, int], ...], origin: tuple[tuple[int, int], ...]
+) -> tuple[slice, ...]:
     """Slices selecting global ``box`` inside a local shard whose global box is ``origin``."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 

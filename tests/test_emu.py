@@ -9,7 +9,7 @@ import torch
 
 from nereus_comm.plan import plan_reshard
 from nereus_rl.emu import EMUError, EMUManager
-from nereus_rl.emu_state import stage_state_specs, synthetic
+from nereus_rl.emu_state import stage_state_specs, synthetic, with_training_state
 from nereus_rl.runtime import Driver
 
 
@@ -17,7 +17,7 @@ from nereus_rl.runtime import Driver
 def emus():
     d = Driver(call_timeout=60.0)
     try:
-        d.spawn_local(4, num_threads=1)
+        d.spawn_local(4, num_threads=1, method="forkserver")
         m = EMUManager(d, transfer_timeout=30.0)
         # Uneven sizes on purpose: 37 and 42 split over tp = 4 leave short shards.
         m.define_stage("actor", stage_state_specs(3, hidden=12, ffn=42, vocab=37), seed=1)
@@ -76,6 +76,20 @@ def test_synthetic_shards_match_the_full_reference():
     box = ((0, spec.shape[0]), (3, 7))
     assert torch.equal(synthetic(spec, box, 5), full[:, 3:7])
     assert not torch.equal(synthetic(spec, box, 6), full[:, 3:7])
+
+
+def test_training_state_of_any_params_matches_the_transformer_naming():
+    full = stage_state_specs(2, 8, 20, 11)
+    params = [s for s in full if not s.name.startswith("optim.") and s.name != "rng"]
+    assert with_training_state(params) == full
+    moment = next(s for s in full if s.name == "optim.exp_avg_sq.lm_head.weight")
+    head = next(s for s in params if s.name == "lm_head.weight")
+    assert (moment.shape, moment.split_dim, moment.stage_key) == (
+        head.shape,
+        head.split_dim,
+        head.stage_key,
+    )
+    assert moment.dtype == torch.float32
 
 
 def test_extend_same_layout_is_zero_copy_and_bitwise(clean):

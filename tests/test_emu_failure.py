@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
+import pytest
 import torch
 
-from nereus_rl.emu import EMUManager, EMUStateLostError
+from nereus_rl.emu import EMUError, EMUManager, EMUStateLostError
 from nereus_rl.emu_state import stage_state_specs
-from nereus_rl.runtime import Driver
+from nereus_rl.runtime import Driver, WorkerLostError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +30,7 @@ def test_join_then_kill_then_recover():
     d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
     joiner = None
     try:
-        d.spawn_local(3, num_threads=1)
+        d.spawn_local(3, num_threads=1, method="forkserver")
         m = EMUManager(d, transfer_timeout=20.0)
         m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=3)
         a = m.create("actor", [0, 1], tp=2)
@@ -82,3 +84,30 @@ def test_join_then_kill_then_recover():
             except subprocess.TimeoutExpired:
                 joiner.kill()
                 joiner.wait()
+
+
+def test_kill_during_transfers_leaves_the_intact_units_whole():
+    d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
+    try:
+        d.spawn_local(3, num_threads=1, method="forkserver")
+        # A survivor blocked on the dead peer is freed by the transfer timeout at worst.
+        m = EMUManager(d, transfer_timeout=4.0)
+        m.define_stage("actor", stage_state_specs(2, hidden=256, ffn=512, vocab=1000), seed=4)
+        a = m.create("actor", [0], tp=1)
+        b = m.extend("actor", [1])
+        killer = threading.Timer(0.3, d.kill, args=(2,))
+        killer.start()
+        t0 = time.monotonic()
+        # Extend onto worker 2 and destroy, over and over, until its death shows.
+        with pytest.raises((WorkerLostError, EMUError)):
+            while time.monotonic() - t0 < 30:
+                c = m.extend("actor", [2], source=a)
+                m.destroy(c)
+        killer.join()
+        assert d.wait_for_loss(timeout=10) == (2,)
+        assert m.recover() == []  # no free device left to rebuild on
+        assert m.units() == [a, b]
+        for u in (a, b):
+            _bitwise(m, u)
+    finally:
+        d.shutdown()

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from nereus_rl.runtime import (
     Driver,
@@ -20,6 +21,7 @@ from nereus_rl.runtime import (
     WorkerTimeoutError,
 )
 from nereus_rl.runtime.worker import connect_store
+from nereus_rl.runtime.worker import main as worker_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def driver():
     d = Driver(heartbeat_timeout=2.0, call_timeout=30.0)
     try:
-        ranks = d.spawn_local(2, num_threads=1)
+        ranks = d.spawn_local(2, num_threads=1, method="forkserver")
         assert sorted(ranks) == [0, 1]
         d.import_module("tests.test_runtime_commands")
         yield d
@@ -54,6 +56,16 @@ def test_remote_error_names_worker_and_carries_traceback(driver):
     assert e.value.rank == 0 and e.value.error_type == "ValueError"
     assert "boom on 0" in str(e.value) and "test_runtime_commands.py" in e.value.remote_traceback
     # The workers survive a failed command.
+    assert driver.call([0, 1], "ping") == {0: 0, 1: 1}
+
+
+def test_messages_over_the_store_limit_travel_in_parts(driver):
+    n = 20 * 2**20 + 3  # the store refuses single values over 8 MiB
+    got = driver.call([0, 1], "test.big", n)
+    want = torch.arange(n, dtype=torch.int64).to(torch.uint8)
+    assert all(torch.equal(t, want) for t in got.values())
+    with pytest.raises(RemoteError, match="cannot be pickled"):
+        driver.call([1], "test.unpicklable")
     assert driver.call([0, 1], "ping") == {0: 0, 1: 1}
 
 
@@ -89,18 +101,17 @@ def test_memory_report(driver):
     assert mem["rss_bytes"] > 10 * 2**20 and mem["held_tensor_bytes"] == 0
 
 
-def test_unreachable_store_is_named_after_bounded_wait():
+def test_unreachable_store_is_named_after_bounded_wait(capsys):
     port = _free_port()
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachableError, match=f"127.0.0.1:{port}"):
         connect_store("127.0.0.1", port, 1.0)
     assert time.monotonic() - t0 < 10
-    proc = subprocess.run(
-        [sys.executable, "-m", "nereus_rl.runtime.worker", "--store", f"127.0.0.1:{port}",
-         "--connect-timeout", "1"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stderr
+    # The worker's entry point (what `python -m nereus_rl.runtime.worker` runs).
+    t0 = time.monotonic()
+    assert worker_main(["--store", f"127.0.0.1:{port}", "--connect-timeout", "1"]) == 2
+    assert time.monotonic() - t0 < 10
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_worker_started_by_hand_joins_and_its_loss_is_noticed(driver):

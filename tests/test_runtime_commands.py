@@ -34,3 +34,14 @@ def allreduce(ctx: WorkerContext, group_id: int, ranks: tuple[int, ...]) -> tupl
 @register("test.threads")
 def threads(ctx: WorkerContext) -> int:
     return torch.get_num_threads()
+
+
+@register("test.big")
+def big(ctx: WorkerContext, nbytes: int) -> torch.Tensor:
+    """A tensor larger than the store's 8 MiB message limit."""
+    return torch.arange(nbytes, dtype=torch.int64).to(torch.uint8)
+
+
+@register("test.unpicklable")
+def unpicklable(ctx: WorkerContext) -> object:
+    return lambda: None

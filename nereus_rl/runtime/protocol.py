@@ -113,6 +113,44 @@ def decode(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+# The store's server refuses a value over 8 MiB (and drops the client that
+# sent it), so larger messages travel as parts under key#0, key#1, ...
+PART_BYTES = 4 << 20
+_WHOLE, _PARTS = b"w", b"p"
+
+
+def put(store, key: str, obj: Any) -> None:
+    """Write ``obj`` under ``key``; the key appears last, after any parts.
+
+    Arguments:
+        store: the job's store.
+        key: where the reader waits.
+        obj: any picklable object, of any size.
+    """
+    data = encode(obj)
+    if len(data) <= PART_BYTES:
+        store.set(key, _WHOLE + data)
+        return
+    num_parts = 0
+    for start in range(0, len(data), PART_BYTES):
+        store.set(f"{key}#{num_parts}", data[start : start + PART_BYTES])
+        num_parts += 1
+    store.set(key, _PARTS + str(num_parts).encode())
+
+
+def take(store, key: str) -> Any:
+    """Read (and delete) what :func:`put` wrote under ``key``, which must exist."""
+    head = store.get(key)
+    store.delete_key(key)
+    if head[:1] == _WHOLE:
+        return decode(head[1:])
+    parts = []
+    for i in range(int(head[1:])):
+        parts.append(store.get(f"{key}#{i}"))
+        store.delete_key(f"{key}#{i}")
+    return decode(b"".join(parts))
+
+
 class RuntimeUserError(ValueError):
     """A runtime call was malformed (unknown worker, unknown command name)."""
 

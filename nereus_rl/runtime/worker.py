@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pickle
 import socket
 import sys
 import time
@@ -105,7 +106,6 @@ def serve(
     Raises:
         StoreUnreachableError: the store did not answer within connect_timeout.
     """
-    torch.set_num_threads(num_threads)
     try:
         # Registration and heartbeats are the World's; the worker never enters a
         # generation (its data groups are standalone, see WorkerContext.group).
@@ -115,6 +115,7 @@ def serve(
             f"could not join the job at {host}:{port} within {connect_timeout:g} s; check "
             f"that the driver is running and that HOST:PORT is its store address ({e})"
         ) from None
+    torch.set_num_threads(num_threads)
     rank = P.rank_of_member(world.member_id)
     store = connect_store(host, port, connect_timeout)
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
@@ -138,12 +139,20 @@ def serve(
                 except RuntimeError:
                     return
                 continue
-            cmd = P.decode(store.get(key))
-            store.delete_key(key)
+            cmd = P.take(store, key)
             if cmd.fn == "exit":
-                store.set(P.reply_key(rank, seq), P.encode(P.Reply(seq, rank, True, value=rank)))
+                P.put(store, P.reply_key(rank, seq), P.Reply(seq, rank, True, value=rank))
                 return
-            store.set(P.reply_key(rank, seq), P.encode(_run(ctx, cmd)))
+            reply = _run(ctx, cmd)
+            try:
+                P.put(store, P.reply_key(rank, seq), reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                why = f"the result of {cmd.fn!r} cannot be pickled: {e}"
+                P.put(
+                    store,
+                    P.reply_key(rank, seq),
+                    P.Reply(seq, rank, False, None, type(e).__name__, why),
+                )
             seq += 1
     finally:
         world.leave()
