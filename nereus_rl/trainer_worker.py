@@ -4,8 +4,10 @@ Imported on every worker by :class:`nereus_rl.trainer.Trainer` (through
 ``Driver.import_module``). A worker is one device. It joins a default gloo (or
 NCCL) process group over all the job's workers so that the model's tensor,
 pipeline and data parallel groups (``torch.distributed.new_group``) can be
-built for any layout the plan asks for. Per model-stage the worker keeps a
-:class:`~nereus_rl.model.Decoder` of its shard (and AdamW for training stages).
+built for any layout the plan asks for. Shards are in host memory (gloo); placing
+them on accelerators (NCCL, NcclTransport for the reshards) is not wired yet. Per
+model-stage the worker keeps a :class:`~nereus_rl.model.Decoder` of its shard (and
+AdamW for training stages).
 
 State moves only through nereus_comm's reshard (``emu_comm.move_state``):
 the per-step weight sync (actor_train -> rollout) and a stage's state moving to
@@ -53,12 +55,14 @@ def _rl(ctx: WorkerContext) -> dict[str, Any]:
 def init_world(
     ctx: WorkerContext, rank: int, world_size: int, prefix: str, timeout: float = 60.0
 ) -> int:
-    """Join the job's default process group as ``rank`` of ``world_size`` (gloo on CPU)."""
+    """Join the job's default process group as ``rank`` of ``world_size`` (gloo)."""
     torch.set_num_threads(1)
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.PrefixStore(prefix, ctx.store)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # The stage shards live in host memory for now (device placement is not wired
+    # yet), so the group is gloo even where a GPU exists.
+    backend = "gloo"
     dist.init_process_group(
         backend,
         store=store,
