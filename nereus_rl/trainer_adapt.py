@@ -1,0 +1,341 @@
+"""The adaptation loop: signals -> planner -> admission -> transition DAG -> state moves.
+
+At each safe boundary (end of a synchronous step; the weight sync of an
+asynchronous one) the trainer hands the step's measurements to
+:meth:`Adapter.boundary`, which
+
+1. refines the cost model from the measured stage times,
+2. feeds the controller its signals for the next step: response length (the
+   length schedule's next value, bucketed), devices, predicted peak memory as a
+   fraction of the per-worker budget, and measured / predicted step time,
+3. on a trigger asks the planner for the best plan under the next step's
+   workload, prices the transition by compiling its DAG of EMU primitives
+   (``transition_compile``) with the cost model's primitive costs,
+4. asks admission (payback rule; or ``"always"``, the replan-on-every-trigger
+   baseline) and, if taken, executes the transition and measures it.
+
+Every decision is logged with its signal, predicted saving, predicted
+transition cost, whether it was taken and the measured transition time.
+
+Execution: the DAG's primitives are grouped by stage, in the DAG's safe order,
+and each changed stage's state (weights; Adam moments and step for a training
+stage) moves from its old layout to its new one through one nereus_comm
+reshard over the workers (``rl.move``). That is the composition of the
+stage's Extend/Split/Merge/Destroy primitives, done as one exchange; the EMU
+runtime's per-primitive executor holds synthetic state only, so it is not
+used for the model's state here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from nereus_rl.admission import Admission
+from nereus_rl.controller import Controller
+from nereus_rl.costmodel import CostModel, UnitLayout
+from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.model import check_tp_divisible
+from nereus_rl.planner import PlanInfeasibleError
+from nereus_rl.planner import plan as plan_best
+from nereus_rl.spec import local_cpu_cluster, model_preset
+from nereus_rl.transition import TransitionError, topo_order
+from nereus_rl.transition_compile import compile_transition
+from nereus_rl.workload import bucket_of, make_workload
+
+# The default per-worker memory budget is this much above the predicted peak of the best
+# plan at the first response length: the first plan fits, and growing responses exceed
+# it, so the default run meets memory pressure and makes a transition.
+AUTO_BUDGET_HEADROOM = 1.08
+
+
+class Adapter:
+    """The decision side of one run (see the module docstring).
+
+    Arguments:
+        trainer: the :class:`nereus_rl.trainer.Trainer` (its plan, config, workers).
+        enabled: False keeps the first plan (decisions are still not logged).
+    """
+
+    def __init__(self, trainer, enabled: bool) -> None:
+        self.trainer = trainer
+        self.enabled = enabled
+        cfg = trainer.cfg
+        self.cfg = cfg
+        self.mspec = model_preset(cfg.model)
+        cores = os.cpu_count() or 1
+        self.workers_per_core = max(1.0, cfg.devices / cores)
+        budget = cfg.memory_budget
+        if budget is None:
+            budget = self._auto_budget()
+        self.budget = int(budget)
+        self.cluster = local_cpu_cluster(
+            cfg.devices, self.workers_per_core, memory_bytes=self.budget * cfg.devices
+        )
+        self.cm = CostModel(self.cluster)
+        self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
+        self.admission = Admission(self.cm)
+        self.prompt_len = 0
+
+    # -------------------------------------------------------------- workload
+
+    def _prompt_len(self, rlen: int) -> int:
+        from nereus_rl.tasks import TOKENIZER
+
+        t = self.trainer.task
+        level = t.level_for_response_len(rlen)
+        import random
+
+        return len(TOKENIZER.encode(t.sample(1, level, random.Random(0))[0].prompt))
+
+    def workload(self, rlen: int):
+        """The workload of a step whose responses are limited to ``rlen`` tokens (bucketed)."""
+        cfg = self.cfg
+        return make_workload(
+            cfg.algo,
+            actor=self.mspec,
+            batch=cfg.batch,
+            prompt_len=self._prompt_len(rlen),
+            response_len=bucket_of(rlen, cfg.buckets),
+            group_size=cfg.group_size if cfg.algo == "grpo" else 1,
+            micro_batch=max(1, cfg.batch // cfg.num_micro),
+            dtype="fp32",
+        )
+
+    def _auto_budget(self) -> int:
+        # The best plan with the machine's memory, at the first response length; the
+        # budget sits just above its predicted peak.
+        cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
+        cm = CostModel(cl)
+        wl = self.workload(self.trainer._response_len(0))
+        try:
+            res = plan_best(wl, cl, cm, k=64)
+            first = next(p for _, p in res.k_best if self._runnable(p))
+        except (PlanInfeasibleError, StopIteration):
+            return cl.device.memory_bytes
+        return int(max(cm.peak_memory(first, wl).values()) * AUTO_BUDGET_HEADROOM)
+
+    # -------------------------------------------------------------- planning
+
+    def _runnable(self, plan: GlobalPlan) -> bool:
+        # The planner's space is power-of-two degrees; the real model also needs tp to
+        # divide its heads and pp no more than its layers.
+        mc = self.trainer.mc
+        for sp in plan.stages:
+            try:
+                check_tp_divisible(mc, sp.tp)
+            except ValueError:
+                return False
+            if sp.pp > mc.num_layers or sp.dp > self.cfg.batch:
+                return False
+        return True
+
+    def best_plan(self, rlen: int, devices=None) -> tuple[GlobalPlan, float]:
+        """The planner's best runnable plan for the workload at ``rlen``, and its latency.
+
+        Raises:
+            NotEnoughDevicesError: no plan fits the devices and the memory budget.
+        """
+        from nereus_rl.trainer import NotEnoughDevicesError
+
+        wl = self.workload(rlen)
+        try:
+            res = plan_best(wl, self.cluster, self.cm, devices=devices, k=64)
+        except PlanInfeasibleError as e:
+            raise NotEnoughDevicesError(
+                f"{self.cfg.devices} devices with a {self.budget / 2**20:.2f} MiB budget each "
+                f"cannot hold {self.cfg.algo} on {self.cfg.model} at {rlen}-token responses: "
+                f"{e}"
+            ) from None
+        for lat, p in res.k_best:
+            if self._runnable(p):
+                return p, lat
+        raise NotEnoughDevicesError(
+            f"no plan among the planner's best {len(res.k_best)} fits the model's head count "
+            f"on {self.cfg.devices} devices; use more devices or another preset"
+        )
+
+    def initial_plan(self, rlen: int) -> GlobalPlan:
+        """The first plan: the planner's (``plan="auto"``), a fixed colocated/disaggregated
+        one, or the GlobalPlan given as ``plan``."""
+        from nereus_rl.trainer import simple_plan
+
+        if isinstance(self.cfg.plan, GlobalPlan):
+            return self.cfg.plan
+        if self.cfg.plan == "auto":
+            return self.best_plan(rlen)[0]
+        return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
+
+    def _primitive_cost(self, prim) -> float:
+        try:
+
+            def ul(u):
+                return UnitLayout(u.tp, u.pp, tuple(u.devices))
+
+            return self.cm.primitive_cost(
+                prim.kind,
+                self.mspec,
+                trains=any(u.trains for u in prim.inputs + prim.outputs),
+                src=tuple(ul(u) for u in prim.inputs if prim.kind != "extend")
+                + ((ul(prim.source),) if prim.kind == "extend" and prim.source else ()),
+                dst=tuple(ul(u) for u in prim.outputs),
+                dtype="fp32",
+            ).seconds
+        except Exception:
+            return self.cluster.primitive_overhead_s
+
+    def compile(self, current: GlobalPlan, target: GlobalPlan):
+        """The transition DAG current -> target and its predicted completion seconds."""
+        from nereus_rl.transition import predicted_completion_time
+
+        dag = compile_transition(
+            current,
+            target,
+            devices=sorted(self.trainer.device_worker),
+            capacity=float("inf"),
+            cost_fn=self._primitive_cost,
+        )
+        return dag, predicted_completion_time(dag, self._primitive_cost)
+
+    # -------------------------------------------------------------- the boundary
+
+    def boundary(self, step: int, m: dict[str, Any]) -> dict[str, Any]:
+        """Observe step ``step``'s metrics; maybe change the plan before step ``step + 1``.
+
+        Returns:
+            Extra metrics for the step (signals, ``transition_s``).
+        """
+        tr = self.trainer
+        plan = tr.plan
+        wl_now = self.workload(m["response_len"])
+        measured = {
+            "rollout": m["stage_s"]["rollout"] + m.get("sync_s", 0.0),
+            "reference": m["stage_s"]["inference"],
+            "actor_train": m["stage_s"]["train"],
+        }
+        if self.cfg.algo == "ppo":
+            # critic inference and training run beside their actor counterparts
+            measured.pop("reference")
+        predicted = self.cm.step_latency(plan, wl_now).total_s
+        try:
+            self.cm.observe(plan, wl_now, measured)
+        except Exception:
+            pass
+        nxt = tr._response_len(step + 1)
+        wl = self.workload(nxt)
+        peak = max(self.cm.peak_memory(plan, wl).values())
+        frac = peak / self.budget
+        eff = m["step_s"] / predicted if predicted > 0 else None
+        out = {
+            "predicted_step_s": predicted,
+            "peak_memory_fraction": frac,
+            "memory_budget_bytes": self.budget,
+        }
+        if not self.enabled:
+            return out
+        triggers = self.controller.update(
+            step,
+            seq_len=nxt,
+            available_devices=sorted(tr.device_worker),
+            in_use=plan.devices,
+            peak_memory_fraction=frac,
+            efficiency_ratio=eff,
+        )
+        if step == 0:
+            triggers = [t for t in triggers if t.urgent]  # the first values set the levels
+        if not triggers:
+            return out
+        trig = max(triggers, key=lambda t: t.urgent)
+        try:
+            cand, _ = self.best_plan(nxt, devices=sorted(tr.device_worker))
+        except ValueError as e:  # nothing fits: keep running the current plan
+            self._log({"step": step, "signal": trig.signal, "trigger": trig.reason,
+                       "urgent": trig.urgent, "taken": False, "reason": str(e),
+                       "current": repr(plan), "measured_transition_s": None})  # fmt: skip
+            return out
+        row: dict[str, Any] = {
+            "step": step,
+            "signal": trig.signal,
+            "trigger": trig.reason,
+            "urgent": trig.urgent,
+            "current": repr(plan),
+            "candidate": repr(cand),
+            "measured_transition_s": None,
+        }
+        if cand == plan:
+            row.update(taken=False, reason="the planner's best plan is the current one",
+                       predicted_saving_s=0.0, predicted_transition_s=0.0)  # fmt: skip
+            self._log(row)
+            return out
+        try:
+            dag, cost = self.compile(plan, cand)
+            dag_note = None
+        except TransitionError as e:
+            # The DAG compiler's unit-by-unit model cannot order this change (e.g. a
+            # stage slot held by the unit being replaced); the stage-level reshard that
+            # executes it moves each stage at once, so price it as one extend per new unit.
+            dag, dag_note = None, f"DAG not compiled: {e}"
+            cost = self._stagewise_cost(plan, cand)
+        dec = self.admission.decide(
+            plan,
+            cand,
+            wl,
+            forecast_steps=self.controller.forecast(trig.signal),
+            transition_cost=cost,
+            available_devices=sorted(tr.device_worker),
+            trigger=trig.reason,
+        )
+        taken = dec.taken or self.cfg.admission == "always"
+        row.update(
+            taken=taken,
+            path=dec.path,
+            reason=dec.reason if dec.taken or not taken else "replan on every trigger",
+            predicted_saving_s=dec.saving_per_step_s,
+            forecast_steps=dec.forecast_steps,
+            predicted_transition_s=cost,
+            primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
+        )
+        if dag_note:
+            row["dag_note"] = dag_note
+        if taken:
+            t0 = time.perf_counter()
+            moved = tr.transition(cand, self._stage_order(dag, plan, cand), step + 1)
+            row["measured_transition_s"] = time.perf_counter() - t0
+            row["bytes_moved"] = moved
+            out["transition_s"] = row["measured_transition_s"]
+        self._log(row)
+        return out
+
+    def _stagewise_cost(self, old: GlobalPlan, new: GlobalPlan) -> float:
+        total = 0.0
+        for sp in new.stages:
+            src = old.stage(sp.stage)
+            if sp == src:
+                continue
+            for u in sp.units:
+                total += self.cm.primitive_cost(
+                    "extend",
+                    self.mspec,
+                    trains=sp.trains,
+                    src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
+                    dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
+                    dtype="fp32",
+                ).seconds
+        return total
+
+    def _stage_order(self, dag, old: GlobalPlan, new: GlobalPlan) -> list[str]:
+        order: list[str] = []
+        for pid in topo_order(dag) if dag is not None else ():
+            s = dag.primitives[pid].stage
+            if s not in order:
+                order.append(s)
+        for sp in new.stages:  # stages whose layout changed but needed no primitive
+            if sp != old.stage(sp.stage) and sp.stage not in order:
+                order.append(sp.stage)
+        return order
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self.trainer.result.decisions.append(row)
+        if self.trainer.log is not None:
+            self.trainer.log.decision(row)

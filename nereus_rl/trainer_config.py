@@ -1,0 +1,200 @@
+"""Options, results, errors and fixed plans of the trainer (see :mod:`nereus_rl.trainer`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.model import ModelConfig, get_preset
+from nereus_rl.tasks import LengthTrace, get_task
+
+ALGOS = ("grpo", "ppo", "remax")
+MODES = ("sync", "async")
+
+
+class TrainConfigError(ValueError):
+    """An option of ``train`` is invalid (unknown name, impossible value)."""
+
+
+class UnknownAlgorithmError(TrainConfigError):
+    """``algo`` is not one of :data:`ALGOS`."""
+
+
+class NotEnoughDevicesError(TrainConfigError):
+    """Fewer devices than the smallest feasible plan needs."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one run (see :func:`train` for their meaning)."""
+
+    algo: str = "grpo"
+    model: str = "tiny"
+    task: str = "sort"
+    devices: int = 4
+    steps: int = 60
+    adapt: bool = True
+    seed: int = 0
+    mode: str = "sync"
+    memory_budget: int | None = None
+    batch: int = 8
+    group_size: int = 4
+    lr: float = 1e-4
+    warmup_steps: int = 3
+    kl_coef: float = 0.02
+    temperature: float = 1.0
+    num_micro: int = 2
+    warm_steps: int = 300
+    length_start: int = 6
+    length_end: int = 14
+    trace: str | None = None
+    fixed_level: bool = True
+    plan: str | GlobalPlan = "auto"
+    admission: str = "payback"
+    buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
+
+    def hyper(self) -> dict[str, Any]:
+        return {
+            "algo": self.algo,
+            "lr": self.lr,
+            "kl_coef": self.kl_coef,
+            "num_micro": self.num_micro,
+        }
+
+
+@dataclass
+class TrainResult:
+    """What a run produced.
+
+    Attributes:
+        config: the options.
+        metrics: one dict per RL step (reward, loss, kl, times, plan, ...).
+        plans: (step, GlobalPlan) each time the plan was set or changed.
+        decisions: one dict per admission decision.
+        run_dir: the run folder (None when not written).
+        error: the message of the error that ended the run early, else None.
+        timings: seconds of the start-up parts (spawn_s, warm_start_s, setup_s).
+    """
+
+    config: TrainConfig
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    plans: list[tuple[int, GlobalPlan]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: Path | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [m["reward_mean"] for m in self.metrics]
+
+    @property
+    def num_transitions(self) -> int:
+        return sum(1 for d in self.decisions if d.get("taken"))
+
+
+def check_config(cfg: TrainConfig) -> ModelConfig:
+    """Validate options before any process starts. Returns the model config.
+
+    Raises:
+        UnknownAlgorithmError, UnknownPresetError, UnknownTaskError, TraceFormatError,
+        TrainConfigError: with what is wrong and what to do.
+    """
+    if cfg.algo not in ALGOS:
+        raise UnknownAlgorithmError(f"unknown algorithm {cfg.algo!r}; choose one of {ALGOS}")
+    if cfg.mode not in MODES:
+        raise TrainConfigError(f"unknown mode {cfg.mode!r}; choose one of {MODES}")
+    if cfg.admission not in ("payback", "always"):
+        raise TrainConfigError(
+            f"unknown admission {cfg.admission!r}; use 'payback' or 'always' (replan on every "
+            "trigger)"
+        )
+    mc = get_preset(cfg.model)
+    get_task(cfg.task)
+    if isinstance(cfg.plan, GlobalPlan):
+        want = [n for n, _, _ in stage_names(cfg.algo)]
+        if sorted(cfg.plan.stage_names) != sorted(want):
+            raise TrainConfigError(
+                f"plan has stages {list(cfg.plan.stage_names)}; {cfg.algo} needs {want}"
+            )
+        if not cfg.plan.devices <= set(range(cfg.devices)):
+            raise NotEnoughDevicesError(
+                f"plan uses devices {sorted(cfg.plan.devices)} but only 0..{cfg.devices - 1} "
+                "exist; raise devices or plan over fewer"
+            )
+    elif cfg.plan not in ("auto", "colocated", "disaggregated"):
+        raise TrainConfigError(
+            f"unknown plan {cfg.plan!r}; use auto, colocated, disaggregated or a GlobalPlan"
+        )
+    if cfg.trace is not None:
+        LengthTrace.from_file(cfg.trace)
+    if cfg.steps < 1:
+        raise TrainConfigError(f"steps={cfg.steps} must be >= 1")
+    if cfg.devices < 1:
+        raise NotEnoughDevicesError(f"devices={cfg.devices}; a run needs at least 1 device")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise TrainConfigError("GRPO needs group_size >= 2 (responses per prompt)")
+    if cfg.memory_budget is not None and cfg.memory_budget <= 0:
+        raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
+    return mc
+
+
+def stage_desc(sp: StagePlan) -> dict[str, Any]:
+    """A StagePlan as the plain dict the worker commands take."""
+    return {
+        "stage": sp.stage,
+        "model": sp.model,
+        "trains": sp.trains,
+        "dp": sp.dp,
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "units": [list(u) for u in sp.units],
+    }
+
+
+def stage_names(algo: str) -> list[tuple[str, str, bool]]:
+    """(stage, model, trains) of the planned stages of an algorithm, in workload order."""
+    out = [("rollout", "actor", False), ("reference", "reference", False)]
+    if algo == "ppo":
+        out.append(("critic_inference", "critic", False))
+    out.append(("actor_train", "actor", True))
+    if algo == "ppo":
+        out.append(("critic_train", "critic", True))
+    return out
+
+
+# Inference copies refreshed from their training stage every step (weights only).
+SYNC_PAIRS = (("actor_train", "rollout"), ("critic_train", "critic_inference"))
+
+
+def simple_plan(algo: str, devices: int, kind: str, tp: int = 1, pp: int = 1) -> GlobalPlan:
+    """A fixed plan: ``colocated`` (every stage on every device, as verl) or
+    ``disaggregated`` (rollout on the first half, the rest on the second, as OpenRLHF).
+
+    Raises:
+        TrainConfigError: unknown kind; NotEnoughDevicesError: too few devices for it.
+    """
+    names = stage_names(algo)
+    if kind == "colocated":
+        groups = {n: list(range(devices)) for n, _, _ in names}
+    elif kind == "disaggregated":
+        if devices < 2:
+            raise NotEnoughDevicesError("a disaggregated plan needs at least 2 devices")
+        half = devices // 2
+        groups = {
+            n: list(range(half)) if n == "rollout" else list(range(half, devices))
+            for n, _, _ in names
+        }
+    else:
+        raise TrainConfigError(f"unknown plan {kind!r}; use auto, colocated or disaggregated")
+    stages = []
+    for n, model, trains in names:
+        devs = groups[n]
+        width = tp * pp if len(devs) % (tp * pp) == 0 else 1
+        t, p = (tp, pp) if width > 1 else (1, 1)
+        dp = len(devs) // (t * p)
+        units = tuple(tuple(devs[u * t * p : (u + 1) * t * p]) for u in range(dp))
+        stages.append(StagePlan(n, model, trains, dp, t, p, units))
+    return GlobalPlan(tuple(stages))

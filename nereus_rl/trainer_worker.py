@@ -1,0 +1,419 @@
+"""Worker-side RL commands: hold each stage's model shard, run its work, move its state.
+
+Imported on every worker by :class:`nereus_rl.trainer.Trainer` (through
+``Driver.import_module``). A worker is one device. It joins a default gloo (or
+NCCL) process group over all the job's workers so that the model's tensor,
+pipeline and data parallel groups (``torch.distributed.new_group``) can be
+built for any layout the plan asks for. Shards are in host memory (gloo); placing
+them on accelerators (NCCL, NcclTransport for the reshards) is not wired yet. Per
+model-stage the worker keeps a :class:`~nereus_rl.model.Decoder` of its shard (and
+AdamW for training stages).
+
+State moves only through nereus_comm's reshard (``emu_comm.move_state``):
+the per-step weight sync (actor_train -> rollout) and a stage's state moving to
+a new layout at a plan transition (weights and Adam moments), never through a
+full gather on one rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nereus_comm.layout import Layout, TensorSpec
+from nereus_comm.plan import plan_reshard
+from nereus_comm.reshard import reshard
+from nereus_comm.transport import GlooTransport
+from nereus_rl.algos.common import clipped_policy_loss, masked_sum
+from nereus_rl.algos.grpo import grpo_loss
+from nereus_rl.algos.ppo import value_loss
+from nereus_rl.algos.remax import reinforce_loss
+from nereus_rl.generate import generate, make_generator
+from nereus_rl.model import Decoder, ModelConfig, shard_tensor, state_specs
+from nereus_rl.model_parallel import (
+    allreduce_gradients,
+    init_parallel_groups,
+    response_logprobs,
+    response_values,
+)
+from nereus_rl.model_pipeline import pipeline_forward, pipeline_forward_backward
+from nereus_rl.runtime.context import WorkerContext, register
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _rl(ctx: WorkerContext) -> dict[str, Any]:
+    return ctx.state.setdefault("rl", {"stages": {}})
+
+
+@register("rl.init")
+def init_world(
+    ctx: WorkerContext, rank: int, world_size: int, prefix: str, timeout: float = 60.0
+) -> int:
+    """Join the job's default process group as ``rank`` of ``world_size`` (gloo)."""
+    torch.set_num_threads(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = dist.PrefixStore(prefix, ctx.store)
+    # The stage shards live in host memory for now (device placement is not wired
+    # yet), so the group is gloo even where a GPU exists.
+    backend = "gloo"
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    _rl(ctx)["rank"] = rank
+    return rank
+
+
+def _layout(desc: dict[str, Any], num_layers: int) -> Layout:
+    ranks = tuple(r for u in desc["units"] for r in u)
+    return Layout(desc["dp"], desc["tp"], desc["pp"], ranks, num_layers=num_layers)
+
+
+def tensor_specs(config: ModelConfig, critic: bool, with_adam: bool) -> list[TensorSpec]:
+    """nereus_comm TensorSpecs of a model's state (and of its Adam moments)."""
+    out = [TensorSpec(*s) for s in state_specs(config, value_head=critic)]
+    if with_adam:
+        out += [
+            TensorSpec(f"{k}.{s.name}", s.shape, s.dtype, s.split_dim, s.stage_key)
+            for k in ADAM_KEYS
+            for s in list(out)
+        ]
+        out.append(TensorSpec("adam_step", (1,), torch.float32, None, None))
+    return out
+
+
+def _build_model(desc: dict[str, Any], config: ModelConfig, rank: int):
+    ranks = [r for u in desc["units"] for r in u]
+    groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks)
+    if groups is None:
+        return None
+    return Decoder(config, groups, value_head=desc["model"] == "critic")
+
+
+def _state_of(entry: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """This rank's shards of a stage's state by spec name (params, Adam moments, step)."""
+    if entry is None:
+        return {}
+    model = entry["model"]
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    opt = entry.get("opt")
+    if opt is not None:
+        step = 0.0
+        for name, p in model.named_parameters():
+            st = opt.state.get(p, {})
+            for k in ADAM_KEYS:
+                out[f"{k}.{name}"] = st[k] if k in st else torch.zeros_like(p)
+            if "step" in st:
+                step = float(st["step"])
+        out["adam_step"] = torch.tensor([step])
+    return out
+
+
+def _make_opt(model: Decoder, hp: dict[str, Any]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(), lr=hp["lr"], betas=(0.9, 0.98), weight_decay=0.0, eps=1e-8
+    )
+
+
+def _load_state(entry: dict[str, Any], state: dict[str, torch.Tensor], hp: dict[str, Any]) -> None:
+    model = entry["model"]
+    params = dict(model.named_parameters())
+    model.load_shard_state_dict({n: state[n] for n in params})
+    if entry.get("trains"):
+        opt = _make_opt(model, hp)
+        step = float(state["adam_step"][0]) if "adam_step" in state else 0.0
+        if step > 0:
+            for name, p in params.items():
+                opt.state[p] = {
+                    "step": torch.tensor(step),
+                    **{k: state[f"{k}.{name}"].clone() for k in ADAM_KEYS},
+                }
+        entry["opt"] = opt
+
+
+@register("rl.setup")
+def setup(
+    ctx: WorkerContext,
+    stages: list[dict[str, Any]],
+    config: ModelConfig,
+    full_states: dict[str, dict[str, torch.Tensor]],
+    hp: dict[str, Any],
+) -> dict[str, int]:
+    """Build every stage's shard on this worker from full initial states (once, at start).
+
+    Collective over all workers (process groups are created in the same order everywhere).
+    Returns bytes held per stage on this rank.
+    """
+    rl = _rl(ctx)
+    rl["config"], rl["hp"] = config, hp
+    rank = rl["rank"]
+    held = {}
+    for desc in stages:
+        model = _build_model(desc, config, rank)
+        if model is None:
+            continue
+        full = full_states[desc["model"]]
+        shards = {}
+        for spec in model.local_specs():
+            shards[spec.name] = shard_tensor(
+                full[spec.name], spec.split_dim, model.groups.tp_rank, model.groups.tp_size
+            ).clone()
+        entry = {"model": model, "desc": desc, "trains": desc["trains"]}
+        _load_state(entry, shards, hp)
+        rl["stages"][desc["stage"]] = entry
+        held[desc["stage"]] = sum(t.numel() * t.element_size() for t in _state_of(entry).values())
+    return held
+
+
+_PLANS: dict[tuple, Any] = {}
+
+
+def _plan(specs: list[TensorSpec], src: Layout, dst: Layout):
+    # Every rank computes the same plan on its own; the weight sync repeats it each step.
+    key = (tuple(specs), src, dst)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 32:
+            _PLANS.clear()
+        plan = _PLANS[key] = plan_reshard(specs, src, dst)
+    return plan
+
+
+@register("rl.move")
+def move(
+    ctx: WorkerContext,
+    src_desc: dict[str, Any],
+    dst_desc: dict[str, Any],
+    *,
+    params_only: bool,
+    replace: bool,
+    timeout: float = 120.0,
+) -> dict[str, float]:
+    """Reshard a stage's state from layout src to layout dst (collective over all workers).
+
+    ``params_only``: move the weights only (the per-step weight sync actor_train ->
+    rollout); otherwise weights, Adam moments and step (a training stage's transition).
+    ``replace``: the destination stage is ``dst_desc["stage"]``, built anew with the
+    new groups (the old entry dropped only after the bytes arrived).
+    """
+    rl = _rl(ctx)
+    config = rl["config"]
+    critic = src_desc["model"] == "critic"
+    specs = tensor_specs(config, critic, with_adam=not params_only)
+    src_entry = rl["stages"].get(src_desc["stage"])
+    src_state: dict[str, torch.Tensor] = {}
+    if src_entry is not None and rl["rank"] in _layout(src_desc, config.num_layers):
+        src_state = _state_of(src_entry)
+        if params_only:
+            src_state = {s.name: src_state[s.name] for s in specs if s.name in src_state}
+    new_model = _build_model(dst_desc, config, rl["rank"]) if replace else None
+    t0 = time.perf_counter()
+    plan = _plan(specs, _layout(src_desc, config.num_layers), _layout(dst_desc, config.num_layers))
+    result = reshard(plan, rl["rank"], src_state, GlooTransport(), timeout=timeout)
+    if result.tensors:
+        if replace:
+            entry = {"model": new_model, "desc": dst_desc, "trains": dst_desc["trains"]}
+        else:
+            entry = rl["stages"][dst_desc["stage"]]
+        _load_state(entry, result.tensors, rl["hp"])
+        rl["stages"][dst_desc["stage"]] = entry
+    elif replace:
+        rl["stages"].pop(dst_desc["stage"], None)
+    return {
+        "seconds": time.perf_counter() - t0,
+        "bytes_sent": float(result.bytes_sent),
+        "bytes_received": float(result.bytes_received),
+        "bytes_local": float(result.bytes_local),
+    }
+
+
+def _mine(rl: dict[str, Any], stage: str, per_unit: list[Any]):
+    entry = rl["stages"].get(stage)
+    if entry is None:
+        return None, None, None
+    g = entry["model"].groups
+    return entry, g, per_unit[g.dp_rank]
+
+
+def _is_reporter(g) -> bool:
+    return g.tp_rank == 0 and g.pp_rank == g.pp_size - 1
+
+
+@register("rl.generate")
+def rl_generate(
+    ctx: WorkerContext,
+    stage: str,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_id: int,
+    *,
+    greedy: bool = False,
+) -> dict[str, Any] | None:
+    """Sample responses for this rank's unit's prompts, with their behaviour log-probs
+    (and, for ReMax, greedy responses); the unit's reporting rank returns them."""
+    rl = _rl(ctx)
+    entry, g, mine = _mine(rl, stage, prompts)
+    if entry is None:
+        return None
+    t0 = time.perf_counter()
+    model = entry["model"]
+    gen = make_generator(seed, g) if temperature > 0 else None
+    out = generate(
+        model, mine, max_new_tokens, groups=g, temperature=temperature, generator=gen,
+        eos_id=eos_id,
+    )  # fmt: skip
+    outs = pipeline_forward(model, [out.sequences], g)
+    logp = response_logprobs(outs[0], out.sequences, out.prompt_len, g) if outs else None
+    best = None
+    if greedy:
+        best = generate(model, mine, max_new_tokens, groups=g, eos_id=eos_id).responses
+    secs = time.perf_counter() - t0
+    if not _is_reporter(g):
+        return None
+    # Generation stops when every sequence ended; pad to the limit so units concatenate.
+    pad = max_new_tokens - out.response_mask.shape[1]
+    return {
+        "unit": g.dp_rank,
+        "sequences": F.pad(out.sequences, (0, pad)),
+        "mask": F.pad(out.response_mask, (0, pad)),
+        "logp": F.pad(logp, (0, pad)),
+        "greedy": None if best is None else F.pad(best, (0, max_new_tokens - best.shape[1])),
+        "seconds": secs,
+    }
+
+
+def _micro(t: torch.Tensor, num_micro: int) -> list[torch.Tensor]:
+    return list(t.chunk(max(1, min(num_micro, t.shape[0]))))
+
+
+@register("rl.infer")
+def rl_infer(
+    ctx: WorkerContext, stage: str, seqs: list[torch.Tensor], prompt_len: int, num_micro: int
+) -> dict[str, Any] | None:
+    """Response log-probs (policy) or values (critic) of the unit's sequences."""
+    rl = _rl(ctx)
+    entry, g, mine = _mine(rl, stage, seqs)
+    if entry is None:
+        return None
+    t0 = time.perf_counter()
+    model = entry["model"]
+    mbs = _micro(mine, num_micro)
+    outs = pipeline_forward(model, mbs, g)
+    res = None
+    if outs is not None:
+        parts = []
+        for y, mb in zip(outs, mbs):
+            if model.is_critic:
+                parts.append(response_values(y, prompt_len))
+            else:
+                parts.append(response_logprobs(y, mb, prompt_len, g))
+        res = torch.cat(parts)
+    if not _is_reporter(g):
+        return None
+    return {"unit": g.dp_rank, "out": res, "seconds": time.perf_counter() - t0}
+
+
+@register("rl.train")
+def rl_train(
+    ctx: WorkerContext, stage: str, batches: list[dict[str, torch.Tensor]], hp: dict[str, Any]
+) -> dict[str, Any] | None:
+    """One optimizer step of a training stage on its unit's share of the batch.
+
+    Each unit's loss is a sum over its tokens divided by the global token count, times
+    the dp degree (the gradient all-reduce averages), so the update does not depend
+    on how the batch is split over units.
+    """
+    rl = _rl(ctx)
+    entry, g, b = _mine(rl, stage, batches)
+    if entry is None:
+        return None
+    t0 = time.perf_counter()
+    model, opt = entry["model"], entry["opt"]
+    critic = model.is_critic
+    seqs, mask = b["sequences"], b["mask"]
+    prompt_len = int(b["prompt_len"])
+    num_tokens = float(b["num_tokens"]) / g.dp_size
+    idx = list(torch.arange(seqs.shape[0]).chunk(max(1, min(hp["num_micro"], seqs.shape[0]))))
+    mbs = [seqs[i] for i in idx]
+    stats: dict[str, float] = {}
+
+    def loss_fn(y: torch.Tensor, m: int) -> torch.Tensor:
+        i = idx[m]
+        mk = mask[i]
+        if critic:
+            v = response_values(y, prompt_len)
+            loss, st = value_loss(v, b["old_values"][i], b["returns"][i], mk, num_tokens=num_tokens)
+        else:
+            logp = response_logprobs(y, mbs[m], prompt_len, g)
+            algo = hp["algo"]
+            if algo == "grpo":
+                loss, st = grpo_loss(
+                    logp,
+                    b["old_logp"][i],
+                    b["ref_logp"][i],
+                    b["advantages"][i],
+                    mk,
+                    kl_coef=hp["kl_coef"],
+                    num_tokens=num_tokens,
+                )
+            elif algo == "ppo":
+                loss, st = clipped_policy_loss(
+                    logp, b["old_logp"][i], b["advantages"][i], mk, num_tokens=num_tokens
+                )
+            else:
+                loss = reinforce_loss(logp, b["advantages"][i], mk, num_tokens=num_tokens)
+                st = {}
+            st = {**st, "logp_sum": masked_sum(logp.detach(), mk)}
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0.0) + float(v)
+        return loss
+
+    for group in opt.param_groups:
+        group["lr"] = hp["lr"]
+    opt.zero_grad(set_to_none=False)
+    losses = pipeline_forward_backward(model, mbs, loss_fn, g)
+    allreduce_gradients(model, g)
+    opt.step()
+    if not _is_reporter(g):
+        return None
+    return {
+        "unit": g.dp_rank,
+        "loss": float(losses.sum()),
+        "stats": stats,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+@register("rl.held_bytes")
+def held_bytes(ctx: WorkerContext) -> int:
+    """Bytes of model state (weights, Adam moments) this worker holds over all stages."""
+    rl = _rl(ctx)
+    return sum(
+        t.numel() * t.element_size() for e in rl["stages"].values() for t in _state_of(e).values()
+    )
+
+
+@register("rl.shards")
+def shards(ctx: WorkerContext, stage: str) -> dict[str, torch.Tensor]:
+    """This worker's shards of a stage's state (tests compare them across layouts)."""
+    return {k: v.clone() for k, v in _state_of(_rl(ctx)["stages"].get(stage)).items()}
+
+
+@register("rl.close")
+def close(ctx: WorkerContext) -> None:
+    """Drop the stages and leave the default group."""
+    ctx.state.pop("rl", None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
