@@ -225,6 +225,7 @@ class Planner:
         self._pareto: dict = {}
         self._groups: dict = {}
         self._ids: dict = {}
+        self._ginfo: dict = {}
 
     def _table(self, sw: StageWork, actor, dtype: str) -> _StageTable:
         key = (sw, actor, dtype)
@@ -369,33 +370,56 @@ class Planner:
         # Small ints for stage shapes: cache keys then hash cheaply.
         sid = [self._ids.setdefault((s, workload.dtype), len(self._ids)) for s in stages]
 
-        ginfo: dict = {}
+        ver = self.costmodel.version
+        # Group tables and bounds survive across calls: keyed by everything they depend on
+        # (stage shapes via sid, the actor behind the rollout's sync, efficiencies, capacity).
+        ckey = (ver, cap, actor, workload.dtype)
+        ginfo = self._ginfo.get(ckey)
+        if ginfo is None:
+            if len(self._ginfo) > 8:
+                self._ginfo.clear()
+            ginfo = self._ginfo[ckey] = {}
 
         def gi(g: tuple[int, ...], n: int):
-            """(Pareto vectors, per-phase lower bound or None) of group g at size n."""
-            got = ginfo.get((g, n))
+            """(Pareto vectors, whether no size up to n can fit) of group g at size n."""
+            gkey = tuple(sid[i] for i in g)
+            got = ginfo.get((gkey, n))
             if got is not None:
                 return got
             both = r_i in g and a_i in g
             intra = both and (one_node or n <= dpn)
             thr = dpn if (both and not intra) else 0
             sl = [(rvar["intra" if intra else "inter"] if i == r_i else plain[i]) for i in g]
-            vecs = self._group_vecs(
-                tuple(sid[i] for i in g),
-                sl,
-                [phases[i] for i in g],
-                n,
-                thr,
-                cap,
-            )
-            lb = tuple(min(v[0][p] for v in vecs) for p in range(3)) if vecs else None
-            # The bound must hold for every size up to n: a group holding rollout and
-            # actor_train can be faster at a size within one node (intra-node sync).
-            if both and n > 1:  # other groups' bounds already fall with n
-                lo = gi(g, n // 2)[1]
-                if lo is not None:
-                    lb = lo if lb is None else tuple(min(a, b) for a, b in zip(lb, lo))
-            ginfo[(g, n)] = got = (vecs, lb)
+            vecs = self._group_vecs(gkey, sl, [phases[i] for i in g], n, thr, cap)
+            # Empty: nothing fits at n; for a group without rollout and actor_train also
+            # at no smaller size (F_s(m) is part of F_s(n) for m <= n, no width rule).
+            stop = not vecs and not both
+            ginfo[(gkey, n)] = got = (vecs, stop)
+            return got
+
+        # Cheap stage bounds for ordering and pruning partitions: a stage's fastest
+        # layout with d <= n that fits a device alone (F_s(n) holds every d <= n, so this
+        # bounds every size up to n; the rollout takes the faster of its sync variants).
+        # Per phase their sum bounds any group of these stages from below, so partitions
+        # whose bound cannot beat the incumbent never build their group tables.
+        def smin(i: int, n: int) -> float:
+            if i == r_i:
+                a, b = rvar["intra"][n], rvar["inter"][n]
+                if not a or not b:
+                    return a[0][0] if a else (b[0][0] if b else _INF)
+                return min(a[0][0], b[0][0])
+            lst = plain[i][n]
+            return lst[0][0] if lst else _INF
+
+        cheap: dict = {}
+
+        def cheap_lb(g: tuple[int, ...], n: int):
+            got = cheap.get((g, n))
+            if got is None:
+                v = [0.0, 0.0, 0.0]
+                for i in g:
+                    v[phases[i]] += smin(i, n)
+                got = cheap[(g, n)] = None if v[0] + v[1] + v[2] == _INF else tuple(v)
             return got
 
         parts = []
@@ -406,7 +430,7 @@ class Planner:
             l0 = l1 = l2 = 0.0
             glbs = []
             for g in part:
-                glb = gi(g, nmax)[1]
+                glb = cheap_lb(g, nmax)
                 if glb is None:
                     break
                 glbs.append((-(glb[0] + glb[1] + glb[2]), g))
@@ -443,13 +467,11 @@ class Planner:
             g = part[i]
             left = ng - i - 1
             n = _pow2floor(rem - left)
+            m0, m1, m2 = M
             while n >= 1:
-                vecs, glb = gi(g, n)
-                if glb is None:  # nothing fits at n or at any smaller size
+                clb = cheap_lb(g, n)
+                if clb is None:  # some stage fits no layout at n or at any smaller size
                     break
-                if not vecs:
-                    n //= 2
-                    continue
                 rem2 = rem - n
                 # Bound for the groups after i given rem2 devices (memoized per partition).
                 n2 = _pow2floor(rem2 - left + 1) if left else 0
@@ -458,27 +480,30 @@ class Planner:
                     r0 = r1 = r2 = 0.0
                     if left:
                         for g2 in part[i + 1 :]:
-                            lb2 = gi(g2, n2)[1] if n2 >= 1 else None
+                            lb2 = cheap_lb(g2, n2) if n2 >= 1 else None
                             if lb2 is None:
                                 r0 = _INF
                                 break
                             r0, r1, r2 = max(r0, lb2[0]), max(r1, lb2[1]), max(r2, lb2[2])
                     rest = rest_memo[(i, n2)] = (r0, r1, r2)
-                if rest[0] != _INF:
-                    r0, r1, r2 = rest
-                    m0, m1, m2 = M
-                    for vec, ch in vecs:
-                        a0 = m0 if m0 > vec[0] else vec[0]
-                        a1 = m1 if m1 > vec[1] else vec[1]
-                        a2 = m2 if m2 > vec[2] else vec[2]
-                        lb = (
-                            (a0 if a0 > r0 else r0)
-                            + (a1 if a1 > r1 else r1)
-                            + (a2 if a2 > r2 else r2)
-                        )
-                        if lb >= thr_now():
-                            continue
-                        rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
+                r0, r1, r2 = rest
+                # The cheap bound of this group at n gates building its group table.
+                if r0 == _INF or (
+                    max(m0, clb[0], r0) + max(m1, clb[1], r1) + max(m2, clb[2], r2) >= thr_now()
+                ):
+                    n //= 2
+                    continue
+                vecs, stop = gi(g, n)
+                if stop:
+                    break
+                for vec, ch in vecs:
+                    a0 = m0 if m0 > vec[0] else vec[0]
+                    a1 = m1 if m1 > vec[1] else vec[1]
+                    a2 = m2 if m2 > vec[2] else vec[2]
+                    lb = (a0 if a0 > r0 else r0) + (a1 if a1 > r1 else r1) + (a2 if a2 > r2 else r2)
+                    if lb >= thr_now():
+                        continue
+                    rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
                 n //= 2
 
         nparts = 0
