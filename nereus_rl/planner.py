@@ -201,6 +201,10 @@ class _StageTable:
         self.W = np.array(rows)
         self.mem = np.array(mem, dtype=np.int64)
         self.d = np.array(d, dtype=np.int64)
+        self.mem_list = [int(v) for v in mem]
+        self.by_d: dict[int, list[int]] = {}
+        for i, di in enumerate(d):
+            self.by_d.setdefault(di, []).append(i)
         self.sync = {}
         if sw.stage == "rollout" and actor is not None:
             for t in ("intra", "inter"):
@@ -249,13 +253,13 @@ class Planner:
         if times is None:
             W = table.W if variant is None else table.W + table.sync[variant]
             times = self._times[tk] = W @ x
-        ok = table.mem <= cap
+        # Plain floats and ints: the lists are short, numpy per element costs more.
+        tl, ml = times.tolist(), table.mem_list
         out = {}
         prev: list = []
         n = 1
         while n <= self.cluster.num_devices:
-            idx = np.nonzero(ok & (table.d == n))[0]
-            cand = prev + [(float(times[i]), int(table.mem[i]), int(i), n) for i in idx]
+            cand = prev + [(tl[i], ml[i], i, n) for i in table.by_d.get(n, ()) if ml[i] <= cap]
             cand.sort()
             front, best_mem = [], None
             for c in cand:
@@ -414,8 +418,8 @@ class Planner:
         cheap: dict = {}
 
         def cheap_lb(g: tuple[int, ...], n: int):
-            got = cheap.get((g, n))
-            if got is None:
+            got = cheap.get((g, n), cheap)
+            if got is cheap:
                 v = [0.0, 0.0, 0.0]
                 for i in g:
                     v[phases[i]] += smin(i, n)
@@ -433,8 +437,14 @@ class Planner:
                 glb = cheap_lb(g, nmax)
                 if glb is None:
                     break
-                glbs.append((-(glb[0] + glb[1] + glb[2]), g))
-                l0, l1, l2 = max(l0, glb[0]), max(l1, glb[1]), max(l2, glb[2])
+                c0, c1, c2 = glb
+                glbs.append((-(c0 + c1 + c2), g))
+                if c0 > l0:
+                    l0 = c0
+                if c1 > l1:
+                    l1 = c1
+                if c2 > l2:
+                    l2 = c2
             else:
                 # Heavy groups first: the size loop prunes best when they come early.
                 glbs.sort()
@@ -447,8 +457,7 @@ class Planner:
         seen: set = set()
         counter = [0, 0]
 
-        def thr_now() -> float:
-            return -best[0][0] if len(best) >= k else _INF
+        thr = [_INF]  # objective to beat: the k-th best so far (inf until k found)
 
         def rec(part, i, rem, M, picks, rest_memo):
             counter[0] += 1
@@ -456,13 +465,15 @@ class Planner:
             if i == ng:
                 obj = M[0] + M[1] + M[2]
                 key = tuple(sorted((part[j], picks[j][1]) for j in range(ng)))
-                if key in seen or obj >= thr_now():
+                if key in seen or obj >= thr[0]:
                     return
                 seen.add(key)
                 heapq.heappush(best, (-obj, counter[1], list(zip(part, picks))))
                 counter[1] += 1
                 if len(best) > k:
                     heapq.heappop(best)
+                if len(best) >= k:
+                    thr[0] = -best[0][0]
                 return
             g = part[i]
             left = ng - i - 1
@@ -484,13 +495,25 @@ class Planner:
                             if lb2 is None:
                                 r0 = _INF
                                 break
-                            r0, r1, r2 = max(r0, lb2[0]), max(r1, lb2[1]), max(r2, lb2[2])
+                            if lb2[0] > r0:
+                                r0 = lb2[0]
+                            if lb2[1] > r1:
+                                r1 = lb2[1]
+                            if lb2[2] > r2:
+                                r2 = lb2[2]
                     rest = rest_memo[(i, n2)] = (r0, r1, r2)
                 r0, r1, r2 = rest
                 # The cheap bound of this group at n gates building its group table.
-                if r0 == _INF or (
-                    max(m0, clb[0], r0) + max(m1, clb[1], r1) + max(m2, clb[2], r2) >= thr_now()
-                ):
+                if r0 == _INF:
+                    n //= 2
+                    continue
+                c0, c1, c2 = clb
+                b0 = m0 if m0 > r0 else r0
+                b1 = m1 if m1 > r1 else r1
+                b2 = m2 if m2 > r2 else r2
+                if (b0 if b0 > c0 else c0) + (b1 if b1 > c1 else c1) + (
+                    b2 if b2 > c2 else c2
+                ) >= thr[0]:
                     n //= 2
                     continue
                 vecs, stop = gi(g, n)
@@ -501,14 +524,14 @@ class Planner:
                     a1 = m1 if m1 > vec[1] else vec[1]
                     a2 = m2 if m2 > vec[2] else vec[2]
                     lb = (a0 if a0 > r0 else r0) + (a1 if a1 > r1 else r1) + (a2 if a2 > r2 else r2)
-                    if lb >= thr_now():
+                    if lb >= thr[0]:
                         continue
                     rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
                 n //= 2
 
         nparts = 0
         for lb, part in parts:
-            if lb >= thr_now():
+            if lb >= thr[0]:
                 break
             nparts += 1
             rec(part, 0, N, (0.0, 0.0, 0.0), [], {})
