@@ -36,26 +36,35 @@ Algorithm (exact branch and bound over three levels):
        so the sync tier the table assumes is the one the placed plan gets.
     3. Search: every set partition of the stages (Bell(6) = 203 at most), in order of
        a lower bound; depth-first over group sizes (largest first) and group vectors.
-       At each node the bound ``sum_p max(M_p, max_{G' left} LB_{G',p}(n'_{G'}))``
-       (``M``: phase maxima so far; ``n'``: the largest size the remaining devices
-       allow each remaining group; ``LB_G(n)``: the component-wise minimum of the
-       group's phase vectors over every size up to ``n``) is a valid lower bound:
-       whatever size a remaining group gets is at most ``n'``, so each of its phase
-       times is at least ``LB``, and maxima and sums are monotone. (Taking the minimum
-       over smaller sizes matters: a group holding rollout and actor_train may be
-       faster within one node, where its sync is intra-node, than at a wider size;
-       for other groups ``F_s(n) ⊆ F_s(2n)`` makes times non-increasing in ``n``.)
-       A node is pruned only when its bound is no better than the incumbent (the k-th
-       best), so the returned plan attains the minimum of the objective over the plan
-       space. The size loop ends when no size up to ``n`` fits memory.
+       Bounds use ``C_G(n)``: per phase, the sum over the group's stages of
+       ``min F_s(n)`` (each stage's fastest layout with ``d <= n`` that fits a device
+       alone; for the rollout the faster of its two sync variants). ``C_G(n)`` is at
+       most any phase time of ``G`` at any size up to ``n``: ``F_s(n)`` holds every
+       layout with ``d <= n`` and a group's choices are a subset of its stages'
+       (joint memory and the width rule only remove choices). At each node the bound
+       ``sum_p max(M_p, V_p, max_{G' left} C_{G',p}(n'))`` (``M``: phase maxima so
+       far; ``V``: the candidate vector of the current group; ``n'``: the largest
+       size the remaining devices allow each remaining group) is therefore valid, and
+       maxima and sums are monotone. A group's table at size ``n`` (step 2, the
+       costly part) is built only when ``sum_p max(M_p, C_{G,p}(n), rest_p)`` can
+       still beat the incumbent. A node is pruned only when its bound is no better
+       than the incumbent (the k-th best), so the returned plan attains the minimum
+       of the objective over the plan space. The size loop ends when some stage of
+       the group fits no layout up to ``n`` (or, for a group without rollout and
+       actor_train, when its table at ``n`` is empty: ``F_s(m) ⊆ F_s(n)`` for
+       ``m <= n``).
 
 ``PlanResult.k_best`` lists the best distinct plans the search met, best first; the
 first is the exact optimum, the others are the next best among plans whose stage
 layouts are Pareto points (a plan that only swaps in a dominated layout is left out).
 
-Caching across calls (``Planner``): work matrices per stage shape, time vectors per
-efficiency version, Pareto and group tables per (shape, version, capacity). A call
-after a signal change (new response bucket, devices lost) rebuilds only what changed.
+Caching across calls (``Planner``): work matrices per stage shape (the weight-sync
+part per actor, shared by every bucket), time vectors per efficiency version, Pareto
+and group tables per (shape, version, capacity). A call after a signal change (new
+response bucket, devices lost) rebuilds only what changed. Pricing every layout of a
+new bucket's stages (``costmodel_work.stage_work``/``stage_memory``, plain Python) is
+the largest part of a call after a bucket change; ``Planner.prepare`` does it ahead
+for known buckets.
 """
 
 from __future__ import annotations
@@ -148,20 +157,24 @@ def _pow2floor(x: int) -> int:
     return 1 << (x.bit_length() - 1) if x >= 1 else 0
 
 
-def _layouts(max_d: int, sw: StageWork) -> list[tuple[int, int, int]]:
-    m = sw.model_spec
+def _layouts(max_d: int, sw: StageWork) -> tuple[tuple[int, int, int], ...]:
+    return _layouts_of(max_d, sw.model_spec.num_heads, sw.model_spec.num_layers)
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts_of(max_d: int, num_heads: int, num_layers: int) -> tuple[tuple[int, int, int], ...]:
     out = []
     d = 1
     while d <= max_d:
         tp = 1
-        while tp <= d and tp <= m.num_heads:
+        while tp <= d and tp <= num_heads:
             pp = 1
-            while tp * pp <= d and pp <= m.num_layers:
+            while tp * pp <= d and pp <= num_layers:
                 out.append((d // (tp * pp), tp, pp))
                 pp *= 2
             tp *= 2
         d *= 2
-    return out
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,7 +198,9 @@ def set_partitions(items: list[int]) -> list[list[tuple[int, ...]]]:
 class _StageTable:
     """Layouts, work matrix and memory of one stage shape (both sync variants for rollout)."""
 
-    def __init__(self, sw: StageWork, actor, cluster: ClusterSpec, max_d: int, dtype: str):
+    def __init__(
+        self, sw: StageWork, actor, cluster: ClusterSpec, max_d: int, dtype: str, sync_cache: dict
+    ):
         self.layouts = _layouts(max_d, sw)
         dpn, one_node = cluster.devices_per_node, cluster.num_nodes == 1
 
@@ -207,10 +222,17 @@ class _StageTable:
             self.by_d.setdefault(di, []).append(i)
         self.sync = {}
         if sw.stage == "rollout" and actor is not None:
-            for t in ("intra", "inter"):
-                self.sync[t] = np.array(
-                    [sync_work(actor, tp, pp, t, cluster, dtype) for _, tp, pp in self.layouts]
-                )
+            # The weight sync does not depend on lengths: shared by every bucket's table.
+            sk = (actor, sw.model_spec, max_d, dtype)
+            got = sync_cache.get(sk)
+            if got is None:
+                got = sync_cache[sk] = {
+                    t: np.array(
+                        [sync_work(actor, tp, pp, t, cluster, dtype) for _, tp, pp in self.layouts]
+                    )
+                    for t in ("intra", "inter")
+                }
+            self.sync = got
 
 
 class Planner:
@@ -230,15 +252,39 @@ class Planner:
         self._groups: dict = {}
         self._ids: dict = {}
         self._ginfo: dict = {}
+        self._sync: dict = {}
 
     def _table(self, sw: StageWork, actor, dtype: str) -> _StageTable:
         key = (sw, actor, dtype)
         t = self._tables.get(key)
         if t is None:
             t = self._tables[key] = _StageTable(
-                sw, actor, self.cluster, self.cluster.num_devices, dtype
+                sw, actor, self.cluster, self.cluster.num_devices, dtype, self._sync
             )
         return t
+
+    def prepare(self, workloads: Iterable[Workload]) -> int:
+        """Build the stage tables of ``workloads`` ahead of the decisions that need them.
+
+        A job knows its response-length bucket edges in advance; preparing one workload
+        per bucket at start-up moves the per-layout work pricing (the largest part of a
+        call after a bucket change) off the decision path. Results are unchanged.
+
+        Arguments:
+            workloads: the workloads (e.g. one per response bucket) to prepare.
+
+        Returns:
+            The number of stage tables built (those not already cached).
+        """
+        built = 0
+        for w in workloads:
+            actor = w.stage("actor_train").model_spec
+            for s in w.planned_stages:
+                key = (s, actor if s.stage == "rollout" else None, w.dtype)
+                if key not in self._tables:
+                    self._table(*key)
+                    built += 1
+        return built
 
     def _pareto_lists(self, key, table: _StageTable, variant: str | None, cap: int):
         """{n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n."""
