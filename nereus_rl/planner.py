@@ -447,7 +447,7 @@ class Planner:
                 return
             g = part[i]
             left = ng - i - 1
-            n = _pow2floor(rem - left)
+            n = 1 << ((rem - left).bit_length() - 1)
             m0, m1, m2 = M
             while n >= 1:
                 clb = cheap_lb(g, n)
@@ -455,7 +455,7 @@ class Planner:
                     break
                 rem2 = rem - n
                 # Bound for the groups after i given rem2 devices (memoized per partition).
-                n2 = _pow2floor(rem2 - left + 1) if left else 0
+                n2 = 1 << ((rem2 - left + 1).bit_length() - 1) if left else 0
                 rest = rest_memo.get((i, n2))
                 if rest is None:
                     r0 = r1 = r2 = 0.0
@@ -472,12 +472,18 @@ class Planner:
                             if lb2[2] > r2:
                                 r2 = lb2[2]
                     rest = rest_memo[(i, n2)] = (r0, r1, r2)
+                c0, c1, c2 = clb
+                # C_G(n) only grows as n shrinks: once it alone (with M) cannot beat the
+                # incumbent, no smaller size of this group can.
+                if (m0 if m0 > c0 else c0) + (m1 if m1 > c1 else c1) + (
+                    m2 if m2 > c2 else c2
+                ) >= thr[0]:
+                    break
                 r0, r1, r2 = rest
                 # The cheap bound of this group at n gates building its group table.
                 if r0 == _INF:
                     n //= 2
                     continue
-                c0, c1, c2 = clb
                 b0 = m0 if m0 > r0 else r0
                 b1 = m1 if m1 > r1 else r1
                 b2 = m2 if m2 > r2 else r2
