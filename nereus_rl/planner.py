@@ -52,7 +52,8 @@ Algorithm (exact branch and bound over three levels):
        of the objective over the plan space. The size loop ends when some stage of
        the group fits no layout up to ``n`` (or, for a group without rollout and
        actor_train, when its table at ``n`` is empty: ``F_s(m) ⊆ F_s(n)`` for
-       ``m <= n``).
+       ``m <= n``), or when ``sum_p max(M_p, C_{G,p}(n))`` alone cannot beat the
+       incumbent (``C_G`` only grows as ``n`` shrinks).
 
 ``PlanResult.k_best`` lists the best distinct plans the search met, best first; the
 first is the exact optimum, the others are the next best among plans whose stage
