@@ -178,6 +178,7 @@ class Planner:
         self._ids: dict = {}
         self._ginfo: dict = {}
         self._sync: dict = {}
+        self._ver = costmodel.version
 
     def _table(self, sw: StageWork, actor, dtype: str) -> _StageTable:
         key = (sw, actor, dtype)
@@ -319,6 +320,15 @@ class Planner:
                 f"device ids must be in 0..{self.cluster.num_devices - 1} for {self.cluster.name}"
             )
         N = len(devs)
+        if self.costmodel.version != self._ver:
+            # Times, Pareto and group tables are keyed by the efficiency version, which
+            # only grows: entries of older versions can never be hit again. Dropping them
+            # keeps a long job (a refinement every step) from growing without bound.
+            self._times.clear()
+            self._pareto.clear()
+            self._groups.clear()
+            self._ginfo.clear()
+            self._ver = self.costmodel.version
         cap = self.costmodel.capacity_bytes
         stages = list(workload.planned_stages)
         S = len(stages)
