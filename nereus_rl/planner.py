@@ -61,8 +61,9 @@ layouts are Pareto points (a plan that only swaps in a dominated layout is left 
 
 Caching across calls (``Planner``): work matrices per stage shape (the weight-sync
 part per actor, shared by every bucket), time vectors per efficiency version, Pareto
-and group tables per (shape, version, capacity). A call after a signal change (new
-response bucket, devices lost) rebuilds only what changed. Pricing every layout of a
+and group tables per (shape, version, capacity); those of a superseded version are
+dropped. A call after a signal change (new response bucket, devices lost) rebuilds
+only what changed. Pricing every layout of a
 new bucket's stages (``costmodel_work.stage_work``/``stage_memory``, plain Python) is
 the largest part of a call after a bucket change; ``Planner.prepare`` does it ahead
 for known buckets.
