@@ -36,32 +36,41 @@ Algorithm (exact branch and bound over three levels):
        so the sync tier the table assumes is the one the placed plan gets.
     3. Search: every set partition of the stages (Bell(6) = 203 at most), in order of
        a lower bound; depth-first over group sizes (largest first) and group vectors.
-       At each node the bound ``sum_p max(M_p, max_{G' left} LB_{G',p}(n'_{G'}))``
-       (``M``: phase maxima so far; ``n'``: the largest size the remaining devices
-       allow each remaining group; ``LB_G(n)``: the component-wise minimum of the
-       group's phase vectors over every size up to ``n``) is a valid lower bound:
-       whatever size a remaining group gets is at most ``n'``, so each of its phase
-       times is at least ``LB``, and maxima and sums are monotone. (Taking the minimum
-       over smaller sizes matters: a group holding rollout and actor_train may be
-       faster within one node, where its sync is intra-node, than at a wider size;
-       for other groups ``F_s(n) ⊆ F_s(2n)`` makes times non-increasing in ``n``.)
-       A node is pruned only when its bound is no better than the incumbent (the k-th
-       best), so the returned plan attains the minimum of the objective over the plan
-       space. The size loop ends when no size up to ``n`` fits memory.
+       Bounds use ``C_G(n)``: per phase, the sum over the group's stages of
+       ``min F_s(n)`` (each stage's fastest layout with ``d <= n`` that fits a device
+       alone; for the rollout the faster of its two sync variants). ``C_G(n)`` is at
+       most any phase time of ``G`` at any size up to ``n``: ``F_s(n)`` holds every
+       layout with ``d <= n`` and a group's choices are a subset of its stages'
+       (joint memory and the width rule only remove choices). At each node the bound
+       ``sum_p max(M_p, V_p, max_{G' left} C_{G',p}(n'))`` (``M``: phase maxima so
+       far; ``V``: the candidate vector of the current group; ``n'``: the largest
+       size the remaining devices allow each remaining group) is therefore valid, and
+       maxima and sums are monotone. A group's table at size ``n`` (step 2, the
+       costly part) is built only when ``sum_p max(M_p, C_{G,p}(n), rest_p)`` can
+       still beat the incumbent. A node is pruned only when its bound is no better
+       than the incumbent (the k-th best), so the returned plan attains the minimum
+       of the objective over the plan space. The size loop ends when some stage of
+       the group fits no layout up to ``n`` (or, for a group without rollout and
+       actor_train, when its table at ``n`` is empty: ``F_s(m) ⊆ F_s(n)`` for
+       ``m <= n``), or when ``sum_p max(M_p, C_{G,p}(n))`` alone cannot beat the
+       incumbent (``C_G`` only grows as ``n`` shrinks).
 
 ``PlanResult.k_best`` lists the best distinct plans the search met, best first; the
 first is the exact optimum, the others are the next best among plans whose stage
 layouts are Pareto points (a plan that only swaps in a dominated layout is left out).
 
-Caching across calls (``Planner``): work matrices per stage shape, time vectors per
-efficiency version, Pareto and group tables per (shape, version, capacity). A call
-after a signal change (new response bucket, devices lost) rebuilds only what changed.
+Caching across calls (``Planner``): work matrices per stage shape (the weight-sync
+part per actor, shared by every bucket), time vectors per efficiency version, Pareto
+and group tables per (shape, version, capacity); those of a superseded version are
+dropped. A call after a signal change (new response bucket, devices lost) rebuilds
+only what changed. Pricing every layout of a
+new bucket's stages (``costmodel_work.stage_work``/``stage_memory``, plain Python) is
+the largest part of a call after a bucket change; ``Planner.prepare`` does it ahead
+for known buckets.
 """
 
 from __future__ import annotations
 
-import bisect
-import functools
 import heapq
 import math
 import time
@@ -71,8 +80,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus_rl.costmodel import CostModel, StepEstimate
-from nereus_rl.costmodel_work import stage_memory, stage_work, sync_work
 from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.planner_tables import (
+    _combine3,
+    _pareto2,
+    _partitions,
+    _pow2floor,
+    _prune3,
+    _StageTable,
+)
+from nereus_rl.planner_tables import set_partitions as set_partitions  # public, re-exported
 from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork, Workload
 
@@ -144,71 +161,6 @@ class PlanResult:
         return est
 
 
-def _pow2floor(x: int) -> int:
-    return 1 << (x.bit_length() - 1) if x >= 1 else 0
-
-
-def _layouts(max_d: int, sw: StageWork) -> list[tuple[int, int, int]]:
-    m = sw.model_spec
-    out = []
-    d = 1
-    while d <= max_d:
-        tp = 1
-        while tp <= d and tp <= m.num_heads:
-            pp = 1
-            while tp * pp <= d and pp <= m.num_layers:
-                out.append((d // (tp * pp), tp, pp))
-                pp *= 2
-            tp *= 2
-        d *= 2
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _partitions(num: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    return tuple(tuple(p) for p in set_partitions(list(range(num))))
-
-
-def set_partitions(items: list[int]) -> list[list[tuple[int, ...]]]:
-    """All set partitions of ``items`` (each a list of groups, groups as tuples)."""
-    if not items:
-        return [[]]
-    first, rest = items[0], items[1:]
-    out = []
-    for part in set_partitions(rest):
-        out.append([(first,), *part])
-        for i in range(len(part)):
-            out.append([*part[:i], (first, *part[i]), *part[i + 1 :]])
-    return out
-
-
-class _StageTable:
-    """Layouts, work matrix and memory of one stage shape (both sync variants for rollout)."""
-
-    def __init__(self, sw: StageWork, actor, cluster: ClusterSpec, max_d: int, dtype: str):
-        self.layouts = _layouts(max_d, sw)
-        dpn, one_node = cluster.devices_per_node, cluster.num_nodes == 1
-
-        def tier(ok: bool) -> str:
-            return "intra" if (ok or one_node) else "inter"
-
-        rows, mem, d = [], [], []
-        for dp, tp, pp in self.layouts:
-            tiers = (tier(tp <= dpn), tier(tp * pp <= dpn), tier(dp * tp * pp <= dpn))
-            rows.append(stage_work(sw, dp, tp, pp, tiers, cluster, dtype))
-            mem.append(stage_memory(sw, dp, tp, pp, dtype))
-            d.append(dp * tp * pp)
-        self.W = np.array(rows)
-        self.mem = np.array(mem, dtype=np.int64)
-        self.d = np.array(d, dtype=np.int64)
-        self.sync = {}
-        if sw.stage == "rollout" and actor is not None:
-            for t in ("intra", "inter"):
-                self.sync[t] = np.array(
-                    [sync_work(actor, tp, pp, t, cluster, dtype) for _, tp, pp in self.layouts]
-                )
-
-
 class Planner:
     """Exact planner with caches that survive across calls (see the module docstring).
 
@@ -225,15 +177,41 @@ class Planner:
         self._pareto: dict = {}
         self._groups: dict = {}
         self._ids: dict = {}
+        self._ginfo: dict = {}
+        self._sync: dict = {}
+        self._ver = costmodel.version
 
     def _table(self, sw: StageWork, actor, dtype: str) -> _StageTable:
         key = (sw, actor, dtype)
         t = self._tables.get(key)
         if t is None:
             t = self._tables[key] = _StageTable(
-                sw, actor, self.cluster, self.cluster.num_devices, dtype
+                sw, actor, self.cluster, self.cluster.num_devices, dtype, self._sync
             )
         return t
+
+    def prepare(self, workloads: Iterable[Workload]) -> int:
+        """Build the stage tables of ``workloads`` ahead of the decisions that need them.
+
+        A job knows its response-length bucket edges in advance; preparing one workload
+        per bucket at start-up moves the per-layout work pricing (the largest part of a
+        call after a bucket change) off the decision path. Results are unchanged.
+
+        Arguments:
+            workloads: the workloads (e.g. one per response bucket) to prepare.
+
+        Returns:
+            The number of stage tables built (those not already cached).
+        """
+        built = 0
+        for w in workloads:
+            actor = w.stage("actor_train").model_spec
+            for s in w.planned_stages:
+                key = (s, actor if s.stage == "rollout" else None, w.dtype)
+                if key not in self._tables:
+                    self._table(*key)
+                    built += 1
+        return built
 
     def _pareto_lists(self, key, table: _StageTable, variant: str | None, cap: int):
         """{n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n."""
@@ -248,13 +226,13 @@ class Planner:
         if times is None:
             W = table.W if variant is None else table.W + table.sync[variant]
             times = self._times[tk] = W @ x
-        ok = table.mem <= cap
+        # Plain floats and ints: the lists are short, numpy per element costs more.
+        tl, ml = times.tolist(), table.mem_list
         out = {}
         prev: list = []
         n = 1
         while n <= self.cluster.num_devices:
-            idx = np.nonzero(ok & (table.d == n))[0]
-            cand = prev + [(float(times[i]), int(table.mem[i]), int(i), n) for i in idx]
+            cand = prev + [(tl[i], ml[i], i, n) for i in table.by_d.get(n, ()) if ml[i] <= cap]
             cand.sort()
             front, best_mem = [], None
             for c in cand:
@@ -343,6 +321,15 @@ class Planner:
                 f"device ids must be in 0..{self.cluster.num_devices - 1} for {self.cluster.name}"
             )
         N = len(devs)
+        if self.costmodel.version != self._ver:
+            # Times, Pareto and group tables are keyed by the efficiency version, which
+            # only grows: entries of older versions can never be hit again. Dropping them
+            # keeps a long job (a refinement every step) from growing without bound.
+            self._times.clear()
+            self._pareto.clear()
+            self._groups.clear()
+            self._ginfo.clear()
+            self._ver = self.costmodel.version
         cap = self.costmodel.capacity_bytes
         stages = list(workload.planned_stages)
         S = len(stages)
@@ -369,33 +356,56 @@ class Planner:
         # Small ints for stage shapes: cache keys then hash cheaply.
         sid = [self._ids.setdefault((s, workload.dtype), len(self._ids)) for s in stages]
 
-        ginfo: dict = {}
+        ver = self.costmodel.version
+        # Group tables and bounds survive across calls: keyed by everything they depend on
+        # (stage shapes via sid, the actor behind the rollout's sync, efficiencies, capacity).
+        ckey = (ver, cap, actor, workload.dtype)
+        ginfo = self._ginfo.get(ckey)
+        if ginfo is None:
+            if len(self._ginfo) > 8:
+                self._ginfo.clear()
+            ginfo = self._ginfo[ckey] = {}
 
         def gi(g: tuple[int, ...], n: int):
-            """(Pareto vectors, per-phase lower bound or None) of group g at size n."""
-            got = ginfo.get((g, n))
+            """(Pareto vectors, whether no size up to n can fit) of group g at size n."""
+            gkey = tuple(sid[i] for i in g)
+            got = ginfo.get((gkey, n))
             if got is not None:
                 return got
             both = r_i in g and a_i in g
             intra = both and (one_node or n <= dpn)
             thr = dpn if (both and not intra) else 0
             sl = [(rvar["intra" if intra else "inter"] if i == r_i else plain[i]) for i in g]
-            vecs = self._group_vecs(
-                tuple(sid[i] for i in g),
-                sl,
-                [phases[i] for i in g],
-                n,
-                thr,
-                cap,
-            )
-            lb = tuple(min(v[0][p] for v in vecs) for p in range(3)) if vecs else None
-            # The bound must hold for every size up to n: a group holding rollout and
-            # actor_train can be faster at a size within one node (intra-node sync).
-            if both and n > 1:  # other groups' bounds already fall with n
-                lo = gi(g, n // 2)[1]
-                if lo is not None:
-                    lb = lo if lb is None else tuple(min(a, b) for a, b in zip(lb, lo))
-            ginfo[(g, n)] = got = (vecs, lb)
+            vecs = self._group_vecs(gkey, sl, [phases[i] for i in g], n, thr, cap)
+            # Empty: nothing fits at n; for a group without rollout and actor_train also
+            # at no smaller size (F_s(m) is part of F_s(n) for m <= n, no width rule).
+            stop = not vecs and not both
+            ginfo[(gkey, n)] = got = (vecs, stop)
+            return got
+
+        # Cheap stage bounds for ordering and pruning partitions: a stage's fastest
+        # layout with d <= n that fits a device alone (F_s(n) holds every d <= n, so this
+        # bounds every size up to n; the rollout takes the faster of its sync variants).
+        # Per phase their sum bounds any group of these stages from below, so partitions
+        # whose bound cannot beat the incumbent never build their group tables.
+        def smin(i: int, n: int) -> float:
+            if i == r_i:
+                a, b = rvar["intra"][n], rvar["inter"][n]
+                if not a or not b:
+                    return a[0][0] if a else (b[0][0] if b else _INF)
+                return min(a[0][0], b[0][0])
+            lst = plain[i][n]
+            return lst[0][0] if lst else _INF
+
+        cheap: dict = {}
+
+        def cheap_lb(g: tuple[int, ...], n: int):
+            got = cheap.get((g, n), cheap)
+            if got is cheap:
+                v = [0.0, 0.0, 0.0]
+                for i in g:
+                    v[phases[i]] += smin(i, n)
+                got = cheap[(g, n)] = None if v[0] + v[1] + v[2] == _INF else tuple(v)
             return got
 
         parts = []
@@ -406,11 +416,17 @@ class Planner:
             l0 = l1 = l2 = 0.0
             glbs = []
             for g in part:
-                glb = gi(g, nmax)[1]
+                glb = cheap_lb(g, nmax)
                 if glb is None:
                     break
-                glbs.append((-(glb[0] + glb[1] + glb[2]), g))
-                l0, l1, l2 = max(l0, glb[0]), max(l1, glb[1]), max(l2, glb[2])
+                c0, c1, c2 = glb
+                glbs.append((-(c0 + c1 + c2), g))
+                if c0 > l0:
+                    l0 = c0
+                if c1 > l1:
+                    l1 = c1
+                if c2 > l2:
+                    l2 = c2
             else:
                 # Heavy groups first: the size loop prunes best when they come early.
                 glbs.sort()
@@ -423,8 +439,7 @@ class Planner:
         seen: set = set()
         counter = [0, 0]
 
-        def thr_now() -> float:
-            return -best[0][0] if len(best) >= k else _INF
+        thr = [_INF]  # objective to beat: the k-th best so far (inf until k found)
 
         def rec(part, i, rem, M, picks, rest_memo):
             counter[0] += 1
@@ -432,58 +447,79 @@ class Planner:
             if i == ng:
                 obj = M[0] + M[1] + M[2]
                 key = tuple(sorted((part[j], picks[j][1]) for j in range(ng)))
-                if key in seen or obj >= thr_now():
+                if key in seen or obj >= thr[0]:
                     return
                 seen.add(key)
                 heapq.heappush(best, (-obj, counter[1], list(zip(part, picks))))
                 counter[1] += 1
                 if len(best) > k:
                     heapq.heappop(best)
+                if len(best) >= k:
+                    thr[0] = -best[0][0]
                 return
             g = part[i]
             left = ng - i - 1
-            n = _pow2floor(rem - left)
+            n = 1 << ((rem - left).bit_length() - 1)
+            m0, m1, m2 = M
             while n >= 1:
-                vecs, glb = gi(g, n)
-                if glb is None:  # nothing fits at n or at any smaller size
+                clb = cheap_lb(g, n)
+                if clb is None:  # some stage fits no layout at n or at any smaller size
                     break
-                if not vecs:
-                    n //= 2
-                    continue
                 rem2 = rem - n
                 # Bound for the groups after i given rem2 devices (memoized per partition).
-                n2 = _pow2floor(rem2 - left + 1) if left else 0
+                n2 = 1 << ((rem2 - left + 1).bit_length() - 1) if left else 0
                 rest = rest_memo.get((i, n2))
                 if rest is None:
                     r0 = r1 = r2 = 0.0
                     if left:
                         for g2 in part[i + 1 :]:
-                            lb2 = gi(g2, n2)[1] if n2 >= 1 else None
+                            lb2 = cheap_lb(g2, n2) if n2 >= 1 else None
                             if lb2 is None:
                                 r0 = _INF
                                 break
-                            r0, r1, r2 = max(r0, lb2[0]), max(r1, lb2[1]), max(r2, lb2[2])
+                            if lb2[0] > r0:
+                                r0 = lb2[0]
+                            if lb2[1] > r1:
+                                r1 = lb2[1]
+                            if lb2[2] > r2:
+                                r2 = lb2[2]
                     rest = rest_memo[(i, n2)] = (r0, r1, r2)
-                if rest[0] != _INF:
-                    r0, r1, r2 = rest
-                    m0, m1, m2 = M
-                    for vec, ch in vecs:
-                        a0 = m0 if m0 > vec[0] else vec[0]
-                        a1 = m1 if m1 > vec[1] else vec[1]
-                        a2 = m2 if m2 > vec[2] else vec[2]
-                        lb = (
-                            (a0 if a0 > r0 else r0)
-                            + (a1 if a1 > r1 else r1)
-                            + (a2 if a2 > r2 else r2)
-                        )
-                        if lb >= thr_now():
-                            continue
-                        rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
+                c0, c1, c2 = clb
+                # C_G(n) only grows as n shrinks: once it alone (with M) cannot beat the
+                # incumbent, no smaller size of this group can.
+                if (m0 if m0 > c0 else c0) + (m1 if m1 > c1 else c1) + (
+                    m2 if m2 > c2 else c2
+                ) >= thr[0]:
+                    break
+                r0, r1, r2 = rest
+                # The cheap bound of this group at n gates building its group table.
+                if r0 == _INF:
+                    n //= 2
+                    continue
+                b0 = m0 if m0 > r0 else r0
+                b1 = m1 if m1 > r1 else r1
+                b2 = m2 if m2 > r2 else r2
+                if (b0 if b0 > c0 else c0) + (b1 if b1 > c1 else c1) + (
+                    b2 if b2 > c2 else c2
+                ) >= thr[0]:
+                    n //= 2
+                    continue
+                vecs, stop = gi(g, n)
+                if stop:
+                    break
+                for vec, ch in vecs:
+                    a0 = m0 if m0 > vec[0] else vec[0]
+                    a1 = m1 if m1 > vec[1] else vec[1]
+                    a2 = m2 if m2 > vec[2] else vec[2]
+                    lb = (a0 if a0 > r0 else r0) + (a1 if a1 > r1 else r1) + (a2 if a2 > r2 else r2)
+                    if lb >= thr[0]:
+                        continue
+                    rec(part, i + 1, rem2, (a0, a1, a2), [*picks, (n, ch)], rest_memo)
                 n //= 2
 
         nparts = 0
         for lb, part in parts:
-            if lb >= thr_now():
+            if lb >= thr[0]:
                 break
             nparts += 1
             rec(part, 0, N, (0.0, 0.0, 0.0), [], {})
@@ -546,54 +582,6 @@ class Planner:
             "Add devices, use devices with more memory, or shrink batch/sequence length."
         )
         return PlanInfeasibleError(msg, need, cap, N)
-
-
-def _pareto2(cands: list) -> tuple[list, list]:
-    """(time, memory) Pareto lists of ``cands``: all of them, and those with the flag set."""
-    cands.sort(key=lambda c: (c[0], c[1]))
-    out_all, out_flag = [], []
-    best_all = best_flag = math.inf
-    for c in cands:
-        if c[1] < best_all:
-            out_all.append(c)
-            best_all = c[1]
-        if c[2] and c[1] < best_flag:
-            out_flag.append(c)
-            best_flag = c[1]
-    return out_all, out_flag
-
-
-def _combine3(L0: list, L1: list, L2: list, cap: int) -> list:
-    """Phase vectors from one choice per phase list whose memory sum fits ``cap``.
-
-    For each (phase-0, phase-1) pair only the fastest phase-2 choice that fits is
-    kept: any other fitting one is slower there and equal elsewhere (dominated).
-    Each list is sorted by time with strictly falling memory.
-    """
-    neg = [-c[1] for c in L2]
-    out = []
-    for a in L0:
-        for b in L1:
-            budget = cap - a[1] - b[1]
-            if budget < 0:
-                continue
-            j = bisect.bisect_left(neg, -budget)
-            if j == len(L2):
-                continue
-            c = L2[j]
-            out.append(((a[0], b[0], c[0]), a[3] + b[3] + c[3]))
-    return out
-
-
-def _prune3(items: list) -> list:
-    """Drop (vector, choice) items whose vector is dominated in all three phases."""
-    items = sorted(items, key=lambda it: (sum(it[0]), it[0]))
-    kept: list = []
-    for it in items:
-        v = it[0]
-        if not any(o[0] <= v[0] and o[1] <= v[1] and o[2] <= v[2] for o, _ in kept):
-            kept.append(it)
-    return kept
 
 
 _PLANNERS: dict = {}

@@ -163,3 +163,31 @@ def test_plan_space_and_holes():
     assert res.timings["aligned"] is False and 3 not in res.plan.devices
     assert res.latency_s == pytest.approx(cm.step_latency(res.plan, w).total_s)
     check_plan_space(res.plan)
+
+
+def test_persistent_caches_and_prepare_match_fresh_planner():
+    """A planner reused across signal changes (and one prepared ahead) decides exactly as
+    a fresh planner does, call by call, including after efficiency refinements."""
+    c = cluster_preset("h200x32")
+    cm = CostModel(c)
+    base = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    kept, prepared = Planner(c, cm), Planner(c, cm)
+    buckets = (1024, 2048, 4096)
+    assert prepared.prepare(base.with_response_len(b) for b in buckets) == 3 * 6
+    assert prepared.prepare([base]) == 0
+    signals = [(2048, 0, False), (4096, 0, False), (4096, 8, False), (1024, 8, True)]
+    signals += [(2048, 0, False), (2048, 16, True), (4096, 0, False)]
+    for resp, lost, refine in signals:
+        if refine:
+            cm.observe_work({"gemm": 1.0, "mem": 0.5, "allreduce:intra": 0.1}, 3.1)
+        w = base.with_response_len(resp)
+        devs = range(32 - lost)
+        fresh = Planner(c, cm).plan(w, devices=devs, k=3)
+        for p in (kept, prepared):
+            got = p.plan(w, devices=devs, k=3)
+            assert got.latency_s == fresh.latency_s
+            assert [lat for lat, _ in got.k_best] == [lat for lat, _ in fresh.k_best]
+    assert len(prepared._tables) == 3 * 6  # every call found its stage tables prepared
+    # Tables of superseded efficiency versions are dropped, not accumulated.
+    assert kept._groups and all(key[-1] == cm.version for key in kept._groups)
+    assert kept._pareto and all(key[2] == cm.version for key in kept._pareto)

@@ -1,0 +1,146 @@
+"""Tables for the exact planner (see ``nereus_rl.planner``): layouts of a stage, its work
+matrix and memory per layout, set partitions, and the 2-D/3-D Pareto helpers used to
+build a colocation group's phase vectors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+
+import numpy as np
+
+from nereus_rl.costmodel_work import stage_memory, stage_work, sync_work
+from nereus_rl.spec import ClusterSpec
+from nereus_rl.workload import StageWork
+
+
+def _pow2floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1) if x >= 1 else 0
+
+
+def _layouts(max_d: int, sw: StageWork) -> tuple[tuple[int, int, int], ...]:
+    return _layouts_of(max_d, sw.model_spec.num_heads, sw.model_spec.num_layers)
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts_of(max_d: int, num_heads: int, num_layers: int) -> tuple[tuple[int, int, int], ...]:
+    out = []
+    d = 1
+    while d <= max_d:
+        tp = 1
+        while tp <= d and tp <= num_heads:
+            pp = 1
+            while tp * pp <= d and pp <= num_layers:
+                out.append((d // (tp * pp), tp, pp))
+                pp *= 2
+            tp *= 2
+        d *= 2
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _partitions(num: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(p) for p in set_partitions(list(range(num))))
+
+
+def set_partitions(items: list[int]) -> list[list[tuple[int, ...]]]:
+    """All set partitions of ``items`` (each a list of groups, groups as tuples)."""
+    if not items:
+        return [[]]
+    first, rest = items[0], items[1:]
+    out = []
+    for part in set_partitions(rest):
+        out.append([(first,), *part])
+        for i in range(len(part)):
+            out.append([*part[:i], (first, *part[i]), *part[i + 1 :]])
+    return out
+
+
+class _StageTable:
+    """Layouts, work matrix and memory of one stage shape (both sync variants for rollout)."""
+
+    def __init__(
+        self, sw: StageWork, actor, cluster: ClusterSpec, max_d: int, dtype: str, sync_cache: dict
+    ):
+        self.layouts = _layouts(max_d, sw)
+        dpn, one_node = cluster.devices_per_node, cluster.num_nodes == 1
+
+        def tier(ok: bool) -> str:
+            return "intra" if (ok or one_node) else "inter"
+
+        rows, mem, d = [], [], []
+        for dp, tp, pp in self.layouts:
+            tiers = (tier(tp <= dpn), tier(tp * pp <= dpn), tier(dp * tp * pp <= dpn))
+            rows.append(stage_work(sw, dp, tp, pp, tiers, cluster, dtype))
+            mem.append(stage_memory(sw, dp, tp, pp, dtype))
+            d.append(dp * tp * pp)
+        self.W = np.array(rows)
+        self.mem = np.array(mem, dtype=np.int64)
+        self.d = np.array(d, dtype=np.int64)
+        self.mem_list = [int(v) for v in mem]
+        self.by_d: dict[int, list[int]] = {}
+        for i, di in enumerate(d):
+            self.by_d.setdefault(di, []).append(i)
+        self.sync = {}
+        if sw.stage == "rollout" and actor is not None:
+            # The weight sync does not depend on lengths: shared by every bucket's table.
+            sk = (actor, sw.model_spec, max_d, dtype)
+            got = sync_cache.get(sk)
+            if got is None:
+                got = sync_cache[sk] = {
+                    t: np.array(
+                        [sync_work(actor, tp, pp, t, cluster, dtype) for _, tp, pp in self.layouts]
+                    )
+                    for t in ("intra", "inter")
+                }
+            self.sync = got
+
+
+def _pareto2(cands: list) -> tuple[list, list]:
+    """(time, memory) Pareto lists of ``cands``: all of them, and those with the flag set."""
+    cands.sort(key=lambda c: (c[0], c[1]))
+    out_all, out_flag = [], []
+    best_all = best_flag = math.inf
+    for c in cands:
+        if c[1] < best_all:
+            out_all.append(c)
+            best_all = c[1]
+        if c[2] and c[1] < best_flag:
+            out_flag.append(c)
+            best_flag = c[1]
+    return out_all, out_flag
+
+
+def _combine3(L0: list, L1: list, L2: list, cap: int) -> list:
+    """Phase vectors from one choice per phase list whose memory sum fits ``cap``.
+
+    For each (phase-0, phase-1) pair only the fastest phase-2 choice that fits is
+    kept: any other fitting one is slower there and equal elsewhere (dominated).
+    Each list is sorted by time with strictly falling memory.
+    """
+    neg = [-c[1] for c in L2]
+    out = []
+    for a in L0:
+        for b in L1:
+            budget = cap - a[1] - b[1]
+            if budget < 0:
+                continue
+            j = bisect.bisect_left(neg, -budget)
+            if j == len(L2):
+                continue
+            c = L2[j]
+            out.append(((a[0], b[0], c[0]), a[3] + b[3] + c[3]))
+    return out
+
+
+def _prune3(items: list) -> list:
+    """Drop (vector, choice) items whose vector is dominated in all three phases."""
+    items = sorted(items, key=lambda it: (sum(it[0]), it[0]))
+    kept: list = []
+    for it in items:
+        v = it[0]
+        if not any(o[0] <= v[0] and o[1] <= v[1] and o[2] <= v[2] for o, _ in kept):
+            kept.append(it)
+    return kept
