@@ -25,6 +25,14 @@ same decision without talking, and what split (collective over the parent) and
 gloo's ``new_group`` (collective over the default group) need. A process that
 is not in a requested tuple gets a Communicator whose ``handle`` is None.
 
+Driver-directed mode (``backend.directed``): one process (a driver that sees
+every request in order) owns the pool and alone calls ``get``/``release``; the
+backend's ``init`` tells the ranks of the key to build the communicator (by an
+id it picks) and returns that id, ``destroy`` tells them to drop it. The
+Communicator's ``handle`` is then the backend's object (e.g. the group id) and
+its ``rank`` is None, since the caller is no member. The decisions (hit, LRU
+eviction, pins, counters) are the same as in lockstep mode.
+
 Example (gloo, after ``torch.distributed.init_process_group("gloo", ...)``)::
 
     pool = CommPool(GlooBackend(), capacity=8)
@@ -118,10 +126,14 @@ class PoolBackend(abc.ABC):
         rank: this process's rank in the rank space the pool's keys use.
         world_size: number of ranks in that space.
         can_split, can_shrink, can_grow: which derivations the library offers.
+        directed: the driver-directed mode (see the module docstring): only the
+            pool's owner calls the pool, and the backend's objects are handed
+            out as they are.
     """
 
     rank: int
     world_size: int
+    directed: bool = False
     can_split: bool = False
     can_shrink: bool = False
     can_grow: bool = False
@@ -320,6 +332,8 @@ class CommPool:
 
     def _communicator(self, key: tuple[int, ...], handle: int, how: str) -> Communicator:
         obj = self._objects.get(handle) if handle >= 0 else None
+        if self._backend.directed:
+            return Communicator(ranks=key, rank=None, handle=obj, how=how)
         member = obj is not None and self._backend.rank in key
         rank = key.index(self._backend.rank) if member else None
         return Communicator(ranks=key, rank=rank, handle=obj, how=how)

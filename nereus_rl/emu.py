@@ -8,8 +8,8 @@ without restarting a process:
 - ``extend``: a new unit on free devices, any (tp, pp), its state copied from
   a live unit of the stage (shard for shard, with no packing, when the
   layouts match);
-- ``destroy``: drop a unit and its communicator; refused for the last unit
-  holding a stage's state;
+- ``destroy``: drop a unit and release its communicator to the pool; refused
+  for the last unit holding a stage's state;
 - ``split``: one unit of degree d (= tp * pp devices) into two of degree d/2
   on its own devices;
 - ``merge``: two units of one stage and layout into one of twice the degree.
@@ -19,6 +19,13 @@ moves bytes with the nereus_comm planner and reshard over a gloo group of the
 ranks involved, and commits (drops the old units) only after every rank
 succeeded. Every primitive appends a :class:`PrimitiveRecord` to
 ``EMUManager.records`` and (as a dict) to ``Driver.records``.
+
+Every gloo group (a unit's own group, a transfer's group, a training stage's
+DP groups) comes from one nereus_comm CommPool on the driver, in its
+driver-directed mode (:class:`DriverGroupBackend`): the driver sees every
+request in order, so it alone decides hit or create and which idle group to
+evict, and tells only the workers involved to build or drop a group by id.
+A live unit holds (pins) its own group; Destroy releases it.
 
 Usage (driver side)::
 
@@ -31,6 +38,7 @@ Usage (driver side)::
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -38,10 +46,57 @@ from typing import Any
 
 import torch
 
+from nereus_comm.errors import TransportError
+from nereus_comm.pool import CommPool, Communicator, PoolBackend, PoolStats
 from nereus_rl.emu_comm import Layout, TensorSpec, box_slices
 from nereus_rl.emu_state import reference_state
 from nereus_rl.emu_types import EMU, EMUError, EMUStateLostError, PrimitiveRecord, StageState
-from nereus_rl.runtime import Driver
+from nereus_rl.runtime import Driver, WorkerLostError
+
+# Group ids are unique in this driver process, so two pools on one Driver never collide.
+_GROUP_IDS = itertools.count(1)
+
+
+class DriverGroupBackend(PoolBackend):
+    """A CommPool backend (driver-directed mode) whose communicators are runtime gloo groups.
+
+    ``init`` picks a fresh group id and has the members build the group
+    (``make_group``, a rendezvous among them); its object is the group id.
+    ``destroy`` has the live members drop it (``release_groups``).
+
+    Arguments:
+        driver: the runtime driver.
+        timeout: seconds the members may take to build a group.
+    """
+
+    directed = True
+    rank = -1  # the driver is no member of any group
+
+    def __init__(self, driver: Driver, *, timeout: float = 60.0) -> None:
+        self._driver = driver
+        self._timeout = timeout
+        self._ranks: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def world_size(self) -> int:
+        """One more than the highest rank of a joined worker (workers join over time)."""
+        return max(self._driver.infos, default=-1) + 1
+
+    def init(self, ranks: tuple[int, ...], tag: str) -> int:
+        gid = next(_GROUP_IDS)
+        self._driver.call(ranks, "make_group", gid, ranks, timeout=self._timeout + 30)
+        self._ranks[gid] = ranks
+        return gid
+
+    def destroy(self, obj: int, broken: bool) -> None:
+        ranks = self._ranks.pop(obj, ())
+        lost = set(self._driver.check_liveness())
+        live = [r for r in ranks if r not in lost]
+        if live:
+            try:
+                self._driver.call(live, "release_groups", [obj], timeout=30)
+            except WorkerLostError:
+                pass  # a member died meanwhile: its group went with it
 
 
 class EMUManager:
@@ -50,7 +105,8 @@ class EMUManager:
     Arguments:
         driver: the runtime driver whose workers hold the shards.
         transfer_timeout: seconds a transfer may wait for a peer.
-        max_cached_groups: transfer groups kept for reuse (oldest released first).
+        max_cached_groups: capacity of the communicator pool: idle groups kept for
+            reuse (least recently used dropped first; held ones never).
     """
 
     def __init__(
@@ -63,13 +119,22 @@ class EMUManager:
         self.records: list[PrimitiveRecord] = []
         self._units: dict[int, EMU] = {}
         self._unit_gid: dict[int, int | None] = {}
-        self._transfer_gids: dict[tuple[int, ...], int] = {}
+        self._unit_comm: dict[int, Communicator] = {}
+        self.pool = CommPool(
+            DriverGroupBackend(driver, timeout=transfer_timeout),
+            capacity=max_cached_groups,
+            name="emu",
+        )
         self._informed: set[int] = set()  # workers that know every stage
         self._next_uid = 0
-        self._next_gid = 0
         driver.import_module("nereus_rl.emu_worker")
 
     # ---------------------------------------------------------------- queries
+
+    @property
+    def comm_stats(self) -> PoolStats:
+        """The communicator pool's counters (hits, misses, evictions, create seconds)."""
+        return self.pool.stats
 
     def units(self, stage: str | None = None) -> list[EMU]:
         """Live units (of one stage, or all), by uid."""
@@ -173,13 +238,20 @@ class EMUManager:
         st = self._stage(stage)
         unit = self._new_unit(st, ranks, tp, pp)
         t0 = time.perf_counter()
-        gid = self._gid() if unit.degree > 1 else None
+        setup0 = self.pool.stats.create_seconds
         self._ensure_stage_on(unit.ranks)
-        res = self.driver.call(unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid)
-        self._commit([], [unit], [gid])
+        comm = self._get_comm(unit.ranks) if unit.degree > 1 else None
+        gid = None if comm is None else comm.handle
+        try:
+            self.driver.call(unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid)
+        except Exception:
+            if comm is not None:
+                self.pool.release(comm)
+            raise
+        self._commit([], [unit], [comm])
         self._record(
             "create", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0,
-            comm_setup_s=max(r["comm_setup_s"] for r in res.values()),
+            comm_setup_s=self.pool.stats.create_seconds - setup0,
         )  # fmt: skip
         return unit
 
@@ -222,7 +294,7 @@ class EMUManager:
         return self._transfer("extend", st, [source], [unit], keep_sources=True)
 
     def destroy(self, unit: EMU) -> None:
-        """Drop a unit: its shards, its communicator, its claim on its devices.
+        """Drop a unit: its shards, its hold on its communicator, its claim on its devices.
 
         Raises:
             EMUError: the unit is not live, or is the last unit of its stage.
@@ -341,7 +413,8 @@ class EMUManager:
                 "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
                 extra={"reason": "lost worker"},
             )  # fmt: skip
-        self._forget_groups_with(lost)
+        # Groups with a dead member are never handed out again; idle ones go first on eviction.
+        self.pool.on_ranks_lost(lost)
         new = []
         for u in broken:
             free = self.free_ranks()
@@ -389,16 +462,23 @@ class EMUManager:
             )
         if not any(s.name == "optim.step" for s in st.specs):
             raise EMUError(f"stage {stage!r} has no optimizer state; it is not a training stage")
-        dp_gids = tuple(
-            self._transfer_gid(tuple(u.ranks[i] for u in units)) if len(units) > 1 else 0
-            for i in range(units[0].degree)
-        )
         ranks = [r for u in units for r in u.ranks]
         self._ensure_stage_on(ranks)
-        res = self.driver.call(
-            ranks, "emu.train_step", stage, tuple(u.uid for u in units),
-            tuple(u.ranks for u in units), dp_gids, step, global_batch, lr,
-        )  # fmt: skip
+        # Position i's DP group (rank i of every unit) comes from the pool; it stays
+        # cached after the step, so the next step with the same units is a hit.
+        comms: list[Communicator] = []
+        try:
+            if len(units) > 1:
+                for i in range(units[0].degree):
+                    comms.append(self._get_comm(tuple(u.ranks[i] for u in units)))
+            dp_gids = tuple(c.handle for c in comms) or (0,) * units[0].degree
+            res = self.driver.call(
+                ranks, "emu.train_step", stage, tuple(u.uid for u in units),
+                tuple(u.ranks for u in units), dp_gids, step, global_batch, lr,
+            )  # fmt: skip
+        finally:
+            for c in comms:
+                self.pool.release(c)
         return sum(res.values())
 
     # ---------------------------------------------------------------- internals
@@ -412,10 +492,6 @@ class EMUManager:
     def _check_live(self, unit: EMU) -> None:
         if self._units.get(unit.uid) != unit:
             raise EMUError(f"{unit!r} is not a live unit (destroyed, split or merged already)")
-
-    def _gid(self) -> int:
-        self._next_gid += 1
-        return self._next_gid
 
     def _new_unit(
         self,
@@ -458,27 +534,15 @@ class EMUManager:
                     self.driver.call([rank], "emu.define_stage", st.name, st.specs, st.num_layers)
                 self._informed.add(rank)
 
-    def _transfer_gid(self, ranks: tuple[int, ...]) -> int:
-        gid = self._transfer_gids.pop(ranks, None)
-        if gid is None:
-            gid = self._gid()
-            if len(self._transfer_gids) >= self.max_cached_groups:
-                old_ranks, old = next(iter(self._transfer_gids.items()))
-                del self._transfer_gids[old_ranks]
-                self._release(old_ranks, [old])
-        self._transfer_gids[ranks] = gid  # most recently used last
-        return gid
-
-    def _release(self, ranks: Sequence[int], gids: list[int]) -> None:
-        live = [r for r in ranks if r not in set(self.driver.check_liveness())]
-        if live and gids:
-            self.driver.call(live, "release_groups", gids)
-
-    def _forget_groups_with(self, lost: set[int]) -> None:
-        for ranks, gid in list(self._transfer_gids.items()):
-            if lost & set(ranks):
-                del self._transfer_gids[ranks]
-                self._release(ranks, [gid])
+    def _get_comm(self, ranks: Sequence[int]) -> Communicator:
+        """A held communicator over ``ranks`` from the pool (the workers build it on a miss)."""
+        try:
+            return self.pool.get(ranks)
+        except TransportError as e:
+            # The pool wraps the backend's failure; a lost worker is what the caller handles.
+            if isinstance(e.__cause__, WorkerLostError):
+                raise e.__cause__ from None
+            raise
 
     def _transfer(
         self, kind: str, st: StageState, sources: list[EMU], targets: list[EMU], keep_sources: bool
@@ -493,10 +557,18 @@ class EMUManager:
             tuple(r for u in targets for r in u.ranks), num_layers=st.num_layers,
         )  # fmt: skip
         ranks = tuple(sorted(set(src.ranks) | set(dst.ranks)))
-        gid = self._transfer_gid(ranks)
-        unit_gids = tuple(self._gid() if u.degree > 1 else None for u in targets)
         self._ensure_stage_on(ranks)
+        setup0 = self.pool.stats.create_seconds
+        held: list[Communicator] = []
         try:
+            held.append(self._get_comm(ranks))
+            gid = held[0].handle
+            unit_comms: list[Communicator | None] = []
+            for u in targets:
+                unit_comms.append(self._get_comm(u.ranks) if u.degree > 1 else None)
+                if unit_comms[-1] is not None:
+                    held.append(unit_comms[-1])
+            unit_gids = tuple(None if c is None else c.handle for c in unit_comms)
             res = self.driver.call(
                 ranks, "emu.reshard", st.name,
                 tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
@@ -504,42 +576,50 @@ class EMUManager:
                 timeout=self.transfer_timeout + 30,
             )  # fmt: skip
         except Exception:
-            # Sources are untouched; forget whatever partial targets exist.
+            # Sources are untouched; forget whatever partial targets exist. The groups
+            # stay in the pool, idle (a dead member's are marked broken by recover).
+            for c in held:
+                self.pool.release(c)
             live = [r for r in dst.ranks if r not in set(self.driver.check_liveness())]
-            self._transfer_gids.pop(ranks, None)
             if live:
                 try:
-                    self.driver.call(
-                        live, "emu.drop", tuple(u.uid for u in targets),
-                        tuple(g for g in (*unit_gids, gid) if g is not None), timeout=30,
-                    )  # fmt: skip
+                    self.driver.call(live, "emu.drop", tuple(u.uid for u in targets), timeout=30)
                 except Exception:
                     pass  # the original error is the one worth reporting
             raise
-        self._commit([] if keep_sources else sources, targets, list(unit_gids))
+        self.pool.release(held[0])  # the transfer's group; the new units keep theirs
+        self._commit([] if keep_sources else sources, targets, unit_comms)
         total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
         self._record(
             kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
             len(ranks), time.perf_counter() - t0,
             bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
             bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
-            comm_setup_s=max(r["comm_setup_s"] for r in res.values()),
+            comm_setup_s=self.pool.stats.create_seconds - setup0,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
                    "plan_s": max(r["plan_s"] for r in res.values())},
         )  # fmt: skip
         return targets[0]
 
-    def _commit(self, gone: list[EMU], new: list[EMU], new_gids: list[int | None]) -> None:
+    def _commit(
+        self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
+    ) -> None:
         for u in gone:
-            gid = self._unit_gid.pop(u.uid, None)
+            self._unit_gid.pop(u.uid, None)
             del self._units[u.uid]
+            # The unit's hold on its group ends; the pool drops it when it evicts it.
+            comm = self._unit_comm.pop(u.uid, None)
+            if comm is not None:
+                self.pool.release(comm)
             live = [r for r in u.ranks if r not in set(self.driver.check_liveness())]
             if live:
-                self.driver.call(live, "emu.drop", (u.uid,), () if gid is None else (gid,))
-        for u, gid in zip(new, new_gids):
+                self.driver.call(live, "emu.drop", (u.uid,))
+        for u, comm in zip(new, new_comms):
             self._units[u.uid] = u
-            self._unit_gid[u.uid] = gid
+            self._unit_gid[u.uid] = None if comm is None else comm.handle
+            if comm is not None:
+                self._unit_comm[u.uid] = comm
 
     def _record(
         self,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nereus_comm.plan import plan_reshard
-from nereus_rl.emu import EMUError, EMUManager
+from nereus_comm.pool import CommPool
+from nereus_rl.emu import DriverGroupBackend, EMUError, EMUManager
 from nereus_rl.emu_state import stage_state_specs, synthetic, with_training_state
 from nereus_rl.runtime import Driver
 
@@ -134,11 +135,64 @@ def test_destroy_releases_devices_and_groups(clean):
     b = m.extend("actor", [2, 3], tp=2)
     gid = m._unit_gid[b.uid]
     assert gid in m.driver.call([2], "groups")[2]
+    assert m.pool.is_held(b.ranks)
     m.destroy(b)
     assert m.units() == [a] and m.free_ranks() == [2, 3]
-    assert gid not in m.driver.call([2], "groups")[2]
+    # Destroy ends the unit's hold on its group; the pool keeps it, idle, for reuse
+    # (it is dropped on the workers when evicted, see the eviction test).
+    assert not m.pool.is_held(b.ranks) and m.pool.is_held(a.ranks)
+    assert b.ranks in m.pool.cached()
     assert worker_units(m)[2] == set() and worker_units(m)[0] == {a.uid}
     assert_bitwise(m, a)
+
+
+def test_second_extend_from_the_same_source_reuses_every_group(clean):
+    m = clean
+    a = m.create("actor", [0, 1], tp=2)
+    b = m.extend("actor", [2, 3], tp=2)
+    b_gid = m._unit_gid[b.uid]
+    m.destroy(b)
+    groups = m.driver.call(m.driver.workers, "groups")
+    before = m.comm_stats
+    c = m.extend("actor", [2, 3], tp=2, source=a)
+    after = m.comm_stats
+    # The transfer group (0, 1, 2, 3) and the new unit's group (2, 3) are both hits:
+    # nothing was built, on the driver's count or on any worker.
+    assert (after.hits - before.hits, after.misses - before.misses) == (2, 0)
+    assert after.create_seconds == before.create_seconds
+    assert m.records[-1].comm_setup_s == 0.0
+    assert m.driver.call(m.driver.workers, "groups") == groups
+    assert m._unit_gid[c.uid] == b_gid
+    assert_bitwise(m, c)
+    # Training steps over the same units take their DP groups from the pool too.
+    m.train_step("actor", 0)
+    mid = m.comm_stats
+    m.train_step("actor", 1)
+    assert (m.comm_stats.hits - mid.hits, m.comm_stats.misses - mid.misses) == (2, 0)
+
+
+def test_pool_eviction_drops_the_group_on_its_workers(clean):
+    m = clean
+    old = m.pool
+    m.pool = CommPool(DriverGroupBackend(m.driver), capacity=2, name="small")
+    try:
+        a = m.create("actor", [0], tp=1)
+        m.extend("actor", [1])  # transfer group (0, 1), idle afterwards
+        gid01 = m.pool.get((0, 1)).handle
+        m.pool.release((0, 1))
+        m.extend("actor", [2], source=a)  # (0, 2): the pool is full now
+        assert m.pool.cached() == [(0, 1), (0, 2)] and m.comm_stats.evictions == 0
+        assert gid01 in m.driver.call([1], "groups")[1]
+        m.extend("actor", [3], source=a)  # (0, 3) evicts the least recently used, (0, 1)
+        assert m.pool.cached() == [(0, 2), (0, 3)] and m.comm_stats.evictions == 1
+        groups = m.driver.call([0, 1], "groups")
+        assert gid01 not in groups[0] and gid01 not in groups[1]
+        for u in m.units():
+            assert_bitwise(m, u)
+        _reset(m)
+    finally:
+        m.pool.destroy_all()
+        m.pool = old
 
 
 def test_split_then_merge_round_trip(clean):

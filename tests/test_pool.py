@@ -213,6 +213,45 @@ def test_non_member_gets_no_handle():
     assert repr(c) == "Communicator((0, 1), not a member, init)"
 
 
+class DirectedBackend(RecordingBackend):
+    """The driver-directed mode: the owner is no member; objects are group ids."""
+
+    directed = True
+
+    def __init__(self):
+        super().__init__(rank=-1, split=False, shrink=False, grow=False)
+        self.next_id = 100
+
+    def init(self, ranks, tag):
+        self.calls.append(("init", tuple(ranks), None))
+        self.next_id += 1
+        return self.next_id
+
+    def destroy(self, obj, broken):
+        self.destroyed.append((obj, broken))
+
+
+def test_directed_mode_hands_out_the_backend_objects():
+    be = DirectedBackend()
+    pool = CommPool(be, capacity=2)
+    a = pool.get((0, 1))
+    assert (a.handle, a.rank, a.how) == (101, None, "init")
+    pool.release(a)
+    b = pool.get((0, 1))  # a second request of the same ranks: reused, not rebuilt
+    assert (b.handle, b.how) == (101, "hit")
+    unit = pool.get((2, 3))  # held, like a live unit's own group
+    pool.release(b)
+    pool.release(pool.get((1, 2)))  # over capacity: the idle LRU (0, 1) goes, not (2, 3)
+    assert be.destroyed == [(101, False)]
+    assert pool.cached() == [(2, 3), (1, 2)] and pool.is_held((2, 3))
+    pool.release(unit)  # e.g. the unit was destroyed: now it may be evicted
+    assert not pool.is_held((2, 3))
+    pool.release(pool.get((3, 0)))
+    assert be.destroyed == [(101, False), (102, False)]
+    s = pool.stats
+    assert (s.hits, s.misses, s.evictions) == (1, 4, 2)
+
+
 def test_bad_requests_raise_before_anything_moves():
     be = RecordingBackend(world_size=4)
     pool = CommPool(be, capacity=2)

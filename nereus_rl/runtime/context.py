@@ -152,6 +152,12 @@ def _groups(ctx: WorkerContext) -> list[int]:
     return ctx.group_ids
 
 
+@register("make_group")
+def _make_group(ctx: WorkerContext, group_id: int, ranks: tuple[int, ...]) -> float:
+    """Build (or find) the gloo group ``group_id``; returns the seconds spent building it."""
+    return ctx.group(group_id, tuple(ranks))[1]
+
+
 @register("release_groups")
 def _release_groups(ctx: WorkerContext, group_ids: list[int]) -> int:
     return ctx.release_groups(group_ids)
