@@ -38,16 +38,13 @@ Usage: python benchmarks/bench_transition_plan.py [--quick] [--breakdown-only] [
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
 import time
 
 from nereus_rl.transition import (
-    InfeasibleTargetError,
     Placement,
-    compile_transition,
     default_primitive_cost,
     diff_plans,
     predicted_completion_time,
@@ -55,11 +52,11 @@ from nereus_rl.transition import (
 from nereus_rl.transition_milp import schedule_cpsat
 from nereus_rl.transition_scenarios import (
     SCALED_CAPACITY,
-    SCENARIO_CAPACITY,
     TRANSITION_TYPES,
-    random_scenario,
+    compile_scenario,
+    draw_reachable,
     scaled_scenario,
-    scenario_unit_memory,
+    write_benchmark_json,
 )
 
 SCALES = (32, 128, 512, 1024, 4096)
@@ -77,15 +74,7 @@ def _plan_times(sc, repeats: int, refine: bool = True):
     best_wall, best_cpu, dag = math.inf, math.inf, None
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
-        dag = compile_transition(
-            sc.current,
-            sc.target,
-            devices=sc.devices,
-            lost_devices=sc.lost,
-            unit_memory=scenario_unit_memory,
-            capacity=SCALED_CAPACITY,
-            refine=refine,
-        )
+        dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=refine)
         best_cpu = min(best_cpu, time.thread_time() - c)
         best_wall = min(best_wall, time.perf_counter() - t)
     return best_wall, best_cpu, dag
@@ -183,18 +172,7 @@ def random_rows(quick: bool) -> list[dict]:
     for kind in TRANSITION_TYPES:
         gaps, statuses, edges = [], [], []
         while len(statuses) < per_type:
-            sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
-            try:
-                dag = compile_transition(
-                    sc.current,
-                    sc.target,
-                    devices=sc.devices,
-                    lost_devices=sc.lost,
-                    unit_memory=scenario_unit_memory,
-                    capacity=SCENARIO_CAPACITY,
-                )
-            except InfeasibleTargetError:
-                continue
+            _, dag, _ = draw_reachable(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
             res = schedule_cpsat(dag, time_limit_s=5.0)
             statuses.append(res.status)
             edges.append(dag.num_resource_edges)
@@ -221,11 +199,6 @@ def random_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def _finite(v):
-    """JSON has no inf or nan: write null for a figure that does not exist."""
-    return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter solver limits, fewer repeats")
@@ -240,8 +213,7 @@ def main() -> None:
     breakdown = breakdown_rows(args.quick)
     if args.breakdown_only:
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"benchmark": "bench_transition_plan", "rows": breakdown}, f, indent=1)
+            write_benchmark_json(args.json, "bench_transition_plan", breakdown)
         return
     print("Table 1: planning time and completion-time gap at scale")
     scale = scale_rows(args.quick)
@@ -256,9 +228,7 @@ def main() -> None:
     rows = [{"table": "breakdown", **r} for r in breakdown]
     rows += [{"table": "scale", **r} for r in scale] + [{"table": "random", **r} for r in rand]
     if args.json:
-        with open(args.json, "w") as f:
-            rows = [{k: _finite(v) for k, v in r.items()} for r in rows]
-            json.dump({"benchmark": "bench_transition_plan", "rows": rows}, f, indent=1)
+        write_benchmark_json(args.json, "bench_transition_plan", rows)
 
 
 if __name__ == "__main__":

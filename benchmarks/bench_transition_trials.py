@@ -31,21 +31,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import math
 import random
 import statistics
 import threading
 import time
 
-from nereus_rl.transition import InfeasibleTargetError, TransitionError, compile_transition
+from nereus_rl.transition import TransitionError
 from nereus_rl.transition_baseline import run_per_component
 from nereus_rl.transition_exec import execute_dag
 from nereus_rl.transition_scenarios import (
     SCENARIO_CAPACITY,
     TRANSITION_TYPES,
-    random_scenario,
+    draw_reachable,
     scenario_unit_memory,
+    write_benchmark_json,
 )
 
 NUM_DEVICES = 12
@@ -85,23 +84,15 @@ def run_type(
     pc: collections.Counter[str] = collections.Counter()
     pc_ms: list[float] = []
     for t in range(trials):
-        while True:
-            sc = random_scenario(
-                kind, rng, num_devices=NUM_DEVICES, min_fill=min_fill, max_dp=MAX_DP
-            )
-            try:
-                dag = compile_transition(
-                    sc.current,
-                    sc.target,
-                    devices=sc.devices,
-                    lost_devices=sc.lost,
-                    unit_memory=scenario_unit_memory,
-                    capacity=SCENARIO_CAPACITY,
-                    stage_slots=stage_slots,
-                )
-                break
-            except InfeasibleTargetError:
-                redrawn += 1
+        sc, dag, unreachable = draw_reachable(
+            kind,
+            rng,
+            num_devices=NUM_DEVICES,
+            min_fill=min_fill,
+            max_dp=MAX_DP,
+            stage_slots=stage_slots,
+        )
+        redrawn += unreachable
         try:
             rep = execute_dag(dag, _impls(random.Random(rng.random()), jitter_s))
             if rep.final.matches(sc.target):
@@ -150,11 +141,6 @@ def run_type(
         "per_component_other": trials - pc["ok"] - pc["deadlock"] - pc["timeout"],
         "per_component_makespan_ms_mean": statistics.fmean(pc_ms) if pc_ms else float("nan"),
     }
-
-
-def _finite(v):
-    """JSON has no inf or nan: write null for a figure that does not exist."""
-    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def main() -> None:
@@ -211,9 +197,7 @@ def main() -> None:
     goal = all(r["nereus_success_pct"] == 100.0 for r in rows)
     print(f"goal (Nereus 100% in every type): {'met' if goal else 'NOT met'}")
     if args.json:
-        with open(args.json, "w") as f:
-            rows = [{k: _finite(v) for k, v in r.items()} for r in rows]
-            json.dump({"benchmark": "bench_transition_trials", "rows": rows}, f, indent=1)
+        write_benchmark_json(args.json, "bench_transition_trials", rows)
 
 
 if __name__ == "__main__":

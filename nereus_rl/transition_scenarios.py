@@ -17,12 +17,20 @@ other stages still hold: the transient ownership conflicts the DAG resolves.
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.transition import Unit
+from nereus_rl.transition import (
+    InfeasibleTargetError,
+    TransitionDAG,
+    Unit,
+    compile_transition,
+)
 
 #: (stage, model, trains) in workload order (the stage-order tie-break).
 STAGES: tuple[tuple[str, str, bool], ...] = (
@@ -170,6 +178,17 @@ def _dps(plan: GlobalPlan) -> dict[str, int]:
     return {sp.stage: sp.dp for sp in plan.stages}
 
 
+def _follow(
+    rng: random.Random,
+    devices: Sequence[int],
+    cur: GlobalPlan,
+    keep_prob: float,
+    dps: dict[str, int],
+) -> GlobalPlan | None:
+    """A target in ``cur``'s layouts with ``dps``, keeping ``cur``'s units with ``keep_prob``."""
+    return random_plan(rng, devices, keep=cur, keep_prob=keep_prob, layouts=_layouts(cur), dps=dps)
+
+
 def _regroup(sp: StagePlan, rng: random.Random) -> StagePlan | None:
     """The same devices in another layout: merge pairs, split halves, or tp<->pp."""
     opts = []
@@ -228,9 +247,7 @@ def random_scenario(
             if cur is None:
                 continue
             dps = {n: d + rng.randint(0, 1) for n, d in _dps(cur).items()}
-            tgt = random_plan(
-                rng, all_devs, keep=cur, keep_prob=0.5, layouts=_layouts(cur), dps=dps
-            )
+            tgt = _follow(rng, all_devs, cur, 0.5, dps)
             devices = frozenset(all_devs)
         elif kind == "scale_down":
             cur = random_plan(rng, all_devs, max_dp=max_dp)
@@ -239,9 +256,7 @@ def random_scenario(
             dps = {n: max(1, d - rng.randint(0, 1)) for n, d in _dps(cur).items()}
             gone = set(rng.sample(all_devs, k))
             keep_devs = [d for d in all_devs if d not in gone]
-            tgt = random_plan(
-                rng, keep_devs, keep=cur, keep_prob=0.5, layouts=_layouts(cur), dps=dps
-            )
+            tgt = _follow(rng, keep_devs, cur, 0.5, dps)
             devices = frozenset(keep_devs)
         elif kind == "rebalance":
             cur = random_plan(rng, all_devs, max_dp=max_dp)
@@ -253,9 +268,7 @@ def random_scenario(
             a = rng.choice([n for n in names if n != b])
             dps[b] = max(1, dps[b] - 1)
             dps[a] += 1
-            tgt = random_plan(
-                rng, all_devs, keep=cur, keep_prob=0.6, layouts=_layouts(cur), dps=dps
-            )
+            tgt = _follow(rng, all_devs, cur, 0.6, dps)
             devices = frozenset(all_devs)
         elif kind == "tp_pp_change":
             cur = random_plan(rng, all_devs, max_dp=max_dp)
@@ -286,9 +299,7 @@ def random_scenario(
             needed = {s for n, m, t in STAGES for s in Unit("", n, m, t, 1, 1, ()).states}
             if needed - kept_states:
                 continue
-            tgt = random_plan(
-                rng, alive, keep=cur, keep_prob=0.7, layouts=_layouts(cur), dps=_dps(cur)
-            )
+            tgt = _follow(rng, alive, cur, 0.7, _dps(cur))
             devices = frozenset(alive)
         if tgt is None or _over_memory(tgt) or _fill(cur) < min_fill:
             continue
@@ -320,23 +331,98 @@ def _replace_stage(
     return GlobalPlan(tuple(out))
 
 
-def _fill(plan: GlobalPlan) -> float:
-    """Mean fraction of device memory the plan uses, over the devices it uses."""
+def _device_bytes(plan: GlobalPlan) -> dict[int, float]:
+    """Bytes the plan's units take on each device it uses."""
     used: dict[int, float] = {}
     for sp in plan.stages:
         for u in sp.units:
             for d in u:
                 used[d] = used.get(d, 0.0) + _stage_mem(sp.trains, sp.tp, sp.pp)
+    return used
+
+
+def _fill(plan: GlobalPlan) -> float:
+    """Mean fraction of device memory the plan uses, over the devices it uses."""
+    used = _device_bytes(plan)
     return sum(used.values()) / (len(used) * SCENARIO_CAPACITY)
 
 
 def _over_memory(plan: GlobalPlan) -> bool:
-    used: dict[int, float] = {}
-    for sp in plan.stages:
-        for u in sp.units:
-            for d in u:
-                used[d] = used.get(d, 0.0) + _stage_mem(sp.trains, sp.tp, sp.pp)
-    return any(b > SCENARIO_CAPACITY + 1e-3 for b in used.values())
+    return any(b > SCENARIO_CAPACITY + 1e-3 for b in _device_bytes(plan).values())
+
+
+def compile_scenario(
+    sc: Scenario, *, capacity: float = SCENARIO_CAPACITY, **options: Any
+) -> TransitionDAG:
+    """``compile_transition`` of a scenario with its devices, lost devices and memory.
+
+    Arguments:
+        sc: the scenario.
+        capacity: bytes per device (``SCALED_CAPACITY`` for :func:`scaled_scenario`).
+        **options: further keyword arguments of ``compile_transition`` (``refine``,
+            ``stage_slots``, ``cost_fn``).
+    Returns:
+        the compiled DAG from ``sc.current`` to ``sc.target``.
+    Raises:
+        InfeasibleTargetError: no safe order reaches the target.
+    """
+    return compile_transition(
+        sc.current,
+        sc.target,
+        devices=sc.devices,
+        lost_devices=sc.lost,
+        unit_memory=scenario_unit_memory,
+        capacity=capacity,
+        **options,
+    )
+
+
+def draw_reachable(
+    kind: str,
+    rng: random.Random,
+    *,
+    num_devices: int = 12,
+    min_fill: float = 0.0,
+    max_dp: int = 3,
+    **options: Any,
+) -> tuple[Scenario, TransitionDAG, int]:
+    """Draw scenarios of ``kind`` until one compiles (its target is reachable).
+
+    Arguments:
+        kind: one of :data:`TRANSITION_TYPES`.
+        rng: randomness (the same draws as calling :func:`random_scenario` in a loop).
+        num_devices, min_fill, max_dp: as in :func:`random_scenario`.
+        **options: keyword arguments of :func:`compile_scenario`.
+    Returns:
+        (the scenario, its DAG, how many drawn scenarios were unreachable first).
+    Raises:
+        ValueError: ``kind`` is not a transition type.
+    """
+    redrawn = 0
+    while True:
+        sc = random_scenario(kind, rng, num_devices, min_fill=min_fill, max_dp=max_dp)
+        try:
+            return sc, compile_scenario(sc, **options), redrawn
+        except InfeasibleTargetError:
+            redrawn += 1
+
+
+def _finite(v: Any) -> Any:
+    """JSON has no inf or nan: null for a figure that does not exist."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def write_benchmark_json(path: str, benchmark: str, rows: Sequence[dict[str, Any]]) -> None:
+    """Write ``{"benchmark": benchmark, "rows": rows}`` to ``path``, inf and nan as null.
+
+    Arguments:
+        path: the file to write.
+        benchmark: the benchmark's name.
+        rows: one dict per table row.
+    """
+    out = [{k: _finite(v) for k, v in r.items()} for r in rows]
+    with open(path, "w") as f:
+        json.dump({"benchmark": benchmark, "rows": out}, f, indent=1)
 
 
 #: Device memory in the scaled scenario: tight enough that moved units must wait for

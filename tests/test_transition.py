@@ -27,6 +27,8 @@ from nereus_rl.transition_safety import check_dag
 from nereus_rl.transition_scenarios import (
     SCENARIO_CAPACITY,
     TRANSITION_TYPES,
+    compile_scenario,
+    draw_reachable,
     random_scenario,
     scenario_unit_memory,
 )
@@ -333,23 +335,10 @@ def _random_concurrent_run(dag, rng, cap):
 @pytest.mark.parametrize("kind", TRANSITION_TYPES)
 def test_random_pairs_compile_to_safe_acyclic_dags(kind):
     rng = random.Random(TRANSITION_TYPES.index(kind))
-    compiled = 0
     infeasible = 0
-    while compiled < 25:
-        sc = random_scenario(kind, rng, num_devices=12)
-        try:
-            dag = compile_transition(
-                sc.current,
-                sc.target,
-                devices=sc.devices,
-                lost_devices=sc.lost,
-                unit_memory=scenario_unit_memory,
-                capacity=SCENARIO_CAPACITY,
-            )
-        except InfeasibleTargetError:
-            infeasible += 1
-            continue
-        compiled += 1
+    for _ in range(25):
+        sc, dag, unreachable = draw_reachable(kind, rng, num_devices=12)
+        infeasible += unreachable
         assert len(topo_order(dag)) == len(dag.primitives)
         assert all(e.src != e.dst for e in dag.edges)
         pos = {p: i for i, p in enumerate(dag.order)}
@@ -366,9 +355,8 @@ def test_random_pairs_compile_to_safe_acyclic_dags(kind):
 
 def test_compile_is_deterministic():
     sc = random_scenario("rebalance", random.Random(7), num_devices=12)
-    kw = dict(unit_memory=scenario_unit_memory, capacity=SCENARIO_CAPACITY, devices=sc.devices)
-    a = compile_transition(sc.current, sc.target, **kw)
-    b = compile_transition(sc.current, sc.target, **kw)
+    a = compile_scenario(sc)
+    b = compile_scenario(sc)
     assert a == b
     assert repr(a).startswith("TransitionDAG(")
 
@@ -376,21 +364,9 @@ def test_compile_is_deterministic():
 @pytest.mark.parametrize("kind", ["scale_down", "rebalance", "device_loss"])
 def test_dense_pairs_with_and_without_refinement(kind):
     rng = random.Random(50 + TRANSITION_TYPES.index(kind))
-    compiled = 0
-    while compiled < 8:
-        sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
-        kw = dict(
-            devices=sc.devices,
-            lost_devices=sc.lost,
-            unit_memory=scenario_unit_memory,
-            capacity=SCENARIO_CAPACITY,
-        )
-        try:
-            plain = compile_transition(sc.current, sc.target, refine=False, **kw)
-        except InfeasibleTargetError:
-            continue
-        compiled += 1
-        best = compile_transition(sc.current, sc.target, **kw)
+    for _ in range(8):
+        sc, plain, _ = draw_reachable(kind, rng, min_fill=0.5, max_dp=4, refine=False)
+        best = compile_scenario(sc)
         assert check_dag(plain).any_order and check_dag(best).any_order
         assert best.primitives == plain.primitives  # refinement only re-derives edges
         t_plain = predicted_completion_time(plain)
@@ -450,22 +426,8 @@ def test_single_unit_tp_growth_needs_stage_overlap():
 @pytest.mark.parametrize("kind", ["tp_pp_change", "scale_up"])
 def test_random_pairs_without_stage_slots(kind):
     rng = random.Random(90 + TRANSITION_TYPES.index(kind))
-    compiled = 0
-    while compiled < 10:
-        sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
-        try:
-            dag = compile_transition(
-                sc.current,
-                sc.target,
-                devices=sc.devices,
-                lost_devices=sc.lost,
-                unit_memory=scenario_unit_memory,
-                capacity=SCENARIO_CAPACITY,
-                stage_slots=False,
-            )
-        except InfeasibleTargetError:
-            continue
-        compiled += 1
+    for _ in range(10):
+        _, dag, _ = draw_reachable(kind, rng, min_fill=0.5, max_dp=4, stage_slots=False)
         assert check_dag(dag).any_order
         for _ in range(3):
             _random_concurrent_run(dag, rng, SCENARIO_CAPACITY)
@@ -483,22 +445,11 @@ def test_makespan_lower_bound_never_beats_a_schedule():
     rng = random.Random(7)
     checked = tight = 0
     for kind in TRANSITION_TYPES:
-        done = 0
-        while done < 2:
-            sc = random_scenario(kind, rng, num_devices=12, min_fill=0.5, max_dp=4)
-            kw = dict(
-                devices=sc.devices,
-                lost_devices=sc.lost,
-                unit_memory=scenario_unit_memory,
-                capacity=SCENARIO_CAPACITY,
-                cost_fn=cost,
+        for _ in range(2):
+            sc, plain, _ = draw_reachable(
+                kind, rng, min_fill=0.5, max_dp=4, refine=False, cost_fn=cost
             )
-            try:
-                plain = compile_transition(sc.current, sc.target, refine=False, **kw)
-            except InfeasibleTargetError:
-                continue
-            done += 1
-            best = compile_transition(sc.current, sc.target, **kw)
+            best = compile_scenario(sc, cost_fn=cost)
             dur = [cost(p) for p in plain.primitives]
             lb = makespan_lower_bound(plain, dur)
             assert lb == makespan_lower_bound(best, dur)  # data edges and costs only
@@ -523,13 +474,7 @@ def test_scaled_rebalance_meets_the_lower_bound():
     )
 
     sc = scaled_scenario(128)
-    dag = compile_transition(
-        sc.current,
-        sc.target,
-        unit_memory=scenario_unit_memory,
-        capacity=SCALED_CAPACITY,
-        refine=False,
-    )
+    dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=False)
     dur = [default_primitive_cost(p) for p in dag.primitives]
     t = predicted_completion_time(dag)
     assert makespan_lower_bound(dag, dur) == pytest.approx(t)
@@ -631,9 +576,7 @@ def test_planning_time_grows_about_linearly_with_devices():
         best = float("inf")
         for _ in range(3):
             t = time.thread_time()
-            dag = compile_transition(
-                sc.current, sc.target, unit_memory=scenario_unit_memory, capacity=SCALED_CAPACITY
-            )
+            dag = compile_scenario(sc, capacity=SCALED_CAPACITY)
             best = min(best, time.thread_time() - t)
         assert len(dag.primitives) == 5 * n // 8
         return best

@@ -10,7 +10,6 @@ import pytest
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.transition import (
-    InfeasibleTargetError,
     TransitionExecutionError,
     compile_transition,
     longest_path,
@@ -19,10 +18,9 @@ from nereus_rl.transition_baseline import run_per_component
 from nereus_rl.transition_exec import execute_dag, sleeping_impls
 from nereus_rl.transition_safety import check_dag
 from nereus_rl.transition_scenarios import (
-    SCENARIO_CAPACITY,
     TRANSITION_TYPES,
-    random_scenario,
-    scenario_unit_memory,
+    compile_scenario,
+    draw_reachable,
 )
 
 MEM = 10.0
@@ -114,21 +112,8 @@ def test_executor_reports_failing_primitive():
 @pytest.mark.parametrize("kind", TRANSITION_TYPES)
 def test_random_pairs_execute_to_target(kind):
     rng = random.Random(100 + TRANSITION_TYPES.index(kind))
-    done = 0
-    while done < 6:
-        sc = random_scenario(kind, rng, num_devices=12)
-        try:
-            dag = compile_transition(
-                sc.current,
-                sc.target,
-                devices=sc.devices,
-                lost_devices=sc.lost,
-                unit_memory=scenario_unit_memory,
-                capacity=SCENARIO_CAPACITY,
-            )
-        except InfeasibleTargetError:
-            continue
-        done += 1
+    for _ in range(6):
+        sc, dag, _ = draw_reachable(kind, rng, num_devices=12)
         rep = execute_dag(dag, sleeping_impls(lambda p: rng.uniform(0.0, 0.002)))
         assert rep.final.matches(sc.target)
         assert rep.resource_waits == 0  # every conflict is an edge: nothing waits at run time
@@ -161,9 +146,7 @@ def test_scaled_rebalance_executes_to_target():
     from nereus_rl.transition_scenarios import SCALED_CAPACITY, scaled_scenario
 
     sc = scaled_scenario(128)
-    dag = compile_transition(
-        sc.current, sc.target, unit_memory=scenario_unit_memory, capacity=SCALED_CAPACITY
-    )
+    dag = compile_scenario(sc, capacity=SCALED_CAPACITY)
     assert dag.counts() == {"extend": 20, "destroy": 28, "split": 32, "merge": 0}
     rep = execute_dag(dag, sleeping_impls(lambda p: 0.001), max_workers=16)
     assert rep.final.matches(sc.target)
