@@ -1,10 +1,9 @@
 """Cost model: predicted against measured training-step compute on held-out plans.
 
-Until the trainer runs here, this measures what can run on the local CPU: one
-training step (forward + backward over all micro-batches, then one AdamW step) of the
-``tiny`` and ``small`` ModelSpec presets, implemented below as a Llama-style decoder
-with plain torch ops (RMSNorm, GQA attention with a causal mask, SwiGLU MLP, untied
-embeddings, cross-entropy), in fp32, one thread per process. A "plan" is (preset,
+It measures what can run on the local CPU: one training step (forward + backward over
+all micro-batches, then one ``torch.optim.AdamW(foreach=False)`` step) of the project's
+model, ``nereus_rl.model.Decoder``, in the ``tiny`` and ``small`` presets, fp32, one
+thread per process. A "plan" is (preset,
 processes, micro-batch, sequence length); 8 sequences per step are split over the
 processes (data parallel, no gradient all-reduce: compute only). Process layouts:
 
@@ -12,7 +11,7 @@ processes (data parallel, no gradient all-reduce: compute only). Process layouts
     2p-2core  two processes, one on each core        (2 workers, 1 per core)
     2p-1core  two processes pinned to core 0         (2 workers, 2 per core)
 
-The cost model's efficiencies (gemm, attention, mem, launch) are fitted with
+The cost model's efficiencies (gemm, attention, mem, elementwise, launch) are fitted with
 ``CostModel.observe_work`` on half of the 1p plans (a checkerboard over micro-batch x
 sequence length) and nothing else; every other plan, including all 2-process ones, is
 held out and predicted. Two measures, each fitted and scored on its own:
@@ -23,11 +22,16 @@ held out and predicted. Two measures, each fitted and scored on its own:
           worker had a core to itself. On a loaded shared machine this isolates the
           compute model from other users' load, which wall time cannot.
 
-Each is the fastest of several repetitions (other load only adds time); for 2
-processes, the slower process (both start each repetition together at a barrier). The
-1-minute load average at the start and end is recorded with the figures.
+The whole grid is measured in rounds (2 with --quick, 3 without), each plan with a
+warm-up step and then 4 (5) timed repetitions per round; a plan's figure is its fastest
+repetition over all rounds (other load only adds time, and it comes in bursts that one
+round's consecutive repetitions can sit inside). The median and the spread between the
+rounds' fastest repetitions are kept to show the noise. For 2 processes, the slower
+process counts (both start each repetition together at a barrier). The 1-minute load
+average at the start and end is recorded with the figures.
 
     python benchmarks/bench_costmodel.py --quick --json out.json
+    python benchmarks/bench_costmodel.py --measurements out.json   # re-score, no measuring
 """
 
 from __future__ import annotations
@@ -105,8 +109,8 @@ def _work(preset, dp, wpc, mb, seq):
     return w
 
 
-def _measure(grid, reps):
-    """Measured rows (times in ms) of every plan of ``grid``, in order."""
+def _measure(grid, reps, rounds):
+    """Measured rows (times in ms) of every plan of ``grid``, in order, per round."""
     ctx = mp.get_context("spawn")
     tasks = [ctx.Queue() for _ in range(2)]
     results = ctx.Queue()
@@ -116,9 +120,11 @@ def _measure(grid, reps):
     solo = ctx.Process(target=_worker, args=(0, solo_tasks, solo_res, None))
     for p in [*procs, solo]:
         p.start()
-    rows = []
+    per_round = [[] for _ in range(rounds)]
     try:
-        for preset, (mbs, seqs) in grid.items():
+        for rows, preset, (mbs, seqs) in (
+            (rows, p, g) for rows in per_round for p, g in grid.items()
+        ):
             for mb in mbs:
                 for seq in seqs:
                     for lay, (dp, _, cores) in LAYOUTS.items():
@@ -149,7 +155,7 @@ def _measure(grid, reps):
             q.put(None)
         for p in [*procs, solo]:
             p.join(timeout=30)
-    return rows
+    return per_round
 
 
 def main() -> None:
@@ -166,14 +172,26 @@ def main() -> None:
         "tiny": ([1, 2, 4, 8], [32, 64, 128]),
         "small": ([2, 8], [32, 64]) if args.quick else ([1, 2, 4, 8], [32, 64, 128]),
     }
-    reps = 7 if args.quick else 11
+    reps, rounds = (4, 2) if args.quick else (5, 3)
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     if args.measurements:
         with open(args.measurements) as fh:
             rows = [r for r in json.load(fh)["rows"] if "layout" in r]
     else:
-        rows = _measure(grid, reps)
+        # The whole grid is measured in rounds some seconds apart, and each plan's figure
+        # is its fastest repetition over all rounds: the other users' load comes in bursts
+        # that a plan's few consecutive repetitions can sit entirely inside.
+        per_round = _measure(grid, reps, rounds)
+        rows = per_round[0]
+        for i, r in enumerate(rows):
+            got = [pr[i] for pr in per_round]
+            for m in ("wall", "cpu"):
+                mins = [g[f"{m}_measured_ms"] for g in got]
+                r[f"{m}_measured_ms"] = min(mins)
+                r[f"{m}_median_ms"] = float(np.median([g[f"{m}_median_ms"] for g in got]))
+                # Repeatability: how far apart the rounds' fastest repetitions are.
+                r[f"{m}_round_spread_pct"] = 100.0 * (max(mins) / min(mins) - 1.0)
     for r in rows:
         dp, wpc, _ = LAYOUTS[r["layout"]]
         mbs = grid[r["preset"]][0]
@@ -240,6 +258,13 @@ def main() -> None:
             f"{s['metric']:>6} {s['set']:>18} {s['num_plans']:>5} "
             f"{s['mean_abs_error_pct']:>14.2f} {s['max_abs_error_pct']:>13.2f}"
         )
+    for m in ("wall", "cpu"):
+        spread = [r[f"{m}_round_spread_pct"] for r in rows if f"{m}_round_spread_pct" in r]
+        if spread:
+            print(
+                f"{m}: spread between rounds' fastest repetitions (noise): "
+                f"mean {np.mean(spread):.1f}%, max {np.max(spread):.1f}%"
+            )
     print("fitted efficiencies:", effs, f"; wall {time.perf_counter() - t_start:.0f} s")
     print("load average (1 min) start/end:", load_start[0], os.getloadavg()[0])
     if args.json:
