@@ -23,7 +23,7 @@ held out and predicted. Two measures, each fitted and scored on its own:
           compute model from other users' load, which wall time cannot.
 
 The whole grid is measured in rounds (2 with --quick, 3 without), each plan with a
-warm-up step and then 4 (5) timed repetitions per round; a plan's figure is its fastest
+warm-up step and then 3 (5) timed repetitions per round; a plan's figure is its fastest
 repetition over all rounds (other load only adds time, and it comes in bursts that one
 round's consecutive repetitions can sit inside). The median and the spread between the
 rounds' fastest repetitions are kept to show the noise. For 2 processes, the slower
@@ -172,7 +172,7 @@ def main() -> None:
         "tiny": ([1, 2, 4, 8], [32, 64, 128]),
         "small": ([2, 8], [32, 64]) if args.quick else ([1, 2, 4, 8], [32, 64, 128]),
     }
-    reps, rounds = (4, 2) if args.quick else (5, 3)
+    reps, rounds = (3, 2) if args.quick else (5, 3)
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     if args.measurements:
