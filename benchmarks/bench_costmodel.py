@@ -1,10 +1,9 @@
 """Cost model: predicted against measured training-step compute on held-out plans.
 
-Until the trainer runs here, this measures what can run on the local CPU: one
-training step (forward + backward over all micro-batches, then one AdamW step) of the
-``tiny`` and ``small`` ModelSpec presets, implemented below as a Llama-style decoder
-with plain torch ops (RMSNorm, GQA attention with a causal mask, SwiGLU MLP, untied
-embeddings, cross-entropy), in fp32, one thread per process. A "plan" is (preset,
+It measures what can run on the local CPU: one training step (forward + backward over
+all micro-batches, then one ``torch.optim.AdamW(foreach=False)`` step) of the project's
+model, ``nereus_rl.model.Decoder``, in the ``tiny`` and ``small`` presets, fp32, one
+thread per process. A "plan" is (preset,
 processes, micro-batch, sequence length); 8 sequences per step are split over the
 processes (data parallel, no gradient all-reduce: compute only). Process layouts:
 
@@ -12,7 +11,7 @@ processes (data parallel, no gradient all-reduce: compute only). Process layouts
     2p-2core  two processes, one on each core        (2 workers, 1 per core)
     2p-1core  two processes pinned to core 0         (2 workers, 2 per core)
 
-The cost model's efficiencies (gemm, attention, mem, launch) are fitted with
+The cost model's efficiencies (gemm, attention, mem, elementwise, launch) are fitted with
 ``CostModel.observe_work`` on half of the 1p plans (a checkerboard over micro-batch x
 sequence length) and nothing else; every other plan, including all 2-process ones, is
 held out and predicted. Two measures, each fitted and scored on its own:
@@ -23,11 +22,16 @@ held out and predicted. Two measures, each fitted and scored on its own:
           worker had a core to itself. On a loaded shared machine this isolates the
           compute model from other users' load, which wall time cannot.
 
-Each is the fastest of several repetitions (other load only adds time); for 2
-processes, the slower process (both start each repetition together at a barrier). The
-1-minute load average at the start and end is recorded with the figures.
+The whole grid is measured in rounds (2 with --quick, 3 without), each plan with a
+warm-up step and then 3 (5) timed repetitions per round; a plan's figure is its fastest
+repetition over all rounds (other load only adds time, and it comes in bursts that one
+round's consecutive repetitions can sit inside). The median and the spread between the
+rounds' fastest repetitions are kept to show the noise. For 2 processes, the slower
+process counts (both start each repetition together at a barrier). The 1-minute load
+average at the start and end is recorded with the figures.
 
     python benchmarks/bench_costmodel.py --quick --json out.json
+    python benchmarks/bench_costmodel.py --measurements out.json   # re-score, no measuring
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import time
 
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 
 from nereus_rl.costmodel import CostModel
 from nereus_rl.costmodel_work import CLASS_INDEX, stage_work
+from nereus_rl.model import Decoder, get_preset
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.workload import StageWork
 
@@ -53,60 +57,12 @@ BATCH = 8
 LAYOUTS = {"1p": (1, 1.0, [0]), "2p-2core": (2, 1.0, [0, 1]), "2p-1core": (2, 2.0, [0, 0])}
 
 
-def _params(spec, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h, f, V = spec.hidden, spec.ffn_hidden, spec.vocab
-    kv = spec.num_kv_heads * spec.head_dim
-
-    def p(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).requires_grad_()
-
-    ps = {"emb": p(V, h), "head": p(h, V), "norm": torch.ones(h, requires_grad=True)}
-    for i in range(spec.num_layers):
-        for n, shp in (
-            ("wq", (h, h)),
-            ("wk", (h, kv)),
-            ("wv", (h, kv)),
-            ("wo", (h, h)),
-            ("w1", (h, f)),
-            ("w3", (h, f)),
-            ("w2", (f, h)),
-        ):
-            ps[f"{i}.{n}"] = p(*shp)
-        ps[f"{i}.n1"] = torch.ones(h, requires_grad=True)
-        ps[f"{i}.n2"] = torch.ones(h, requires_grad=True)
-    return ps
-
-
-def _rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-
-
-def _loss(spec, ps, tokens):
-    b, s = tokens.shape
-    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    x = ps["emb"][tokens[:, :-1]]
-    s1 = s - 1
-    mask = torch.full((s1, s1), float("-inf")).triu(1)
-    for i in range(spec.num_layers):
-        a = _rms(x, ps[f"{i}.n1"])
-        q = (a @ ps[f"{i}.wq"]).view(b, s1, nh, hd).transpose(1, 2)
-        k = (a @ ps[f"{i}.wk"]).view(b, s1, nkv, hd).transpose(1, 2)
-        v = (a @ ps[f"{i}.wv"]).view(b, s1, nkv, hd).transpose(1, 2)
-        k = k.repeat_interleave(nh // nkv, dim=1)
-        v = v.repeat_interleave(nh // nkv, dim=1)
-        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, dim=-1)
-        o = (att @ v).transpose(1, 2).reshape(b, s1, nh * hd)
-        x = x + o @ ps[f"{i}.wo"]
-        m = _rms(x, ps[f"{i}.n2"])
-        x = x + (F.silu(m @ ps[f"{i}.w1"]) * (m @ ps[f"{i}.w3"])) @ ps[f"{i}.w2"]
-    logits = _rms(x, ps["norm"]) @ ps["head"]
-    return F.cross_entropy(logits.reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1))
-
-
-def _train_step(spec, ps, opt, mbs) -> None:
+def _train_step(model, opt, mbs) -> None:
+    """One training step of the project's model: forward + backward per micro-batch, AdamW."""
+    vocab = model.config.vocab
     for x in mbs:
-        _loss(spec, ps, x).backward()
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1)).backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
 
@@ -120,17 +76,16 @@ def _worker(rank, tasks, results, barrier):
             return
         preset, b, mb, seq, reps, core = task
         os.sched_setaffinity(0, {core})
-        spec = model_preset(preset)
         if preset not in cache:
-            ps = _params(spec)
-            cache[preset] = (ps, torch.optim.AdamW(list(ps.values()), lr=1e-4, foreach=False))
-        ps, opt = cache[preset]
+            model = Decoder(get_preset(preset), seed=0)
+            cache[preset] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
+        model, opt = cache[preset]
         gen = torch.Generator().manual_seed(rank)
         # +1 token: the model sees seq tokens and predicts the next of each.
-        data = torch.randint(0, spec.vocab, (b, seq + 1), generator=gen)
+        data = torch.randint(0, model.config.vocab, (b, seq + 1), generator=gen)
         mbs = [data[i : i + mb] for i in range(0, b, mb)]
 
-        step = functools.partial(_train_step, spec, ps, opt, mbs)
+        step = functools.partial(_train_step, model, opt, mbs)
         step()  # warm-up
         times, cpu = [], []
         for _ in range(reps):
@@ -140,8 +95,9 @@ def _worker(rank, tasks, results, barrier):
             step()
             times.append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
-        # The fastest repetition: the machine is shared, and other load only adds time.
-        results.put((rank, min(times), min(cpu)))
+        # The fastest repetition is the figure (other load only adds time); the median
+        # is kept to show the spread.
+        results.put((rank, min(times), min(cpu), float(np.median(times)), float(np.median(cpu))))
 
 
 def _work(preset, dp, wpc, mb, seq):
@@ -153,17 +109,8 @@ def _work(preset, dp, wpc, mb, seq):
     return w
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", metavar="PATH")
-    args = ap.parse_args()
-    grid = {
-        "tiny": ([1, 2, 4, 8], [32, 64, 128]),
-        "small": ([2, 8], [32, 64]) if args.quick else ([1, 2, 4, 8], [32, 64, 128]),
-    }
-    reps = 5 if args.quick else 9
-    load_start = os.getloadavg()
+def _measure(grid, reps, rounds):
+    """Measured rows (times in ms) of every plan of ``grid``, in order, per round."""
     ctx = mp.get_context("spawn")
     tasks = [ctx.Queue() for _ in range(2)]
     results = ctx.Queue()
@@ -173,24 +120,23 @@ def main() -> None:
     solo = ctx.Process(target=_worker, args=(0, solo_tasks, solo_res, None))
     for p in [*procs, solo]:
         p.start()
-    rows = []
-    t_start = time.perf_counter()
+    per_round = [[] for _ in range(rounds)]
     try:
-        for preset, (mbs, seqs) in grid.items():
-            for i, mb in enumerate(mbs):
-                for j, seq in enumerate(seqs):
-                    for lay, (dp, wpc, cores) in LAYOUTS.items():
+        for rows, preset, (mbs, seqs) in (
+            (rows, p, g) for rows in per_round for p, g in grid.items()
+        ):
+            for mb in mbs:
+                for seq in seqs:
+                    for lay, (dp, _, cores) in LAYOUTS.items():
                         b = BATCH // dp
                         if dp == 1:
                             solo_tasks.put((preset, b, min(mb, b), seq, reps, cores[0]))
-                            _, wall, cpu = solo_res.get()
+                            got = [solo_res.get()]
                         else:
                             for r in range(2):
                                 tasks[r].put((preset, b, min(mb, b), seq, reps, cores[r]))
                             got = [results.get() for _ in range(2)]
-                            wall = max(g[1] for g in got)
-                            cpu = max(g[2] for g in got)
-                        fit = lay == "1p" and (i + j) % 2 == 0
+                        # Two processes: the step ends when the slower one does.
                         rows.append(
                             {
                                 "preset": preset,
@@ -198,11 +144,10 @@ def main() -> None:
                                 "processes": dp,
                                 "micro_batch": mb,
                                 "seq_len": seq,
-                                "role": "fit" if fit else "held_out",
-                                "wall_measured_ms": wall * 1e3,
-                                "cpu_measured_ms": cpu * 1e3,
-                                "_work_wall": _work(preset, dp, wpc, mb, seq),
-                                "_work_cpu": _work(preset, dp, 1.0, mb, seq),
+                                "wall_measured_ms": max(g[1] for g in got) * 1e3,
+                                "cpu_measured_ms": max(g[2] for g in got) * 1e3,
+                                "wall_median_ms": max(g[3] for g in got) * 1e3,
+                                "cpu_median_ms": max(g[4] for g in got) * 1e3,
                             }
                         )
     finally:
@@ -210,6 +155,52 @@ def main() -> None:
             q.put(None)
         for p in [*procs, solo]:
             p.join(timeout=30)
+    return per_round
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument(
+        "--measurements",
+        metavar="PATH",
+        help="re-score the measured rows of an earlier --json output instead of measuring",
+    )
+    args = ap.parse_args()
+    grid = {
+        "tiny": ([1, 2, 4, 8], [32, 64, 128]),
+        "small": ([2, 8], [32, 64]) if args.quick else ([1, 2, 4, 8], [32, 64, 128]),
+    }
+    reps, rounds = (3, 2) if args.quick else (5, 3)
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    if args.measurements:
+        with open(args.measurements) as fh:
+            rows = [r for r in json.load(fh)["rows"] if "layout" in r]
+    else:
+        # The whole grid is measured in rounds some seconds apart, and each plan's figure
+        # is its fastest repetition over all rounds: the other users' load comes in bursts
+        # that a plan's few consecutive repetitions can sit entirely inside.
+        per_round = _measure(grid, reps, rounds)
+        rows = per_round[0]
+        for i, r in enumerate(rows):
+            got = [pr[i] for pr in per_round]
+            for m in ("wall", "cpu"):
+                mins = [g[f"{m}_measured_ms"] for g in got]
+                r[f"{m}_measured_ms"] = min(mins)
+                r[f"{m}_median_ms"] = float(np.median([g[f"{m}_median_ms"] for g in got]))
+                # Repeatability: how far apart the rounds' fastest repetitions are.
+                r[f"{m}_round_spread_pct"] = 100.0 * (max(mins) / min(mins) - 1.0)
+    for r in rows:
+        dp, wpc, _ = LAYOUTS[r["layout"]]
+        mbs = grid[r["preset"]][0]
+        seqs = grid[r["preset"]][1]
+        i, j = mbs.index(r["micro_batch"]), seqs.index(r["seq_len"])
+        # Fit set: half of the 1-process plans, a checkerboard over micro-batch x seq_len.
+        r["role"] = "fit" if r["layout"] == "1p" and (i + j) % 2 == 0 else "held_out"
+        r["_work_wall"] = _work(r["preset"], dp, wpc, r["micro_batch"], r["seq_len"])
+        r["_work_cpu"] = _work(r["preset"], dp, 1.0, r["micro_batch"], r["seq_len"])
     summary, effs = [], {}
     for metric in ("wall", "cpu"):
         cm = CostModel(local_cpu_cluster(1, 1.0))
@@ -224,7 +215,8 @@ def main() -> None:
             meas = r[f"{metric}_measured_ms"]
             r[f"{metric}_error_pct"] = 100 * (pred - meas) / meas
         effs[metric] = {
-            c: round(float(cm.efficiency(c)), 4) for c in ("gemm", "attention", "mem", "launch")
+            c: round(float(cm.efficiency(c)), 4)
+            for c in ("gemm", "attention", "mem", "elementwise", "launch")
         }
         for name, sel in (
             ("fit", [r for r in rows if r["role"] == "fit"]),
@@ -266,6 +258,13 @@ def main() -> None:
             f"{s['metric']:>6} {s['set']:>18} {s['num_plans']:>5} "
             f"{s['mean_abs_error_pct']:>14.2f} {s['max_abs_error_pct']:>13.2f}"
         )
+    for m in ("wall", "cpu"):
+        spread = [r[f"{m}_round_spread_pct"] for r in rows if f"{m}_round_spread_pct" in r]
+        if spread:
+            print(
+                f"{m}: spread between rounds' fastest repetitions (noise): "
+                f"mean {np.mean(spread):.1f}%, max {np.max(spread):.1f}%"
+            )
     print("fitted efficiencies:", effs, f"; wall {time.perf_counter() - t_start:.0f} s")
     print("load average (1 min) start/end:", load_start[0], os.getloadavg()[0])
     if args.json:

@@ -47,6 +47,7 @@ DEFAULT_EFFICIENCY = {
     "gemm": 0.3,
     "attention": 0.2,
     "mem": 0.4,
+    "elementwise": 0.4,
     "launch": 0.5,
     "allreduce:intra": 0.4,
     "allreduce:inter": 0.3,

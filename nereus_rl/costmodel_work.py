@@ -18,9 +18,21 @@ Conventions (Llama-style decoder, untied embeddings, causal attention):
     * the last pipeline stage carries the LM (or value) head as well as its layers
       (so per-stage cost is the slower one: conservative);
     * tensor parallel: 2 all-reduces per layer forward, 2 more backward, ring-priced;
+    * launch: every eager op of ``nereus_rl.model.Decoder`` costs one launch whatever
+      its size (``KERNELS_*``, counted with TorchDispatchMode; the test recounts them):
+      118 per layer forward, 143 backward, plus embedding/head/loss; these dominate
+      small steps, so the count per micro-batch against the per-step optimizer count
+      matters more than the FLOPs there;
+    * mem: each micro-batch streams the weights (1 pass forward, 4 for train: forward
+      read, input-gradient read, weight-gradient read + write), the roofline of a GEMM
+      call: with ``t`` tokens per micro-batch its time is ``flops/e_gemm + bytes/e_mem``,
+      i.e. an efficiency that saturates as ``t / (t + t0)``;
+    * elementwise: activation temporaries (norms, rotary, SwiGLU, softmax...) written
+      and read once: ``2 x ACT_ELEMS x hidden`` elements per token per layer, its own
+      class because they are cache-resident on small models where weights are not;
     * training state: 16 bytes per parameter (bf16 weights and grads, fp32 master
-      copy and Adam moments), optimizer step streams it twice through memory and
-      launches a few kernels per parameter tensor (non-fused optimizer, zero_grad).
+      copy and Adam moments), optimizer step streams it twice through memory (mem)
+      and launches 11 eager ops per parameter tensor (AdamW foreach=False, zero_grad).
 Memory per device (bytes), the largest pipeline stage charged to every device:
     * weights (+ grads and optimizer state when training);
     * training activations after Korthikanti et al. 2022 (tensor parallel without
@@ -45,6 +57,7 @@ CLASSES = (
     "gemm",
     "attention",
     "mem",
+    "elementwise",
     "launch",
     "allreduce:intra",
     "allreduce:inter",
@@ -56,10 +69,27 @@ CLASSES = (
 CLASS_INDEX = {c: i for i, c in enumerate(CLASSES)}
 NUM_CLASSES = len(CLASSES)
 TRAIN_STATE_BYTES_PER_PARAM = 16
-KERNELS_PER_LAYER_FWD = 12
-KERNELS_PER_LAYER_DECODE = 14
+# Eager ops dispatched by ``nereus_rl.model.Decoder`` (counted with TorchDispatchMode,
+# checked by tests/test_costmodel.py): per layer, and for the rest of the model
+# (embedding, final norm, head, loss). Each costs a launch / dispatch whatever its size;
+# on small steps these, not the FLOPs, set the time.
+KERNELS_PER_LAYER_FWD = 118
+KERNELS_PER_LAYER_BWD = 143
+KERNELS_HEAD_FWD = 21
+KERNELS_HEAD_BWD = 34
+KERNELS_PER_LAYER_DECODE = 121
+KERNELS_HEAD_DECODE = 13
 TENSORS_PER_LAYER = 9  # q, k, v, o, gate, up, down, two norms
-OPT_KERNELS_PER_TENSOR = 12
+# Every micro-batch streams the weights through memory: forward reads them, backward
+# reads them again (input gradients) and reads + writes the weight gradients.
+WEIGHT_PASSES_FWD = 1
+WEIGHT_PASSES_TRAIN = 4
+# Activation elements the eager ops write per token per layer, in units of hidden
+# (temporaries of norms, rotary, SwiGLU...; counted like the kernels). Each is written
+# once and read about once: 2 x dtype bytes of memory traffic.
+ACT_ELEMS_PER_TOKEN_LAYER_FWD = 67
+ACT_ELEMS_PER_TOKEN_LAYER_TRAIN = 163
+OPT_KERNELS_PER_TENSOR = 11  # torch.optim.AdamW(foreach=False) step + zero_grad
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -123,7 +153,6 @@ def stage_work(
     ttp, tpp, tdp = (links[t] for t in tiers)
     ab = dtype_bytes(dtype)
     sh = _Shape(m, sw.value_head, tp, pp)
-    nl1 = sh.num_layers_dev + 1
     b = math.ceil(sw.num_samples / dp)
     g, ar_t, p2p_t = CLASS_INDEX, "allreduce:" + tiers[0], "p2p:" + tiers[1]
 
@@ -137,15 +166,27 @@ def stage_work(
         ars = 4 if sw.kind == "train" else 2
         w[g["gemm"]] = reps * slots * mult * mb * s * sh.flops_tok / peak
         w[g["attention"]] = reps * slots * mult * mb * s * s * sh.attn_seq_coef / peak
-        w[g["launch"]] = reps * slots * mult * KERNELS_PER_LAYER_FWD * nl1 * ovh
+        kernels = KERNELS_PER_LAYER_FWD * sh.num_layers_dev + KERNELS_HEAD_FWD
+        if sw.kind == "train":
+            kernels += KERNELS_PER_LAYER_BWD * sh.num_layers_dev + KERNELS_HEAD_BWD
+        w[g["launch"]] = reps * slots * kernels * ovh
         if tp > 1:
             one = _ring(tp, mb * s * sh.h * ab, ttp.bandwidth_Bps, ttp.latency_s)
             w[g[ar_t]] += reps * slots * sh.num_layers_dev * ars * one
         if pp > 1:
             per = (mb * s * sh.h * ab) / tpp.bandwidth_Bps + tpp.latency_s
             w[g[p2p_t]] += reps * slots * (2 if sw.kind == "train" else 1) * per
+        passes = WEIGHT_PASSES_TRAIN if sw.kind == "train" else WEIGHT_PASSES_FWD
+        act = (
+            ACT_ELEMS_PER_TOKEN_LAYER_TRAIN if sw.kind == "train" else ACT_ELEMS_PER_TOKEN_LAYER_FWD
+        )
+        # Roofline per GEMM call: a micro-batch of few tokens still streams all weights,
+        # so GEMM efficiency saturates with micro-batch size (rows) as tokens/(tokens+k).
+        w[g["mem"]] = reps * slots * passes * sh.params_dev * ab / bw
+        act_bytes = 2.0 * act * mb * s * sh.h / tp * sh.num_layers_dev * ab
+        w[g["elementwise"]] = reps * slots * act_bytes / bw
         if sw.kind == "train":
-            w[g["mem"]] = reps * 2.0 * TRAIN_STATE_BYTES_PER_PARAM * sh.params_dev / bw
+            w[g["mem"]] += reps * 2.0 * TRAIN_STATE_BYTES_PER_PARAM * sh.params_dev / bw
             # A non-fused optimizer step and zero_grad launch kernels per parameter tensor.
             tensors = TENSORS_PER_LAYER * sh.num_layers_dev + 3
             w[g["launch"]] += reps * OPT_KERNELS_PER_TENSOR * tensors * ovh
@@ -162,7 +203,10 @@ def stage_work(
     # Prefill of the prompts.
     w[g["gemm"]] += slots * bg * p * sh.flops_tok / peak
     w[g["attention"]] += slots * bg * p * p * sh.attn_seq_coef / peak
-    w[g["launch"]] += slots * KERNELS_PER_LAYER_FWD * nl1 * ovh
+    w[g["launch"]] += slots * (KERNELS_PER_LAYER_FWD * sh.num_layers_dev + KERNELS_HEAD_FWD) * ovh
+    w[g["mem"]] += slots * WEIGHT_PASSES_FWD * sh.params_dev * ab / bw
+    act_tok = 2.0 * ACT_ELEMS_PER_TOKEN_LAYER_FWD * sh.h / tp * sh.num_layers_dev * ab / bw
+    w[g["elementwise"]] += slots * bg * p * act_tok
     if tp > 1:
         one = _ring(tp, bg * p * sh.h * ab, ttp.bandwidth_Bps, ttp.latency_s)
         w[g[ar_t]] += slots * sh.num_layers_dev * 2 * one
@@ -174,7 +218,9 @@ def stage_work(
         w[g["gemm"]] += r * slots * bg * sh.flops_tok / peak
         w[g["attention"]] += r * slots * bg * 2.0 * ctx * sh.attn_seq_coef / peak
         w[g["mem"]] += r * slots * (sh.params_dev * ab + kv_bytes) / bw
-        w[g["launch"]] += r * slots * KERNELS_PER_LAYER_DECODE * nl1 * ovh
+        decode = KERNELS_PER_LAYER_DECODE * sh.num_layers_dev + KERNELS_HEAD_DECODE
+        w[g["launch"]] += r * slots * decode * ovh
+        w[g["elementwise"]] += r * slots * bg * act_tok
         if tp > 1:
             one = _ring(tp, bg * sh.h * ab, ttp.bandwidth_Bps, ttp.latency_s)
             w[g[ar_t]] += r * slots * sh.num_layers_dev * 2 * one

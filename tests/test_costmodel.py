@@ -1,13 +1,20 @@
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+import nereus_rl.costmodel_work as cw
 from nereus_rl.costmodel import DEFAULT_EFFICIENCY, CostModel, CostModelError, UnitLayout
 from nereus_rl.costmodel_work import CLASS_INDEX, NUM_CLASSES
 from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.model import Decoder, get_preset
+from nereus_rl.spec import cluster_preset, local_cpu_cluster, model_preset
+from nereus_rl.workload import StageWork, make_workload
 
 GIB = 2**30
 
@@ -167,3 +174,93 @@ def test_primitive_costs(cm):
     )
     with pytest.raises(CostModelError, match="takes 2 source"):
         cm.primitive_cost("merge", m, trains=False, src=(UnitLayout(1, 1, (0,)),), dst=())
+
+
+# ----- the launch and elementwise counts are those of the model we run ------------------
+class _CountOps(TorchDispatchMode):
+    """Counts eager ops, and elements written by non-view ops of rank >= 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.elems = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t._is_view() and t.dim() >= 2:
+                self.elems += t.numel()
+        return out
+
+
+def _count_step(num_layers: int, seq: int) -> tuple[list[int], list[int]]:
+    """(ops, elements) of forward, backward and optimizer step of ``tiny`` with L layers."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(get_preset("tiny"), num_layers=num_layers)
+    model = Decoder(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    x = torch.randint(0, cfg.vocab, (2, seq + 1))
+    for _ in range(2):  # the second step: the optimizer's state exists
+        with _CountOps() as fwd:
+            logits = model(x[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), x[:, 1:].reshape(-1))
+        with _CountOps() as bwd:
+            loss.backward()
+        with _CountOps() as upd:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    ops = [fwd.ops, bwd.ops, upd.ops]
+    elems = [fwd.elems, fwd.elems + bwd.elems]
+    return ops, elems
+
+
+def test_kernel_and_elementwise_counts_match_the_eager_decoder():
+    (f2, b2, o2), e2 = _count_step(2, 32)
+    (f4, b4, _), e4 = _count_step(4, 32)
+    _, e4l = _count_step(4, 128)
+    _, e2l = _count_step(2, 128)
+    assert (f4 - f2) / 2 == pytest.approx(cw.KERNELS_PER_LAYER_FWD, rel=0.1)
+    assert (b4 - b2) / 2 == pytest.approx(cw.KERNELS_PER_LAYER_BWD, rel=0.1)
+    assert f2 - (f4 - f2) == pytest.approx(cw.KERNELS_HEAD_FWD, rel=0.2)
+    assert b2 - (b4 - b2) == pytest.approx(cw.KERNELS_HEAD_BWD, rel=0.2)
+    tensors = cw.TENSORS_PER_LAYER * 2 + 3
+    assert o2 / tensors == pytest.approx(cw.OPT_KERNELS_PER_TENSOR, rel=0.1)
+    # Elements per token per layer (units of hidden): a per-token part plus a per-layer
+    # part (weight gradients) that shrinks with tokens; two lengths separate them.
+    h = get_preset("tiny").hidden
+    for i, want in ((0, cw.ACT_ELEMS_PER_TOKEN_LAYER_FWD), (1, cw.ACT_ELEMS_PER_TOKEN_LAYER_TRAIN)):
+        short = (e4[i] - e2[i]) / 2 / (2 * 32) / h
+        long = (e4l[i] - e2l[i]) / 2 / (2 * 128) / h
+        per_token = short - (short - long) / (1 / 32 - 1 / 128) / 32
+        assert per_token == pytest.approx(want, rel=0.1)
+
+
+def test_train_work_hand_computed():
+    spec = model_preset("tiny")
+    cluster = local_cpu_cluster(1, 1.0)
+    dev = cluster.device
+    tiers = ("intra", "intra", "intra")
+    L, h = spec.num_layers, spec.hidden
+    params = spec.num_layers * spec.layer_params + 2 * h * spec.vocab
+
+    def work(mb, seq):
+        sw = StageWork("actor_train", "actor", "train", spec, False, 8, seq, 0, mb, 1)
+        return cw.stage_work(sw, 1, 1, 1, tiers, cluster, "fp32")
+
+    w1, w8 = work(1, 32), work(8, 32)
+    per_mb = L * (cw.KERNELS_PER_LAYER_FWD + cw.KERNELS_PER_LAYER_BWD)
+    per_mb += cw.KERNELS_HEAD_FWD + cw.KERNELS_HEAD_BWD
+    opt = cw.OPT_KERNELS_PER_TENSOR * (cw.TENSORS_PER_LAYER * L + 3)
+    launch = cw.CLASS_INDEX["launch"]
+    assert w1[launch] == pytest.approx((8 * per_mb + opt) * dev.kernel_overhead_s)
+    assert w8[launch] == pytest.approx((per_mb + opt) * dev.kernel_overhead_s)
+    # Weights stream 4x per micro-batch; the optimizer streams 2 x 16 B per parameter.
+    mem = cw.CLASS_INDEX["mem"]
+    assert w1[mem] - w8[mem] == pytest.approx(7 * 4 * params * 4 / dev.mem_bw_Bps)
+    assert w8[mem] == pytest.approx((4 * params * 4 + 32 * params) / dev.mem_bw_Bps)
+    # Elementwise traffic depends on tokens only, not on how they are split.
+    ew = cw.CLASS_INDEX["elementwise"]
+    act = 2 * cw.ACT_ELEMS_PER_TOKEN_LAYER_TRAIN * 8 * 32 * h * L * 4 / dev.mem_bw_Bps
+    assert w1[ew] == pytest.approx(act) and w8[ew] == pytest.approx(act)
+    assert work(8, 64)[ew] == pytest.approx(2 * act)
