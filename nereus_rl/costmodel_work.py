@@ -46,6 +46,7 @@ Memory per device (bytes), the largest pipeline stage charged to every device:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -118,6 +119,13 @@ class _Shape:
         self.attn_seq_coef = self.num_layers_dev * 2.0 * h / tp  # x s^2 per sequence
 
 
+@functools.lru_cache(maxsize=4096)
+def _shape(m: ModelSpec, value_head: bool, tp: int, pp: int) -> _Shape:
+    # The planner prices ~50 layouts per stage per decision; a _Shape depends only on
+    # these frozen inputs, so building it once per layout halves the table build.
+    return _Shape(m, value_head, tp, pp)
+
+
 def _ring(n: int, nbytes: float, bw: float, lat: float) -> float:
     return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
 
@@ -152,7 +160,7 @@ def stage_work(
     links = {"intra": cluster.intra, "inter": cluster.inter}
     ttp, tpp, tdp = (links[t] for t in tiers)
     ab = dtype_bytes(dtype)
-    sh = _Shape(m, sw.value_head, tp, pp)
+    sh = _shape(m, sw.value_head, tp, pp)
     b = math.ceil(sw.num_samples / dp)
     g, ar_t, p2p_t = CLASS_INDEX, "allreduce:" + tiers[0], "p2p:" + tiers[1]
 
@@ -240,7 +248,7 @@ def sync_work(
     """
     w = np.zeros(NUM_CLASSES)
     link = cluster.intra if tier == "intra" else cluster.inter
-    sh = _Shape(actor, False, tp, pp)
+    sh = _shape(actor, False, tp, pp)
     w[CLASS_INDEX["allgather:" + tier]] = (
         sh.params_dev * dtype_bytes(dtype) / link.bandwidth_Bps + link.latency_s
     )
@@ -253,7 +261,7 @@ def stage_memory(sw: StageWork, dp: int, tp: int, pp: int, dtype: str) -> int:
         return 0
     m = sw.model_spec
     ab = dtype_bytes(dtype)
-    sh = _Shape(m, sw.value_head, tp, pp)
+    sh = _shape(m, sw.value_head, tp, pp)
     vout = 1 if sw.value_head else m.vocab
     b = math.ceil(sw.num_samples / dp)
     h = m.hidden
@@ -277,7 +285,7 @@ def stage_memory(sw: StageWork, dp: int, tp: int, pp: int, dtype: str) -> int:
 
 def state_bytes(model: ModelSpec, trains: bool, tp: int, pp: int, dtype: str) -> float:
     """Bytes of one unit's state held per device (what a copy must move)."""
-    sh = _Shape(model, False, tp, pp)
+    sh = _shape(model, False, tp, pp)
     per_param = (TRAIN_STATE_BYTES_PER_PARAM - 2) if trains else dtype_bytes(dtype)
     # Gradients (2 of the 16 bytes) are rebuilt by the next backward; not moved.
     return per_param * sh.params_dev
