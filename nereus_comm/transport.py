@@ -217,51 +217,112 @@ def _chunks(t: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
 class GlooTransport(Transport):
     """Exchange over a torch.distributed gloo process group (host memory).
 
+    Two kinds of group:
+
+    - the default group or a subgroup of it (``dist.new_group``): give only
+      ``group`` (or nothing); ranks come from torch.distributed.
+    - a standalone group that is no part of a default group, e.g.
+      ``dist.ProcessGroupGloo(store, group_rank, size)`` as the EMU runtime
+      builds by id: give ``group``, ``ranks`` and ``rank``. torch.distributed
+      need not be initialized then.
+
     Arguments:
         group: the gloo group (default: the default process group). Peers are
             global ranks, as everywhere in nereus_comm.
+        ranks: standalone group only: the global rank of each group rank (group
+            rank i is ``ranks[i]``).
+        rank: standalone group only: this process's global rank.
         chunk_bytes: buffers larger than this travel as consecutive chunks of this
             size (both sides split the same way, since their sizes match). Each gloo
             op costs ~25-40 us of CPU: 128 MiB between two ranks cost 97-108 ms CPU as
             one message, 102-108 ms as 16 and 119-145 ms as 256 (bench_reshard.md),
             so chunks are large; bounded, they still let early chunks land while a
             huge buffer is in flight.
+
+    Raises:
+        TransportArgumentError: ``chunk_bytes`` < 1; only one of ``ranks`` and
+            ``rank`` given, or them without a group; ``ranks`` with duplicates or
+            without ``rank``, or not matching the group's size and this process's
+            group rank; torch.distributed not initialized (default-group kind).
     """
 
     device_type = "cpu"
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, chunk_bytes: int = GLOO_CHUNK_BYTES
+        self,
+        group: dist.ProcessGroup | None = None,
+        ranks: Sequence[int] | None = None,
+        rank: int | None = None,
+        *,
+        chunk_bytes: int = GLOO_CHUNK_BYTES,
     ) -> None:
         super().__init__()
         if chunk_bytes < 1:
             raise TransportArgumentError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self.group = group
+        # global rank -> group rank; None: torch.distributed maps ranks (default group).
+        self._index: dict[int, int] | None = None
+        if ranks is not None or rank is not None:
+            self._init_standalone(group, ranks, rank)
+            return
         if not dist.is_initialized():
             raise TransportArgumentError(
                 "torch.distributed is not initialized; call init_process_group('gloo', ...) "
-                "(or join a nereus_comm World) first"
+                "(or join a nereus_comm World) first, or pass ranks= and rank= for a "
+                "standalone group"
             )
-        self.group = group
         self.rank = dist.get_rank()
         self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         if self.rank not in self.ranks:
             raise TransportArgumentError(f"rank {self.rank} is not in the group {self.ranks}")
 
+    def _init_standalone(self, group, ranks, rank) -> None:
+        if group is None or ranks is None or rank is None:
+            raise TransportArgumentError(
+                "a standalone group needs all of group, ranks and rank (got "
+                f"group={'set' if group is not None else None}, ranks={ranks}, rank={rank}); "
+                "give only group (or nothing) for the default group or a subgroup of it"
+            )
+        self.ranks = tuple(int(r) for r in ranks)
+        self.rank = int(rank)
+        if len(set(self.ranks)) != len(self.ranks):
+            raise TransportArgumentError(f"ranks {list(self.ranks)} has duplicates")
+        if self.rank not in self.ranks:
+            raise TransportArgumentError(f"rank {self.rank} is not in ranks {list(self.ranks)}")
+        if group.size() != len(self.ranks):
+            raise TransportArgumentError(
+                f"the group has {group.size()} ranks but ranks lists {len(self.ranks)}: "
+                "give the global rank of every group rank, in group-rank order"
+            )
+        self._index = {r: i for i, r in enumerate(self.ranks)}
+        if group.rank() != self._index[self.rank]:
+            raise TransportArgumentError(
+                f"this process is group rank {group.rank()}, but ranks puts global rank "
+                f"{self.rank} at group rank {self._index[self.rank]}; list ranks in "
+                "group-rank order"
+            )
+
     def __repr__(self) -> str:
         return f"GlooTransport(rank={self.rank}, ranks={list(self.ranks)})"
+
+    def _post_one(self, kind: str, peer: int, chunk: torch.Tensor) -> dist.Work:
+        if self._index is None:
+            op = dist.irecv if kind == "recv from" else dist.isend
+            return op(chunk, peer, self.group)
+        # A standalone group is addressed by group rank (tag 0, as dist.isend uses).
+        op = self.group.recv if kind == "recv from" else self.group.send
+        return op([chunk], self._index[peer], 0)
 
     def _post(self, sends, recvs, timeout):
         deadline = time.monotonic() + timeout
         pending: list[tuple[str, int, dist.Work]] = []
         try:
             # Receives first, so that data arriving early lands in place.
-            for peer, t in recvs:
-                for chunk in _chunks(t, self.chunk_bytes):
-                    pending.append(("recv from", peer, dist.irecv(chunk, peer, self.group)))
-            for peer, t in sends:
-                for chunk in _chunks(t, self.chunk_bytes):
-                    pending.append(("send to", peer, dist.isend(chunk, peer, self.group)))
+            for kind, buffers in (("recv from", recvs), ("send to", sends)):
+                for peer, t in buffers:
+                    for chunk in _chunks(t, self.chunk_bytes):
+                        pending.append((kind, peer, self._post_one(kind, peer, chunk)))
         except RuntimeError as e:  # a pair closed earlier: the peer is gone
             self._break(f"posting failed: {e}")
             raise PeerTimeoutError(

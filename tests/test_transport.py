@@ -1,4 +1,5 @@
-"""GlooTransport across 4 local processes (one pool for the module); NcclTransport on a device."""
+"""GlooTransport across 4 local processes (one pool for the module), over the default
+group, a subgroup and a standalone group; NcclTransport on a device."""
 
 from __future__ import annotations
 
@@ -147,6 +148,104 @@ def test_gloo_transport_needs_initialized_distributed() -> None:
         pytest.skip("this process already joined a group")
     with pytest.raises(TransportArgumentError, match="init_process_group"):
         GlooTransport()
+
+
+class _CountingGroup:
+    """Forwards to a real gloo group and counts the point-to-point ops posted on it."""
+
+    def __init__(self, pg) -> None:
+        self.pg, self.sends, self.recvs = pg, 0, 0
+
+    def size(self) -> int:
+        return self.pg.size()
+
+    def rank(self) -> int:
+        return self.pg.rank()
+
+    def send(self, tensors, dst, tag):
+        self.sends += 1
+        return self.pg.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        self.recvs += 1
+        return self.pg.recv(tensors, src, tag)
+
+
+# Processes 3, 1, 2 form a standalone group (group ranks 0, 1, 2) whose global
+# ranks are 30, 10, 20: neither the default group's ranks nor its order.
+_MEMBERS = (3, 1, 2)
+
+
+def _standalone(ctx: WorkerContext, dtype: torch.dtype, per_peer: int, chunk: int) -> dict:
+    if ctx.rank not in _MEMBERS:
+        return {}
+    ranks = [10 * p for p in _MEMBERS]
+    store = dist.PrefixStore(f"standalone/{dtype}/{chunk}", ctx.store)
+    pg = dist.ProcessGroupGloo(store, _MEMBERS.index(ctx.rank), len(_MEMBERS))
+    group = _CountingGroup(pg)
+    me = 10 * ctx.rank
+    t = GlooTransport(group, ranks, me, chunk_bytes=chunk)
+    others = [r for r in ranks if r != me]
+    sends = [(p, _payload(me, p, i, dtype)) for p in others for i in range(per_peer)]
+    recvs = [
+        (p, torch.empty_like(_payload(p, me, i, dtype))) for p in others for i in range(per_peer)
+    ]
+    t.exchange(sends, recvs, timeout=30)
+    ok = all(
+        torch.equal(buf, _payload(p, me, i % per_peer, dtype)) for i, (p, buf) in enumerate(recvs)
+    )
+    ops = [-(-b.nbytes // chunk) for _, b in sends], [-(-b.nbytes // chunk) for _, b in recvs]
+    return {
+        "ok": ok,
+        "stats": t.stats,
+        "sends": group.sends,
+        "recvs": group.recvs,
+        "expected_ops": (sum(ops[0]), sum(ops[1])),
+        "repr": repr(t),
+    }
+
+
+@pytest.mark.parametrize(("dtype", "chunk"), [(torch.int64, 1 << 20), (torch.bfloat16, 7)])
+def test_standalone_group_exact_and_counted(pool, dtype, chunk) -> None:
+    per_peer = 2
+    out = pool.run(_standalone, dtype, per_peer, chunk)
+    assert out[0] == {}
+    for r in _MEMBERS:
+        res = out[r]
+        assert res["ok"], f"process {r} received wrong bytes"
+        s = res["stats"]
+        assert s.exchanges == 1
+        assert s.messages_sent == s.messages_received == (len(_MEMBERS) - 1) * per_peer
+        # One gloo op per chunk, each posted on the standalone group itself.
+        assert (res["sends"], res["recvs"]) == res["expected_ops"]
+        if chunk == 7:
+            assert res["sends"] > s.messages_sent  # buffers really were chunked
+        assert res["repr"] == f"GlooTransport(rank={10 * r}, ranks=[30, 10, 20])"
+
+
+def test_standalone_group_needs_no_default_group_and_checks_ranks() -> None:
+    # A one-rank standalone group in this process (no init_process_group).
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    t = GlooTransport(pg, [7], 7)
+    assert (t.rank, t.ranks) == (7, (7,))
+    t.exchange([], [], timeout=5)
+    with pytest.raises(TransportArgumentError, match="this rank"):
+        t.exchange([(7, torch.ones(2))], [], timeout=5)
+    with pytest.raises(TransportArgumentError, match="not among"):
+        t.exchange([(8, torch.ones(2))], [], timeout=5)
+    bad = [
+        ((pg, [7], None), "needs all of group, ranks and rank"),
+        ((None, [7], 7), "needs all of group, ranks and rank"),
+        ((pg, [7, 8], 7), "the group has 1 ranks"),
+        ((pg, [7, 7], 7), "duplicates"),
+        ((pg, [8], 7), "not in ranks"),
+    ]
+    # A group whose size fits but where this process is group rank 1, not 0.
+    two = type("TwoRankGroup", (), {"size": lambda self: 2, "rank": lambda self: 1})()
+    bad.append(((two, [7, 8], 7), "is group rank 1"))
+    for args, match in bad:
+        with pytest.raises(TransportArgumentError, match=match):
+            GlooTransport(*args)
 
 
 def _nccl_self_exchange() -> None:
