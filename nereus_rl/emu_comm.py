@@ -17,10 +17,9 @@ import torch
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import DIRECT_MIN_BYTES, ReshardResult, Workspace, reshard
-from nereus_comm.transport import GlooTransport, Transport
+from nereus_comm.transport import Transport
 
 __all__ = [
-    "GroupTransport",
     "Layout",
     "TensorSpec",
     "box_slices",
@@ -33,11 +32,6 @@ def box_slices(
 ) -> tuple[slice, ...]:
     """Slices selecting global ``box`` inside a local shard whose global box is ``origin``."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
-
-
-#: The transport over a runtime group: ``GroupTransport(pg, ranks, rank)`` builds a
-#: GlooTransport over a standalone group (kept for nereus_rl.emu_worker's import).
-GroupTransport = GlooTransport
 
 
 def move_state(

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from nereus_comm.reshard import Workspace
+from nereus_comm.transport import GlooTransport
 from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
-from nereus_rl.emu_comm import GroupTransport, Layout, TensorSpec, move_state
+from nereus_rl.emu_comm import Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
 
@@ -96,7 +97,7 @@ def _reshard(
         d = src_layout.coords(ctx.rank)[0]
         tensors = units[src_uids[d]]["tensors"]
     pg, setup = ctx.group(group_id, tuple(group_ranks))
-    transport = GroupTransport(pg, group_ranks, ctx.rank)
+    transport = GlooTransport(pg, group_ranks, ctx.rank)
     workspace = ctx.state.setdefault("emu.workspace", Workspace("cpu"))
     result, extra = move_state(
         specs, src_layout, dst_layout, ctx.rank, tensors, transport,
