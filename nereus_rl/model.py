@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -39,13 +38,14 @@ from nereus_rl.model_parallel import (
     reduce_from_tp,
     stage_layers,
 )
+from nereus_rl.spec import MODEL_PRESETS, ModelSpec, SpecError
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5
 INIT_STD = 0.02
 
 
-class UnknownPresetError(ValueError):
+class UnknownPresetError(SpecError):
     """A model preset name is not one of :data:`PRESETS`."""
 
 
@@ -53,74 +53,13 @@ class ShardStateError(ValueError):
     """A shard state dict does not match this rank's shards (names, shapes, dtypes)."""
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a decoder. Field names match ``nereus_rl.spec.ModelSpec`` so the two unify.
+#: The decoder's shape is the decision layer's ModelSpec: one type, one set of preset
+#: values (nereus_rl.spec.MODEL_PRESETS), so the cost model prices exactly what runs.
+ModelConfig = ModelSpec
 
-    Arguments:
-        name: preset name (free text for custom shapes).
-        num_layers: decoder layers.
-        hidden: model width.
-        num_heads: query heads; ``hidden`` must be divisible by it.
-        num_kv_heads: key/value heads (grouped-query attention); divides ``num_heads``.
-        ffn_hidden: SwiGLU inner width.
-        vocab: vocabulary size.
-        max_seq_len: longest sequence (prompt + response) the model is used with.
-
-    Raises:
-        ValueError: a non-positive size or heads that do not divide.
-    """
-
-    name: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    max_seq_len: int
-
-    def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
-        if self.hidden % self.num_heads:
-            raise ValueError(
-                f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}; "
-                "pick a hidden size that is a multiple of the head count"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not divisible by num_kv_heads="
-                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
-
-    @property
-    def num_params(self) -> int:
-        """Parameter count of the full policy model (as ``ModelSpec.num_params``)."""
-        return sum(math.prod(s.shape) for s in state_specs(self))
-
-    def __repr__(self) -> str:
-        return (
-            f"ModelConfig({self.name}: L{self.num_layers} h{self.hidden} "
-            f"heads{self.num_heads}/{self.num_kv_heads} ffn{self.ffn_hidden} "
-            f"V{self.vocab} T{self.max_seq_len})"
-        )
-
-
-# The same shapes as ``nereus_rl.spec.MODEL_PRESETS`` (decision layer) of these names.
-PRESETS: dict[str, ModelConfig] = {
-    # Tests and the default CPU job. ~0.1M parameters.
-    "tiny": ModelConfig("tiny", 2, 64, 4, 2, 176, 64, 128),
-    # ~4.5M parameters: CPU runs where compute should dominate overheads.
-    "small": ModelConfig("small", 6, 256, 8, 4, 688, 256, 256),
-    # ~142M parameters: benchmarks on a device.
-    "medium": ModelConfig("medium", 12, 1024, 16, 8, 2816, 256, 1024),
-}
+#: The presets the trainer runs (tests and the CPU job: tiny ~0.1M parameters;
+#: small ~4.5M; medium ~142M for benchmarks on a device).
+PRESETS: dict[str, ModelSpec] = {n: MODEL_PRESETS[n] for n in ("tiny", "small", "medium")}
 
 
 def get_preset(name: str) -> ModelConfig:
