@@ -28,8 +28,9 @@ overhead and link latency) refines the link tier's ``p2p`` class like any measur
 work; communicator setup and the fixed per-primitive overhead are each a running
 scale on the cluster's nominal figure, with the same weak prior (towards 1) and
 forgetting factor. The fixed overhead is learned from primitives that move no bytes
-(Destroy): with a transfer it cannot be told apart from the link's efficiency, so
-per-byte-independent work of a transfer (planning, commit) folds into that.
+(Destroy; a Merge or Split whose bytes all stay in place): with a transfer it cannot
+be told apart from the link's efficiency, so per-byte-independent work of a transfer
+(planning, commit) folds into that.
 """
 
 from __future__ import annotations
