@@ -508,6 +508,7 @@ class CostModel:
         setup_s: float | None = None,
         new_units: int = 1,
         new_ranks: int = 1,
+        primitives: int = 1,
     ) -> None:
         """Refine the primitive estimates from one measured primitive.
 
@@ -530,10 +531,14 @@ class CostModel:
             new_units, new_ranks: communicators and ranks the primitive set up (the
                 nominal setup they scale: ``new_units * comm_setup_s + new_ranks *
                 comm_setup_per_rank_s``).
+            primitives: how many primitives the measurement covers (a stage-level
+                reshard standing for several Extends): the fixed overhead is counted
+                that many times.
 
         Raises:
             CostModelError: unknown kind or tier, negative bytes, non-positive seconds,
-                or ``max_bytes_per_device`` above ``bytes_moved``.
+                ``max_bytes_per_device`` above ``bytes_moved``, ``primitives < 1``, or a
+                negative count of new units or ranks.
         """
         kinds = ("extend", "destroy", "split", "merge", "reshard")
         if kind not in kinds:
@@ -547,6 +552,10 @@ class CostModel:
                 f"bytes_moved={bytes_moved} and max_bytes_per_device={max_bytes_per_device} "
                 "must be >= 0 with the per-device figure at most the total"
             )
+        if primitives < 1:
+            raise CostModelError(f"primitives={primitives}: a measurement covers at least 1")
+        if new_units < 0 or new_ranks < 0:
+            raise CostModelError(f"new_units={new_units} and new_ranks={new_ranks} must be >= 0")
         if setup_s is not None and setup_s < 0:
             raise CostModelError(f"measured setup time {setup_s} must be >= 0 seconds")
         nominal = self._nominal_setup(new_units, new_ranks)
@@ -554,10 +563,11 @@ class CostModel:
             self._setup.observe(nominal, setup_s)
         setup = setup_s if setup_s is not None else nominal * self._setup.value
         if bytes_moved == 0:
-            self._fixed.observe(self.cluster.primitive_overhead_s, max(0.0, seconds - setup))
+            nominal_fixed = self.cluster.primitive_overhead_s * primitives
+            self._fixed.observe(nominal_fixed, max(0.0, seconds - setup))
         elif max_bytes_per_device > 0:
             link = self.cluster.intra if tier == "intra" else self.cluster.inter
-            xfer = seconds - setup - self.fixed_overhead_s - link.latency_s
+            xfer = seconds - setup - primitives * self.fixed_overhead_s - link.latency_s
             if xfer > 0:
                 self.observe_work({"p2p:" + tier: max_bytes_per_device / link.bandwidth_Bps}, xfer)
         self._observed_primitives += 1

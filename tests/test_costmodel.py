@@ -372,6 +372,7 @@ def test_unseen_tier_keeps_its_conservative_start():
         (dict(seconds=0.0), "must be > 0"),
         (dict(max_bytes_per_device=200), "at most the total"),
         (dict(setup_s=-1.0), "must be >= 0"),
+        (dict(primitives=0), "at least 1"),
     ],
 )
 def test_observe_primitive_bad_input(kwargs, words):
