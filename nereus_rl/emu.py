@@ -18,7 +18,9 @@ Each primitive checks its input before any byte moves (:class:`EMUError`),
 moves bytes with the nereus_comm planner and reshard over a gloo group of the
 ranks involved, and commits (drops the old units) only after every rank
 succeeded. Every primitive appends a :class:`PrimitiveRecord` to
-``EMUManager.records`` and (as a dict) to ``Driver.records``.
+``EMUManager.records`` and (as a dict) to ``Driver.records``; with a cost
+model, each Extend, Destroy, Split and Merge record is also fed to
+``CostModel.observe_primitive`` so its primitive estimates follow measurements.
 
 Every gloo group (a unit's own group, a transfer's group, a training stage's
 DP groups) comes from one nereus_comm CommPool on the driver, in its
@@ -48,6 +50,7 @@ import torch
 
 from nereus_comm.errors import TransportError
 from nereus_comm.pool import CommPool, Communicator, PoolBackend, PoolStats
+from nereus_rl.costmodel import CostModel
 from nereus_rl.emu_comm import Layout, TensorSpec, box_slices
 from nereus_rl.emu_state import reference_state
 from nereus_rl.emu_types import EMU, EMUError, EMUStateLostError, PrimitiveRecord, StageState
@@ -107,12 +110,21 @@ class EMUManager:
         transfer_timeout: seconds a transfer may wait for a peer.
         max_cached_groups: capacity of the communicator pool: idle groups kept for
             reuse (least recently used dropped first; held ones never).
+        costmodel: a ``nereus_rl.costmodel.CostModel`` whose cluster's device ids are
+            the worker ranks (e.g. ``local_cpu_cluster``); each primitive's record
+            refines its primitive estimates. None: records only.
     """
 
     def __init__(
-        self, driver: Driver, *, transfer_timeout: float = 60.0, max_cached_groups: int = 16
+        self,
+        driver: Driver,
+        *,
+        transfer_timeout: float = 60.0,
+        max_cached_groups: int = 16,
+        costmodel: CostModel | None = None,
     ) -> None:
         self.driver = driver
+        self.costmodel = costmodel
         self.transfer_timeout = transfer_timeout
         self.max_cached_groups = max_cached_groups
         self.stages: dict[str, StageState] = {}
@@ -308,8 +320,9 @@ class EMUManager:
         t0 = time.perf_counter()
         self._commit([unit], [], [])
         self._record(
-            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0
-        )
+            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0,
+            ranks=unit.ranks,
+        )  # fmt: skip
 
     def split(self, unit: EMU, *, tp: int | None = None, pp: int | None = None) -> tuple[EMU, EMU]:
         """Split a unit of degree d into two units of degree d/2 on its own devices.
@@ -411,7 +424,7 @@ class EMUManager:
             self._commit([u], [], [])
             self._record(
                 "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
-                extra={"reason": "lost worker"},
+                extra={"reason": "lost worker"}, ranks=u.ranks,
             )  # fmt: skip
         # Groups with a dead member are never handed out again; idle ones go first on eviction.
         self.pool.on_ranks_lost(lost)
@@ -596,6 +609,9 @@ class EMUManager:
             bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
             bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
             comm_setup_s=self.pool.stats.create_seconds - setup0,
+            max_bytes_per_device=max(max(r["bytes_sent"], r["bytes_received"])
+                                     for r in res.values()),
+            ranks=ranks,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
                    "plan_s": max(r["plan_s"] for r in res.values())},
@@ -629,13 +645,33 @@ class EMUManager:
         outputs: tuple[int, ...],
         num_ranks: int,
         seconds: float,
+        *,
+        ranks: Sequence[int] = (),
         **measured: Any,
     ) -> None:
         rec = PrimitiveRecord(kind, stage, inputs, outputs, num_ranks, seconds, **measured)
         self.records.append(rec)
         self.driver.records.append(asdict(rec))
+        if self.costmodel is not None and kind in _PRIMITIVES:
+            self._feed(rec, ranks)
+
+    def _feed(self, rec: PrimitiveRecord, ranks: Sequence[int]) -> None:
+        cm = self.costmodel
+        assert cm is not None
+        tier = "intra" if not ranks or cm.cluster.tier(ranks) is cm.cluster.intra else "inter"
+        cm.observe_primitive(
+            rec.kind,
+            bytes_moved=rec.bytes_moved,
+            max_bytes_per_device=rec.max_bytes_per_device,
+            tier=tier,
+            seconds=rec.seconds,
+            setup_s=rec.comm_setup_s,
+            new_units=len(rec.outputs),
+            new_ranks=sum(len(self._units[u].ranks) for u in rec.outputs if u in self._units),
+        )
 
 
+_PRIMITIVES = ("extend", "destroy", "split", "merge")  # "create" builds, it copies nothing
 _SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
            "buffers_sent")  # fmt: skip
 

@@ -85,7 +85,8 @@ class PrimitiveRecord:
     rank; bytes_direct / bytes_packed: of bytes_moved, those sent straight from
     the source tensors (zero copy) / packed into per-message buffers;
     comm_setup_s: the slowest rank's communicator creation time; seconds: wall
-    time on the driver (planning, setup, transfer, commit).
+    time on the driver (planning, setup, transfer, commit); max_bytes_per_device:
+    the most bytes one rank sent or received (the transfer's critical path).
     """
 
     kind: str
@@ -99,4 +100,5 @@ class PrimitiveRecord:
     bytes_direct: int = 0
     bytes_packed: int = 0
     comm_setup_s: float = 0.0
+    max_bytes_per_device: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

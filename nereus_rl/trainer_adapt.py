@@ -12,7 +12,10 @@ asynchronous one) the trainer hands the step's measurements to
    workload, prices the transition by compiling its DAG of EMU primitives
    (``transition_compile``) with the cost model's primitive costs,
 4. asks admission (payback rule; or ``"always"``, the replan-on-every-trigger
-   baseline) and, if taken, executes the transition and measures it.
+   baseline) and, if taken, executes the transition and measures it,
+5. feeds the measured transition (seconds, bytes) back to the cost model's primitive
+   estimates (``CostModel.observe_primitive``, as one ``"reshard"`` covering an
+   Extend per new unit of each changed stage, priced the way ``_stagewise_cost`` is).
 
 Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken and the measured transition time.
@@ -34,7 +37,7 @@ from typing import Any
 
 from nereus_rl.admission import Admission
 from nereus_rl.controller import Controller
-from nereus_rl.costmodel import CostModel, UnitLayout
+from nereus_rl.costmodel import CostModel, CostModelError, UnitLayout
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError
@@ -303,6 +306,7 @@ class Adapter:
             moved = tr.transition(cand, self._stage_order(dag, plan, cand), step + 1)
             row["measured_transition_s"] = time.perf_counter() - t0
             row["bytes_moved"] = moved
+            self._observe_transition(plan, cand, row)
             out["transition_s"] = row["measured_transition_s"]
         self._log(row)
         return out
@@ -323,6 +327,53 @@ class Adapter:
                     dtype="fp32",
                 ).seconds
         return total
+
+    def _observe_transition(self, old: GlobalPlan, new: GlobalPlan, row: dict[str, Any]) -> None:
+        """Feed one measured transition to the cost model's primitive estimates.
+
+        The trainer reports the bytes sent in all, not per device; the critical path
+        (bytes of the busiest device, summed over the stages moved one after another)
+        is taken as the measured total times the predicted share of it, from the same
+        Extend per new unit that ``_stagewise_cost`` prices. The communicator setup
+        is not measured there, so the model's estimate of it is subtracted.
+        """
+        total = crit = 0.0
+        units = ranks = 0
+        devs: set[int] = set()
+        for sp in new.stages:
+            src = old.stage(sp.stage)
+            if sp == src:
+                continue
+            for u in sp.units:
+                pc = self.cm.primitive_cost(
+                    "extend",
+                    self.mspec,
+                    trains=sp.trains,
+                    src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
+                    dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
+                    dtype="fp32",
+                )
+                total += pc.bytes_moved
+                crit += pc.max_bytes_per_device
+                units += 1
+                ranks += len(u)
+                devs |= set(u) | set(src.units[0])
+        seconds, moved = row["measured_transition_s"], row["bytes_moved"]
+        if units == 0 or not seconds > 0:
+            return
+        crit = min(float(moved), moved * crit / total) if total > 0 else 0.0
+        tier = "intra" if self.cluster.tier(devs) is self.cluster.intra else "inter"
+        try:
+            self.cm.observe_primitive(
+                "reshard", bytes_moved=moved, max_bytes_per_device=crit, tier=tier,
+                seconds=seconds, setup_s=None, new_units=units, new_ranks=ranks,
+                primitives=units,
+            )  # fmt: skip
+        except CostModelError as e:  # a measurement the model cannot read: keep training
+            row["costmodel_feedback_error"] = str(e)
+            return
+        row["costmodel_primitives_observed"] = self.cm.primitives_seen()
+        row["costmodel_p2p_efficiency"] = float(self.cm.efficiency("p2p:" + tier))
 
     def _stage_order(self, dag, old: GlobalPlan, new: GlobalPlan) -> list[str]:
         order: list[str] = []

@@ -264,3 +264,124 @@ def test_train_work_hand_computed():
     act = 2 * cw.ACT_ELEMS_PER_TOKEN_LAYER_TRAIN * 8 * 32 * h * L * 4 / dev.mem_bw_Bps
     assert w1[ew] == pytest.approx(act) and w8[ew] == pytest.approx(act)
     assert work(8, 64)[ew] == pytest.approx(2 * act)
+
+
+def _tiny_extend(cm, src=(0,), dst=(1,)):
+    m = model_preset("tiny")
+    return cm.primitive_cost(
+        "extend",
+        m,
+        trains=True,
+        src=(UnitLayout(1, 1, src),),
+        dst=(UnitLayout(1, 1, dst),),
+        dtype="fp32",
+    )
+
+
+def test_measured_primitives_pull_predictions_to_the_measurement():
+    cl = local_cpu_cluster(4)
+    cm = CostModel(cl)
+    before = _tiny_extend(cm)
+    link = cl.intra
+    # A world where the link runs at 80% of nominal, setup costs 3x nominal and the
+    # fixed overhead is 3 ms (the cluster's nominal figure differs).
+    true_fixed = 0.003
+    true_setup = 3 * (cl.comm_setup_s + cl.comm_setup_per_rank_s)
+    true_xfer = before.max_bytes_per_device / link.bandwidth_Bps / 0.8 + link.latency_s
+    measured = true_xfer + true_setup + true_fixed
+    assert abs(before.seconds - measured) / measured > 0.2  # starts off (else no test)
+    v0 = cm.version
+    for _ in range(5):
+        cm.observe_primitive(
+            "destroy", bytes_moved=0, max_bytes_per_device=0, tier="intra",
+            seconds=true_fixed, setup_s=0.0, new_units=0, new_ranks=0,
+        )  # fmt: skip
+        cm.observe_primitive(
+            "extend", bytes_moved=before.bytes_moved,
+            max_bytes_per_device=before.max_bytes_per_device, tier="intra",
+            seconds=measured, setup_s=true_setup,
+        )  # fmt: skip
+    after = _tiny_extend(cm)
+    assert cm.version > v0 and cm.primitives_seen() == 10
+    assert after.seconds == pytest.approx(measured, rel=0.02)
+    assert after.setup_s == pytest.approx(true_setup, rel=0.02)
+    assert after.fixed_s == pytest.approx(true_fixed, rel=0.02)
+    assert true_fixed < 0.5 * cl.primitive_overhead_s
+    # The first transfer was read against the fixed estimate after one destroy (and the
+    # prior), so the efficiency carries a few percent of that.
+    assert cm.efficiency("p2p:intra") == pytest.approx(0.8, rel=0.05)
+    assert cm.seen("p2p:intra") == 5
+
+
+def test_forgetting_tracks_a_slower_link():
+    cl = local_cpu_cluster(4)
+    cm = CostModel(cl, forgetting=0.5)
+    ref = _tiny_extend(cm)
+    link = cl.intra
+    for eff in [0.9] * 5 + [0.2] * 10:
+        xfer = ref.max_bytes_per_device / link.bandwidth_Bps / eff + link.latency_s
+        cm.observe_primitive(
+            "extend", bytes_moved=ref.bytes_moved,
+            max_bytes_per_device=ref.max_bytes_per_device, tier="intra",
+            seconds=xfer + ref.setup_s + ref.fixed_s, setup_s=ref.setup_s,
+        )  # fmt: skip
+    assert cm.efficiency("p2p:intra") == pytest.approx(0.2, rel=0.05)
+
+
+def test_unseen_tier_keeps_its_conservative_start():
+    cl = cluster_preset("h200x32")
+    cm = CostModel(cl)
+    m = model_preset("tiny")
+
+    def far():
+        return cm.primitive_cost(
+            "extend", m, trains=True, src=(UnitLayout(1, 1, (0,)),),
+            dst=(UnitLayout(1, 1, (8,)),),
+        )  # fmt: skip
+
+    def near():
+        return cm.primitive_cost(
+            "extend", m, trains=True, src=(UnitLayout(1, 1, (0,)),),
+            dst=(UnitLayout(1, 1, (1,)),),
+        )  # fmt: skip
+
+    f0, n0 = far(), near()
+    assert (f0.tier, n0.tier) == ("inter", "intra")
+    for _ in range(5):  # intra transfers measured at full link speed
+        xfer = n0.max_bytes_per_device / cl.intra.bandwidth_Bps + cl.intra.latency_s
+        cm.observe_primitive(
+            "extend", bytes_moved=n0.bytes_moved, max_bytes_per_device=n0.max_bytes_per_device,
+            tier="intra", seconds=xfer + n0.setup_s + n0.fixed_s, setup_s=n0.setup_s,
+        )  # fmt: skip
+    f1, n1 = far(), near()
+    assert cm.efficiency("p2p:intra") > 0.95 > DEFAULT_EFFICIENCY["p2p:intra"]
+    assert n1.seconds < n0.seconds
+    # The inter tier was never measured: its transfer is priced as before (conservative).
+    assert cm.efficiency("p2p:inter") == DEFAULT_EFFICIENCY["p2p:inter"]
+    assert cm.seen("p2p:inter") == 0
+    assert f1.seconds - f1.setup_s - f1.fixed_s == pytest.approx(
+        f0.seconds - f0.setup_s - f0.fixed_s, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(kind="grow"), "unknown primitive"),
+        (dict(tier="nvlink"), "unknown link tier"),
+        (dict(seconds=0.0), "must be > 0"),
+        (dict(max_bytes_per_device=200), "at most the total"),
+        (dict(setup_s=-1.0), "must be >= 0"),
+        (dict(primitives=0), "at least 1"),
+    ],
+)
+def test_observe_primitive_bad_input(kwargs, words):
+    cm = CostModel(local_cpu_cluster(4))
+    args = dict(kind="extend", bytes_moved=100, max_bytes_per_device=50, tier="intra",
+                seconds=0.1)  # fmt: skip
+    args.update(kwargs)
+    kind = args.pop("kind")
+    v = cm.version
+    with pytest.raises(CostModelError, match=words):
+        cm.observe_primitive(kind, **args)
+    assert cm.version == v and cm.primitives_seen() == 0

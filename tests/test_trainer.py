@@ -134,6 +134,8 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     assert taken and taken[0]["measured_transition_s"] > 0
     for key in ("signal", "predicted_saving_s", "predicted_transition_s"):
         assert key in taken[0]
+    # each measured transition was fed back to the cost model's primitive estimates
+    assert [r["costmodel_primitives_observed"] for r in taken] == list(range(1, len(taken) + 1))
 
 
 def test_worker_death_mid_run_recovers_and_keeps_logs(driver, tmp_path):
