@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nereus_rl.costmodel import CostModel
-from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.globalplan import GlobalPlan, fmt_bytes
 from nereus_rl.workload import Workload
 
 TransitionCost = float | Callable[[GlobalPlan | None, GlobalPlan], float]
@@ -99,7 +99,7 @@ class Admission:
             cap = self.costmodel.capacity_bytes
             out.append(
                 f"{len(over)} devices over memory (worst: device {d} needs "
-                f"{b / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB)"
+                f"{fmt_bytes(b)} of {fmt_bytes(cap)})"
             )
         return tuple(out)
 

@@ -21,7 +21,17 @@ def _is_pow2(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
 
 
-def _fmt_devices(devs: tuple[int, ...] | list[int]) -> str:
+def fmt_bytes(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: 3.61 MiB, 80.0 GiB."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_devices(devs: tuple[int, ...] | list[int]) -> str:
     """Compress sorted device ids into ranges: (0,1,2,3,6) -> '0-3,6'."""
     s = sorted(devs)
     out: list[str] = []
@@ -97,7 +107,7 @@ class StagePlan:
     def __repr__(self) -> str:
         return (
             f"{self.stage}[dp{self.dp} tp{self.tp} pp{self.pp} @ "
-            f"{_fmt_devices(sorted(self.devices))}]"
+            f"{fmt_devices(sorted(self.devices))}]"
         )
 
 

@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus_rl.costmodel import CostModel, StepEstimate
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.globalplan import GlobalPlan, StagePlan, fmt_bytes
 from nereus_rl.planner_tables import (
     _combine3,
     _pareto2,
@@ -573,11 +573,9 @@ class Planner:
             i = int(np.argmin(np.where(ok, t.mem, np.iinfo(np.int64).max)))
             need[sw.stage] = int(t.mem[i])
             dp, tp, pp = t.layouts[i]
-            lines.append(
-                f"{sw.stage}: {t.mem[i] / 2**30:.2f} GiB/device at best (dp{dp} tp{tp} pp{pp})"
-            )
+            lines.append(f"{sw.stage}: {fmt_bytes(t.mem[i])}/device at best (dp{dp} tp{tp} pp{pp})")
         msg = (
-            f"no plan fits memory on {N} devices of {cap / 2**30:.2f} GiB usable each; "
+            f"no plan fits memory on {N} devices of {fmt_bytes(cap)} usable each; "
             "least memory needed per device by stage: " + "; ".join(lines) + ". "
             "Add devices, use devices with more memory, or shrink batch/sequence length."
         )

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+from nereus_rl.globalplan import GlobalPlan, fmt_devices
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ at the bottom (they import this module)
     from nereus_rl.transition_compile import compile_transition, transition_cost
@@ -97,7 +97,7 @@ class Unit(NamedTuple):
         return (self.tp, self.pp, self.devices)
 
     def __repr__(self) -> str:
-        return f"{self.uid}(tp{self.tp}pp{self.pp}@{_fmt_devices(self.devices)})"
+        return f"{self.uid}(tp{self.tp}pp{self.pp}@{fmt_devices(self.devices)})"
 
 
 @dataclass(frozen=True)
@@ -493,7 +493,7 @@ def topo_order(dag: TransitionDAG) -> list[int]:
         names = " -> ".join(repr(dag.primitives[i]) for i in cycle)
         devs = sorted({d for i in cycle for d in dag.primitives[i].devices})
         raise UnsafeDAGError(
-            f"transition DAG has a cycle: {names} (devices {_fmt_devices(devs)}); "
+            f"transition DAG has a cycle: {names} (devices {fmt_devices(devs)}); "
             "remove one of these edges so the primitives can be ordered"
         )
     return out

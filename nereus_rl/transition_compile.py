@@ -26,7 +26,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 
-from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+from nereus_rl.globalplan import GlobalPlan, fmt_devices
 from nereus_rl.transition import (
     DEFAULT_CAPACITY,
     CapacityLike,
@@ -97,8 +97,8 @@ def compile_transition(
         stages = [sp.stage for sp in target.stages if sp.devices.intersection(missing)]
         raise InfeasibleTargetError(
             f"target plan needs {len(target.devices)} devices but devices "
-            f"{_fmt_devices(missing)} (used by {stages}) do not exist or are lost; "
-            f"{len(after)} devices exist ({_fmt_devices(sorted(after))}): plan over those"
+            f"{fmt_devices(missing)} (used by {stages}) do not exist or are lost; "
+            f"{len(after)} devices exist ({fmt_devices(sorted(after))}): plan over those"
         )
     diff = diff_plans(cur, target, lost_devices=lost_set)
     dag = _Compiler(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots).run()

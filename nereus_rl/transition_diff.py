@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from nereus_rl.globalplan import GlobalPlan, _fmt_devices
+from nereus_rl.globalplan import GlobalPlan, fmt_devices
 from nereus_rl.transition import Placement, StateLossError, Unit
 
 
@@ -102,7 +102,7 @@ def diff_plans(
             if s not in alive_states:
                 holders = [v for v in lost if s in v.states]
                 where = (
-                    f"was held only by {holders} on lost devices {_fmt_devices(sorted(lost_set))}"
+                    f"was held only by {holders} on lost devices {fmt_devices(sorted(lost_set))}"
                     if holders
                     else "is held by no current unit"
                 )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from nereus_rl.globalplan import _fmt_devices
+from nereus_rl.globalplan import fmt_devices
 from nereus_rl.transition import (
     CapacityLike,
     Placement,
@@ -182,7 +182,7 @@ def _safe_sequence(dag: TransitionDAG, cap_like: CapacityLike) -> tuple[list[int
             details = " | ".join(f"{prims[i]!r}: {why_not(i)}" for i in blocked)
             devs = sorted({d for i in blocked for d in prims[i].devices})
             raise UnsafeDAGError(
-                f"no safe order: every ready primitive is blocked (devices {_fmt_devices(devs)}): "
+                f"no safe order: every ready primitive is blocked (devices {fmt_devices(devs)}): "
                 f"{details}; add edges so releases come before these acquisitions, or keep "
                 "another holder of the state alive"
             )

@@ -29,3 +29,11 @@ def test_bad_units_rejected():
         StagePlan("rollout", "actor", False, 2, 1, 1, ((0,), (0,)))
     with pytest.raises(KeyError, match="stages are"):
         GlobalPlan((_sp("rollout", 1, 1, 1, 0),)).stage("critic_train")
+
+
+def test_fmt_bytes_picks_a_readable_unit():
+    from nereus_rl.globalplan import fmt_bytes
+
+    assert fmt_bytes(100) == "100 B"
+    assert fmt_bytes(int(3.61 * 2**20)) == "3.61 MiB"
+    assert fmt_bytes(80 * 2**30) == "80.00 GiB"
