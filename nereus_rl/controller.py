@@ -139,6 +139,15 @@ class LevelSignal:
             f"{self.name} {value:.4g} {word} {thr:.4g} (level {old} -> {self.level})",
         )
 
+    def reset_trend(self) -> None:
+        """Forget the values behind the trend (the level stays).
+
+        For a signal whose values depend on the running plan (peak memory, efficiency):
+        after a plan change the old plan's values say nothing about the new plan's
+        trend, and a line fitted through both forecasts a crossing far too late.
+        """
+        self.history.clear()
+
     def slope(self) -> float:
         """Least-squares slope of the recent values per step (0 with < 2 values)."""
         pts = list(self.history)
@@ -293,6 +302,12 @@ class Controller:
             out.append(t)
         self.triggers.extend(out)
         return out
+
+    def plan_changed(self) -> None:
+        """Call after a transition: the plan-dependent signals (memory, efficiency)
+        start their trends afresh under the new plan; levels and thresholds stay."""
+        self.memory.reset_trend()
+        self.efficiency.reset_trend()
 
     def forecast(self, signal: str) -> Forecast:
         """The forecast of one signal by name (``seq_len``, ``devices``, ``memory``, ...)."""

@@ -307,6 +307,7 @@ class Adapter:
             row["measured_transition_s"] = time.perf_counter() - t0
             row["bytes_moved"] = moved
             self._observe_transition(plan, cand, row)
+            self.controller.plan_changed()
             out["transition_s"] = row["measured_transition_s"]
         self._log(row)
         return out

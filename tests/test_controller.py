@@ -51,3 +51,22 @@ def test_devices_memory_efficiency():
         LevelSignal("z", (3, 2))
     with pytest.raises(SignalError, match=">= 0"):
         c.update(7, seq_len=-5)
+
+
+def test_plan_change_restarts_the_memory_trend():
+    # Memory rose under the old plan, a transition dropped it to 0.83, and under the new
+    # plan it climbs 0.83 -> 0.94 towards the 0.95 edge: the forecast must come from
+    # the new plan's values alone (a line through both plans' values says "much later").
+    c = Controller(memory_edges=(0.5, 0.95), window=5)
+    for step, v in enumerate([0.9, 0.93, 0.96, 1.12]):
+        c.update(step, peak_memory_fraction=v)
+    c.plan_changed()
+    c.update(4, peak_memory_fraction=0.83)
+    c.update(5, peak_memory_fraction=0.94)
+    fc = c.forecast("memory")
+    assert fc.steps <= 2.0, fc
+    assert c.memory.level == 1  # levels are kept: only the trend restarts
+    stale = Controller(memory_edges=(0.5, 0.95), window=5)
+    for step, v in enumerate([0.9, 0.93, 0.96, 1.12, 0.83, 0.94]):
+        stale.update(step, peak_memory_fraction=v)
+    assert stale.forecast("memory").steps > fc.steps
