@@ -45,7 +45,11 @@ from nereus_rl.transition import (
     longest_path,
 )
 from nereus_rl.transition_diff import TransitionDiff, diff_plans
-from nereus_rl.transition_refine import makespan_lower_bound, refine_by_list_schedule
+from nereus_rl.transition_refine import (
+    fund_acquisition,
+    makespan_lower_bound,
+    refine_by_list_schedule,
+)
 
 _TOL = 1e-3  # bytes: slack for float sums of memory
 
@@ -548,26 +552,16 @@ class _Compiler:
             first[1] -= need
             self.funding.append(Funding(p, res, -1, need))
             return anc
-        for pass_ in range(3):
-            for e in entries:
-                f, rem = int(e[0]), e[1]
-                if rem <= _TOL:
-                    continue
-                if pass_ == 0 and f != -1:
-                    continue
-                if pass_ == 1 and (f == -1 or not (anc >> f) & 1):
-                    continue
-                take = min(rem, need)
-                e[1] = rem - take
-                need -= take
-                self.funding.append(Funding(p, res, f, take))
-                if f != -1 and not (anc >> f) & 1:
-                    self._edge(f, p, "resource", f"release-before-acquire on device {res}")
-                    anc |= self.anc[f] | (1 << f)
-                if need <= _TOL:
-                    entries[:] = [e for e in entries if e[1] > _TOL]
-                    return anc
-        raise AssertionError(f"funding short by {need} on {res}: simulation and funds disagree")
+        return fund_acquisition(
+            p,
+            anc,
+            need,
+            entries,
+            res,
+            self.anc,
+            self.funding,
+            lambda f, q, why: self._edge(f, q, "resource", why),
+        )
 
     def _run(self, p: int) -> None:
         prim = self.prims[p]

@@ -24,7 +24,7 @@ compiler when no variant can do better, so it can skip them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nereus_rl.transition import (
     Edge,
@@ -140,7 +140,16 @@ def refine_by_list_schedule(
                 for q in dpreds[p]:
                     a_bits |= anc[q] | (1 << q)
                 for d, a in prim.acquire:
-                    a_bits = _fund(p, a_bits, a, funds[d], d, anc, funding, edges, have)
+                    a_bits = fund_acquisition(
+                        p,
+                        a_bits,
+                        a,
+                        funds[d],
+                        d,
+                        anc,
+                        funding,
+                        lambda f, q, why: _add(edges, have, f, q, why),
+                    )
                     used[d] += a
                 for s in slot_acq[p]:
                     f = slot_free_by.pop(s, -1)
@@ -198,19 +207,27 @@ def _add(edges: list[Edge], have: set[tuple[int, int]], f: int, p: int, why: str
         edges.append(Edge(f, p, "resource", why))
 
 
-def _fund(
+def fund_acquisition(
     p: int,
     a_bits: int,
     need: float,
     entries: list[list[float]],
     res: int,
-    anc: list[int],
+    anc: Sequence[int],
     funding: list[Funding],
-    edges: list[Edge],
-    have: set[tuple[int, int]],
+    add_edge: Callable[[int, int, str], None],
 ) -> int:
-    """Take ``need`` bytes: initial memory, then ancestors' releases, then the releases
-    that ended first (all have ended: the edge never delays the start in the schedule)."""
+    """Fund ``need`` bytes of primitive ``p`` on device ``res`` from ``entries``.
+
+    ``entries`` are ``[funder, bytes left]`` pairs (funder -1: memory free from the
+    start). They are drawn in three passes: free memory first, then releases by ``p``'s
+    ancestors (no new ordering needed), then the rest in list order, each of which adds a
+    release-before-acquire edge through ``add_edge(funder, p, why)``. Used by the
+    compiler's simulation and by the list-schedule refinement, so both fund alike.
+
+    Returns:
+        ``a_bits`` (``p``'s ancestor bit set) widened by the funders it now follows.
+    """
     if need <= _TOL:
         return a_bits
     for pass_ in range(3):
@@ -227,7 +244,7 @@ def _fund(
             need -= take
             funding.append(Funding(p, res, f, take))
             if f != -1 and not (a_bits >> f) & 1:
-                _add(edges, have, f, p, f"release-before-acquire on device {res}")
+                add_edge(f, p, f"release-before-acquire on device {res}")
                 a_bits |= anc[f] | (1 << f)
             if need <= _TOL:
                 entries[:] = [x for x in entries if x[1] > _TOL]
