@@ -55,6 +55,24 @@ def _half_layout(u: Unit) -> tuple[int, int]:
     return (u.tp // 2, u.pp) if u.tp % 2 == 0 else (u.tp, u.pp // 2)
 
 
+def _halves(devices: tuple[int, ...], by_device: dict[int, Unit]) -> tuple[Unit, Unit] | None:
+    """The two units of ``by_device`` whose devices are exactly ``devices``, half each.
+
+    The first half holds ``devices[0]``; the other holds the smallest remaining device.
+    Used both ways: two current units that merge into one target unit, and two target
+    units that one current unit splits into.
+    """
+    whole = set(devices)
+    a = by_device.get(devices[0])
+    if a is None or 2 * len(a.devices) != len(whole) or not whole.issuperset(a.devices):
+        return None
+    rest = whole.difference(a.devices)
+    b = by_device.get(min(rest))
+    if b is None or set(b.devices) != rest:
+        return None
+    return a, b
+
+
 def diff_plans(
     current: Placement | GlobalPlan, target: GlobalPlan, *, lost_devices: Collection[int] = ()
 ) -> TransitionDiff:
@@ -165,17 +183,13 @@ def diff_plans(
         dev_u = {d: u for u in rem for d in u.devices}
         left = []
         for t in new:
-            tset = set(t.devices)
-            u1 = dev_u.get(t.devices[0])
-            if u1 is not None and 2 * len(u1.devices) == len(tset) and tset.issuperset(u1.devices):
-                rest = tset.difference(u1.devices)
-                u2 = dev_u.get(min(rest))
-                if u2 is not None and set(u2.devices) == rest:
-                    merges.append(((u1, u2), t))
-                    for d in tset:
-                        del dev_u[d]
-                    continue
-            left.append(t)
+            halves = _halves(t.devices, dev_u)
+            if halves is None:
+                left.append(t)
+                continue
+            merges.append((halves, t))
+            for d in t.devices:
+                del dev_u[d]
         new = left
         rem = [u for u in rem if u.devices[0] in dev_u]
 
@@ -183,17 +197,13 @@ def diff_plans(
         dev_t = {d: t for t in new for d in t.devices}
         left_u = []
         for u in rem:
-            uset = set(u.devices)
-            t1 = dev_t.get(u.devices[0])
-            if t1 is not None and 2 * len(t1.devices) == len(uset) and uset.issuperset(t1.devices):
-                rest = uset.difference(t1.devices)
-                t2 = dev_t.get(min(rest))
-                if t2 is not None and set(t2.devices) == rest:
-                    splits.append((u, (t1, t2)))
-                    for d in uset:
-                        del dev_t[d]
-                    continue
-            left_u.append(u)
+            halves = _halves(u.devices, dev_t)
+            if halves is None:
+                left_u.append(u)
+                continue
+            splits.append((u, halves))
+            for d in u.devices:
+                del dev_t[d]
         extends.extend(t for t in new if t.devices[0] in dev_t)
         destroys.extend(left_u)
     for rest_units in by_stage.values():  # stages the target drops
