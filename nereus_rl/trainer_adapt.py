@@ -198,6 +198,9 @@ class Adapter:
             devices=sorted(self.trainer.device_worker),
             capacity=float("inf"),
             cost_fn=self._primitive_cost,
+            # The trainer moves a stage with one reshard, during which the stage's old
+            # and new shards share the devices: model that, not one unit per device.
+            stage_slots=False,
         )
         return dag, predicted_completion_time(dag, self._primitive_cost)
 
@@ -275,9 +278,9 @@ class Adapter:
             dag, cost = self.compile(plan, cand)
             dag_note = None
         except TransitionError as e:
-            # The DAG compiler's unit-by-unit model cannot order this change (e.g. a
-            # stage slot held by the unit being replaced); the stage-level reshard that
-            # executes it moves each stage at once, so price it as one extend per new unit.
+            # Compiled with the trainer's execution model (shared devices, no memory cap)
+            # this is not expected; should it happen, a running job must not stop over
+            # pricing: price the change as one extend per new unit and log why.
             dag, dag_note = None, f"DAG not compiled: {e}"
             cost = self._stagewise_cost(plan, cand)
         dec = self.admission.decide(
