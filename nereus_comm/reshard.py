@@ -19,6 +19,14 @@ same plan. Each rank:
 4. drains the receive staging buffer with a single
    :func:`~nereus_comm.pack.unpack` call.
 
+Peers on the same host (``route="auto"``, the default, for host memory) skip the
+transport: the sender packs a message straight into a shared-memory segment the
+receiver maps and the receiver unpacks straight out of it (one copy each side,
+see :mod:`nereus_comm.transport_shm`). The segments are set up over the
+transport on first use, kept per process group and reused by every later call.
+``route="transport"`` sends everything through the transport (the old path);
+``route="shm"`` requires shared memory for every peer.
+
 Example::
 
     plan = plan_reshard(specs, src_layout, dst_layout)
@@ -43,10 +51,12 @@ from nereus_comm.pack import (
     pack,
     unpack,
 )
-from nereus_comm.transport import Transport
+from nereus_comm.transport import Transport, TransportArgumentError
+from nereus_comm.transport_shm import ShmTransport
 
 __all__ = [
     "DIRECT_MIN_BYTES",
+    "ROUTES",
     "ReshardResult",
     "Workspace",
     "reshard",
@@ -60,6 +70,11 @@ __all__ = [
 #: of 64/128/256/512/1024 KiB cost 93/84/50/44/38 ms CPU sent one buffer each,
 #: 45/46/38/48/51 ms staged (both ranks; benchmarks/results/bench_reshard.md).
 DIRECT_MIN_BYTES = 512 << 10
+
+#: reshard(route=...): "auto" (shared memory with same-host peers, the transport
+#: with the others), "shm" (shared memory with every peer, else an error) or
+#: "transport" (everything through the transport).
+ROUTES = ("auto", "shm", "transport")
 
 
 @dataclass(frozen=True)
@@ -86,12 +101,17 @@ class ReshardResult:
     #: posting, local copies and waiting for the transfers.
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
+    #: of bytes_sent / bytes_received, those that went through shared memory (the
+    #: rest went through the transport).
+    shm_bytes_sent: int = 0
+    shm_bytes_received: int = 0
 
     def __repr__(self) -> str:
         return (
             f"ReshardResult({len(self.tensors)} tensors, {self.seconds * 1e3:.1f} ms, "
-            f"sent {self.bytes_sent} B in {self.messages_sent} msgs/{self.buffers_sent} bufs, "
-            f"received {self.bytes_received} B, local {self.bytes_local} B)"
+            f"sent {self.bytes_sent} B in {self.messages_sent} msgs/{self.buffers_sent} bufs "
+            f"({self.shm_bytes_sent} B by shm), received {self.bytes_received} B "
+            f"({self.shm_bytes_received} B by shm), local {self.bytes_local} B)"
         )
 
 
@@ -237,6 +257,9 @@ class _Program:
     messages_sent: int
     messages_received: int
     peers: frozenset[int]
+    #: bytes per peer, for the shared-memory route (one message per peer).
+    send_totals: dict[int, int]
+    recv_totals: dict[int, int]
 
 
 def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> _Slot:
@@ -297,7 +320,13 @@ def _program(plan, rank: int, min_bytes: int) -> _Program:
         messages_sent=len(sends),
         messages_received=len(recvs),
         peers=frozenset(m.dst for m in sends) | frozenset(m.src for m in recvs),
+        send_totals={},
+        recv_totals={},
     )
+    for b in prog.sends:
+        prog.send_totals[b.peer] = prog.send_totals.get(b.peer, 0) + b.nbytes
+    for b in prog.recvs:
+        prog.recv_totals[b.peer] = prog.recv_totals.get(b.peer, 0) + b.nbytes
     per_plan[key] = prog
     return prog
 
@@ -335,6 +364,31 @@ def _stage(nbytes: int, workspace: Workspace | None, kind: str, device) -> torch
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+_SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shm_for(transport: Transport) -> ShmTransport:
+    """The ShmTransport of the transport's connections (one per process group)."""
+    key = transport.connection_key()
+    shm = _SHM.get(key)
+    if shm is None:
+        shm = _SHM[key] = ShmTransport(transport)
+    return shm
+
+
+def _by_peer(buffers, skip: frozenset[int]):
+    """(buffers through the transport, {shm peer: its slots in wire order})."""
+    if not skip:
+        return buffers, {}
+    rest, slots = [], {}
+    for b in buffers:
+        if b.peer in skip:
+            slots.setdefault(b.peer, []).extend(b.slots)
+        else:
+            rest.append(b)
+    return tuple(rest), slots
+
+
 def reshard(
     plan,
     rank: int,
@@ -345,6 +399,7 @@ def reshard(
     timeout: float = 60.0,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
     workspace: Workspace | None = None,
+    route: str = "auto",
 ) -> ReshardResult:
     """Move this rank's part of a reshard: local copies, pack, one batched exchange, unpack.
 
@@ -360,6 +415,11 @@ def reshard(
             :func:`wire_groups`).
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
+        route: "auto": peers on this host through shared memory (host memory only),
+            the others through ``transport``; "shm": every peer through shared
+            memory; "transport": every peer through ``transport``. The shared-memory
+            segments are set up over ``transport`` on first use (collective with the
+            peers) and reused by later calls over the same process group.
 
     Returns:
         The destination shards and what was measured.
@@ -367,17 +427,23 @@ def reshard(
     Raises:
         TensorMismatchError: a tensor is missing, unknown, or differs from its spec
             (shape vs its box, dtype, device, contiguity); raised before any byte moves.
-        TransportArgumentError: rank is not the transport's or a peer is unreachable;
-            raised before any byte moves.
+        TransportArgumentError: rank is not the transport's, a peer is unreachable,
+            an unknown route, or route="shm" with device memory or a peer that shared
+            memory cannot reach; raised before any byte moves.
         PeerTimeoutError: a peer did not complete within ``timeout`` (names the peer).
     """
-    from nereus_comm.transport import TransportArgumentError
-
+    if route not in ROUTES:
+        raise TransportArgumentError(f"route must be one of {ROUTES}, got {route!r}")
     if rank != transport.rank:
         raise TransportArgumentError(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
         )
     device_type = transport.device_type
+    if route == "shm" and device_type != "cpu":
+        raise TransportArgumentError(
+            f"route='shm' moves host memory, {transport!r} moves {device_type} memory; "
+            "use route='auto' or 'transport'"
+        )
     if workspace is not None and workspace.device.type != device_type:
         raise TransportArgumentError(
             f"the workspace holds {workspace.device} memory but {transport!r} moves "
@@ -406,20 +472,50 @@ def reshard(
         }
 
     start = time.perf_counter()
-    send_stage = _stage(_staged_nbytes(prog.sends), workspace, "send", device)
-    recv_stage = _stage(_staged_nbytes(prog.recvs), workspace, "recv", device)
-    send_bufs, send_staged = _bind(prog.sends, tensors, send_stage)
-    recv_bufs, recv_staged = _bind(prog.recvs, dst_tensors, recv_stage)
+    deadline = time.monotonic() + timeout
+    shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
+    if route != "transport" and device_type == "cpu" and prog.peers:
+        shm = _shm_for(transport)
+        shm_sends, shm_recvs = shm.prepare(
+            prog.send_totals,
+            prog.recv_totals,
+            timeout=timeout,
+            require=route == "shm",
+            control=transport,
+        )
+    sends, shm_send_slots = _by_peer(prog.sends, shm_sends)
+    recvs, shm_recv_slots = _by_peer(prog.recvs, shm_recvs)
+    send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
+    recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
+    send_bufs, send_staged = _bind(sends, tensors, send_stage)
+    recv_bufs, recv_staged = _bind(recvs, dst_tensors, recv_stage)
     if send_staged:
         pack(send_staged, out=send_stage)
     packed_at = time.perf_counter()
 
-    # The local copies run while the bytes are on the wire.
+    # The local copies and the shared-memory messages run while the bytes are on the wire.
     pending = transport.start(send_bufs, recv_bufs, timeout=timeout)
+    for peer, slots in shm_send_slots.items():
+        # The pack is the send: straight from the shards into the peer's segment.
+        regions = [_region(sl, tensors) for sl in slots]
+        shm.send(
+            peer,
+            prog.send_totals[peer],
+            lambda view, regions=regions: pack(regions, out=view),
+            deadline=deadline,
+            timeout=timeout,
+        )
     if prog.local_src:
         copy_regions(
             [_region(sl, tensors) for sl in prog.local_src],
             [_region(sl, dst_tensors) for sl in prog.local_dst],
+        )
+    if shm_recv_slots:
+        shm.receive(
+            {p: prog.recv_totals[p] for p in shm_recv_slots},
+            lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
+            deadline=deadline,
+            timeout=timeout,
         )
     pending.wait()
     exchanged_at = time.perf_counter()
@@ -437,10 +533,12 @@ def reshard(
         bytes_local=prog.bytes_local,
         messages_sent=prog.messages_sent,
         messages_received=prog.messages_received,
-        buffers_sent=sum(1 for b in prog.sends if b.nbytes),
-        buffers_received=sum(1 for b in prog.recvs if b.nbytes),
+        buffers_sent=sum(1 for b in sends if b.nbytes) + len(shm_send_slots),
+        buffers_received=sum(1 for b in recvs if b.nbytes) + len(shm_recv_slots),
         staged_bytes_sent=send_stage.nbytes,
         staged_bytes_received=recv_stage.nbytes,
+        shm_bytes_sent=sum(prog.send_totals[p] for p in shm_send_slots),
+        shm_bytes_received=sum(prog.recv_totals[p] for p in shm_recv_slots),
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,
