@@ -6,8 +6,12 @@ in two scenarios (see layouts()): "resize" (tp W -> tp W/2 x pp 2 on the same
 ranks: sends, receives, packing and local copies) and "sync" (training layout
 on half the ranks -> a rollout layout on the other half: nothing is local).
 
-Baselines, run in the same worker pool and the same process group, interleaved
-with reshard round by round (the order rotates every round):
+Two reshard variants: "reshard" (route="transport": every byte through the
+GlooTransport, as before) and "shm" (route="auto": the workers share this host,
+so every byte goes through shared-memory segments, packed straight into them;
+see nereus_comm.transport_shm). Baselines, run in the same worker pool and the
+same process group, interleaved with both round by round (the order rotates
+every round):
 
 - raw: for every peer pair of the plan, its message's bytes as ONE contiguous
   preallocated buffer, plain dist.isend/irecv; no packing, no local copy.
@@ -58,6 +62,7 @@ def state_specs(target_bytes: int):
 
 
 SCENARIOS = ("resize", "sync")
+VARIANTS = ("reshard", "shm", "raw", "raw_copy")
 
 
 def layouts(num_workers: int, scenario: str = "resize") -> tuple[Layout, Layout]:
@@ -111,12 +116,17 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
 
     last = {}
 
-    def resharded() -> None:
-        last["res"] = reshard(
-            plan, rank, shards, transport, out=out, timeout=300, workspace=workspace
+    def resharded(route: str = "transport") -> None:
+        last[route] = reshard(
+            plan, rank, shards, transport, out=out, timeout=300, workspace=workspace, route=route
         )
 
-    fns = [("reshard", resharded), ("raw", raw), ("raw_copy", lambda: raw(local_copy=True))]
+    fns = [
+        ("reshard", resharded),
+        ("shm", lambda: resharded("auto")),
+        ("raw", raw),
+        ("raw_copy", lambda: raw(local_copy=True)),
+    ]
     times: dict[str, list[tuple[float, float]]] = {key: [] for key, _ in fns}
     for i in range(repeats + 1):  # the first round warms pages, connections, the plan cache
         # Rotate the order so that no variant always runs on a warmer machine.
@@ -128,9 +138,14 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             if i:
                 times[key].append((wall, cpu))
-    res = last["res"]
+    res, shm = last["transport"], last["auto"]
     times["counts"] = [
-        (res.buffers_sent, res.staged_bytes_sent + res.staged_bytes_received, res.bytes_local)
+        (
+            res.buffers_sent,
+            res.staged_bytes_sent + res.staged_bytes_received,
+            res.bytes_local,
+            shm.shm_bytes_sent,
+        )
     ]
     return times
 
@@ -149,16 +164,14 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                 per_rank = pool.run(_worker, size * MiB, scenario, repeats, timeout=1200)
                 # A run lasts until its slowest rank ends; its CPU is every rank's.
                 wall = {
-                    k: [max(r[k][i][0] for r in per_rank) for i in range(repeats)]
-                    for k in ("reshard", "raw", "raw_copy")
+                    k: [max(r[k][i][0] for r in per_rank) for i in range(repeats)] for k in VARIANTS
                 }
                 cpu = {
-                    k: [sum(r[k][i][1] for r in per_rank) for i in range(repeats)]
-                    for k in ("reshard", "raw", "raw_copy")
+                    k: [sum(r[k][i][1] for r in per_rank) for i in range(repeats)] for k in VARIANTS
                 }
 
-                def ratio(base: str, d: dict) -> tuple[float, float, float]:
-                    return _stats([b / a for a, b in zip(d["reshard"], d[base])])
+                def ratio(base: str, d: dict, of: str) -> tuple[float, float, float]:
+                    return _stats([b / a for a, b in zip(d[of], d[base])])
 
                 moved = plan.stats.total_bytes
                 row = {
@@ -173,22 +186,31 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # gloo sends (before chunking) and bytes packed or unpacked, all ranks.
                     "wire_buffers": sum(r["counts"][0][0] for r in per_rank),
                     "staged_mib": round(sum(r["counts"][0][1] for r in per_rank) / MiB, 1),
+                    # bytes the shm variant moved through shared memory (all of them here).
+                    "shm_mib": round(sum(r["counts"][0][3] for r in per_rank) / MiB, 1),
                     "repeats": repeats,
                 }
-                for k in ("reshard", "raw", "raw_copy"):
+                for k in VARIANTS:
                     med, lo, hi = _stats(wall[k])
                     row[f"{k}_ms"] = round(med * 1e3, 1)
                     row[f"{k}_ms_min"] = round(lo * 1e3, 1)
                     row[f"{k}_ms_max"] = round(hi * 1e3, 1)
                     row[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]) * 1e3, 1)
                     row[f"{k}_mib_per_s"] = round(moved / MiB / med, 1)
-                for name, base, d in (
-                    ("ratio_x", "raw", wall),
-                    ("ratio_copy_x", "raw_copy", wall),
-                    ("cpu_ratio_x", "raw", cpu),
-                    ("cpu_ratio_copy_x", "raw_copy", cpu),
+                for name, base, d, of in (
+                    ("ratio_x", "raw", wall, "reshard"),
+                    ("ratio_copy_x", "raw_copy", wall, "reshard"),
+                    ("cpu_ratio_x", "raw", cpu, "reshard"),
+                    ("cpu_ratio_copy_x", "raw_copy", cpu, "reshard"),
+                    ("shm_ratio_x", "raw", wall, "shm"),
+                    ("shm_ratio_copy_x", "raw_copy", wall, "shm"),
+                    ("shm_cpu_ratio_x", "raw", cpu, "shm"),
+                    ("shm_cpu_ratio_copy_x", "raw_copy", cpu, "shm"),
+                    # > 1: shared memory faster than reshard over gloo.
+                    ("shm_vs_gloo_x", "reshard", wall, "shm"),
+                    ("shm_vs_gloo_cpu_x", "reshard", cpu, "shm"),
                 ):
-                    med, lo, hi = ratio(base, d)
+                    med, lo, hi = ratio(base, d, of)
                     row[name] = round(med, 3)
                     row[f"{name}_min"] = round(lo, 3)
                     row[f"{name}_max"] = round(hi, 3)
@@ -208,6 +230,16 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     f" | /raw+copy wall {r['ratio_copy_x']:.2f} cpu {r['cpu_ratio_copy_x']:.2f}",
                     flush=True,
                 )
+                print(
+                    f"{'':6s} {w}w shm: {r['shm_mib']:.1f} MiB through shared memory | wall ms "
+                    f"{r['shm_ms']:.0f} [{r['shm_ms_min']:.0f}-{r['shm_ms_max']:.0f}] cpu ms "
+                    f"{r['shm_cpu_ms']:.0f} | shm/raw wall {r['shm_ratio_x']:.2f} "
+                    f"[{r['shm_ratio_x_min']:.2f}-{r['shm_ratio_x_max']:.2f}] cpu "
+                    f"{r['shm_cpu_ratio_x']:.2f} | /raw+copy wall {r['shm_ratio_copy_x']:.2f} "
+                    f"cpu {r['shm_cpu_ratio_copy_x']:.2f} | shm vs reshard(gloo) wall "
+                    f"{r['shm_vs_gloo_x']:.2f} cpu {r['shm_vs_gloo_cpu_x']:.2f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -220,18 +252,19 @@ def main() -> None:
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     repeats = args.repeats or (5 if args.quick else 7)
     rows = run(sizes, [2, 4], repeats)
-    for key, what in (
-        ("ratio_x", "wall vs raw"),
-        ("ratio_copy_x", "wall vs raw + local copy"),
-        ("cpu_ratio_x", "CPU vs raw"),
-        ("cpu_ratio_copy_x", "CPU vs raw + local copy"),
-    ):
-        for scenario in SCENARIOS:
-            got = [r[key] for r in rows if r["scenario"] == scenario]
-            print(
-                f"{scenario:6s} reshard speed as a share of {what}: medians "
-                f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
-            )
+    for variant, prefix in (("reshard(gloo)", ""), ("reshard(shm)", "shm_")):
+        for key, what in (
+            ("ratio_x", "wall vs raw"),
+            ("ratio_copy_x", "wall vs raw + local copy"),
+            ("cpu_ratio_x", "CPU vs raw"),
+            ("cpu_ratio_copy_x", "CPU vs raw + local copy"),
+        ):
+            for scenario in SCENARIOS:
+                got = [r[prefix + key] for r in rows if r["scenario"] == scenario]
+                print(
+                    f"{scenario:6s} {variant} speed as a share of {what}: medians "
+                    f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_reshard", "rows": rows}, f, indent=2)

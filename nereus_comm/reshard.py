@@ -84,6 +84,11 @@ class ReshardResult:
     ``tensors`` are the rank's destination shards by spec name (empty when the rank
     is not in the destination layout). Seconds are wall-clock on this rank, from the
     end of validation to the end of unpacking (device work included).
+
+    ``buffers_*`` count the wire buffers the plan's messages are cut into (see
+    :func:`wire_groups`) and ``staged_bytes_*`` the bytes of those that are strided
+    on this side, so packed or unpacked, whichever route they took: through shared
+    memory a peer's buffers land back to back in its segment.
     """
 
     tensors: dict[str, torch.Tensor] = field(repr=False)
@@ -533,10 +538,10 @@ def reshard(
         bytes_local=prog.bytes_local,
         messages_sent=prog.messages_sent,
         messages_received=prog.messages_received,
-        buffers_sent=sum(1 for b in sends if b.nbytes) + len(shm_send_slots),
-        buffers_received=sum(1 for b in recvs if b.nbytes) + len(shm_recv_slots),
-        staged_bytes_sent=send_stage.nbytes,
-        staged_bytes_received=recv_stage.nbytes,
+        buffers_sent=sum(1 for b in prog.sends if b.nbytes),
+        buffers_received=sum(1 for b in prog.recvs if b.nbytes),
+        staged_bytes_sent=_staged_nbytes(prog.sends),
+        staged_bytes_received=_staged_nbytes(prog.recvs),
         shm_bytes_sent=sum(prog.send_totals[p] for p in shm_send_slots),
         shm_bytes_received=sum(prog.recv_totals[p] for p in shm_recv_slots),
         pack_seconds=packed_at - start,
