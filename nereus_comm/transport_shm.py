@@ -175,7 +175,8 @@ class ShmTransport(Transport):
     segments itself.
 
     Arguments:
-        control: a host-memory transport over the same ranks, for the setup records.
+        control: a host-memory transport over the same ranks, for the setup records
+            (held weakly: keep it, or pass one to each :meth:`prepare`).
 
     Raises:
         TransportArgumentError: ``control`` does not move host memory.
@@ -190,7 +191,9 @@ class ShmTransport(Transport):
                 f"the control transport must move host memory, {control!r} moves "
                 f"{control.device_type}; use a GlooTransport"
             )
-        self.control = control
+        # Weakly: reshard keys its ShmTransport by the control's process group, and a
+        # strong reference would keep that group (and these segments) alive forever.
+        self._control = weakref.ref(control)
         self.rank, self.ranks = control.rank, control.ranks
         ident = host_identity()
         self.host = hashlib.sha256(ident.encode()).digest() if ident else _NO_HOST
@@ -258,7 +261,12 @@ class ShmTransport(Transport):
             PeerTimeoutError: a peer did not take part in a setup round in time.
         """
         self._check_usable()
-        control = control or self.control
+        control = control or self._control()
+        if control is None:
+            raise TransportArgumentError(
+                "the control transport this ShmTransport was built with is gone; pass "
+                "control= (a transport over the same group)"
+            )
         send = {p: n for p, n in send_bytes.items() if n}
         recv = {p: n for p, n in recv_bytes.items() if n}
         peers = sorted(set(send) | set(recv))

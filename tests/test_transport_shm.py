@@ -149,7 +149,8 @@ def _payload(call: int, src: int, dst: int, i: int) -> torch.Tensor:
 
 def _exchange(ctx: WorkerContext) -> dict:
     # The Transport interface: several buffers per peer, matched in order.
-    shm = ShmTransport(_fresh_group(ctx, None))
+    control = _fresh_group(ctx, None)  # held: ShmTransport keeps it only weakly
+    shm = ShmTransport(control)
     peers = [p for p in range(ctx.world_size) if p != ctx.rank]
     ok = []
     for call in range(2):
