@@ -18,6 +18,9 @@ every round):
 - raw_copy: raw plus one memcpy of the bytes the rank keeps (the plan's local
   copies, as one contiguous block) while the transfers run: the least work any
   reshard must do. Equal to raw where nothing is local (sync).
+- raw_shm: the same contiguous buffers through ShmTransport.exchange (copied
+  into the peer's segment and out of it: two memcpys, no packing, no local
+  copy): the floor for reshard over shared memory.
 
 Each run is timed from a barrier to the slowest rank's end (wall) and by the
 CPU seconds of all ranks' processes together (every thread, kernel time
@@ -47,6 +50,7 @@ from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import Workspace, reshard
 from nereus_comm.specs import transformer_state_specs
 from nereus_comm.transport import GlooTransport
+from nereus_comm.transport_shm import ShmTransport
 
 MiB = 2**20
 MODEL = dict(hidden=384, ffn=1024, num_heads=6, num_kv_heads=3, vocab=2048)
@@ -62,7 +66,7 @@ def state_specs(target_bytes: int):
 
 
 SCENARIOS = ("resize", "sync")
-VARIANTS = ("reshard", "shm", "raw", "raw_copy")
+VARIANTS = ("reshard", "shm", "raw", "raw_copy", "raw_shm")
 
 
 def layouts(num_workers: int, scenario: str = "resize") -> tuple[Layout, Layout]:
@@ -113,6 +117,7 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             w.wait(timeout)
 
     workspace = Workspace()  # staging reused across runs, as raw reuses its buffers
+    raw_shm = ShmTransport(transport)  # its own segments, set up in the warm-up round
 
     last = {}
 
@@ -126,6 +131,7 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
         ("shm", lambda: resharded("auto")),
         ("raw", raw),
         ("raw_copy", lambda: raw(local_copy=True)),
+        ("raw_shm", lambda: raw_shm.exchange(sends, recvs, timeout=300)),
     ]
     times: dict[str, list[tuple[float, float]]] = {key: [] for key, _ in fns}
     for i in range(repeats + 1):  # the first round warms pages, connections, the plan cache
@@ -206,6 +212,8 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     ("shm_ratio_copy_x", "raw_copy", wall, "shm"),
                     ("shm_cpu_ratio_x", "raw", cpu, "shm"),
                     ("shm_cpu_ratio_copy_x", "raw_copy", cpu, "shm"),
+                    ("shm_ratio_rawshm_x", "raw_shm", wall, "shm"),
+                    ("shm_cpu_ratio_rawshm_x", "raw_shm", cpu, "shm"),
                     # > 1: shared memory faster than reshard over gloo.
                     ("shm_vs_gloo_x", "reshard", wall, "shm"),
                     ("shm_vs_gloo_cpu_x", "reshard", cpu, "shm"),
@@ -236,7 +244,10 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     f"{r['shm_cpu_ms']:.0f} | shm/raw wall {r['shm_ratio_x']:.2f} "
                     f"[{r['shm_ratio_x_min']:.2f}-{r['shm_ratio_x_max']:.2f}] cpu "
                     f"{r['shm_cpu_ratio_x']:.2f} | /raw+copy wall {r['shm_ratio_copy_x']:.2f} "
-                    f"cpu {r['shm_cpu_ratio_copy_x']:.2f} | shm vs reshard(gloo) wall "
+                    f"cpu {r['shm_cpu_ratio_copy_x']:.2f} | raw shm {r['raw_shm_ms']:.0f} ms, "
+                    f"cpu {r['raw_shm_cpu_ms']:.0f} ms, shm/raw shm wall "
+                    f"{r['shm_ratio_rawshm_x']:.2f} cpu {r['shm_cpu_ratio_rawshm_x']:.2f} | "
+                    f"shm vs reshard(gloo) wall "
                     f"{r['shm_vs_gloo_x']:.2f} cpu {r['shm_vs_gloo_cpu_x']:.2f}",
                     flush=True,
                 )
@@ -258,6 +269,11 @@ def main() -> None:
             ("ratio_copy_x", "wall vs raw + local copy"),
             ("cpu_ratio_x", "CPU vs raw"),
             ("cpu_ratio_copy_x", "CPU vs raw + local copy"),
+            *(
+                [("ratio_rawshm_x", "wall vs raw shm"), ("cpu_ratio_rawshm_x", "CPU vs raw shm")]
+                if prefix
+                else []
+            ),
         ):
             for scenario in SCENARIOS:
                 got = [r[prefix + key] for r in rows if r["scenario"] == scenario]

@@ -225,7 +225,12 @@ class ShmTransport(Transport):
     def _swap(self, records: dict[int, torch.Tensor], control: Transport, timeout: float):
         peers = sorted(records)
         got = {p: torch.empty(_RECORD, dtype=torch.uint8) for p in peers}
-        control.exchange([(p, records[p]) for p in peers], list(got.items()), timeout=timeout)
+        try:
+            control.exchange([(p, records[p]) for p in peers], list(got.items()), timeout=timeout)
+        except BaseException:
+            # The peers may have seen a different round: this state is no longer shared.
+            self._break(f"a setup round with peers {peers} failed")
+            raise
         self.setup_rounds += 1
         self.setup_bytes += _RECORD * len(peers)
         return {p: _parse(got[p], p) for p in peers}
