@@ -234,3 +234,45 @@ def test_unmapped_segments_are_removed_on_close_and_exit(tmp_path) -> None:
 def test_route_is_checked_before_anything_moves() -> None:
     with pytest.raises(TransportArgumentError, match="route must be one of"):
         reshard(None, 0, {}, GlooTransport.__new__(GlooTransport), route="nvlink")
+
+
+def _group_lifetime(ctx: WorkerContext) -> dict:
+    # A standalone group, as the EMU runtime builds per transition: when the group
+    # goes, its ShmTransport and segments must go too (nothing may keep the group).
+    import gc
+    import weakref
+
+    store = dist.PrefixStore("shm_test/lifetime", ctx.store)
+    pg = dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size)
+    ranks = tuple(range(ctx.world_size))
+    specs = [TensorSpec("w", (16, 8), torch.float32, 0, None)]
+    plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
+    full = _full_state(specs, 2)
+    res = reshard(plan, ctx.rank, shards_from_full(full, specs, plan.src, ctx.rank),
+                  GlooTransport(pg, ranks, ctx.rank))  # fmt: skip
+    shm = weakref.ref(_SHM[pg])
+    del pg
+    gc.collect()
+    return {"shm_bytes": res.shm_bytes_sent, "alive": shm() is not None}
+
+
+def test_dropping_the_group_frees_its_segments(pool) -> None:
+    for r, res in enumerate(pool.run(_group_lifetime)):
+        assert res["shm_bytes"] > 0, res
+        assert not res["alive"], f"rank {r}: the ShmTransport outlived its group"
+
+
+class _DeviceTransport(GlooTransport):
+    """Only what reshard reads before it moves anything, for a device transport."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self.rank, self.ranks = 0, (0, 1)
+
+
+def test_shm_route_refuses_device_memory() -> None:
+    specs = [TensorSpec("w", (4, 4), torch.float32, 0, None)]
+    plan = plan_reshard(specs, Layout(1, 1, 1, (0,)), Layout(1, 1, 1, (1,)))
+    with pytest.raises(TransportArgumentError, match="route='shm' moves host memory"):
+        reshard(plan, 0, {}, _DeviceTransport(), route="shm")
