@@ -424,7 +424,8 @@ def reshard(
             the others through ``transport``; "shm": every peer through shared
             memory; "transport": every peer through ``transport``. The shared-memory
             segments are set up over ``transport`` on first use (collective with the
-            peers) and reused by later calls over the same process group.
+            peers) and reused by later calls over the same process group. Every rank
+            must pass the same route (and direct_min_bytes), as with the plan.
 
     Returns:
         The destination shards and what was measured.

@@ -276,3 +276,60 @@ def test_shm_route_refuses_device_memory() -> None:
     plan = plan_reshard(specs, Layout(1, 1, 1, (0,)), Layout(1, 1, 1, (1,)))
     with pytest.raises(TransportArgumentError, match="route='shm' moves host memory"):
         reshard(plan, 0, {}, _DeviceTransport(), route="shm")
+
+
+def _no_room(ctx: WorkerContext) -> dict:
+    # Rank 1 finds /dev/shm full (fallocate fails as on a full tmpfs): its messages
+    # must go through gloo under route="auto" and be refused under route="shm".
+    import errno
+
+    from nereus_comm import transport_shm
+
+    transport = _fresh_group(ctx, None)
+    real = transport_shm.os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if ctx.rank == 1:
+        transport_shm.os.posix_fallocate = full
+    try:
+        ranks = tuple(range(ctx.world_size))
+        specs = [TensorSpec("w", (16, 8), torch.float32, 0, None)]
+        plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
+        full_state = _full_state(specs, 5)
+        mine = shards_from_full(full_state, specs, plan.src, ctx.rank)
+        res = reshard(plan, ctx.rank, mine, transport, timeout=20)
+        want = shards_from_full(full_state, specs, plan.dst, ctx.rank)
+        try:
+            reshard(plan, ctx.rank, mine, transport, timeout=20, route="shm")
+            forced = "no error"
+        except TransportArgumentError as e:
+            forced = str(e)
+    finally:
+        transport_shm.os.posix_fallocate = real
+    return {
+        "equal": torch.equal(res.tensors["w"], want["w"]),
+        "shm": (res.shm_bytes_sent, res.shm_bytes_received),
+        "total": (res.bytes_sent, res.bytes_received),
+        "forced": forced,
+        "files": _leftovers([os.getpid()]),
+    }
+
+
+def test_full_dev_shm_falls_back_to_the_transport(pool) -> None:
+    results = pool.run(_no_room)
+    for r, res in enumerate(results):
+        assert res["equal"], f"rank {r}"
+        assert res["files"] == [], res
+        # Rank r sends its shard to rank 3 - r: rank 1 -> 2 has no segment.
+        sent_by_shm = r != 1
+        received_by_shm = r != 2
+        assert res["shm"] == (
+            res["total"][0] if sent_by_shm else 0,
+            res["total"][1] if received_by_shm else 0,
+        ), (r, res)
+        if r in (1, 2):
+            assert "no room in /dev/shm" in res["forced"], (r, res["forced"])
+        else:
+            assert res["forced"] == "no error", (r, res["forced"])
