@@ -6,14 +6,21 @@ in two scenarios (see layouts()): "resize" (tp W -> tp W/2 x pp 2 on the same
 ranks: sends, receives, packing and local copies) and "sync" (training layout
 on half the ranks -> a rollout layout on the other half: nothing is local).
 
-Baselines, run in the same worker pool and the same process group, interleaved
-with reshard round by round (the order rotates every round):
+Two reshard variants: "reshard" (route="transport": every byte through the
+GlooTransport, as before) and "shm" (route="auto": the workers share this host,
+so every byte goes through shared-memory segments, packed straight into them;
+see nereus_comm.transport_shm). Baselines, run in the same worker pool and the
+same process group, interleaved with both round by round (the order rotates
+every round):
 
 - raw: for every peer pair of the plan, its message's bytes as ONE contiguous
   preallocated buffer, plain dist.isend/irecv; no packing, no local copy.
 - raw_copy: raw plus one memcpy of the bytes the rank keeps (the plan's local
   copies, as one contiguous block) while the transfers run: the least work any
   reshard must do. Equal to raw where nothing is local (sync).
+- raw_shm: the same contiguous buffers through ShmTransport (copied into the
+  peer's segment and out of it: two memcpys, no packing) plus raw_copy's local
+  memcpy while they travel: the floor for reshard over shared memory.
 
 Each run is timed from a barrier to the slowest rank's end (wall) and by the
 CPU seconds of all ranks' processes together (every thread, kernel time
@@ -43,6 +50,7 @@ from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import Workspace, reshard
 from nereus_comm.specs import transformer_state_specs
 from nereus_comm.transport import GlooTransport
+from nereus_comm.transport_shm import ShmTransport
 
 MiB = 2**20
 MODEL = dict(hidden=384, ffn=1024, num_heads=6, num_kv_heads=3, vocab=2048)
@@ -58,6 +66,7 @@ def state_specs(target_bytes: int):
 
 
 SCENARIOS = ("resize", "sync")
+VARIANTS = ("reshard", "shm", "raw", "raw_copy", "raw_shm")
 
 
 def layouts(num_workers: int, scenario: str = "resize") -> tuple[Layout, Layout]:
@@ -109,14 +118,28 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
 
     workspace = Workspace()  # staging reused across runs, as raw reuses its buffers
 
+    def shm_copy() -> None:
+        pending = raw_shm.start(sends, recvs, timeout=300)  # the sends are written here
+        if local_bytes:
+            local_dst.copy_(local_src)
+        pending.wait()
+
+    raw_shm = ShmTransport(transport)  # its own segments, set up in the warm-up round
+
     last = {}
 
-    def resharded() -> None:
-        last["res"] = reshard(
-            plan, rank, shards, transport, out=out, timeout=300, workspace=workspace
+    def resharded(route: str = "transport") -> None:
+        last[route] = reshard(
+            plan, rank, shards, transport, out=out, timeout=300, workspace=workspace, route=route
         )
 
-    fns = [("reshard", resharded), ("raw", raw), ("raw_copy", lambda: raw(local_copy=True))]
+    fns = [
+        ("reshard", resharded),
+        ("shm", lambda: resharded("auto")),
+        ("raw", raw),
+        ("raw_copy", lambda: raw(local_copy=True)),
+        ("raw_shm", shm_copy),
+    ]
     times: dict[str, list[tuple[float, float]]] = {key: [] for key, _ in fns}
     for i in range(repeats + 1):  # the first round warms pages, connections, the plan cache
         # Rotate the order so that no variant always runs on a warmer machine.
@@ -128,9 +151,14 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             if i:
                 times[key].append((wall, cpu))
-    res = last["res"]
+    res, shm = last["transport"], last["auto"]
     times["counts"] = [
-        (res.buffers_sent, res.staged_bytes_sent + res.staged_bytes_received, res.bytes_local)
+        (
+            res.buffers_sent,
+            res.staged_bytes_sent + res.staged_bytes_received,
+            res.bytes_local,
+            shm.shm_bytes_sent,
+        )
     ]
     return times
 
@@ -149,16 +177,14 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                 per_rank = pool.run(_worker, size * MiB, scenario, repeats, timeout=1200)
                 # A run lasts until its slowest rank ends; its CPU is every rank's.
                 wall = {
-                    k: [max(r[k][i][0] for r in per_rank) for i in range(repeats)]
-                    for k in ("reshard", "raw", "raw_copy")
+                    k: [max(r[k][i][0] for r in per_rank) for i in range(repeats)] for k in VARIANTS
                 }
                 cpu = {
-                    k: [sum(r[k][i][1] for r in per_rank) for i in range(repeats)]
-                    for k in ("reshard", "raw", "raw_copy")
+                    k: [sum(r[k][i][1] for r in per_rank) for i in range(repeats)] for k in VARIANTS
                 }
 
-                def ratio(base: str, d: dict) -> tuple[float, float, float]:
-                    return _stats([b / a for a, b in zip(d["reshard"], d[base])])
+                def ratio(base: str, d: dict, of: str) -> tuple[float, float, float]:
+                    return _stats([b / a for a, b in zip(d[of], d[base])])
 
                 moved = plan.stats.total_bytes
                 row = {
@@ -173,22 +199,33 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # gloo sends (before chunking) and bytes packed or unpacked, all ranks.
                     "wire_buffers": sum(r["counts"][0][0] for r in per_rank),
                     "staged_mib": round(sum(r["counts"][0][1] for r in per_rank) / MiB, 1),
+                    # bytes the shm variant moved through shared memory (all of them here).
+                    "shm_mib": round(sum(r["counts"][0][3] for r in per_rank) / MiB, 1),
                     "repeats": repeats,
                 }
-                for k in ("reshard", "raw", "raw_copy"):
+                for k in VARIANTS:
                     med, lo, hi = _stats(wall[k])
                     row[f"{k}_ms"] = round(med * 1e3, 1)
                     row[f"{k}_ms_min"] = round(lo * 1e3, 1)
                     row[f"{k}_ms_max"] = round(hi * 1e3, 1)
                     row[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]) * 1e3, 1)
                     row[f"{k}_mib_per_s"] = round(moved / MiB / med, 1)
-                for name, base, d in (
-                    ("ratio_x", "raw", wall),
-                    ("ratio_copy_x", "raw_copy", wall),
-                    ("cpu_ratio_x", "raw", cpu),
-                    ("cpu_ratio_copy_x", "raw_copy", cpu),
+                for name, base, d, of in (
+                    ("ratio_x", "raw", wall, "reshard"),
+                    ("ratio_copy_x", "raw_copy", wall, "reshard"),
+                    ("cpu_ratio_x", "raw", cpu, "reshard"),
+                    ("cpu_ratio_copy_x", "raw_copy", cpu, "reshard"),
+                    ("shm_ratio_x", "raw", wall, "shm"),
+                    ("shm_ratio_copy_x", "raw_copy", wall, "shm"),
+                    ("shm_cpu_ratio_x", "raw", cpu, "shm"),
+                    ("shm_cpu_ratio_copy_x", "raw_copy", cpu, "shm"),
+                    ("shm_ratio_rawshm_x", "raw_shm", wall, "shm"),
+                    ("shm_cpu_ratio_rawshm_x", "raw_shm", cpu, "shm"),
+                    # > 1: shared memory faster than reshard over gloo.
+                    ("shm_vs_gloo_x", "reshard", wall, "shm"),
+                    ("shm_vs_gloo_cpu_x", "reshard", cpu, "shm"),
                 ):
-                    med, lo, hi = ratio(base, d)
+                    med, lo, hi = ratio(base, d, of)
                     row[name] = round(med, 3)
                     row[f"{name}_min"] = round(lo, 3)
                     row[f"{name}_max"] = round(hi, 3)
@@ -208,6 +245,19 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     f" | /raw+copy wall {r['ratio_copy_x']:.2f} cpu {r['cpu_ratio_copy_x']:.2f}",
                     flush=True,
                 )
+                print(
+                    f"{'':6s} {w}w shm: {r['shm_mib']:.1f} MiB through shared memory | wall ms "
+                    f"{r['shm_ms']:.0f} [{r['shm_ms_min']:.0f}-{r['shm_ms_max']:.0f}] cpu ms "
+                    f"{r['shm_cpu_ms']:.0f} | shm/raw wall {r['shm_ratio_x']:.2f} "
+                    f"[{r['shm_ratio_x_min']:.2f}-{r['shm_ratio_x_max']:.2f}] cpu "
+                    f"{r['shm_cpu_ratio_x']:.2f} | /raw+copy wall {r['shm_ratio_copy_x']:.2f} "
+                    f"cpu {r['shm_cpu_ratio_copy_x']:.2f} | raw shm {r['raw_shm_ms']:.0f} ms, "
+                    f"cpu {r['raw_shm_cpu_ms']:.0f} ms, shm/raw shm wall "
+                    f"{r['shm_ratio_rawshm_x']:.2f} cpu {r['shm_cpu_ratio_rawshm_x']:.2f} | "
+                    f"shm vs reshard(gloo) wall "
+                    f"{r['shm_vs_gloo_x']:.2f} cpu {r['shm_vs_gloo_cpu_x']:.2f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -220,18 +270,24 @@ def main() -> None:
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     repeats = args.repeats or (5 if args.quick else 7)
     rows = run(sizes, [2, 4], repeats)
-    for key, what in (
-        ("ratio_x", "wall vs raw"),
-        ("ratio_copy_x", "wall vs raw + local copy"),
-        ("cpu_ratio_x", "CPU vs raw"),
-        ("cpu_ratio_copy_x", "CPU vs raw + local copy"),
-    ):
-        for scenario in SCENARIOS:
-            got = [r[key] for r in rows if r["scenario"] == scenario]
-            print(
-                f"{scenario:6s} reshard speed as a share of {what}: medians "
-                f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
-            )
+    for variant, prefix in (("reshard(gloo)", ""), ("reshard(shm)", "shm_")):
+        for key, what in (
+            ("ratio_x", "wall vs raw"),
+            ("ratio_copy_x", "wall vs raw + local copy"),
+            ("cpu_ratio_x", "CPU vs raw"),
+            ("cpu_ratio_copy_x", "CPU vs raw + local copy"),
+            *(
+                [("ratio_rawshm_x", "wall vs raw shm"), ("cpu_ratio_rawshm_x", "CPU vs raw shm")]
+                if prefix
+                else []
+            ),
+        ):
+            for scenario in SCENARIOS:
+                got = [r[prefix + key] for r in rows if r["scenario"] == scenario]
+                print(
+                    f"{scenario:6s} {variant} speed as a share of {what}: medians "
+                    f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_reshard", "rows": rows}, f, indent=2)

@@ -2,7 +2,8 @@
 
 Plans which bytes of sharded state move from which rank to which between two
 layouts (C++ planner), packs and unpacks them (C++ host path, Triton on GPU),
-moves them over gloo (CPU) or NCCL (GPU, loaded at run time), pools
+moves them over gloo (CPU; shared memory between ranks on one host) or NCCL
+(GPU, loaded at run time), pools
 communicators, and lets processes join a running job.
 
 Example (on every rank of both layouts)::
@@ -29,6 +30,7 @@ from nereus_comm.plan import ReshardPlan, plan_reshard
 from nereus_comm.pool import CommPool, GlooBackend, NcclBackend
 from nereus_comm.reshard import ReshardResult, reshard
 from nereus_comm.transport import GlooTransport, NcclTransport, Transport
+from nereus_comm.transport_shm import ShmTransport
 from nereus_comm.world import World
 
 __version__ = "0.1.0"
@@ -48,6 +50,7 @@ __all__ = [
     "Region",
     "ReshardPlan",
     "ReshardResult",
+    "ShmTransport",
     "TensorMismatchError",
     "TensorSpec",
     "Transport",

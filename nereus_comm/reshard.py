@@ -19,6 +19,14 @@ same plan. Each rank:
 4. drains the receive staging buffer with a single
    :func:`~nereus_comm.pack.unpack` call.
 
+Peers on the same host (``route="auto"``, the default, for host memory) skip the
+transport: the sender packs a message straight into a shared-memory segment the
+receiver maps and the receiver unpacks straight out of it (one copy each side,
+see :mod:`nereus_comm.transport_shm`). The segments are set up over the
+transport on first use, kept per process group and reused by every later call.
+``route="transport"`` sends everything through the transport (the old path);
+``route="shm"`` requires shared memory for every peer.
+
 Example::
 
     plan = plan_reshard(specs, src_layout, dst_layout)
@@ -35,18 +43,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nereus_comm.errors import TensorMismatchError
-from nereus_comm.layout import Layout, TensorSpec, box_nbytes, box_shape, local_region
+from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.pack import (
     Region,
     copy_regions,
     pack,
     unpack,
 )
-from nereus_comm.transport import Transport
+from nereus_comm.reshard_program import (
+    DIRECT_MIN_BYTES,
+    _Slot,
+    check_shards,
+    program,
+    wire_groups,
+)
+from nereus_comm.transport import Transport, TransportArgumentError
+from nereus_comm.transport_shm import ShmTransport
 
 __all__ = [
     "DIRECT_MIN_BYTES",
+    "ROUTES",
     "ReshardResult",
     "Workspace",
     "reshard",
@@ -54,12 +70,10 @@ __all__ = [
     "wire_groups",
 ]
 
-#: Pieces at least this large travel as their own wire buffer; smaller ones of a
-#: message share one staged buffer. Each gloo send or receive costs ~25-40 us of
-#: CPU, about what copying 200-350 KiB costs: 64 MiB between two ranks as pieces
-#: of 64/128/256/512/1024 KiB cost 93/84/50/44/38 ms CPU sent one buffer each,
-#: 45/46/38/48/51 ms staged (both ranks; benchmarks/results/bench_reshard.md).
-DIRECT_MIN_BYTES = 512 << 10
+#: reshard(route=...): "auto" (shared memory with same-host peers, the transport
+#: with the others), "shm" (shared memory with every peer, else an error) or
+#: "transport" (everything through the transport).
+ROUTES = ("auto", "shm", "transport")
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,11 @@ class ReshardResult:
     ``tensors`` are the rank's destination shards by spec name (empty when the rank
     is not in the destination layout). Seconds are wall-clock on this rank, from the
     end of validation to the end of unpacking (device work included).
+
+    ``buffers_*`` count the wire buffers the plan's messages are cut into (see
+    :func:`wire_groups`) and ``staged_bytes_*`` the bytes of those that are strided
+    on this side, so packed or unpacked, whichever route they took: through shared
+    memory a peer's buffers land back to back in its segment.
     """
 
     tensors: dict[str, torch.Tensor] = field(repr=False)
@@ -86,104 +105,18 @@ class ReshardResult:
     #: posting, local copies and waiting for the transfers.
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
+    #: of bytes_sent / bytes_received, those that went through shared memory (the
+    #: rest went through the transport).
+    shm_bytes_sent: int = 0
+    shm_bytes_received: int = 0
 
     def __repr__(self) -> str:
         return (
             f"ReshardResult({len(self.tensors)} tensors, {self.seconds * 1e3:.1f} ms, "
-            f"sent {self.bytes_sent} B in {self.messages_sent} msgs/{self.buffers_sent} bufs, "
-            f"received {self.bytes_received} B, local {self.bytes_local} B)"
+            f"sent {self.bytes_sent} B in {self.messages_sent} msgs/{self.buffers_sent} bufs "
+            f"({self.shm_bytes_sent} B by shm), received {self.bytes_received} B "
+            f"({self.shm_bytes_received} B by shm), local {self.bytes_local} B)"
         )
-
-
-def _describe(t: torch.Tensor) -> str:
-    contiguous = "" if t.is_contiguous() else ", non-contiguous"
-    return f"shape {tuple(t.shape)}, {t.dtype}, {t.device.type}{contiguous}"
-
-
-def _expected_shards(
-    specs: Sequence[TensorSpec], layout: Layout, rank: int
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """(local shard shape, dtype) of every tensor `rank` holds in `layout`, by name."""
-    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    if rank in layout:
-        for spec in specs:
-            box = layout.box(spec, rank)
-            if box is not None:
-                expected[spec.name] = (torch.Size(box_shape(box)), spec.dtype)
-    return expected
-
-
-def _check_shards(
-    tensors: Mapping[str, torch.Tensor],
-    specs: Sequence[TensorSpec],
-    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-    layout: Layout,
-    rank: int,
-    device_type: str,
-    what: str,
-) -> None:
-    """Raise TensorMismatchError unless `tensors` is exactly rank's shards in `layout`."""
-    by_name = None
-    if len(tensors) != len(expected) or any(name not in expected for name in tensors):
-        by_name = {s.name: s for s in specs}
-        for name in tensors:
-            if name not in expected:
-                why = (
-                    "is not a tensor of the plan"
-                    if name not in by_name
-                    else f"is not held by rank {rank} in the {what} layout {layout!r}"
-                )
-                raise TensorMismatchError(
-                    f"{what} tensor {name!r} {why}; pass exactly the rank's {what} shards"
-                )
-    for name, (shape, dtype) in expected.items():
-        t = tensors.get(name)
-        if t is None:
-            raise TensorMismatchError(
-                f"{what} tensor {name!r} is missing on rank {rank}: expected shape {tuple(shape)}, "
-                f"{dtype} ({len(tensors)} of {len(expected)} given)"
-            )
-        if not isinstance(t, torch.Tensor):
-            raise TensorMismatchError(f"{what} tensor {name!r} is a {type(t).__name__}")
-        ok = (
-            t.shape == shape
-            and t.dtype == dtype
-            and t.device.type == device_type
-            and t.is_contiguous()
-        )
-        if not ok:
-            raise TensorMismatchError(
-                f"{what} tensor {name!r} on rank {rank}: expected shape {tuple(shape)}, "
-                f"{dtype}, {device_type}, contiguous; got {_describe(t)}"
-            )
-
-
-def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[int, ...]]:
-    """Split a message's pieces into the buffers that carry them on the wire.
-
-    Every piece of at least ``min_bytes`` bytes travels as its own buffer; the
-    smaller ones share one buffer, which comes first. Each side then moves a
-    buffer straight from or into the tensor's storage when it is one contiguous
-    block there (zero copy), and through a staging buffer otherwise, so a piece is
-    copied only on the side where it is strided. Sender and receiver derive the
-    same groups from the plan alone.
-
-    Arguments:
-        plan: the ReshardPlan.
-        message: one of its Messages.
-        min_bytes: the size from which a piece gets its own buffer.
-
-    Returns:
-        Tuples of piece indices, one per buffer, in wire order (empty pieces left out).
-    """
-    small, large = [], []
-    for i, piece in enumerate(message.pieces):
-        nbytes = box_nbytes(piece.box, plan.specs[piece.tensor])
-        if nbytes >= min_bytes:
-            large.append((i,))
-        elif nbytes:
-            small.append(i)
-    return ([tuple(small)] if small else []) + large
 
 
 class Workspace:
@@ -203,103 +136,6 @@ class Workspace:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[kind] = buf
         return buf[:nbytes]
-
-
-#: (tensor name, offset, num_rows, row_elems, row_stride): a Region without its
-#: tensor, in elements of the tensor's dtype (see nereus_comm.pack.Region).
-_Slot = tuple[str, int, int, int, int]
-
-
-@dataclass(frozen=True)
-class _WireBuffer:
-    """One wire buffer: straight from/into a shard (direct) or a staging slice."""
-
-    peer: int
-    slots: tuple[_Slot, ...]
-    nbytes: int
-    direct: bool
-
-
-@dataclass(frozen=True)
-class _Program:
-    """Everything one rank's reshard derives from the plan alone, built once per
-    (plan, rank, direct_min_bytes): the plan's views, the layout's box arithmetic
-    and the wire grouping cost tens of ms per call on a 1,000-tensor state, the
-    same on every call."""
-
-    src_expected: dict[str, tuple[torch.Size, torch.dtype]]
-    dst_expected: dict[str, tuple[torch.Size, torch.dtype]]
-    sends: tuple[_WireBuffer, ...]
-    recvs: tuple[_WireBuffer, ...]
-    local_src: tuple[_Slot, ...]
-    local_dst: tuple[_Slot, ...]
-    bytes_local: int
-    messages_sent: int
-    messages_received: int
-    peers: frozenset[int]
-
-
-def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> _Slot:
-    off, rows, row, stride = local_region(spec, layout, rank, piece.box)
-    return (spec.name, off, rows, row, stride)
-
-
-def _slot_nbytes(slot: _Slot, itemsize: int) -> int:
-    return slot[2] * slot[3] * itemsize
-
-
-def _wire_buffers(plan, specs, messages, layout: Layout, rank: int, min_bytes: int, outgoing):
-    out = []
-    for m in messages:
-        peer = m.dst if outgoing else m.src
-        for group in wire_groups(plan, m, min_bytes):
-            slots = tuple(
-                _slot(specs[m.pieces[i].tensor], layout, rank, m.pieces[i]) for i in group
-            )
-            nbytes = sum(
-                _slot_nbytes(sl, specs[m.pieces[i].tensor].dtype.itemsize)
-                for sl, i in zip(slots, group)
-            )
-            _, _, rows, row, stride = slots[0]
-            direct = len(slots) == 1 and (rows <= 1 or row == 0 or stride == row)
-            out.append(_WireBuffer(peer, slots, nbytes, direct))
-    return tuple(out)
-
-
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _program(plan, rank: int, min_bytes: int) -> _Program:
-    """The cached _Program of (plan, rank, min_bytes); plans are immutable."""
-    per_plan = _PROGRAMS.setdefault(plan, {})
-    key = (rank, min_bytes)
-    prog = per_plan.get(key)
-    if prog is not None:
-        return prog
-    specs, src, dst = plan.specs, plan.src, plan.dst
-    # The destination may place tensors on other stages (plan_reshard's dst_specs).
-    dst_specs = getattr(plan, "dst_specs", specs)
-    involved = rank in src or rank in dst
-    sends = plan.sends(rank) if involved else []
-    recvs = plan.recvs(rank) if involved else []
-    local = plan.local_copies(rank) if involved else []
-    local_dst = tuple(_slot(dst_specs[p.tensor], dst, rank, p) for p in local)
-    prog = _Program(
-        src_expected=_expected_shards(specs, src, rank),
-        dst_expected=_expected_shards(dst_specs, dst, rank),
-        sends=_wire_buffers(plan, specs, sends, src, rank, min_bytes, outgoing=True),
-        recvs=_wire_buffers(plan, dst_specs, recvs, dst, rank, min_bytes, outgoing=False),
-        local_src=tuple(_slot(specs[p.tensor], src, rank, p) for p in local),
-        local_dst=local_dst,
-        bytes_local=sum(
-            _slot_nbytes(sl, dst_specs[p.tensor].dtype.itemsize) for sl, p in zip(local_dst, local)
-        ),
-        messages_sent=len(sends),
-        messages_received=len(recvs),
-        peers=frozenset(m.dst for m in sends) | frozenset(m.src for m in recvs),
-    )
-    per_plan[key] = prog
-    return prog
 
 
 def _region(slot: _Slot, tensors: Mapping[str, torch.Tensor]) -> Region:
@@ -335,6 +171,31 @@ def _stage(nbytes: int, workspace: Workspace | None, kind: str, device) -> torch
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+_SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shm_for(transport: Transport) -> ShmTransport:
+    """The ShmTransport of the transport's connections (one per process group)."""
+    key = transport.connection_key()
+    shm = _SHM.get(key)
+    if shm is None:
+        shm = _SHM[key] = ShmTransport(transport)
+    return shm
+
+
+def _by_peer(buffers, skip: frozenset[int]):
+    """(buffers through the transport, {shm peer: its slots in wire order})."""
+    if not skip:
+        return buffers, {}
+    rest, slots = [], {}
+    for b in buffers:
+        if b.peer in skip:
+            slots.setdefault(b.peer, []).extend(b.slots)
+        else:
+            rest.append(b)
+    return tuple(rest), slots
+
+
 def reshard(
     plan,
     rank: int,
@@ -345,6 +206,7 @@ def reshard(
     timeout: float = 60.0,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
     workspace: Workspace | None = None,
+    route: str = "auto",
 ) -> ReshardResult:
     """Move this rank's part of a reshard: local copies, pack, one batched exchange, unpack.
 
@@ -360,6 +222,12 @@ def reshard(
             :func:`wire_groups`).
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
+        route: "auto": peers on this host through shared memory (host memory only),
+            the others through ``transport``; "shm": every peer through shared
+            memory; "transport": every peer through ``transport``. The shared-memory
+            segments are set up over ``transport`` on first use (collective with the
+            peers) and reused by later calls over the same process group. Every rank
+            must pass the same route (and direct_min_bytes), as with the plan.
 
     Returns:
         The destination shards and what was measured.
@@ -367,17 +235,23 @@ def reshard(
     Raises:
         TensorMismatchError: a tensor is missing, unknown, or differs from its spec
             (shape vs its box, dtype, device, contiguity); raised before any byte moves.
-        TransportArgumentError: rank is not the transport's or a peer is unreachable;
-            raised before any byte moves.
+        TransportArgumentError: rank is not the transport's, a peer is unreachable,
+            an unknown route, or route="shm" with device memory or a peer that shared
+            memory cannot reach; raised before any byte moves.
         PeerTimeoutError: a peer did not complete within ``timeout`` (names the peer).
     """
-    from nereus_comm.transport import TransportArgumentError
-
+    if route not in ROUTES:
+        raise TransportArgumentError(f"route must be one of {ROUTES}, got {route!r}")
     if rank != transport.rank:
         raise TransportArgumentError(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
         )
     device_type = transport.device_type
+    if route == "shm" and device_type != "cpu":
+        raise TransportArgumentError(
+            f"route='shm' moves host memory, {transport!r} moves {device_type} memory; "
+            "use route='auto' or 'transport'"
+        )
     if workspace is not None and workspace.device.type != device_type:
         raise TransportArgumentError(
             f"the workspace holds {workspace.device} memory but {transport!r} moves "
@@ -385,10 +259,10 @@ def reshard(
         )
     # The plan resolved num_layers into each layout (src and dst may differ), so
     # every box query uses the layout's own.
-    prog = _program(plan, rank, direct_min_bytes)
+    prog = program(plan, rank, direct_min_bytes)
     specs, src, dst = plan.specs, plan.src, plan.dst
     dst_specs = getattr(plan, "dst_specs", specs)
-    _check_shards(tensors, specs, prog.src_expected, src, rank, device_type, "source")
+    check_shards(tensors, specs, prog.src_expected, src, rank, device_type, "source")
     reachable = set(transport.ranks)
     for peer in sorted(prog.peers):
         if peer not in reachable:
@@ -397,7 +271,7 @@ def reshard(
             )
     device = getattr(transport, "device", None) or torch.device(device_type)
     if out is not None:
-        _check_shards(out, dst_specs, prog.dst_expected, dst, rank, device_type, "destination")
+        check_shards(out, dst_specs, prog.dst_expected, dst, rank, device_type, "destination")
         dst_tensors = dict(out)
     else:
         dst_tensors = {
@@ -406,20 +280,50 @@ def reshard(
         }
 
     start = time.perf_counter()
-    send_stage = _stage(_staged_nbytes(prog.sends), workspace, "send", device)
-    recv_stage = _stage(_staged_nbytes(prog.recvs), workspace, "recv", device)
-    send_bufs, send_staged = _bind(prog.sends, tensors, send_stage)
-    recv_bufs, recv_staged = _bind(prog.recvs, dst_tensors, recv_stage)
+    deadline = time.monotonic() + timeout
+    shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
+    if route != "transport" and device_type == "cpu" and prog.peers:
+        shm = _shm_for(transport)
+        shm_sends, shm_recvs = shm.prepare(
+            prog.send_totals,
+            prog.recv_totals,
+            timeout=timeout,
+            require=route == "shm",
+            control=transport,
+        )
+    sends, shm_send_slots = _by_peer(prog.sends, shm_sends)
+    recvs, shm_recv_slots = _by_peer(prog.recvs, shm_recvs)
+    send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
+    recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
+    send_bufs, send_staged = _bind(sends, tensors, send_stage)
+    recv_bufs, recv_staged = _bind(recvs, dst_tensors, recv_stage)
     if send_staged:
         pack(send_staged, out=send_stage)
     packed_at = time.perf_counter()
 
-    # The local copies run while the bytes are on the wire.
+    # The local copies and the shared-memory messages run while the bytes are on the wire.
     pending = transport.start(send_bufs, recv_bufs, timeout=timeout)
+    for peer, slots in shm_send_slots.items():
+        # The pack is the send: straight from the shards into the peer's segment.
+        regions = [_region(sl, tensors) for sl in slots]
+        shm.send(
+            peer,
+            prog.send_totals[peer],
+            lambda view, regions=regions: pack(regions, out=view),
+            deadline=deadline,
+            timeout=timeout,
+        )
     if prog.local_src:
         copy_regions(
             [_region(sl, tensors) for sl in prog.local_src],
             [_region(sl, dst_tensors) for sl in prog.local_dst],
+        )
+    if shm_recv_slots:
+        shm.receive(
+            {p: prog.recv_totals[p] for p in shm_recv_slots},
+            lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
+            deadline=deadline,
+            timeout=timeout,
         )
     pending.wait()
     exchanged_at = time.perf_counter()
@@ -439,8 +343,10 @@ def reshard(
         messages_received=prog.messages_received,
         buffers_sent=sum(1 for b in prog.sends if b.nbytes),
         buffers_received=sum(1 for b in prog.recvs if b.nbytes),
-        staged_bytes_sent=send_stage.nbytes,
-        staged_bytes_received=recv_stage.nbytes,
+        staged_bytes_sent=_staged_nbytes(prog.sends),
+        staged_bytes_received=_staged_nbytes(prog.recvs),
+        shm_bytes_sent=sum(prog.send_totals[p] for p in shm_send_slots),
+        shm_bytes_received=sum(prog.recv_totals[p] for p in shm_recv_slots),
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,

@@ -11,6 +11,8 @@ listed, so sender and receiver must list them in the same order (a reshard
 plan's messages do). Empty buffers are skipped on both sides.
 
 - :class:`GlooTransport`: torch.distributed gloo (host memory).
+- :class:`~nereus_comm.transport_shm.ShmTransport`: shared-memory segments between
+  ranks on one host (host memory; reshard() picks it for same-host peers).
 - :class:`NcclTransport`: grouped ``ncclSend``/``ncclRecv`` through the native
   core on torch's current CUDA stream (device memory).
 """
@@ -174,6 +176,15 @@ class Transport(ABC):
     def close(self) -> None:  # noqa: B027  (optional hook: most transports own nothing)
         """Release what the transport owns (communicators); the transport is unusable after."""
 
+    def connection_key(self) -> object:
+        """An object that lives as long as this transport's connections.
+
+        Transports over the same connections share it (default: the transport
+        itself), so state bound to the connections (e.g. shared-memory segments)
+        can be cached by it, weakly, across transport objects.
+        """
+        return self
+
 
 class PendingExchange:
     """A posted batch of a transport; :meth:`wait` completes it (once)."""
@@ -305,6 +316,10 @@ class GlooTransport(Transport):
 
     def __repr__(self) -> str:
         return f"GlooTransport(rank={self.rank}, ranks={list(self.ranks)})"
+
+    def connection_key(self) -> object:
+        """The process group: transports built per call over one group share it."""
+        return self.group if self.group is not None else dist.group.WORLD
 
     def _post_one(self, kind: str, peer: int, chunk: torch.Tensor) -> dist.Work:
         if self._index is None:

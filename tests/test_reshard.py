@@ -3,7 +3,9 @@
 Random tensors (uneven shapes, fp32/bf16/int64, replicated and split, on
 pipeline stages) are resharded between random layout pairs over up to 4 ranks;
 every destination shard must equal (torch.equal) the slice of the full tensor,
-and the bytes and messages each rank moved must be exactly the plan's.
+and the bytes and messages each rank moved must be exactly the plan's. Cases
+alternate between the default route (shared memory: all ranks share this host)
+and route="transport" (everything through gloo).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import Workspace, reshard, shards_from_full
+from nereus_comm.reshard import _SHM, Workspace, reshard, shards_from_full
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
@@ -117,13 +119,16 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
         plan = plan_reshard(specs, src, dst, dst_specs=dst_specs if more else None)
         full = _full_state(specs, seed + k)
         mine = shards_from_full(full, specs, plan.src, rank)
-        before = transport.stats.bytes_sent, transport.stats.bytes_received
+        shm = _SHM.get(transport.connection_key())
+        before = _moved_so_far(transport, shm)
         # Every other case reuses one workspace (staging buffers of earlier cases).
         ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
         # Every third case sends every non-empty piece as its own buffer (direct
         # where contiguous), as the default does for pieces of >= 512 KiB.
         direct = {"direct_min_bytes": 1} if k % 3 == 0 else {}
-        res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, **direct)
+        route = "auto" if k % 2 == 0 else "transport"
+        res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, route=route, **direct)
+        after = _moved_so_far(transport, _SHM.get(transport.connection_key()))
         want = shards_from_full(full, dst_specs, plan.dst, rank)
         involved = rank in plan.src or rank in plan.dst
         sends = plan.sends(rank) if involved else []
@@ -135,8 +140,11 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
                 "bytes_sent": res.bytes_sent,
                 "bytes_received": res.bytes_received,
                 "bytes_local": res.bytes_local,
-                "wire_sent": transport.stats.bytes_sent - before[0],
-                "wire_received": transport.stats.bytes_received - before[1],
+                "wire_sent": after[0] - before[0],
+                "wire_received": after[1] - before[1],
+                # Every rank is on this host: the default route is all shared memory.
+                "shm": (res.shm_bytes_sent, res.shm_bytes_received),
+                "want_shm": (res.bytes_sent, res.bytes_received) if route == "auto" else (0, 0),
                 "plan_sent": sum(m.nbytes for m in sends),
                 "plan_received": sum(m.nbytes for m in recvs),
                 "msgs": (res.messages_sent, res.messages_received),
@@ -147,6 +155,15 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
             }
         )
     return out
+
+
+def _moved_so_far(transport: GlooTransport, shm) -> tuple[int, int]:
+    """Data bytes sent and received through gloo and shared memory (not setup records)."""
+    sent, received = transport.stats.bytes_sent, transport.stats.bytes_received
+    if shm is not None:
+        sent += shm.stats.bytes_sent - shm.setup_bytes
+        received += shm.stats.bytes_received - shm.setup_bytes
+    return sent, received
 
 
 def _check(results_by_rank: list[list[dict]], cases) -> None:
@@ -161,6 +178,7 @@ def _check(results_by_rank: list[list[dict]], cases) -> None:
             assert row["bytes_received"] == row["plan_received"] == row["wire_received"], where
             assert row["msgs"] == row["plan_msgs"], where
             assert row["buffers_ok"], where
+            assert row["shm"] == row["want_shm"], where
         total, local, num_messages = rows[0]["stats"]
         assert sum(row["bytes_sent"] for row in rows) == total, where
         assert sum(row["bytes_received"] for row in rows) == total, where
@@ -196,10 +214,13 @@ def _large_pieces(ctx: WorkerContext) -> dict:
     # Two calls with the same plan (its derived buffers are cached per plan and rank)
     # and different tensors: the second must move the second state's bytes.
     first = _full_state(specs, 4)
-    again = reshard(plan, ctx.rank, shards_from_full(first, specs, src, ctx.rank), transport)
+    # Through gloo: the wire buffers are what this test checks.
+    again = reshard(
+        plan, ctx.rank, shards_from_full(first, specs, src, ctx.rank), transport, route="transport"
+    )
     full = _full_state(specs, 5)
     mine = shards_from_full(full, specs, src, ctx.rank)
-    res = reshard(plan, ctx.rank, mine, transport, direct_min_bytes=SMALL)
+    res = reshard(plan, ctx.rank, mine, transport, direct_min_bytes=SMALL, route="transport")
     want = shards_from_full(full, specs, dst, ctx.rank)
     want_first = shards_from_full(first, specs, dst, ctx.rank)
     # Pieces of >= direct_min_bytes get their own buffer; the rest of a message share one.
