@@ -422,25 +422,31 @@ def longest_path(
     Returns:
         ``(seconds, [pid, ...])`` in execution order.
     """
-    dur = dict(durations) if isinstance(durations, Mapping) else dict(enumerate(durations))
+    n = len(dag.primitives)
+    if isinstance(durations, Mapping):
+        dur = [durations[i] for i in range(n)]
+    else:
+        dur = durations if isinstance(durations, list) else list(durations)
+    if not n:
+        return 0.0, []
     preds = dag.preds()
     order = topo_order(dag)
-    finish: dict[int, float] = {}
-    via: dict[int, int] = {}
+    finish = [0.0] * n
+    via = [-1] * n
+    end, end_t = -1, -1.0
     for p in order:
         best, arg = 0.0, -1
         for q in preds[p]:
             if finish[q] > best:
                 best, arg = finish[q], q
-        finish[p] = best + dur[p]
+        t = finish[p] = best + dur[p]
         via[p] = arg
-    if not finish:
-        return 0.0, []
-    end = max(finish, key=lambda k: finish[k])
+        if t > end_t:  # the first primitive (in topological order) that ends last
+            end, end_t = p, t
     path = [end]
     while via[path[-1]] >= 0:
         path.append(via[path[-1]])
-    return finish[end], path[::-1]
+    return end_t, path[::-1]
 
 
 def predicted_completion_time(
@@ -464,12 +470,23 @@ def predicted_completion_time(
 def topo_order(dag: TransitionDAG) -> list[int]:
     """A topological order of ``dag`` (Kahn, smallest safe-order position first).
 
+    When ``dag.order`` is itself topological (as the compiler's always is), Kahn's
+    algorithm with that tie-break returns it unchanged, so it is checked in one pass
+    over the edges and returned without the heap.
+
     Raises:
         UnsafeDAGError: the DAG has a cycle; the message names the primitives on it.
     """
     import heapq
 
     n = len(dag.primitives)
+    if len(dag.order) == n:
+        pos = [-1] * n
+        for i, p in enumerate(dag.order):
+            if 0 <= p < n:
+                pos[p] = i
+        if -1 not in pos and all(pos[e.src] < pos[e.dst] for e in dag.edges):
+            return list(dag.order)
     rank = {p: i for i, p in enumerate(dag.order)} if len(dag.order) == n else {}
     preds = dag.preds()
     succs = dag.succs()

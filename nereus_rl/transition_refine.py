@@ -286,28 +286,40 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
     for p in reversed(order):
         tail[p] = durations[p] + max((tail[q] for q in dsuccs[p]), default=0.0)
     bound = max((head[p] + tail[p] for p in range(n)), default=0.0)
+    # Free memory and held slots before the transition, on the devices some primitive
+    # acquires (no other device can block an acquisition).
+    want = {d for prim in prims for d, _ in prim.acquire}
+    if not want:
+        return bound
     mem = dict(dag.unit_bytes)
     if isinstance(dag.capacity, Mapping):
-        free = {d: capacity_of(dag.capacity, d) for d in dag.devices}
+        free = {d: capacity_of(dag.capacity, d) for d in dag.devices if d in want}
     else:
-        free = dict.fromkeys(dag.devices, float(dag.capacity))
+        free = {d: float(dag.capacity) for d in dag.devices if d in want}
     held: set[tuple[str, int]] = set()
     for u in dag.current.units:
-        m = mem[u.uid]
+        m = None
         for d in u.devices:
             if d in free:
+                if m is None:
+                    m = mem[u.uid]
                 free[d] -= m
                 if dag.stage_slots:
                     held.add((u.stage, d))
     # Primitives whose acquisition does not fit before the transition, and where.
     blocked: list[tuple[int, list[object]]] = []
     for p, prim in enumerate(prims):
-        if not prim.acquire:
+        acq = prim.acquire
+        if not acq:
             continue
-        need: dict[int, float] = {}
-        for d, a in prim.acquire:
-            need[d] = need.get(d, 0.0) + a
-        short: list[object] = [d for d, a in need.items() if a > free[d] + _TOL]
+        if len(acq) == 1:
+            d, a = acq[0]
+            short: list[object] = [d] if a > free[d] + _TOL else []
+        else:
+            need: dict[int, float] = {}
+            for d, a in acq:
+                need[d] = need.get(d, 0.0) + a
+            short = [d for d, a in need.items() if a > free[d] + _TOL]
         if held:
             short += [s for s in dag.slots_acquired(prim) if s in held]
         if short:
@@ -320,6 +332,8 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
     # releases there itself still sees another's.
     first: dict[object, list[tuple[float, int]]] = {}
     for q, prim in enumerate(prims):
+        if not prim.release and not want_slots:
+            continue
         rel: set[object] = {d for d, _ in prim.release if d in wanted}
         if want_slots:
             rel.update(s for s in dag.slots_released(prim) if s in wanted)
