@@ -126,11 +126,12 @@ class Placement:
             the placement with one unit per (stage, dp index).
         """
         units = []
+        new = tuple.__new__  # Unit's own __new__ adds a Python call per unit
         for sp in plan.stages:
-            for i, devs in enumerate(sp.units):
-                units.append(
-                    Unit(f"{sp.stage}#{i}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs)
-                )
+            fields = (sp.stage, sp.model, sp.trains, sp.tp, sp.pp)
+            units += [
+                new(Unit, (f"{sp.stage}#{i}", *fields, devs)) for i, devs in enumerate(sp.units)
+            ]
         return Placement(tuple(units))
 
     def stage_units(self, stage: str) -> tuple[Unit, ...]:
@@ -238,11 +239,19 @@ class Primitive(NamedTuple):
 
     def slots_acquired(self) -> tuple[tuple[str, int], ...]:
         """(stage, device) slots this primitive takes: output devices its inputs do not hold."""
+        if not self.outputs:
+            return ()
+        if not self.inputs:  # an extend: every device of the new unit
+            return tuple((u.stage, d) for u in self.outputs for d in u.devices)
         held = {d for u in self.inputs for d in u.devices}
         return tuple((u.stage, d) for u in self.outputs for d in u.devices if d not in held)
 
     def slots_released(self) -> tuple[tuple[str, int], ...]:
         """(stage, device) slots freed at the end: input devices no output keeps."""
+        if not self.inputs:
+            return ()
+        if not self.outputs:  # a destroy: every device of the unit
+            return tuple((u.stage, d) for u in self.inputs for d in u.devices)
         kept = {d for u in self.outputs for d in u.devices}
         return tuple((u.stage, d) for u in self.inputs for d in u.devices if d not in kept)
 

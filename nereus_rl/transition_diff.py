@@ -130,6 +130,7 @@ def diff_plans(
                 )
 
     cur_uids = {u.uid for u in cur.units}
+    new_unit = tuple.__new__  # Unit's own __new__ adds a Python call per unit
     kept: list[Unit] = []
     splits: list[tuple[Unit, tuple[Unit, Unit]]] = []
     merges: list[tuple[tuple[Unit, Unit], Unit]] = []
@@ -154,58 +155,68 @@ def diff_plans(
                 todo.append(devs)
         rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
         nxt = 0  # new units are "<stage>#<k>", the smallest k no current unit uses
+        fields = (sp.stage, sp.model, sp.trains, sp.tp, sp.pp)
         new: list[Unit] = []
         for devs in todo:
             while f"{sp.stage}#{nxt}" in cur_uids:
                 nxt += 1
-            new.append(Unit(f"{sp.stage}#{nxt}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs))
+            new.append(new_unit(Unit, (f"{sp.stage}#{nxt}", *fields, devs)))
             nxt += 1
         final.extend(new)
 
         # Relayout in place: same device set, other layout.
-        by_set = {frozenset(u.devices): u for u in rem}
-        left: list[Unit] = []
-        for t in new:
-            u = by_set.get(frozenset(t.devices))
-            if u is not None and len(u.devices) % 2 == 0:
-                del by_set[frozenset(u.devices)]
-                tp, pp = _half_layout(u)
-                k = len(u.devices) // 2
-                ha = Unit(f"{u.uid}a", u.stage, u.model, u.trains, tp, pp, u.devices[:k])
-                hb = Unit(f"{u.uid}b", u.stage, u.model, u.trains, tp, pp, u.devices[k:])
-                relayouts.append((u, (ha, hb), t))
-            else:
-                left.append(t)
-        rem = list(by_set.values())
-        new = left
+        if rem:
+            by_set = {frozenset(u.devices): u for u in rem}
+            left: list[Unit] = []
+            for t in new:
+                u = by_set.get(frozenset(t.devices))
+                if u is not None and len(u.devices) % 2 == 0:
+                    del by_set[frozenset(u.devices)]
+                    tp, pp = _half_layout(u)
+                    k = len(u.devices) // 2
+                    ha = Unit(f"{u.uid}a", u.stage, u.model, u.trains, tp, pp, u.devices[:k])
+                    hb = Unit(f"{u.uid}b", u.stage, u.model, u.trains, tp, pp, u.devices[k:])
+                    relayouts.append((u, (ha, hb), t))
+                else:
+                    left.append(t)
+            rem = list(by_set.values())
+            new = left
 
-        # Merge: two current units whose devices make up one target unit.
-        dev_u = {d: u for u in rem for d in u.devices}
-        left = []
-        for t in new:
-            halves = _halves(t.devices, dev_u)
-            if halves is None:
-                left.append(t)
-                continue
-            merges.append((halves, t))
-            for d in t.devices:
-                del dev_u[d]
-        new = left
-        rem = [u for u in rem if u.devices[0] in dev_u]
+        # Merge: two current units whose devices make up one target unit. A target unit
+        # has tp * pp distinct devices, so only a current unit half that size can merge.
+        size = sp.tp * sp.pp
+        if new and any(2 * len(u.devices) == size for u in rem):
+            dev_u = {d: u for u in rem for d in u.devices}
+            left = []
+            for t in new:
+                halves = _halves(t.devices, dev_u)
+                if halves is None:
+                    left.append(t)
+                    continue
+                merges.append((halves, t))
+                for d in t.devices:
+                    del dev_u[d]
+            new = left
+            rem = [u for u in rem if u.devices[0] in dev_u]
 
-        # Split: one current unit whose devices make up two target units.
-        dev_t = {d: t for t in new for d in t.devices}
-        left_u = []
-        for u in rem:
-            halves = _halves(u.devices, dev_t)
-            if halves is None:
-                left_u.append(u)
-                continue
-            splits.append((u, halves))
-            for d in u.devices:
-                del dev_t[d]
-        extends.extend(t for t in new if t.devices[0] in dev_t)
-        destroys.extend(left_u)
+        # Split: one current unit whose devices make up two target units (so it has at
+        # least twice their size).
+        if new and any(len(u.devices) >= 2 * size for u in rem):
+            dev_t = {d: t for t in new for d in t.devices}
+            left_u = []
+            for u in rem:
+                halves = _halves(u.devices, dev_t)
+                if halves is None:
+                    left_u.append(u)
+                    continue
+                splits.append((u, halves))
+                for d in u.devices:
+                    del dev_t[d]
+            extends.extend(t for t in new if t.devices[0] in dev_t)
+            destroys.extend(left_u)
+        else:
+            extends.extend(new)
+            destroys.extend(rem)
     for rest_units in by_stage.values():  # stages the target drops
         destroys.extend(rest_units)
 

@@ -230,15 +230,22 @@ def fund_acquisition(
     """
     if need <= _TOL:
         return a_bits
-    for pass_ in range(3):
-        for e in entries:
-            f, rem = int(e[0]), e[1]
-            if rem <= _TOL:
-                continue
-            if pass_ == 0 and f != -1:
-                continue
-            if pass_ == 1 and (f == -1 or not (a_bits >> f) & 1):
-                continue
+    # One scan sorts the live entries into the three passes (list order within each).
+    # Entries of the last pass can become ancestors as edges are added, which then
+    # need no edge of their own.
+    free, ancestral, rest = [], [], []
+    for e in entries:
+        if e[1] > _TOL:
+            f = e[0]
+            if f == -1:
+                free.append(e)
+            elif (a_bits >> f) & 1:
+                ancestral.append(e)
+            else:
+                rest.append(e)
+    for group in (free, ancestral, rest):
+        for e in group:
+            f, rem = e[0], e[1]
             take = min(rem, need)
             e[1] = rem - take
             need -= take
