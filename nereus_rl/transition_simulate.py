@@ -15,21 +15,20 @@ device within capacity and gives no stage slot to two units. All edges point
 forward in the simulated order, so the DAG is acyclic by construction.
 
 Speed. Planning runs inside the trainer's control loop and at cluster scale
-(thousands of units), so the simulation keeps its state in flat indexes that
-make each step local to the devices and states a primitive touches: live
-holders of each state by preference class (insertion-ordered, for O(1)
-round-robin), the owner of each stage slot, the units on each device, and per
-device the list of unspent releases. Ancestor sets are integer bit sets. Stage
-slots are derived once per primitive from its kind (an extend takes every
-device of its new unit, a destroy frees every device of its unit, an in-place
-split or merge only the devices its halves do not share). None of this changes
-what is computed: the DAG is the one the straightforward simulation gives.
+(thousands of units), so each step of the simulation is local to the devices
+and states the primitive touches: the live units are indexed by state and
+preference class, stage slot and device (:mod:`nereus_rl.transition_holders`),
+and only devices some primitive acquires or releases are indexed at all; each
+device keeps the list of its unspent releases; ancestor sets are integer bit
+sets; a primitive's stage slots follow from its shape (an extend takes every
+device of its new unit, a destroy frees every device of its unit). None of this
+changes what is computed: the DAG is the one the plain simulation gives (tests
+pin it to fingerprints recorded before these changes).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from itertools import repeat
 
 from nereus_rl.globalplan import GlobalPlan
@@ -46,12 +45,11 @@ from nereus_rl.transition import (
     capacity_of,
 )
 from nereus_rl.transition_diff import TransitionDiff
+from nereus_rl.transition_holders import Holders
 from nereus_rl.transition_refine import fund_acquisition
 
 _TOL = 1e-3  # bytes: slack for float sums of memory
 _KIND_RANK = {"split": 0, "merge": 1, "extend": 2}
-
-Groups = tuple[OrderedDict, OrderedDict, OrderedDict, OrderedDict]
 
 
 class Simulation:
@@ -207,6 +205,52 @@ class Simulation:
         acquirers.sort(key=lambda p: (rank[prims[p].stage], _KIND_RANK[prims[p].kind], p))
         return lost_pids, acquirers
 
+    def _start(self) -> None:
+        """The simulation's state before the first primitive: the current units live."""
+        diff = self.diff
+        n = len(self.prims)
+        self.edges: list[Edge] = []
+        self.edge_set: set[tuple[int, int]] = set()
+        self.in_preds: list[list[int]] = [[] for _ in range(n)]
+        self.anc = [0] * n  # ancestor bit sets
+        self.order: list[int] = []
+        self.done: set[int] = set()
+        self.funding: list[Funding] = []
+        self.anchors: list[tuple[int, tuple[str, str], str]] = []
+        self.early: list[tuple[int, int]] = []
+        self.creator: dict[str, int] = {}
+        self.slot_free_by: dict[tuple[str, int], int] = {}
+        model_stages: dict[str, list[str]] = {}
+        pairs = dict.fromkeys((u.model, u.stage) for u in self.cur.units)
+        pairs.update(dict.fromkeys((u.model, u.stage) for u in diff.target.units))
+        for model, stage in pairs:
+            model_stages.setdefault(model, []).append(stage)
+        for ms in model_stages.values():
+            ms.sort(key=self.rank.__getitem__)
+        # Devices some primitive acquires or releases: those of the units consumed or
+        # created (split, merge and relayout outputs sit on their inputs' devices). No
+        # other device's memory, slots or units are ever looked at.
+        touched: set[int] = set()
+        for group in (diff.lost, diff.extends, diff.destroys):
+            for u in group:
+                touched.update(u.devices)
+        for u, _ in diff.splits:
+            touched.update(u.devices)
+        for u, _, _ in diff.relayouts:
+            touched.update(u.devices)
+        for (a, b), _ in diff.merges:
+            touched.update(a.devices)
+            touched.update(b.devices)
+        cap, used = self.cap, self.used
+        # Per device, [funder, bytes left]: memory free before (-1), then releases.
+        self.funds = {d: [[-1, cap[d] - used[d]]] for d in touched if d in cap}
+        final = {u.uid for u in diff.target.units}
+        self.holders = Holders(self.consumer, final, model_stages, touched, self.lostdev)
+        self.live, self.slot = self.holders.live, self.holders.slot
+        self.dev_units = self.holders.dev_units
+        lost_uids = {u.uid for u in diff.lost}
+        self.holders.add_current(u for u in self.cur.units if u.uid not in lost_uids)
+
     def run(self) -> TransitionDAG:
         """Simulate the transition and return the compiled (unrefined) DAG.
 
@@ -215,39 +259,7 @@ class Simulation:
                 order reaches the target without overfilling a device.
         """
         lost_pids, acquirers = self._build()
-        diff = self.diff
-        n = len(self.prims)
-        self.edges: list[Edge] = []
-        self.edge_set: set[tuple[int, int]] = set()
-        self.in_preds: list[list[int]] = [[] for _ in range(n)]
-        self.anc = [0] * n
-        self.order: list[int] = []
-        self.done: set[int] = set()
-        self.funding: list[Funding] = []
-        self.anchors: list[tuple[int, tuple[str, str], str]] = []
-        self.early: list[tuple[int, int]] = []
-        cap, used = self.cap, self.used
-        self.funds: dict[int, list[list[float]]] = {d: [[-1, cap[d] - used[d]]] for d in self.exist}
-        self.final = {u.uid for u in diff.target.units}
-        self.creator: dict[str, int] = {}
-        self.live: dict[str, Unit] = {}
-        self.live_cat: dict[str, tuple[int, int]] = {}
-        self._group_cache: dict[tuple[str, str, bool], tuple[tuple[Groups, Groups], ...]] = {}
-        # Live holders of each state by preference class (OrderedDicts: O(1) round-robin).
-        self.src_groups: dict[tuple[tuple[str, str], str], Groups] = {}
-        self.anchor_groups: dict[tuple[str, str], Groups] = {}
-        self.model_stages: dict[str, list[str]] = {}
-        pairs = dict.fromkeys((u.model, u.stage) for u in self.cur.units)
-        pairs.update(dict.fromkeys((u.model, u.stage) for u in diff.target.units))
-        for model, stage in pairs:
-            self.model_stages.setdefault(model, []).append(stage)
-        for ms in self.model_stages.values():
-            ms.sort(key=self.rank.__getitem__)
-        self.slot: dict[tuple[str, int], str] = {}
-        self.slot_free_by: dict[tuple[str, int], int] = {}
-        self.dev_units: dict[int, dict[str, None]] = {d: {} for d in self.exist}
-        lost_uids = {u.uid for u in diff.lost}
-        self._add_current(u for u in self.cur.units if u.uid not in lost_uids)
+        self._start()
         for p in lost_pids:  # their surviving devices are freed at once
             self._run(p)
 
@@ -263,7 +275,7 @@ class Simulation:
             if len(blocked) == len(pending):
                 self._unblock(blocked)
             pending = blocked
-        prims, rank, done = self.prims, self.rank, self.done
+        diff, prims, rank, done = self.diff, self.prims, self.rank, self.done
         for p in sorted(self.destroy_of.values(), key=lambda q: (rank[prims[q].stage], q)):
             if p not in done:
                 assert self._destroy_ok(p) is not None, "final holders exist for every state"
@@ -284,120 +296,7 @@ class Simulation:
             stage_slots=self.stage_slots,
         )
 
-    # -- liveness ----------------------------------------------------------
-    def _add_current(self, units: Iterable[Unit]) -> None:
-        """:meth:`_add_live` for the units live before the transition (none is created)."""
-        live, live_cat, consumer, final = self.live, self.live_cat, self.consumer, self.final
-        cache, slot, dev_units = self._group_cache, self.slot, self.dev_units
-        lostdev = self.lostdev
-        for u in units:
-            uid = u.uid
-            live[uid] = u
-            consumed = uid in consumer
-            anchor_cat = 0 if uid in final else 2 if consumed else 3
-            live_cat[uid] = (consumed, anchor_cat)
-            groups = cache.get((u.model, u.stage, u.trains))
-            if groups is None:
-                groups = self._groups(u)
-            for sg, ag in groups:
-                sg[consumed][uid] = None
-                ag[anchor_cat][uid] = None
-            stage = u.stage
-            if lostdev:
-                for d in u.devices:
-                    slot[(stage, d)] = uid
-                    du = dev_units.get(d)
-                    if du is not None:
-                        du[uid] = None
-            else:
-                for d in u.devices:
-                    slot[(stage, d)] = uid
-                    dev_units[d][uid] = None
-
-    def _add_live(self, u: Unit) -> None:
-        uid = u.uid
-        self.live[uid] = u
-        created = uid in self.creator
-        consumed = uid in self.consumer
-        src_cat = 2 * created + consumed
-        if uid in self.final:
-            anchor_cat = 1 if created else 0
-        else:
-            anchor_cat = 2 if consumed else 3
-        self.live_cat[uid] = (src_cat, anchor_cat)
-        key = (u.model, u.stage, u.trains)
-        groups = self._group_cache.get(key)
-        if groups is None:
-            groups = self._groups(u)
-        for sg, ag in groups:
-            sg[src_cat][uid] = None
-            ag[anchor_cat][uid] = None
-        # Per-device indexes (who holds a stage slot, which units sit on a device) keep
-        # the blocked-acquisition search local to the devices involved.
-        stage, slot, dev_units = u.stage, self.slot, self.dev_units
-        if self.lostdev:  # units on lost devices keep their other devices' slots only
-            for d in u.devices:
-                slot[(stage, d)] = uid
-                du = dev_units.get(d)
-                if du is not None:
-                    du[uid] = None
-        else:
-            for d in u.devices:
-                slot[(stage, d)] = uid
-                dev_units[d][uid] = None
-
-    def _groups(self, u: Unit) -> tuple[tuple[Groups, Groups], ...]:
-        """Per state of ``u``: its source groups (by stage) and its anchor groups."""
-        key = (u.model, u.stage, u.trains)
-        pairs = []
-        for s in u.states:
-            sg = self.src_groups.get((s, u.stage))
-            if sg is None:
-                sg = self.src_groups[(s, u.stage)] = tuple(OrderedDict() for _ in range(4))
-            ag = self.anchor_groups.get(s)
-            if ag is None:
-                ag = self.anchor_groups[s] = tuple(OrderedDict() for _ in range(4))
-            pairs.append((sg, ag))
-        out = self._group_cache[key] = tuple(pairs)
-        return out
-
-    def _drop_live(self, u: Unit) -> None:
-        uid = u.uid
-        del self.live[uid]
-        src_cat, anchor_cat = self.live_cat.pop(uid)  # the groups _add_live put it in
-        for sg, ag in self._group_cache[(u.model, u.stage, u.trains)]:
-            del sg[src_cat][uid]
-            del ag[anchor_cat][uid]
-        stage, slot, dev_units = u.stage, self.slot, self.dev_units
-        for d in u.devices:
-            if slot.get((stage, d)) == uid:
-                del slot[(stage, d)]
-            du = dev_units.get(d)
-            if du is not None:
-                du.pop(uid, None)
-
     # -- readiness ---------------------------------------------------------
-    def _pick_source(self, t: Unit, commit: bool = False) -> str | None:
-        """Copy source for ``t``: an original unit before a created one, one that stays
-        before one about to be split or merged, the same stage before another stage of
-        the same model (weights only), round-robin within each group."""
-        if t.trains:
-            key, stages = ("optimizer", t.stage), (t.stage,)
-        else:
-            key = ("weights", t.model)
-            stages = (t.stage, *(x for x in self.model_stages[t.model] if x != t.stage))
-        src_groups = self.src_groups
-        for cat in range(4):
-            for st in stages:
-                groups = src_groups.get((key, st))
-                if groups and groups[cat]:
-                    g = groups[cat]
-                    uid = next(iter(g))
-                    if commit:  # round-robin: the next extend prefers another source
-                        g.move_to_end(uid)
-                    return uid
-        return None
-
     def _ready(self, p: int) -> bool:
         used, cap = self.used, self.cap
         prim = self.prims[p]
@@ -413,31 +312,12 @@ class Simulation:
             live = self.live
             return all(u.uid in live for u in prim.inputs)
         if kind == "extend":
-            return self._pick_source(prim.outputs[0]) is not None
+            return self.holders.pick_source(prim.outputs[0]) is not None
         return True
 
     def _destroy_ok(self, p: int) -> list[tuple[tuple[str, str], str]] | None:
-        """Anchors keeping each state of the destroyed unit alive; None for a last holder.
-
-        Preference: a unit that stays, then a created target unit, then one whose state
-        moves on through a split or merge, then one destroyed later (which gets an edge).
-        """
-        u = self.prims[p].inputs[0]
-        uid = u.uid
-        out = []
-        for s in u.states:
-            best = None
-            for g in self.anchor_groups.get(s, ()):
-                for other in g:
-                    if other != uid:
-                        best = other
-                        break
-                if best is not None:
-                    break
-            if best is None:
-                return None
-            out.append((s, best))
-        return out
+        """Anchors keeping each state of the destroyed unit alive; None for a last holder."""
+        return self.holders.anchors(self.prims[p].inputs[0])
 
     def _destroy_for(self, uid: str) -> int | None:
         q = self.destroy_of.get(uid)
@@ -514,7 +394,7 @@ class Simulation:
         # data edges into p
         if kind == "extend":
             t = prim.outputs[0]
-            src_uid = self._pick_source(t, commit=True)
+            src_uid = self.holders.pick_source(t, commit=True)
             assert src_uid is not None
             src = self.live[src_uid]
             prim = self.prims[p] = tuple.__new__(Primitive, (*prim[:5], src, *prim[6:]))
@@ -571,13 +451,14 @@ class Simulation:
                 anc |= anc_of[f] | (1 << f)
         anc_of[p] = anc
         # effects
-        live = self.live
+        holders = self.holders
+        live = holders.live
         for u in prim.inputs:
             if u.uid in live:
-                self._drop_live(u)
+                holders.drop(u)
         for u in prim.outputs:
             creator[u.uid] = p
-            self._add_live(u)
+            holders.add_created(u)
         for d, r in prim.release:
             used[d] -= r
             funds[d].append([p, r])
