@@ -31,6 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from nereus_rl.globalplan import GlobalPlan, fmt_devices
@@ -100,6 +103,10 @@ class Unit(NamedTuple):
         return f"{self.uid}(tp{self.tp}pp{self.pp}@{fmt_devices(self.devices)})"
 
 
+_DEVICES = attrgetter("devices")
+_UID = attrgetter("uid")
+
+
 @dataclass(frozen=True)
 class Placement:
     """The live units of a job: what a GlobalPlan looks like once it runs."""
@@ -107,7 +114,7 @@ class Placement:
     units: tuple[Unit, ...]
 
     def __post_init__(self) -> None:
-        uids = [u.uid for u in self.units]
+        uids = list(map(_UID, self.units))
         if len(set(uids)) == len(uids):
             return
         seen: set[str] = set()
@@ -125,13 +132,12 @@ class Placement:
         Returns:
             the placement with one unit per (stage, dp index).
         """
-        units = []
-        new = tuple.__new__  # Unit's own __new__ adds a Python call per unit
+        units: list[Unit] = []
+        make = partial(tuple.__new__, Unit)  # no Python-level call per unit
         for sp in plan.stages:
-            fields = (sp.stage, sp.model, sp.trains, sp.tp, sp.pp)
-            units += [
-                new(Unit, (f"{sp.stage}#{i}", *fields, devs)) for i, devs in enumerate(sp.units)
-            ]
+            uids = map(f"{sp.stage}#".__add__, map(str, range(len(sp.units))))
+            same = (repeat(x) for x in (sp.stage, sp.model, sp.trains, sp.tp, sp.pp))
+            units += map(make, zip(uids, *same, sp.units))
         return Placement(tuple(units))
 
     def stage_units(self, stage: str) -> tuple[Unit, ...]:
@@ -139,7 +145,7 @@ class Placement:
 
     @property
     def devices(self) -> frozenset[int]:
-        return frozenset(d for u in self.units for d in u.devices)
+        return frozenset(chain.from_iterable(map(_DEVICES, self.units)))
 
     def layout_key(self) -> dict[str, list[tuple[int, int, tuple[int, ...]]]]:
         """Per stage, the sorted layouts of its units: equal keys mean the same placement."""

@@ -84,14 +84,15 @@ def compile_transition(
     """
     cur = current if isinstance(current, Placement) else Placement.from_plan(current)
     lost_set = frozenset(lost_devices)
-    after = (frozenset(devices) if devices is not None else cur.devices | target.devices) - lost_set
+    cur_devices, target_devices = cur.devices, target.devices
+    after = (frozenset(devices) if devices is not None else cur_devices | target_devices) - lost_set
     # Devices that leave gracefully still hold their units until those are destroyed.
-    exist = after | (cur.devices - lost_set)
-    missing = sorted(target.devices - after)
+    exist = after | (cur_devices - lost_set)
+    missing = sorted(target_devices - after)
     if missing:
         stages = [sp.stage for sp in target.stages if sp.devices.intersection(missing)]
         raise InfeasibleTargetError(
-            f"target plan needs {len(target.devices)} devices but devices "
+            f"target plan needs {len(target_devices)} devices but devices "
             f"{fmt_devices(missing)} (used by {stages}) do not exist or are lost; "
             f"{len(after)} devices exist ({fmt_devices(sorted(after))}): plan over those"
         )

@@ -145,6 +145,7 @@ def diff_plans(
     for sp in target.stages:
         rem = by_stage.pop(sp.stage, [])
         by_layout = {(u.tp, u.pp, u.devices): u for u in rem}
+        distinct = len(by_layout) == len(rem)
         todo: list[tuple[int, ...]] = []
         for devs in sp.units:
             u = by_layout.pop((sp.tp, sp.pp, devs), None)
@@ -153,7 +154,10 @@ def diff_plans(
                 final.append(u)
             else:
                 todo.append(devs)
-        rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
+        if distinct:  # no two units share a layout: the ones not kept, in order
+            rem = list(by_layout.values())
+        else:
+            rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
         nxt = 0  # new units are "<stage>#<k>", the smallest k no current unit uses
         fields = (sp.stage, sp.model, sp.trains, sp.tp, sp.pp)
         new: list[Unit] = []

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
+from operator import add, attrgetter
 
 from nereus_rl.transition import (
     Edge,
@@ -291,25 +293,31 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
                 head[p] = head[q] + durations[q]
     tail = [0.0] * n  # own duration plus the longest data path after it
     for p in reversed(order):
-        tail[p] = durations[p] + max((tail[q] for q in dsuccs[p]), default=0.0)
-    bound = max((head[p] + tail[p] for p in range(n)), default=0.0)
+        longest = 0.0
+        for q in dsuccs[p]:
+            if tail[q] > longest:
+                longest = tail[q]
+        tail[p] = durations[p] + longest
+    bound = max(map(add, head, tail), default=0.0)
     # Free memory and held slots before the transition, on the devices some primitive
     # acquires (no other device can block an acquisition).
-    want = {d for prim in prims for d, _ in prim.acquire}
+    want = dict(chain.from_iterable(map(attrgetter("acquire"), prims)))  # device -> bytes
     if not want:
         return bound
     mem = dict(dag.unit_bytes)
+    devices = dag.devices
     if isinstance(dag.capacity, Mapping):
-        free = {d: capacity_of(dag.capacity, d) for d in dag.devices if d in want}
+        free = {d: capacity_of(dag.capacity, d) for d in want if d in devices}
     else:
-        free = {d: float(dag.capacity) for d in dag.devices if d in want}
+        free = {d: float(dag.capacity) for d in want if d in devices}
     held: set[tuple[str, int]] = set()
+    elsewhere = free.keys().isdisjoint
     for u in dag.current.units:
-        m = None
+        if elsewhere(u.devices):
+            continue
+        m = mem[u.uid]
         for d in u.devices:
             if d in free:
-                if m is None:
-                    m = mem[u.uid]
                 free[d] -= m
                 if dag.stage_slots:
                     held.add((u.stage, d))

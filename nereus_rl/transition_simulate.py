@@ -29,7 +29,8 @@ pin it to fingerprints recorded before these changes).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import repeat
+from itertools import chain, repeat
+from operator import attrgetter
 
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.transition import (
@@ -50,6 +51,8 @@ from nereus_rl.transition_refine import fund_acquisition
 
 _TOL = 1e-3  # bytes: slack for float sums of memory
 _KIND_RANK = {"split": 0, "merge": 1, "extend": 2}
+_DEVICES = attrgetter("devices")
+_UID = attrgetter("uid")
 
 
 class Simulation:
@@ -126,30 +129,47 @@ class Simulation:
         return pid
 
     def _check_memory(self) -> None:
+        """Current and target memory per device within capacity, or InfeasibleTargetError.
+
+        The target is summed only over devices some primitive touches: elsewhere the
+        target units are the current ones, already checked.
+        """
         used = dict.fromkeys(self.exist, 0.0)
         mem = self._mem
-        for u in self.cur.units:
-            m = mem[u.uid]
-            for d in u.devices:
-                if d in used:
+        units = self.cur.units
+        pairs = zip(map(_DEVICES, units), map(mem.__getitem__, map(_UID, units)))
+        if self.lostdev:  # units on lost devices count on their surviving devices
+            for devs, m in pairs:
+                for d in devs:
+                    if d in used:
+                        used[d] += m
+        else:
+            for devs, m in pairs:
+                for d in devs:
                     used[d] += m
         cap = self.cap
         for d, b in used.items():
             if b > cap[d] + _TOL:
-                on = [u for u in self.cur.units if d in u.devices]
+                on = [u for u in units if d in u.devices]
                 raise InfeasibleTargetError(
                     f"current units {on} already hold {b:.3g} bytes on device {d}, over its "
                     f"capacity {cap[d]:.3g}; give the real capacity or unit memory"
                 )
         self.used = used
-        tgt = dict.fromkeys(self.exist, 0.0)
-        for u in self.diff.target.units:
+        touched, target = self.touched, self.diff.target.units
+        tgt = dict.fromkeys(touched, 0.0)
+        untouched = touched.isdisjoint
+        for u in target:
+            if untouched(u.devices):
+                continue
             m = mem[u.uid]
             for d in u.devices:
-                tgt[d] += m
-        for d, b in tgt.items():
-            if b > cap[d] + _TOL:
-                on = [u for u in self.diff.target.units if d in u.devices]
+                if d in tgt:
+                    tgt[d] += m
+        for d in self.exist:  # in the same device order as the current check
+            b = tgt.get(d)
+            if b is not None and b > cap[d] + _TOL:
+                on = [u for u in target if d in u.devices]
                 raise InfeasibleTargetError(
                     f"target plan puts {b:.3g} bytes on device {d} ({on}), over its capacity "
                     f"{cap[d]:.3g}; choose a plan that fits memory"
@@ -166,15 +186,29 @@ class Simulation:
         """Units' memory, the memory checks, and the primitives: (lost destroys, acquirers)."""
         diff = self.diff
         mem, unit_memory = self._mem, self.unit_memory
-        for u in self.cur.units:  # uids are unique within a placement
-            mem[u.uid] = float(unit_memory(u))
-        for u in diff.target.units:
+        units = self.cur.units  # uids are unique within a placement
+        mem.update(zip(map(_UID, units), map(float, map(unit_memory, units))))
+        # Units the transition creates (the others are current units), and the devices
+        # some primitive acquires or releases: those of the units consumed or created.
+        created = [*diff.extends, *(t for _, t in diff.merges)]
+        for _, halves in diff.splits:
+            created += halves
+        for _, halves, t in diff.relayouts:
+            created += [*halves, t]
+        for u in created:
             if u.uid not in mem:
                 mem[u.uid] = float(unit_memory(u))
-        for _, hs, _ in diff.relayouts:
-            for u in hs:
-                if u.uid not in mem:
-                    mem[u.uid] = float(unit_memory(u))
+        touched: set[int] = set()
+        for u in chain(diff.lost, diff.destroys, created):
+            touched.update(u.devices)
+        for u, _ in diff.splits:
+            touched.update(u.devices)
+        for u, _, _ in diff.relayouts:
+            touched.update(u.devices)
+        for halves, _ in diff.merges:
+            for u in halves:
+                touched.update(u.devices)
+        self.touched = frozenset(touched)
         self._check_memory()
         self.prims: list[Primitive] = []
         self.slot_acq: list[tuple[tuple[str, int], ...]] = []
@@ -227,20 +261,7 @@ class Simulation:
             model_stages.setdefault(model, []).append(stage)
         for ms in model_stages.values():
             ms.sort(key=self.rank.__getitem__)
-        # Devices some primitive acquires or releases: those of the units consumed or
-        # created (split, merge and relayout outputs sit on their inputs' devices). No
-        # other device's memory, slots or units are ever looked at.
-        touched: set[int] = set()
-        for group in (diff.lost, diff.extends, diff.destroys):
-            for u in group:
-                touched.update(u.devices)
-        for u, _ in diff.splits:
-            touched.update(u.devices)
-        for u, _, _ in diff.relayouts:
-            touched.update(u.devices)
-        for (a, b), _ in diff.merges:
-            touched.update(a.devices)
-            touched.update(b.devices)
+        touched = self.touched
         cap, used = self.cap, self.used
         # Per device, [funder, bytes left]: memory free before (-1), then releases.
         self.funds = {d: [[-1, cap[d] - used[d]]] for d in touched if d in cap}
