@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
+from itertools import compress, count, filterfalse, islice, repeat
+from operator import is_
 
 from nereus_rl.globalplan import GlobalPlan, fmt_devices
 from nereus_rl.transition import Placement, StateLossError, Unit
@@ -130,7 +133,7 @@ def diff_plans(
                 )
 
     cur_uids = {u.uid for u in cur.units}
-    new_unit = tuple.__new__  # Unit's own __new__ adds a Python call per unit
+    make = partial(tuple.__new__, Unit)  # Unit's own __new__ adds a Python call per unit
     kept: list[Unit] = []
     splits: list[tuple[Unit, tuple[Unit, Unit]]] = []
     merges: list[tuple[tuple[Unit, Unit], Unit]] = []
@@ -146,26 +149,22 @@ def diff_plans(
         rem = by_stage.pop(sp.stage, [])
         by_layout = {(u.tp, u.pp, u.devices): u for u in rem}
         distinct = len(by_layout) == len(rem)
-        todo: list[tuple[int, ...]] = []
-        for devs in sp.units:
-            u = by_layout.pop((sp.tp, sp.pp, devs), None)
-            if u is not None:
-                kept.append(u)
-                final.append(u)
-            else:
-                todo.append(devs)
+        # Target units whose layout and devices a current unit already has stay (lookups
+        # and filters in C: this runs once per unit of the cluster).
+        found = list(map(by_layout.pop, zip(repeat(sp.tp), repeat(sp.pp), sp.units), repeat(None)))
+        here = list(filter(None, found))
+        kept += here
+        final += here
+        todo = list(compress(sp.units, map(is_, found, repeat(None))))
         if distinct:  # no two units share a layout: the ones not kept, in order
             rem = list(by_layout.values())
         else:
             rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
-        nxt = 0  # new units are "<stage>#<k>", the smallest k no current unit uses
-        fields = (sp.stage, sp.model, sp.trains, sp.tp, sp.pp)
-        new: list[Unit] = []
-        for devs in todo:
-            while f"{sp.stage}#{nxt}" in cur_uids:
-                nxt += 1
-            new.append(new_unit(Unit, (f"{sp.stage}#{nxt}", *fields, devs)))
-            nxt += 1
+        # New units are "<stage>#<k>" for the smallest k no current unit uses.
+        names = map(f"{sp.stage}#".__add__, map(str, count()))
+        uids = islice(filterfalse(cur_uids.__contains__, names), len(todo))
+        same = (repeat(x) for x in (sp.stage, sp.model, sp.trains, sp.tp, sp.pp))
+        new: list[Unit] = list(map(make, zip(uids, *same, todo)))
         final.extend(new)
 
         # Relayout in place: same device set, other layout.
