@@ -33,8 +33,10 @@ units. CP-SAT runs with one worker (the dev box has two shared cores), once star
 from the DAG's own schedule as a hint and once cold.
 
 Table 0 (breakdown): the CPU time of the plan diff, the simulation, the refinement and
-the completion time. ``--compare PATH`` reads the JSON of another run (e.g. another
-checkout through PYTHONPATH) and prints the planning CPU time of both side by side.
+the completion time, and the CPU time to build only the DAG's objects from ready tuples
+(``materialize_floor_cpu_ms``: a floor for any Python planner returning that DAG).
+``--compare PATH`` reads the JSON of another run (e.g. another checkout through
+PYTHONPATH) and prints the planning CPU time of both side by side.
 
 Usage: python benchmarks/bench_transition_plan.py [--quick] [--breakdown-only] [--json PATH]
        [--compare PATH]
@@ -113,6 +115,7 @@ def breakdown_rows(quick: bool) -> list[dict]:
             predicted_completion_time(dag)
             done_s = min(done_s, time.thread_time() - c)
         _, full_s, _ = _plan_times(sc, repeats)
+        floor_s = materialize_floor_s(dag, repeats)
         row = {
             "devices": n,
             "primitives": len(dag.primitives),
@@ -122,16 +125,44 @@ def breakdown_rows(quick: bool) -> list[dict]:
             "completion_cpu_ms": done_s * 1e3,
             "plan_cpu_ms": full_s * 1e3,
             "plan_cpu_per_primitive_us": full_s * 1e6 / len(dag.primitives),
+            "materialize_floor_cpu_ms": floor_s * 1e3,
         }
         rows.append(row)
         print(
             f"{n:>5} dev {row['primitives']:>5} prims | diff {row['diff_cpu_ms']:7.2f} ms "
             f"simulate {row['simulate_cpu_ms']:7.2f} ms refine {row['refine_cpu_ms']:7.2f} ms "
             f"completion {row['completion_cpu_ms']:6.2f} ms | plan {row['plan_cpu_ms']:7.2f} ms "
-            f"CPU ({row['plan_cpu_per_primitive_us']:.1f} us per primitive)",
+            f"CPU ({row['plan_cpu_per_primitive_us']:.1f} us per primitive) | objects alone "
+            f"{row['materialize_floor_cpu_ms']:5.2f} ms",
             flush=True,
         )
     return rows
+
+
+def materialize_floor_s(dag, repeats: int) -> float:
+    """CPU seconds to build only the objects of ``dag`` (its units, primitives, edges and
+    funding entries, each from a ready tuple of its fields): a floor under the planning
+    time of any Python planner that returns this DAG, whatever it computes."""
+    units = {u.uid: u for u in dag.current.units + dag.target.units}
+    for p in dag.primitives:
+        units.update((u.uid, u) for u in p.inputs + p.outputs)
+    groups = [
+        (type(x), [tuple(o) for o in objs])
+        for x, objs in (
+            (next(iter(units.values())), list(units.values())),
+            (dag.primitives[0], dag.primitives),
+            (dag.edges[0] if dag.edges else None, dag.edges),
+            (dag.funding[0] if dag.funding else None, dag.funding),
+        )
+        if objs
+    ]
+    best = math.inf
+    for _ in range(repeats):
+        c = time.thread_time()
+        for cls, rows in groups:
+            [tuple.__new__(cls, r) for r in rows]
+        best = min(best, time.thread_time() - c)
+    return best
 
 
 def compare_rows(rows: list[dict], path: str) -> None:

@@ -7,8 +7,9 @@ state is copied; a unit is destroyed only while another holder of its state
 lives) and *resource* edges (a device's memory, or a stage's slot on a device,
 freed by one primitive before another acquires it). The plan diff lives in
 :mod:`nereus_rl.transition_diff`, the compiler in
-:mod:`nereus_rl.transition_compile` (refined by
-:mod:`nereus_rl.transition_refine`), the safety check in
+:mod:`nereus_rl.transition_compile` (its simulation in
+:mod:`nereus_rl.transition_simulate` and :mod:`nereus_rl.transition_holders`,
+refined by :mod:`nereus_rl.transition_refine`), the safety check in
 :mod:`nereus_rl.transition_safety`, the executor in
 :mod:`nereus_rl.transition_exec`, the per-component baseline in
 :mod:`nereus_rl.transition_baseline` and the CP-SAT scheduling model in
