@@ -609,3 +609,22 @@ def test_topo_order_reuses_a_topological_order_and_repairs_one_that_is_not():
     assert sorted(order) == list(range(len(dag.primitives)))
     assert all(pos[x.src] < pos[x.dst] for x in dag.edges)
     assert order != swapped
+
+
+def test_compile_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    ok = (plan(sp("rollout", 1, 1, [[0]])), plan(sp("rollout", 1, 1, [[1]])))
+    bad = (ok[0], plan(sp("rollout", 1, 1, [[7]])))
+    assert gc.isenabled()
+    compile10(*ok, cap=2 * MEM)
+    assert gc.isenabled()
+    with pytest.raises(InfeasibleTargetError):
+        compile10(*bad, devices=range(2))
+    assert gc.isenabled()  # resumed after an error too
+    gc.disable()
+    try:
+        compile10(*ok, cap=2 * MEM)
+        assert not gc.isenabled()  # a caller's choice stands
+    finally:
+        gc.enable()
