@@ -95,7 +95,10 @@ def compile_transition(
     with _gc_paused():
         cur = current if isinstance(current, Placement) else Placement.from_plan(current)
         lost_set = frozenset(lost_devices)
-        cur_devices, target_devices = cur.devices, target.devices
+        cur_devices = cur.devices
+        # target.devices, with the units' devices gathered in C
+        stage_units = (sp.units for sp in target.stages)
+        target_devices = frozenset(itertools.chain.from_iterable(itertools.chain(*stage_units)))
         given = frozenset(devices) if devices is not None else cur_devices | target_devices
         after = given - lost_set
         # Devices that leave gracefully still hold their units until those are destroyed.
