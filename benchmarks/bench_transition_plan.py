@@ -38,8 +38,11 @@ the completion time, and the CPU time to build only the DAG's objects from ready
 ``--compare PATH`` reads the JSON of another run (e.g. another checkout through
 PYTHONPATH) and prints the planning CPU time of both side by side.
 
+``--plan-only`` measures the planning CPU time alone (``--repeats``, default 40):
+start it for two checkouts at the same time so both see the same machine load.
+
 Usage: python benchmarks/bench_transition_plan.py [--quick] [--breakdown-only] [--json PATH]
-       [--compare PATH]
+       [--compare PATH] [--plan-only [--repeats N]]
 """
 
 from __future__ import annotations
@@ -165,13 +168,26 @@ def materialize_floor_s(dag, repeats: int) -> float:
     return best
 
 
+def plan_rows(repeats: int) -> list[dict]:
+    """Planning CPU time alone (compile plus predicted completion time), the minimum of
+    ``repeats`` (a quarter of them at 4,096 devices): a short run, so that two
+    checkouts can be measured at the same time, under the same machine load."""
+    rows = []
+    for n in SCALES:
+        sc = scaled_scenario(n)
+        _, cpu, dag = _plan_times(sc, max(3, repeats // 4) if n >= 4096 else repeats)
+        rows.append({"devices": n, "primitives": len(dag.primitives), "plan_cpu_ms": cpu * 1e3})
+        print(f"{n:>5} dev {rows[-1]['primitives']:>5} prims | plan {cpu * 1e3:8.2f} ms CPU")
+    return rows
+
+
 def compare_rows(rows: list[dict], path: str) -> None:
     """Print this run's planning CPU time next to the run saved in ``path``, with ratios."""
     with open(path) as f:
         other = {
             r["devices"]: r
             for r in json.load(f)["rows"]
-            if r.get("table", "breakdown") == "breakdown"
+            if r.get("table", "breakdown") in ("breakdown", "plan")
         }
     print(f"Planning CPU time: {path} vs this run")
     for r in rows:
@@ -279,7 +295,20 @@ def main() -> None:
         help="only the CPU-time breakdown of planning (diff / simulate / refine), no solver",
     )
     ap.add_argument("--compare", type=str, default=None, help="JSON of another run to compare")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="only the planning CPU time per scale (run two checkouts at once to compare)",
+    )
+    ap.add_argument("--repeats", type=int, default=40, help="repeats for --plan-only")
     args = ap.parse_args()
+    if args.plan_only:
+        rows = plan_rows(args.repeats)
+        if args.compare:
+            compare_rows(rows, args.compare)
+        if args.json:
+            write_benchmark_json(args.json, "bench_transition_plan", rows)
+        return
     print("Table 0: CPU-time breakdown of planning")
     breakdown = breakdown_rows(args.quick)
     if args.compare:

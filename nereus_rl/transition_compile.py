@@ -16,16 +16,18 @@ Planning time. The goal is the paper's 1.22 ms at 1,024 devices. The chosen
 method is the exact one: the same general compiler, doing less per unit and per
 primitive (indexes local to the devices a primitive touches, C-level iteration
 over the units of the cluster, a DAG's own order reused as its topological
-order), pinned to the DAGs it gave before by fingerprints
+order, the cyclic garbage collector paused), pinned to the DAGs it gave before by fingerprints
 (``tests/test_transition_golden.py``). Compiling one block of a symmetric
 transition and replicating it was not taken: the compiler's choices couple
 blocks that share no device (extends copy round-robin from holders anywhere,
 destroys anchor on holders anywhere, and the acquisition order and the
 refinement's choice are global), so a replicated DAG would differ from the
-general compiler's. Neither way reaches the goal in CPython: building the
-objects of the 1,024-device DAG alone (1,952 units, 640 primitives, 384 edges,
-1,408 funding entries) takes about 1.7 ms on the development machine, before
-any planning; see ``benchmarks/results/bench_transition_plan_new.md``.
+general compiler's. Neither way reaches the goal in CPython: at 1,024 devices,
+merely building the returned objects (1,952 units, 640 primitives, 384 edges,
+1,408 funding entries) and calling ``unit_memory`` once per unit and ``cost_fn``
+once per primitive, as the API requires, took 1.4 ms of CPU on the (loaded)
+development machine, before any planning; see
+``benchmarks/results/bench_transition_plan_new.md``.
 """
 
 from __future__ import annotations
