@@ -5,8 +5,10 @@ at 32, 128, 512, 1,024 and 4,096 devices: the actor side takes an eighth of the
 devices from the critic side and rollout re-lays-out from tp2 to tp1 (in-place
 splits, extends onto the new devices, destroys that must come first). Columns:
 
-  plan_ms       compile_transition() end to end (diff + DAG + funding), wall clock,
-                minimum of the repeats
+  plan_ms       compile_transition() end to end (diff + DAG + funding + refinement) plus
+                predicted_completion_time() of the DAG (what a caller needs: a DAG ready
+                to execute and its predicted completion time), wall clock, minimum of
+                the repeats
   plan_cpu_ms   the same in this thread's CPU time (the dev box is shared: CPU time is
                 what one uncontended core would take)
   plan_cpu_norefine_ms  CPU time with refine=False: the sequential simulation alone
@@ -30,14 +32,23 @@ Durations are the default primitive cost table (``default_primitive_cost``), in 
 units. CP-SAT runs with one worker (the dev box has two shared cores), once starting
 from the DAG's own schedule as a hint and once cold.
 
-Table 0 (breakdown): the CPU time of the plan diff, the simulation and the refinement.
+Table 0 (breakdown): the CPU time of the plan diff, the simulation, the refinement and
+the completion time, and the CPU time to build only the DAG's objects from ready tuples
+(``materialize_floor_cpu_ms``: a floor for any Python planner returning that DAG).
+``--compare PATH`` reads the JSON of another run (e.g. another checkout through
+PYTHONPATH) and prints the planning CPU time of both side by side.
+
+``--plan-only`` measures the planning CPU time alone (``--repeats``, default 40):
+start it for two checkouts at the same time so both see the same machine load.
 
 Usage: python benchmarks/bench_transition_plan.py [--quick] [--breakdown-only] [--json PATH]
+       [--compare PATH] [--plan-only [--repeats N]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -70,50 +81,125 @@ def _cost(p):
 GOAL_MS_AT_1024 = 1.22
 
 
-def _plan_times(sc, repeats: int, refine: bool = True):
+def _plan_times(sc, repeats: int, refine: bool = True, completion: bool = True):
+    """Minimum wall and CPU seconds of compiling ``sc`` (and, with ``completion``, of
+    predicting the DAG's completion time, as a caller must), and the DAG."""
     best_wall, best_cpu, dag = math.inf, math.inf, None
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
         dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=refine)
+        if completion:
+            predicted_completion_time(dag)
         best_cpu = min(best_cpu, time.thread_time() - c)
         best_wall = min(best_wall, time.perf_counter() - t)
     return best_wall, best_cpu, dag
 
 
 def breakdown_rows(quick: bool) -> list[dict]:
-    """CPU time of the three parts of ``compile_transition`` (no solver): the plan diff,
-    the sequential simulation (``refine=False`` minus the diff) and the refinement
-    (end to end minus ``refine=False``); minimum over the repeats of each. Uses only the
-    public API, so the same command measures another checkout through PYTHONPATH."""
+    """CPU time of the parts of planning (no solver): the plan diff, the sequential
+    simulation (``refine=False`` minus the diff), the refinement (``compile_transition``
+    minus ``refine=False``) and the predicted completion time; minimum over the repeats
+    of each. Uses only the public API, so the same command measures another checkout
+    through PYTHONPATH."""
     rows = []
     for n in SCALES:
         sc = scaled_scenario(n)
-        repeats = 5 if (quick or n >= 4096) else 11
+        repeats = 5 if (quick or n >= 4096) else 21
         diff_s = math.inf
         for _ in range(repeats):
             c = time.thread_time()
             diff_plans(Placement.from_plan(sc.current), sc.target, lost_devices=sc.lost)
             diff_s = min(diff_s, time.thread_time() - c)
-        _, plain_s, _ = _plan_times(sc, repeats, refine=False)
-        _, full_s, dag = _plan_times(sc, repeats)
+        _, plain_s, _ = _plan_times(sc, repeats, refine=False, completion=False)
+        _, compile_s, dag = _plan_times(sc, repeats, completion=False)
+        done_s = math.inf
+        for _ in range(repeats):
+            c = time.thread_time()
+            predicted_completion_time(dag)
+            done_s = min(done_s, time.thread_time() - c)
+        _, full_s, _ = _plan_times(sc, repeats)
+        floor_s = materialize_floor_s(dag, repeats)
         row = {
             "devices": n,
             "primitives": len(dag.primitives),
             "diff_cpu_ms": diff_s * 1e3,
             "simulate_cpu_ms": max(0.0, plain_s - diff_s) * 1e3,
-            "refine_cpu_ms": max(0.0, full_s - plain_s) * 1e3,
+            "refine_cpu_ms": max(0.0, compile_s - plain_s) * 1e3,
+            "completion_cpu_ms": done_s * 1e3,
             "plan_cpu_ms": full_s * 1e3,
             "plan_cpu_per_primitive_us": full_s * 1e6 / len(dag.primitives),
+            "materialize_floor_cpu_ms": floor_s * 1e3,
         }
         rows.append(row)
         print(
             f"{n:>5} dev {row['primitives']:>5} prims | diff {row['diff_cpu_ms']:7.2f} ms "
             f"simulate {row['simulate_cpu_ms']:7.2f} ms refine {row['refine_cpu_ms']:7.2f} ms "
-            f"| plan {row['plan_cpu_ms']:7.2f} ms CPU ({row['plan_cpu_per_primitive_us']:.1f} us "
-            f"per primitive)",
+            f"completion {row['completion_cpu_ms']:6.2f} ms | plan {row['plan_cpu_ms']:7.2f} ms "
+            f"CPU ({row['plan_cpu_per_primitive_us']:.1f} us per primitive) | objects alone "
+            f"{row['materialize_floor_cpu_ms']:5.2f} ms",
             flush=True,
         )
     return rows
+
+
+def materialize_floor_s(dag, repeats: int) -> float:
+    """CPU seconds to build only the objects of ``dag`` (its units, primitives, edges and
+    funding entries, each from a ready tuple of its fields): a floor under the planning
+    time of any Python planner that returns this DAG, whatever it computes."""
+    units = {u.uid: u for u in dag.current.units + dag.target.units}
+    for p in dag.primitives:
+        units.update((u.uid, u) for u in p.inputs + p.outputs)
+    groups = [
+        (type(x), [tuple(o) for o in objs])
+        for x, objs in (
+            (next(iter(units.values())), list(units.values())),
+            (dag.primitives[0], dag.primitives),
+            (dag.edges[0] if dag.edges else None, dag.edges),
+            (dag.funding[0] if dag.funding else None, dag.funding),
+        )
+        if objs
+    ]
+    best = math.inf
+    for _ in range(repeats):
+        c = time.thread_time()
+        for cls, rows in groups:
+            [tuple.__new__(cls, r) for r in rows]
+        best = min(best, time.thread_time() - c)
+    return best
+
+
+def plan_rows(repeats: int) -> list[dict]:
+    """Planning CPU time alone (compile plus predicted completion time), the minimum of
+    ``repeats`` (a quarter of them at 4,096 devices): a short run, so that two
+    checkouts can be measured at the same time, under the same machine load."""
+    rows = []
+    for n in SCALES:
+        sc = scaled_scenario(n)
+        _, cpu, dag = _plan_times(sc, max(3, repeats // 4) if n >= 4096 else repeats)
+        rows.append({"devices": n, "primitives": len(dag.primitives), "plan_cpu_ms": cpu * 1e3})
+        print(f"{n:>5} dev {rows[-1]['primitives']:>5} prims | plan {cpu * 1e3:8.2f} ms CPU")
+    return rows
+
+
+def compare_rows(rows: list[dict], path: str) -> None:
+    """Print this run's planning CPU time next to the run saved in ``path``, with ratios."""
+    with open(path) as f:
+        other = {
+            r["devices"]: r
+            for r in json.load(f)["rows"]
+            if r.get("table", "breakdown") in ("breakdown", "plan")
+        }
+    print(f"Planning CPU time: {path} vs this run")
+    for r in rows:
+        o = other.get(r["devices"])
+        if o is None:
+            continue
+        ratio = o["plan_cpu_ms"] / r["plan_cpu_ms"]
+        print(
+            f"{r['devices']:>5} dev | other {o['plan_cpu_ms']:8.2f} ms | this "
+            f"{r['plan_cpu_ms']:8.2f} ms | other / this {ratio:5.2f}x",
+            flush=True,
+        )
 
 
 def scale_rows(quick: bool) -> list[dict]:
@@ -208,9 +294,25 @@ def main() -> None:
         action="store_true",
         help="only the CPU-time breakdown of planning (diff / simulate / refine), no solver",
     )
+    ap.add_argument("--compare", type=str, default=None, help="JSON of another run to compare")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="only the planning CPU time per scale (run two checkouts at once to compare)",
+    )
+    ap.add_argument("--repeats", type=int, default=40, help="repeats for --plan-only")
     args = ap.parse_args()
+    if args.plan_only:
+        rows = plan_rows(args.repeats)
+        if args.compare:
+            compare_rows(rows, args.compare)
+        if args.json:
+            write_benchmark_json(args.json, "bench_transition_plan", rows)
+        return
     print("Table 0: CPU-time breakdown of planning")
     breakdown = breakdown_rows(args.quick)
+    if args.compare:
+        compare_rows(breakdown, args.compare)
     if args.breakdown_only:
         if args.json:
             write_benchmark_json(args.json, "bench_transition_plan", breakdown)

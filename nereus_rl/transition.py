@@ -7,8 +7,10 @@ state is copied; a unit is destroyed only while another holder of its state
 lives) and *resource* edges (a device's memory, or a stage's slot on a device,
 freed by one primitive before another acquires it). The plan diff lives in
 :mod:`nereus_rl.transition_diff`, the compiler in
-:mod:`nereus_rl.transition_compile` (refined by
-:mod:`nereus_rl.transition_refine`), the safety check in
+:mod:`nereus_rl.transition_compile` (its simulation in
+:mod:`nereus_rl.transition_simulate` and :mod:`nereus_rl.transition_holders`,
+refined by :mod:`nereus_rl.transition_refine`), orders and critical paths in
+:mod:`nereus_rl.transition_paths`, the safety check in
 :mod:`nereus_rl.transition_safety`, the executor in
 :mod:`nereus_rl.transition_exec`, the per-component baseline in
 :mod:`nereus_rl.transition_baseline` and the CP-SAT scheduling model in
@@ -29,8 +31,11 @@ plug in; the defaults here are plain tables.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from nereus_rl.globalplan import GlobalPlan, fmt_devices
@@ -38,6 +43,7 @@ from nereus_rl.globalplan import GlobalPlan, fmt_devices
 if TYPE_CHECKING:  # loaded lazily by __getattr__ at the bottom (they import this module)
     from nereus_rl.transition_compile import compile_transition, transition_cost
     from nereus_rl.transition_diff import TransitionDiff, diff_plans
+    from nereus_rl.transition_paths import longest_path, predicted_completion_time, topo_order
 
 # ---------------------------------------------------------------------------
 # Errors
@@ -100,6 +106,10 @@ class Unit(NamedTuple):
         return f"{self.uid}(tp{self.tp}pp{self.pp}@{fmt_devices(self.devices)})"
 
 
+_DEVICES = attrgetter("devices")
+_UID = attrgetter("uid")
+
+
 @dataclass(frozen=True)
 class Placement:
     """The live units of a job: what a GlobalPlan looks like once it runs."""
@@ -107,7 +117,7 @@ class Placement:
     units: tuple[Unit, ...]
 
     def __post_init__(self) -> None:
-        uids = [u.uid for u in self.units]
+        uids = list(map(_UID, self.units))
         if len(set(uids)) == len(uids):
             return
         seen: set[str] = set()
@@ -125,12 +135,12 @@ class Placement:
         Returns:
             the placement with one unit per (stage, dp index).
         """
-        units = []
+        units: list[Unit] = []
+        make = partial(tuple.__new__, Unit)  # no Python-level call per unit
         for sp in plan.stages:
-            for i, devs in enumerate(sp.units):
-                units.append(
-                    Unit(f"{sp.stage}#{i}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs)
-                )
+            uids = map(f"{sp.stage}#".__add__, map(str, range(len(sp.units))))
+            same = (repeat(x) for x in (sp.stage, sp.model, sp.trains, sp.tp, sp.pp))
+            units += map(make, zip(uids, *same, sp.units))
         return Placement(tuple(units))
 
     def stage_units(self, stage: str) -> tuple[Unit, ...]:
@@ -138,7 +148,7 @@ class Placement:
 
     @property
     def devices(self) -> frozenset[int]:
-        return frozenset(d for u in self.units for d in u.devices)
+        return frozenset(chain.from_iterable(map(_DEVICES, self.units)))
 
     def layout_key(self) -> dict[str, list[tuple[int, int, tuple[int, ...]]]]:
         """Per stage, the sorted layouts of its units: equal keys mean the same placement."""
@@ -238,11 +248,19 @@ class Primitive(NamedTuple):
 
     def slots_acquired(self) -> tuple[tuple[str, int], ...]:
         """(stage, device) slots this primitive takes: output devices its inputs do not hold."""
+        if not self.outputs:
+            return ()
+        if not self.inputs:  # an extend: every device of the new unit
+            return tuple((u.stage, d) for u in self.outputs for d in u.devices)
         held = {d for u in self.inputs for d in u.devices}
         return tuple((u.stage, d) for u in self.outputs for d in u.devices if d not in held)
 
     def slots_released(self) -> tuple[tuple[str, int], ...]:
         """(stage, device) slots freed at the end: input devices no output keeps."""
+        if not self.inputs:
+            return ()
+        if not self.outputs:  # a destroy: every device of the unit
+            return tuple((u.stage, d) for u in self.inputs for d in u.devices)
         kept = {d for u in self.outputs for d in u.devices}
         return tuple((u.stage, d) for u in self.inputs for d in u.devices if d not in kept)
 
@@ -411,111 +429,10 @@ def default_primitive_cost(primitive: Primitive) -> float:
     return 0.1
 
 
-def longest_path(
-    dag: TransitionDAG, durations: Mapping[int, float] | Iterable[float]
-) -> tuple[float, list[int]]:
-    """Length and primitives of the longest path through ``dag`` by ``durations``.
-
-    Arguments:
-        dag: the DAG (acyclic).
-        durations: seconds per primitive id (a mapping or a sequence).
-    Returns:
-        ``(seconds, [pid, ...])`` in execution order.
-    """
-    dur = dict(durations) if isinstance(durations, Mapping) else dict(enumerate(durations))
-    preds = dag.preds()
-    order = topo_order(dag)
-    finish: dict[int, float] = {}
-    via: dict[int, int] = {}
-    for p in order:
-        best, arg = 0.0, -1
-        for q in preds[p]:
-            if finish[q] > best:
-                best, arg = finish[q], q
-        finish[p] = best + dur[p]
-        via[p] = arg
-    if not finish:
-        return 0.0, []
-    end = max(finish, key=lambda k: finish[k])
-    path = [end]
-    while via[path[-1]] >= 0:
-        path.append(via[path[-1]])
-    return finish[end], path[::-1]
-
-
-def predicted_completion_time(
-    dag: TransitionDAG, cost_fn: PrimitiveCostFn = default_primitive_cost
-) -> float:
-    """Predicted seconds to run ``dag`` with unbounded concurrency (its critical path).
-
-    The compiled DAG encodes every resource conflict as an edge, so running each
-    primitive as soon as its predecessors end is safe; admission uses this as the
-    transition cost.
-
-    Arguments:
-        dag: a compiled transition DAG.
-        cost_fn: seconds per primitive.
-    Returns:
-        predicted completion time in seconds.
-    """
-    return longest_path(dag, [cost_fn(p) for p in dag.primitives])[0]
-
-
-def topo_order(dag: TransitionDAG) -> list[int]:
-    """A topological order of ``dag`` (Kahn, smallest safe-order position first).
-
-    Raises:
-        UnsafeDAGError: the DAG has a cycle; the message names the primitives on it.
-    """
-    import heapq
-
-    n = len(dag.primitives)
-    rank = {p: i for i, p in enumerate(dag.order)} if len(dag.order) == n else {}
-    preds = dag.preds()
-    succs = dag.succs()
-    indeg = [len(set(p)) for p in preds]
-    seen_edges: set[tuple[int, int]] = set()
-    heap = [(rank.get(i, i), i) for i in range(n) if indeg[i] == 0]
-    heapq.heapify(heap)
-    out = []
-    while heap:
-        _, p = heapq.heappop(heap)
-        out.append(p)
-        for q in succs[p]:
-            if (p, q) in seen_edges:
-                continue
-            seen_edges.add((p, q))
-            indeg[q] -= 1
-            if indeg[q] == 0:
-                heapq.heappush(heap, (rank.get(q, q), q))
-    if len(out) != n:
-        cycle = _find_cycle(preds, set(range(n)) - set(out))
-        names = " -> ".join(repr(dag.primitives[i]) for i in cycle)
-        devs = sorted({d for i in cycle for d in dag.primitives[i].devices})
-        raise UnsafeDAGError(
-            f"transition DAG has a cycle: {names} (devices {fmt_devices(devs)}); "
-            "remove one of these edges so the primitives can be ordered"
-        )
-    return out
-
-
-def _find_cycle(preds: list[list[int]], nodes: set[int]) -> list[int]:
-    """One cycle among ``nodes``: the primitives Kahn's algorithm could not order.
-
-    Each of them has a predecessor among them, so walking predecessors must repeat.
-    """
-    seen: dict[int, int] = {}
-    path: list[int] = []
-    p = min(nodes)
-    while p not in seen:
-        seen[p] = len(path)
-        path.append(p)
-        p = next(q for q in preds[p] if q in nodes)
-    cycle = path[seen[p] :][::-1]
-    return [*cycle, cycle[0]]
-
-
 _LAZY = {
+    "longest_path": "nereus_rl.transition_paths",
+    "predicted_completion_time": "nereus_rl.transition_paths",
+    "topo_order": "nereus_rl.transition_paths",
     "compile_transition": "nereus_rl.transition_compile",
     "transition_cost": "nereus_rl.transition_compile",
     "TransitionDiff": "nereus_rl.transition_diff",
@@ -524,8 +441,9 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> object:
-    # The compiler and the diff import this module's types; loading them lazily keeps
-    # ``from nereus_rl.transition import compile_transition`` working without a cycle.
+    # The compiler, the diff and the path functions import this module's types; loading
+    # them lazily keeps ``from nereus_rl.transition import compile_transition`` working
+    # without a cycle.
     if name in _LAZY:
         import importlib
 

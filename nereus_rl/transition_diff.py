@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
+from itertools import compress, count, filterfalse, islice, repeat
+from operator import is_
 
 from nereus_rl.globalplan import GlobalPlan, fmt_devices
 from nereus_rl.transition import Placement, StateLossError, Unit
@@ -130,6 +133,7 @@ def diff_plans(
                 )
 
     cur_uids = {u.uid for u in cur.units}
+    make = partial(tuple.__new__, Unit)  # Unit's own __new__ adds a Python call per unit
     kept: list[Unit] = []
     splits: list[tuple[Unit, tuple[Unit, Unit]]] = []
     merges: list[tuple[tuple[Unit, Unit], Unit]] = []
@@ -144,68 +148,78 @@ def diff_plans(
     for sp in target.stages:
         rem = by_stage.pop(sp.stage, [])
         by_layout = {(u.tp, u.pp, u.devices): u for u in rem}
-        todo: list[tuple[int, ...]] = []
-        for devs in sp.units:
-            u = by_layout.pop((sp.tp, sp.pp, devs), None)
-            if u is not None:
-                kept.append(u)
-                final.append(u)
-            else:
-                todo.append(devs)
-        rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
-        nxt = 0  # new units are "<stage>#<k>", the smallest k no current unit uses
-        new: list[Unit] = []
-        for devs in todo:
-            while f"{sp.stage}#{nxt}" in cur_uids:
-                nxt += 1
-            new.append(Unit(f"{sp.stage}#{nxt}", sp.stage, sp.model, sp.trains, sp.tp, sp.pp, devs))
-            nxt += 1
+        distinct = len(by_layout) == len(rem)
+        # Target units whose layout and devices a current unit already has stay (lookups
+        # and filters in C: this runs once per unit of the cluster).
+        found = list(map(by_layout.pop, zip(repeat(sp.tp), repeat(sp.pp), sp.units), repeat(None)))
+        here = list(filter(None, found))
+        kept += here
+        final += here
+        todo = list(compress(sp.units, map(is_, found, repeat(None))))
+        if distinct:  # no two units share a layout: the ones not kept, in order
+            rem = list(by_layout.values())
+        else:
+            rem = [u for u in rem if (u.tp, u.pp, u.devices) in by_layout]
+        # New units are "<stage>#<k>" for the smallest k no current unit uses.
+        names = map(f"{sp.stage}#".__add__, map(str, count()))
+        uids = islice(filterfalse(cur_uids.__contains__, names), len(todo))
+        same = (repeat(x) for x in (sp.stage, sp.model, sp.trains, sp.tp, sp.pp))
+        new: list[Unit] = list(map(make, zip(uids, *same, todo)))
         final.extend(new)
 
         # Relayout in place: same device set, other layout.
-        by_set = {frozenset(u.devices): u for u in rem}
-        left: list[Unit] = []
-        for t in new:
-            u = by_set.get(frozenset(t.devices))
-            if u is not None and len(u.devices) % 2 == 0:
-                del by_set[frozenset(u.devices)]
-                tp, pp = _half_layout(u)
-                k = len(u.devices) // 2
-                ha = Unit(f"{u.uid}a", u.stage, u.model, u.trains, tp, pp, u.devices[:k])
-                hb = Unit(f"{u.uid}b", u.stage, u.model, u.trains, tp, pp, u.devices[k:])
-                relayouts.append((u, (ha, hb), t))
-            else:
-                left.append(t)
-        rem = list(by_set.values())
-        new = left
+        if rem:
+            by_set = {frozenset(u.devices): u for u in rem}
+            left: list[Unit] = []
+            for t in new:
+                u = by_set.get(frozenset(t.devices))
+                if u is not None and len(u.devices) % 2 == 0:
+                    del by_set[frozenset(u.devices)]
+                    tp, pp = _half_layout(u)
+                    k = len(u.devices) // 2
+                    ha = Unit(f"{u.uid}a", u.stage, u.model, u.trains, tp, pp, u.devices[:k])
+                    hb = Unit(f"{u.uid}b", u.stage, u.model, u.trains, tp, pp, u.devices[k:])
+                    relayouts.append((u, (ha, hb), t))
+                else:
+                    left.append(t)
+            rem = list(by_set.values())
+            new = left
 
-        # Merge: two current units whose devices make up one target unit.
-        dev_u = {d: u for u in rem for d in u.devices}
-        left = []
-        for t in new:
-            halves = _halves(t.devices, dev_u)
-            if halves is None:
-                left.append(t)
-                continue
-            merges.append((halves, t))
-            for d in t.devices:
-                del dev_u[d]
-        new = left
-        rem = [u for u in rem if u.devices[0] in dev_u]
+        # Merge: two current units whose devices make up one target unit. A target unit
+        # has tp * pp distinct devices, so only a current unit half that size can merge.
+        size = sp.tp * sp.pp
+        if new and any(2 * len(u.devices) == size for u in rem):
+            dev_u = {d: u for u in rem for d in u.devices}
+            left = []
+            for t in new:
+                halves = _halves(t.devices, dev_u)
+                if halves is None:
+                    left.append(t)
+                    continue
+                merges.append((halves, t))
+                for d in t.devices:
+                    del dev_u[d]
+            new = left
+            rem = [u for u in rem if u.devices[0] in dev_u]
 
-        # Split: one current unit whose devices make up two target units.
-        dev_t = {d: t for t in new for d in t.devices}
-        left_u = []
-        for u in rem:
-            halves = _halves(u.devices, dev_t)
-            if halves is None:
-                left_u.append(u)
-                continue
-            splits.append((u, halves))
-            for d in u.devices:
-                del dev_t[d]
-        extends.extend(t for t in new if t.devices[0] in dev_t)
-        destroys.extend(left_u)
+        # Split: one current unit whose devices make up two target units (so it has at
+        # least twice their size).
+        if new and any(len(u.devices) >= 2 * size for u in rem):
+            dev_t = {d: t for t in new for d in t.devices}
+            left_u = []
+            for u in rem:
+                halves = _halves(u.devices, dev_t)
+                if halves is None:
+                    left_u.append(u)
+                    continue
+                splits.append((u, halves))
+                for d in u.devices:
+                    del dev_t[d]
+            extends.extend(t for t in new if t.devices[0] in dev_t)
+            destroys.extend(left_u)
+        else:
+            extends.extend(new)
+            destroys.extend(rem)
     for rest_units in by_stage.values():  # stages the target drops
         destroys.extend(rest_units)
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
+from operator import add, attrgetter
 
 from nereus_rl.transition import (
     Edge,
@@ -230,15 +232,22 @@ def fund_acquisition(
     """
     if need <= _TOL:
         return a_bits
-    for pass_ in range(3):
-        for e in entries:
-            f, rem = int(e[0]), e[1]
-            if rem <= _TOL:
-                continue
-            if pass_ == 0 and f != -1:
-                continue
-            if pass_ == 1 and (f == -1 or not (a_bits >> f) & 1):
-                continue
+    # One scan sorts the live entries into the three passes (list order within each).
+    # Entries of the last pass can become ancestors as edges are added, which then
+    # need no edge of their own.
+    free, ancestral, rest = [], [], []
+    for e in entries:
+        if e[1] > _TOL:
+            f = e[0]
+            if f == -1:
+                free.append(e)
+            elif (a_bits >> f) & 1:
+                ancestral.append(e)
+            else:
+                rest.append(e)
+    for group in (free, ancestral, rest):
+        for e in group:
+            f, rem = e[0], e[1]
             take = min(rem, need)
             e[1] = rem - take
             need -= take
@@ -284,15 +293,28 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
                 head[p] = head[q] + durations[q]
     tail = [0.0] * n  # own duration plus the longest data path after it
     for p in reversed(order):
-        tail[p] = durations[p] + max((tail[q] for q in dsuccs[p]), default=0.0)
-    bound = max((head[p] + tail[p] for p in range(n)), default=0.0)
+        longest = 0.0
+        for q in dsuccs[p]:
+            if tail[q] > longest:
+                longest = tail[q]
+        tail[p] = durations[p] + longest
+    bound = max(map(add, head, tail), default=0.0)
+    # Free memory and held slots before the transition, on the devices some primitive
+    # acquires (no other device can block an acquisition).
+    want = dict(chain.from_iterable(map(attrgetter("acquire"), prims)))  # device -> bytes
+    if not want:
+        return bound
     mem = dict(dag.unit_bytes)
+    devices = dag.devices
     if isinstance(dag.capacity, Mapping):
-        free = {d: capacity_of(dag.capacity, d) for d in dag.devices}
+        free = {d: capacity_of(dag.capacity, d) for d in want if d in devices}
     else:
-        free = dict.fromkeys(dag.devices, float(dag.capacity))
+        free = {d: float(dag.capacity) for d in want if d in devices}
     held: set[tuple[str, int]] = set()
+    elsewhere = free.keys().isdisjoint
     for u in dag.current.units:
+        if elsewhere(u.devices):
+            continue
         m = mem[u.uid]
         for d in u.devices:
             if d in free:
@@ -302,12 +324,17 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
     # Primitives whose acquisition does not fit before the transition, and where.
     blocked: list[tuple[int, list[object]]] = []
     for p, prim in enumerate(prims):
-        if not prim.acquire:
+        acq = prim.acquire
+        if not acq:
             continue
-        need: dict[int, float] = {}
-        for d, a in prim.acquire:
-            need[d] = need.get(d, 0.0) + a
-        short: list[object] = [d for d, a in need.items() if a > free[d] + _TOL]
+        if len(acq) == 1:
+            d, a = acq[0]
+            short: list[object] = [d] if a > free[d] + _TOL else []
+        else:
+            need: dict[int, float] = {}
+            for d, a in acq:
+                need[d] = need.get(d, 0.0) + a
+            short = [d for d, a in need.items() if a > free[d] + _TOL]
         if held:
             short += [s for s in dag.slots_acquired(prim) if s in held]
         if short:
@@ -320,6 +347,8 @@ def makespan_lower_bound(dag: TransitionDAG, durations: list[float]) -> float:
     # releases there itself still sees another's.
     first: dict[object, list[tuple[float, int]]] = {}
     for q, prim in enumerate(prims):
+        if not prim.release and not want_slots:
+            continue
         rel: set[object] = {d for d, _ in prim.release if d in wanted}
         if want_slots:
             rel.update(s for s in dag.slots_released(prim) if s in wanted)

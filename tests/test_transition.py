@@ -594,3 +594,37 @@ def test_placement_rejects_a_uid_used_twice():
     assert len(Placement((a, a._replace(uid="rollout#1"))).units) == 2
     with pytest.raises(ValueError, match=r"uid 'rollout#0' names two units"):
         Placement((a, b))
+
+
+def test_topo_order_reuses_a_topological_order_and_repairs_one_that_is_not():
+    dag = _chain_dag()
+    assert topo_order(dag) == list(dag.order)  # the compiler's order is topological
+    # An order against an edge is not reused: Kahn's algorithm orders the DAG anew.
+    e = next(e for e in dag.edges if e.kind == "resource")
+    swapped = list(dag.order)
+    i, j = swapped.index(e.src), swapped.index(e.dst)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    order = topo_order(dataclasses.replace(dag, order=tuple(swapped)))
+    pos = {p: k for k, p in enumerate(order)}
+    assert sorted(order) == list(range(len(dag.primitives)))
+    assert all(pos[x.src] < pos[x.dst] for x in dag.edges)
+    assert order != swapped
+
+
+def test_compile_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    ok = (plan(sp("rollout", 1, 1, [[0]])), plan(sp("rollout", 1, 1, [[1]])))
+    bad = (ok[0], plan(sp("rollout", 1, 1, [[7]])))
+    assert gc.isenabled()
+    compile10(*ok, cap=2 * MEM)
+    assert gc.isenabled()
+    with pytest.raises(InfeasibleTargetError):
+        compile10(*bad, devices=range(2))
+    assert gc.isenabled()  # resumed after an error too
+    gc.disable()
+    try:
+        compile10(*ok, cap=2 * MEM)
+        assert not gc.isenabled()  # a caller's choice stands
+    finally:
+        gc.enable()
