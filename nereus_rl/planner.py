@@ -258,7 +258,9 @@ class Planner:
         def lists_of(g: tuple[int, ...], n: int) -> tuple[list, int, bool]:
             """The group's stage lists at n, its width rule, and whether it has one."""
             both = r_i in g and a_i in g
-            intra = both and (one_node or n <= dpn)
+            # The cost model's rule: intra-node sync when the cluster is one node, or
+            # rollout and actor_train share a group within a node.
+            intra = one_node or (both and n <= dpn)
             thr = dpn if (both and not intra) else 0
             var = rvar.get("intra" if intra else "inter")
             return [(var if i == r_i else plain[i])[n] for i in g], thr, both
