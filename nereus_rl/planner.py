@@ -72,7 +72,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from nereus_rl.costmodel import CostModel
-from nereus_rl.planner_bounds import PartitionBounds
+from nereus_rl.planner_bounds import CheapRows, PartitionBounds
 from nereus_rl.planner_groups import group_vectors
 from nereus_rl.planner_place import infeasible, place
 from nereus_rl.planner_search import LastGroup, Search
@@ -161,7 +161,8 @@ class Planner:
         return len(self._tables) - before
 
     def _pareto_lists(self, sid: int, table: _StageTable, variant: str | None, cap: int):
-        """{n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n."""
+        """({n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n, and the
+        fastest time at each size ``2**j``, inf where nothing fits)."""
         pk = (sid, variant, self.costmodel.version, cap)
         got = self._pareto.get(pk)
         if got is not None:
@@ -170,6 +171,7 @@ class Planner:
         # Plain floats and ints: the lists are short, numpy per element costs more.
         tl, ml = (W @ self.costmodel._x).tolist(), table.mem_list
         out = {}
+        fast = []
         prev: list = []
         n = 1
         while n <= self.cluster.num_devices:
@@ -181,10 +183,11 @@ class Planner:
                     front.append(c)
                     best_mem = c[1]
             out[n] = front
+            fast.append(front[0][0] if front else _INF)
             prev = front
             n *= 2
-        self._pareto[pk] = out
-        return out
+        got = self._pareto[pk] = (out, fast)
+        return got
 
     def plan(
         self, workload: Workload, *, devices: Iterable[int] | None = None, k: int = 1
@@ -233,14 +236,21 @@ class Planner:
         a_i = names.index("actor_train") if "actor_train" in names else -1
         sid = [self._sid(s, actor, workload.dtype) for s in stages]
         tables = [self._table(s, actor, workload.dtype) for s in stages]
-        plain = [
-            self._pareto_lists(sid[i], t, None, cap) if i != r_i else None
-            for i, t in enumerate(tables)
-        ]
+        plain, fast = [], []
+        for i, t in enumerate(tables):
+            if i == r_i:
+                plain.append(None)
+                fast.append(None)
+            else:
+                fronts, fa = self._pareto_lists(sid[i], t, None, cap)
+                plain.append(fronts)
+                fast.append(fa)
         rvar = {}
         if r_i >= 0:
-            for v in ("intra", "inter"):
-                rvar[v] = self._pareto_lists(sid[r_i], tables[r_i], v, cap)
+            (rvar["intra"], fi), (rvar["inter"], fe) = (
+                self._pareto_lists(sid[r_i], tables[r_i], v, cap) for v in ("intra", "inter")
+            )
+            fast[r_i] = [a if a < b else b for a, b in zip(fi, fe)]
         t_tables = time.perf_counter()
 
         # Everything below depends on the stage shapes, efficiencies and capacity only:
@@ -296,19 +306,16 @@ class Planner:
         pb = _partition_bounds(S, N)
         cheap = bounds.get(N)
         if cheap is None:
-            smin = np.empty((S, pb.L))
-            for i in range(S):
-                lsts = (rvar["intra"], rvar["inter"]) if i == r_i else (plain[i],)
-                for j in range(pb.L):
-                    fronts = [lst[1 << j] for lst in lsts]
-                    smin[i, j] = min((f[0][0] for f in fronts if f), default=_INF)
+            # Each stage's fastest layout alone at each size (the rollout: the faster of
+            # its two sync variants).
+            smin = np.array(fast)[:, : pb.L]
             C = pb.cheap_table(smin, phases)
             # Shave a relative 1e-12: the bounds are sums in another order than the
             # search's, and a bound must never exceed what it bounds.
             C *= 1.0 - 1e-12
             lbs = pb.partition_bounds(C)
             order = np.argsort(lbs, kind="stable")[: int(np.count_nonzero(lbs < _INF))]
-            cheap = bounds[N] = (C.tolist(), order.tolist(), lbs.tolist())
+            cheap = bounds[N] = (CheapRows(C), order.tolist(), lbs.tolist())
         Cl, order, lbs = cheap
         if not order:
             raise infeasible(stages, tables, N, cap)

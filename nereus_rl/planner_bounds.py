@@ -68,6 +68,19 @@ def maximal_assignments(N: int, k: int) -> np.ndarray:
     return np.array(sorted(rows), dtype=np.int64).reshape(-1, k)
 
 
+class CheapRows(dict):
+    """``rows[mask][j] = [c0, c1, c2]``: rows of a cheap table as Python lists, converted
+    on first use (the search touches a few subsets; plain floats compare fastest)."""
+
+    def __init__(self, C: np.ndarray) -> None:
+        super().__init__()
+        self.C = C
+
+    def __missing__(self, mask: int) -> list:
+        row = self[mask] = self.C[mask].tolist()
+        return row
+
+
 class PartitionBounds:
     """Index arrays to bound every partition of ``S`` stages on ``N`` devices at once.
 
@@ -99,6 +112,8 @@ class PartitionBounds:
         # contiguous rows (numpy reduces a short inner axis slowly).
         self.idx = np.ascontiguousarray(np.concatenate(idx).T)
         self.starts = np.array(starts, dtype=np.int64)
+        # Which stages each subset holds, for the subset sums.
+        self._member = ((np.arange(1 << S)[:, None] >> np.arange(S)[None, :]) & 1).astype(float)
 
     def cheap_table(self, smin: np.ndarray, phases: list[int]) -> np.ndarray:
         """``C[mask, j, p]``: the cheap bound of every stage subset at size ``2**j``.
@@ -112,11 +127,9 @@ class PartitionBounds:
             layout up to that size.
         """
         S, L = smin.shape
-        fin = np.where(np.isinf(smin), _BIG, smin)
         per = np.zeros((S, L, 3))
-        per[np.arange(S), :, phases] = fin
-        member = (np.arange(1 << S)[:, None] >> np.arange(S)[None, :]) & 1
-        C = (member.astype(float) @ per.reshape(S, L * 3)).reshape(1 << S, L, 3)
+        per[np.arange(S), :, phases] = np.minimum(smin, _BIG)
+        C = (self._member @ per.reshape(S, L * 3)).reshape(1 << S, L, 3)
         C[C >= _BIG / 2] = np.inf
         return C
 

@@ -54,7 +54,8 @@ def place(
             if cache is not None and last - first == dp * w - 1:
                 sp = cache.get(key)
             if sp is None:
-                units = tuple(tuple(devs[off + u * w : off + (u + 1) * w]) for u in range(dp))
+                run = iter(devs[off : off + dp * w])
+                units = tuple(zip(*([run] * w)))  # dp consecutive tuples of w devices
                 sp = StagePlan(sw.stage, sw.model, sw.trains, dp, tp, pp, units)
                 if cache is not None and last - first == dp * w - 1:
                     if len(cache) > 4096:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 _INF = math.inf
 
@@ -53,8 +53,8 @@ class Search:
     """The k best plans over partitions searched one by one, sharing one incumbent.
 
     Arguments:
-        Cl: cheap bounds as nested lists, ``Cl[mask][j] = [c0, c1, c2]`` for the stage
-            subset ``mask`` at size ``2**j`` (inf: some stage fits no layout up to it).
+        Cl: cheap bounds, ``Cl[mask][j] = [c0, c1, c2]`` for the stage subset ``mask``
+            at size ``2**j`` (inf: some stage fits no layout up to it).
         gi: ``gi(group, n) -> (vectors, stop)``: the group's table at size ``n``
             (``[(vec, choices)]``) and whether no smaller size can fit either.
         gl: ``gl(group, n) -> (LastGroup | None, next_n)``: the same group for the
@@ -68,7 +68,7 @@ class Search:
         nodes: search nodes visited.
     """
 
-    def __init__(self, Cl: list, gi: Callable, gl: Callable, k: int) -> None:
+    def __init__(self, Cl: Mapping, gi: Callable, gl: Callable, k: int) -> None:
         self.Cl, self.gi, self.gl, self.k = Cl, gi, gl, k
         self.best: list = []
         self.seen: set = set()
