@@ -72,7 +72,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from nereus_rl.costmodel import CostModel
-from nereus_rl.planner_bounds import CheapRows, PartitionBounds
+from nereus_rl.planner_bounds import CheapRows, PartitionBounds, cheap_table
 from nereus_rl.planner_groups import group_vectors
 from nereus_rl.planner_place import infeasible, place
 from nereus_rl.planner_search import LastGroup, Search
@@ -303,20 +303,24 @@ class Planner:
                 got = lasts[(g, n)] = (lg, nxt)
             return got
 
-        pb = _partition_bounds(S, N)
-        cheap = bounds.get(N)
-        if cheap is None:
+        # Cheap bounds of every stage subset at every size (one table for all device
+        # counts), then of every partition on N devices (planner_bounds).
+        Cl = bounds.get("rows")
+        if Cl is None:
             # Each stage's fastest layout alone at each size (the rollout: the faster of
             # its two sync variants).
-            smin = np.array(fast)[:, : pb.L]
-            C = pb.cheap_table(smin, phases)
+            C = cheap_table(np.array(fast), phases)
             # Shave a relative 1e-12: the bounds are sums in another order than the
             # search's, and a bound must never exceed what it bounds.
             C *= 1.0 - 1e-12
-            lbs = pb.partition_bounds(C)
+            Cl = bounds["rows"] = CheapRows(C)
+        pb = _partition_bounds(S, N)
+        got = bounds.get(N)
+        if got is None:
+            lbs = pb.partition_bounds(Cl.C[:, : pb.L])
             order = np.argsort(lbs, kind="stable")[: int(np.count_nonzero(lbs < _INF))]
-            cheap = bounds[N] = (CheapRows(C), order.tolist(), lbs.tolist())
-        Cl, order, lbs = cheap
+            got = bounds[N] = (order.tolist(), lbs.tolist())
+        order, lbs = got
         if not order:
             raise infeasible(stages, tables, N, cap)
         t_bounds = time.perf_counter()

@@ -68,6 +68,31 @@ def maximal_assignments(N: int, k: int) -> np.ndarray:
     return np.array(sorted(rows), dtype=np.int64).reshape(-1, k)
 
 
+@functools.lru_cache(maxsize=8)
+def _members(S: int) -> np.ndarray:
+    """``(2**S, S)``: which stages each subset (bitmask) holds, as 0.0/1.0."""
+    return ((np.arange(1 << S)[:, None] >> np.arange(S)[None, :]) & 1).astype(float)
+
+
+def cheap_table(smin: np.ndarray, phases: list[int]) -> np.ndarray:
+    """``C[mask, j, p]``: the cheap bound of every stage subset at size ``2**j``.
+
+    Arguments:
+        smin: ``(S, L)`` fastest time of each stage alone at each size (inf: none).
+        phases: phase of each stage.
+
+    Returns:
+        ``(2**S, L, 3)`` float array, inf where some stage of the subset fits no layout
+        up to that size.
+    """
+    S, L = smin.shape
+    per = np.zeros((S, L, 3))
+    per[np.arange(S), :, phases] = np.minimum(smin, _BIG)
+    C = (_members(S) @ per.reshape(S, L * 3)).reshape(1 << S, L, 3)
+    C[C >= _BIG / 2] = np.inf
+    return C
+
+
 class CheapRows(dict):
     """``rows[mask][j] = [c0, c1, c2]``: rows of a cheap table as Python lists, converted
     on first use (the search touches a few subsets; plain floats compare fastest)."""
@@ -112,26 +137,6 @@ class PartitionBounds:
         # contiguous rows (numpy reduces a short inner axis slowly).
         self.idx = np.ascontiguousarray(np.concatenate(idx).T)
         self.starts = np.array(starts, dtype=np.int64)
-        # Which stages each subset holds, for the subset sums.
-        self._member = ((np.arange(1 << S)[:, None] >> np.arange(S)[None, :]) & 1).astype(float)
-
-    def cheap_table(self, smin: np.ndarray, phases: list[int]) -> np.ndarray:
-        """``C[mask, j, p]``: the cheap bound of every stage subset at size ``2**j``.
-
-        Arguments:
-            smin: ``(S, L)`` fastest time of each stage alone at each size (inf: none).
-            phases: phase of each stage.
-
-        Returns:
-            ``(2**S, L, 3)`` float array, inf where some stage of the subset fits no
-            layout up to that size.
-        """
-        S, L = smin.shape
-        per = np.zeros((S, L, 3))
-        per[np.arange(S), :, phases] = np.minimum(smin, _BIG)
-        C = (self._member @ per.reshape(S, L * 3)).reshape(1 << S, L, 3)
-        C[C >= _BIG / 2] = np.inf
-        return C
 
     def partition_bounds(self, C: np.ndarray) -> np.ndarray:
         """Lower bound of every partition in ``parts`` (inf: some group never fits)."""

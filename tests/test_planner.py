@@ -235,7 +235,7 @@ def test_partition_bounds_never_exceed_the_partitions_best():
         else:
             assert pl.plan(w, devices=range(N)).latency_s == pytest.approx(min(exact.values()))
         (_, _, bounds) = next(iter(pl._ginfo.values()))
-        _, _, lbs = bounds[N]
+        _, lbs = bounds[N]
         pb = _partition_bounds(len(w.planned_stages), N)
         assert len(pb.parts) == len(exact)
         for part, lb in zip(pb.parts, lbs):

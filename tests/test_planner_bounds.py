@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from nereus_rl.planner_bounds import PartitionBounds, maximal_assignments
+from nereus_rl.planner_bounds import PartitionBounds, cheap_table, maximal_assignments
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 5, 7, 12, 24, 32, 40])
@@ -28,7 +28,7 @@ def test_partition_bounds_equal_direct_minimum():
     smin = np.sort(rng.uniform(1, 10, (S, pb.L)), axis=1)[:, ::-1].copy()  # falls with n
     smin[2, 0] = np.inf  # stage 2 needs at least 2 devices
     phases = [0, 1, 1, 2]
-    C = pb.cheap_table(smin, phases)
+    C = cheap_table(smin, phases)
     got = pb.partition_bounds(C)
     for part, lb in zip(pb.parts, got):
         best = np.inf
