@@ -11,10 +11,11 @@ sizes, and its minimum over the *maximal* size assignments (no group can double 
 exceeding ``N``) bounds every plan of ``P``: any assignment is dominated size by size by
 a maximal one, and ``C`` is monotone.
 
-The maximal assignments are few (at most 1,346 for six groups and any ``N`` up to 4,096),
-so the bound of all 203 partitions of six stages is a handful of numpy gathers over a
-precomputed index array; it is much tighter than giving every group the largest size
-the others allow, and usually leaves one to three partitions to search.
+The maximal assignments are few (for six groups: 525 on 32, 1,024 or 4,096 devices,
+1,346 on 1,016 or 4,080), so the bound of all 203 partitions of six stages is a handful
+of numpy gathers over an index array built once per ``(S, N)``. It is much tighter than
+giving every group the largest size the others allow: in bench_planner's calls it
+leaves 1 to 13 partitions to search where that bound left 61 to 151.
 """
 
 from __future__ import annotations
