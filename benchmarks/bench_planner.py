@@ -12,8 +12,9 @@ path. It also reports the median of the same calls made cold (a fresh Planner ea
 time: nothing cached). Each sequence runs ``--repeats`` times (a fresh Planner each
 time) and the medians are over every call of every repeat after each one's first (one
 sequence of five or nine calls is too few on a shared machine); ``calls`` in the JSON
-gives the median CPU time of each call of the sequence. SCIP and CP-SAT solve the first
-call's problem with a time limit; a solver that stops without proof is reported as such.
+gives the median CPU time of each call of the sequence and how many set partitions it
+searched. SCIP and CP-SAT solve the first call's problem with a time limit; a solver
+that stops without proof is reported as such.
 
 Workload: PPO, Llama-3.1-8B actor, critic, reference and reward model, batch 2 x
 devices prompts of 1,024 tokens. All latencies are cost-model predictions.
@@ -55,17 +56,18 @@ def _repeated(n_dev: int, signals, persistent: bool, repeats: int, prepare: bool
     call left out when the planner is persistent), and each call's median CPU ms."""
     wall, cpu, per_call = [], [], [[] for _ in signals]
     for _ in range(repeats):
-        w, c = _calls(n_dev, signals, persistent, prepare)
+        w, c, parts = _calls(n_dev, signals, persistent, prepare)
         skip = 1 if persistent else 0
         wall += w[skip:]
         cpu += c[skip:]
         for j, v in enumerate(c):
             per_call[j].append(v)
-    return wall, cpu, [statistics.median(v) for v in per_call]
+    return wall, cpu, [statistics.median(v) for v in per_call], parts
 
 
 def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
-    """Wall and CPU (process) milliseconds of each call of the signal sequence."""
+    """Wall and CPU (process) milliseconds of each call of the signal sequence, and the
+    number of set partitions each call searched."""
     c = cluster_preset(f"h200x{n_dev}")
     cm = CostModel(c)
     base = make_workload(
@@ -74,7 +76,7 @@ def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
     planner = Planner(c, cm)
     if prepare:  # a job knows its bucket edges: price their layouts at start-up
         planner.prepare(base.with_response_len(r) for r in sorted({s[0] for s in signals}))
-    wall, cpu = [], []
+    wall, cpu, parts = [], [], []
     prev = None
     for resp, lost, refine in signals:
         assert (resp, lost, refine) != prev
@@ -85,10 +87,11 @@ def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
         devs = range(n_dev - lost) if lost < n_dev else range(n_dev)
         p = planner if persistent else Planner(c, cm)
         t0, c0 = time.perf_counter(), time.process_time()
-        p.plan(w, devices=devs)
+        res = p.plan(w, devices=devs)
         cpu.append((time.process_time() - c0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
-    return wall, cpu
+        parts.append(res.timings["partitions"])
+    return wall, cpu, parts
 
 
 def main() -> None:
@@ -115,9 +118,9 @@ def main() -> None:
     for n in sizes:
         # Medians over calls whose signals differ from the previous call's: all but the
         # first call of each run of the persistent planner (it has no previous call).
-        warm, warm_cpu, warm_calls = _repeated(n, signals, True, args.repeats)
-        prep, prep_cpu, prep_calls = _repeated(n, signals, True, args.repeats, prepare=True)
-        cold, _, _ = _repeated(n, signals, False, 1)
+        warm, warm_cpu, warm_calls, parts = _repeated(n, signals, True, args.repeats)
+        prep, prep_cpu, prep_calls, _ = _repeated(n, signals, True, args.repeats, prepare=True)
+        cold, _, _, _ = _repeated(n, signals, False, 1)
         plan_ms = statistics.median(warm)
         cold_ms = statistics.median(cold)
         c = cluster_preset(f"h200x{n}")
@@ -135,8 +138,8 @@ def main() -> None:
             "plan_max_ms": max(warm),
             "num_calls": len(warm),
             "calls": [
-                {"signal": list(sig), "cpu_ms": a, "prepared_cpu_ms": b}
-                for sig, a, b in zip(signals, warm_calls, prep_calls)
+                {"signal": list(sig), "cpu_ms": a, "prepared_cpu_ms": b, "partitions": np_}
+                for sig, a, b, np_ in zip(signals, warm_calls, prep_calls, parts)
             ],
             "objective_s": best.latency_s,
         }
