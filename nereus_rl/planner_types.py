@@ -55,8 +55,10 @@ class PlanResult:
         latency_s: its predicted step latency.
         estimate: the cost model's full estimate of it (computed on first use).
         k_best: up to k (latency_s, plan) pairs, best first.
-        timings: ``tables_ms``, ``search_ms``, ``total_ms``, ``nodes`` (search nodes),
-            ``partitions`` (partitions searched).
+        timings: ``tables_ms`` (Pareto lists), ``bounds_ms`` (cheap and partition
+            bounds), ``search_ms``, ``total_ms``, ``nodes`` (search nodes, the last
+            group's depth-first nodes included), ``partitions`` (partitions searched),
+            ``aligned`` (whether the placement is node-aligned; see ``planner``).
     """
 
     plan: GlobalPlan
