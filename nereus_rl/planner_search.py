@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 
 _INF = math.inf
+_SHAVE = 1.0 - 1e-12
 
 
 class LastGroup:
@@ -47,6 +48,9 @@ class LastGroup:
             self.rmin[pos] = (r[0], r[1], r[2])
             self.rmem[pos] = self.rmem[pos + 1] + lst[-1][1]
             self.rflag[pos] = self.rflag[pos + 1] or any(c[3] > thr for c in lst)
+        # Shave a relative 1e-12: the search adds these in another order than a plan's
+        # times are summed, and a bound must never exceed what it bounds.
+        self.rmin = [(a * _SHAVE, b * _SHAVE, c * _SHAVE) for a, b, c in self.rmin]
 
 
 class Search:
