@@ -9,13 +9,18 @@ a shared machine's load). ``plan_prepared_ms``/``plan_prepared_cpu_ms``: the sam
 ``Planner.prepare`` called at start-up for the sequence's response buckets (a job knows
 its bucket edges), so a bucket change no longer prices every layout on the decision
 path. It also reports the median of the same calls made cold (a fresh Planner each
-time: nothing cached). SCIP and CP-SAT solve the first call's problem with a time
-limit; a solver that stops without proof is reported as such.
+time: nothing cached). Each sequence runs ``--repeats`` times (a fresh Planner each
+time) and the medians are over every call of every repeat after each one's first (one
+sequence of five or nine calls is too few on a shared machine); ``calls`` in the JSON
+gives the median CPU time of each call of the sequence and how many set partitions it
+searched. SCIP and CP-SAT solve the first call's problem with a time limit; a solver
+that stops without proof is reported as such.
 
 Workload: PPO, Llama-3.1-8B actor, critic, reference and reward model, batch 2 x
 devices prompts of 1,024 tokens. All latencies are cost-model predictions.
 
     python benchmarks/bench_planner.py --quick --json out.json
+    python benchmarks/bench_planner.py --quick --json new.json --compare old.json
 """
 
 from __future__ import annotations
@@ -46,8 +51,23 @@ SIGNALS = [
 ]
 
 
+def _repeated(n_dev: int, signals, persistent: bool, repeats: int, prepare: bool = False):
+    """Wall and CPU ms of the calls of ``repeats`` runs of the sequence (each run's first
+    call left out when the planner is persistent), and each call's median CPU ms."""
+    wall, cpu, per_call = [], [], [[] for _ in signals]
+    for _ in range(repeats):
+        w, c, parts = _calls(n_dev, signals, persistent, prepare)
+        skip = 1 if persistent else 0
+        wall += w[skip:]
+        cpu += c[skip:]
+        for j, v in enumerate(c):
+            per_call[j].append(v)
+    return wall, cpu, [statistics.median(v) for v in per_call], parts
+
+
 def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
-    """Wall and CPU (process) milliseconds of each call of the signal sequence."""
+    """Wall and CPU (process) milliseconds of each call of the signal sequence, and the
+    number of set partitions each call searched."""
     c = cluster_preset(f"h200x{n_dev}")
     cm = CostModel(c)
     base = make_workload(
@@ -56,7 +76,7 @@ def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
     planner = Planner(c, cm)
     if prepare:  # a job knows its bucket edges: price their layouts at start-up
         planner.prepare(base.with_response_len(r) for r in sorted({s[0] for s in signals}))
-    wall, cpu = [], []
+    wall, cpu, parts = [], [], []
     prev = None
     for resp, lost, refine in signals:
         assert (resp, lost, refine) != prev
@@ -67,10 +87,11 @@ def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
         devs = range(n_dev - lost) if lost < n_dev else range(n_dev)
         p = planner if persistent else Planner(c, cm)
         t0, c0 = time.perf_counter(), time.process_time()
-        p.plan(w, devices=devs)
+        res = p.plan(w, devices=devs)
         cpu.append((time.process_time() - c0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
-    return wall, cpu
+        parts.append(res.timings["partitions"])
+    return wall, cpu, parts
 
 
 def main() -> None:
@@ -78,6 +99,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer calls, MILP only at 32-64")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--milp-limit-s", type=float, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the call sequence")
+    ap.add_argument(
+        "--compare", metavar="PATH", help="a previous --json output: print old, new, old/new"
+    )
     args = ap.parse_args()
     sizes = [32, 64, 128, 256, 512, 1024, 4096]
     signals = SIGNALS[:6] if args.quick else SIGNALS
@@ -91,12 +116,12 @@ def main() -> None:
     )
     print(hdr)
     for n in sizes:
-        warm, warm_cpu = _calls(n, signals, True)
-        prep, prep_cpu = _calls(n, signals, True, prepare=True)
-        cold, _ = _calls(n, signals, False)
-        # Median over calls whose signals differ from the previous call's: all but the
-        # first call of the persistent planner (the first has no previous call).
-        plan_ms = statistics.median(warm[1:])
+        # Medians over calls whose signals differ from the previous call's: all but the
+        # first call of each run of the persistent planner (it has no previous call).
+        warm, warm_cpu, warm_calls, parts = _repeated(n, signals, True, args.repeats)
+        prep, prep_cpu, prep_calls, _ = _repeated(n, signals, True, args.repeats, prepare=True)
+        cold, _, _, _ = _repeated(n, signals, False, 1)
+        plan_ms = statistics.median(warm)
         cold_ms = statistics.median(cold)
         c = cluster_preset(f"h200x{n}")
         cm = CostModel(c)
@@ -105,13 +130,17 @@ def main() -> None:
         row = {
             "devices": n,
             "plan_ms": plan_ms,
-            "plan_cpu_ms": statistics.median(warm_cpu[1:]),
-            "plan_prepared_ms": statistics.median(prep[1:]),
-            "plan_prepared_cpu_ms": statistics.median(prep_cpu[1:]),
+            "plan_cpu_ms": statistics.median(warm_cpu),
+            "plan_prepared_ms": statistics.median(prep),
+            "plan_prepared_cpu_ms": statistics.median(prep_cpu),
             "plan_cold_ms": cold_ms,
-            "plan_min_ms": min(warm[1:]),
-            "plan_max_ms": max(warm[1:]),
-            "num_calls": len(warm) - 1,
+            "plan_min_ms": min(warm),
+            "plan_max_ms": max(warm),
+            "num_calls": len(warm),
+            "calls": [
+                {"signal": list(sig), "cpu_ms": a, "prepared_cpu_ms": b, "partitions": np_}
+                for sig, a, b, np_ in zip(signals, warm_calls, prep_calls, parts)
+            ],
             "objective_s": best.latency_s,
         }
         for name, fn in (("scip", solve_scip), ("cpsat", solve_cpsat)):
@@ -137,7 +166,7 @@ def main() -> None:
 
         print(
             f"{n:>7} {plan_ms:>9.2f} {row['plan_cpu_ms']:>8.2f} {row['plan_prepared_ms']:>8.2f} "
-            f"{row['plan_prepared_cpu_ms']:>8.2f} {min(warm[1:]):>8.2f} {cold_ms:>9.2f} "
+            f"{row['plan_prepared_cpu_ms']:>8.2f} {min(warm):>8.2f} {cold_ms:>9.2f} "
             f"{f(row['scip_ms'], '>10.0f')} "
             f"{row['scip_status'][:9]:>9} {f(row['cpsat_ms'], '>10.0f')} "
             f"{row['cpsat_status'][:9]:>9} {best.latency_s:>8.2f} "
@@ -148,6 +177,26 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"benchmark": "bench_planner", "rows": rows}, fh, indent=1)
+    if args.compare:
+        _compare(args.compare, rows)
+
+
+_COMPARED = ("plan_cpu_ms", "plan_prepared_cpu_ms", "plan_ms", "plan_cold_ms")
+
+
+def _compare(path: str, rows: list[dict]) -> None:
+    """Print each size's timings from ``path`` beside this run's, with old/new ratios."""
+    with open(path) as fh:
+        old = {r["devices"]: r for r in json.load(fh)["rows"]}
+    print(f"\nvs {path} (old / new = speed-up)")
+    print(f"{'devices':>7} " + " ".join(f"{k:>30}" for k in _COMPARED))
+    for r in rows:
+        o = old.get(r["devices"])
+        if o is None:
+            continue
+        cells = [f"{o[k]:>9.2f} -> {r[k]:>8.2f} ({o[k] / r[k]:>5.1f}x)" for k in _COMPARED]
+        same = abs(o["objective_s"] - r["objective_s"]) <= 1e-9 * r["objective_s"]
+        print(f"{r['devices']:>7} " + " ".join(cells) + f"  same optimum: {same}")
 
 
 if __name__ == "__main__":

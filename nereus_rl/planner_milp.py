@@ -41,6 +41,7 @@ from ortools.sat.python import cp_model
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.planner import Planner
+from nereus_rl.planner_place import place
 from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import Workload
 
@@ -99,8 +100,8 @@ class _Tables:
             )
 
     def build(self, workload, groups, choice) -> GlobalPlan:
-        picks = [(g, (None, tuple(choice[i] for i in g))) for g in groups]
-        return self.planner._build(workload, self.stages, self.tables, picks, self.devs)
+        picks = [(g, tuple(choice[i] for i in g)) for g in groups]
+        return place(self.stages, self.tables, picks, self.devs)
 
 
 def _empty(solver, name, start, status):

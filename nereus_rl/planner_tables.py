@@ -1,23 +1,16 @@
-"""Tables for the exact planner (see ``nereus_rl.planner``): layouts of a stage, its work
-matrix and memory per layout, set partitions, and the 2-D/3-D Pareto helpers used to
-build a colocation group's phase vectors.
+"""Stage tables of the exact planner (see ``nereus_rl.planner``): the layouts of a stage,
+its work matrix and memory per layout, and the set partitions of the stages.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
-import math
 
 import numpy as np
 
 from nereus_rl.costmodel_work import stage_memory, stage_work, sync_work
 from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork
-
-
-def _pow2floor(x: int) -> int:
-    return 1 << (x.bit_length() - 1) if x >= 1 else 0
 
 
 def _layouts(max_d: int, sw: StageWork) -> tuple[tuple[int, int, int], ...]:
@@ -96,51 +89,3 @@ class _StageTable:
                     for t in ("intra", "inter")
                 }
             self.sync = got
-
-
-def _pareto2(cands: list) -> tuple[list, list]:
-    """(time, memory) Pareto lists of ``cands``: all of them, and those with the flag set."""
-    cands.sort(key=lambda c: (c[0], c[1]))
-    out_all, out_flag = [], []
-    best_all = best_flag = math.inf
-    for c in cands:
-        if c[1] < best_all:
-            out_all.append(c)
-            best_all = c[1]
-        if c[2] and c[1] < best_flag:
-            out_flag.append(c)
-            best_flag = c[1]
-    return out_all, out_flag
-
-
-def _combine3(L0: list, L1: list, L2: list, cap: int) -> list:
-    """Phase vectors from one choice per phase list whose memory sum fits ``cap``.
-
-    For each (phase-0, phase-1) pair only the fastest phase-2 choice that fits is
-    kept: any other fitting one is slower there and equal elsewhere (dominated).
-    Each list is sorted by time with strictly falling memory.
-    """
-    neg = [-c[1] for c in L2]
-    out = []
-    for a in L0:
-        for b in L1:
-            budget = cap - a[1] - b[1]
-            if budget < 0:
-                continue
-            j = bisect.bisect_left(neg, -budget)
-            if j == len(L2):
-                continue
-            c = L2[j]
-            out.append(((a[0], b[0], c[0]), a[3] + b[3] + c[3]))
-    return out
-
-
-def _prune3(items: list) -> list:
-    """Drop (vector, choice) items whose vector is dominated in all three phases."""
-    items = sorted(items, key=lambda it: (sum(it[0]), it[0]))
-    kept: list = []
-    for it in items:
-        v = it[0]
-        if not any(o[0] <= v[0] and o[1] <= v[1] and o[2] <= v[2] for o, _ in kept):
-            kept.append(it)
-    return kept

@@ -19,14 +19,15 @@ from nereus_rl.spec import cluster_preset
 from nereus_rl.workload import make_workload
 
 
-def brute_force(workload, cluster, cm, *, prune_dominated=False):
+def brute_force(workload, cluster, cm, *, prune_dominated=False, N=None, per_partition=False):
     """Minimum objective over every (partition, layout per stage) with sum of widths <= N.
 
     Evaluates the objective formula directly; with ``prune_dominated`` a layout that is
     no faster, no smaller and no narrower than another of its stage is skipped (replacing
-    it cannot make a plan worse: used only to keep the 5-stage case small).
+    it cannot make a plan worse: used only to keep the 5-stage case small). With
+    ``per_partition`` returns ``{partition: minimum}`` instead (inf: nothing fits).
     """
-    N = cluster.num_devices
+    N = cluster.num_devices if N is None else N
     cap = cm.capacity_bytes
     pl = Planner(cluster, cm)
     stages = list(workload.planned_stages)
@@ -62,8 +63,10 @@ def brute_force(workload, cluster, cm, *, prune_dominated=False):
             ]
         cands.append(rows)
     best = np.inf
+    by_part = {}
     dpn, one = cluster.devices_per_node, cluster.num_nodes == 1
     for part in set_partitions(list(range(len(stages)))):
+        part_best = np.inf
         for choice in itertools.product(*cands):
             widths = [max(choice[i][0] for i in g) for g in part]
             if sum(widths) > N:
@@ -77,8 +80,10 @@ def brute_force(workload, cluster, cm, *, prune_dominated=False):
                 for i in g:
                     T[stages[i].phase] += choice[i][2]["intra" if intra else "inter"]
                 M = [max(p, q) for p, q in zip(M, T)]
-            best = min(best, sum(M))
-    return best
+            part_best = min(part_best, sum(M))
+        by_part[tuple(sorted(part))] = part_best
+        best = min(best, part_best)
+    return by_part if per_partition else best
 
 
 @pytest.mark.parametrize(
@@ -189,5 +194,49 @@ def test_persistent_caches_and_prepare_match_fresh_planner():
             assert [lat for lat, _ in got.k_best] == [lat for lat, _ in fresh.k_best]
     assert len(prepared._tables) == 3 * 6  # every call found its stage tables prepared
     # Tables of superseded efficiency versions are dropped, not accumulated.
-    assert kept._groups and all(key[-1] == cm.version for key in kept._groups)
     assert kept._pareto and all(key[2] == cm.version for key in kept._pareto)
+    assert kept._ginfo and all(key[0] == cm.version for key in kept._ginfo)
+    assert all(key[-1] == cm.version for key in kept._groups)
+
+
+@pytest.mark.parametrize("cluster,lost", [("a100x8", 0), ("h100x16", 3), ("h200x8", 2)])
+def test_random_efficiencies_and_device_losses_equal_brute_force(cluster, lost):
+    """Optima under random efficiencies on fewer devices (multi-group optima included)."""
+    rng = np.random.default_rng(11 + lost)
+    c = cluster_preset(cluster)
+    N = c.num_devices - lost
+    for _ in range(3):
+        eff = {k: float(rng.uniform(0.1, 1.0)) for k in ("gemm", "attention", "mem", "launch")}
+        cm = CostModel(c, efficiencies=eff)
+        w = make_workload(
+            "grpo",
+            batch=int(rng.choice([32, 64, 256])),
+            group_size=4,
+            response_len=int(rng.choice([512, 2048, 8192])),
+        )
+        res = Planner(c, cm).plan(w, devices=range(N))
+        assert res.latency_s == pytest.approx(brute_force(w, c, cm, N=N), rel=1e-9)
+        assert res.latency_s == pytest.approx(cm.step_latency(res.plan, w).total_s, rel=1e-9)
+
+
+def test_partition_bounds_never_exceed_the_partitions_best():
+    """The cheap bound of every partition is at most its best plan (brute force)."""
+    from nereus_rl.planner import _partition_bounds
+
+    c = cluster_preset("a100x8")  # memory-bound: the bound must ignore memory soundly
+    cm = CostModel(c, efficiencies={"gemm": 0.4, "mem": 0.7})
+    w = make_workload("grpo", batch=64, group_size=4, response_len=4096)
+    pl = Planner(c, cm)
+    for N in (8, 6, 5):
+        exact = brute_force(w, c, cm, N=N, per_partition=True)
+        if min(exact.values()) == np.inf:  # 5 devices: nothing fits, the planner says so
+            with pytest.raises(PlanInfeasibleError):
+                pl.plan(w, devices=range(N))
+        else:
+            assert pl.plan(w, devices=range(N)).latency_s == pytest.approx(min(exact.values()))
+        (_, _, bounds) = next(iter(pl._ginfo.values()))
+        _, lbs = bounds[N]
+        pb = _partition_bounds(len(w.planned_stages), N)
+        assert len(pb.parts) == len(exact)
+        for part, lb in zip(pb.parts, lbs):
+            assert lb <= exact[tuple(sorted(part))] * (1 + 1e-12), (part, lb)

@@ -1,0 +1,86 @@
+"""Turning the exact planner's choice into a placed GlobalPlan (see ``nereus_rl.planner``),
+and the error raised when nothing fits memory."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nereus_rl.globalplan import GlobalPlan, StagePlan, fmt_bytes
+from nereus_rl.planner_tables import _StageTable
+from nereus_rl.planner_types import PlanInfeasibleError
+from nereus_rl.workload import StageWork
+
+
+def place(
+    stages: list[StageWork],
+    tables: list[_StageTable],
+    picks: list,
+    devs: list[int],
+    cache: dict | None = None,
+) -> GlobalPlan:
+    """Lay the chosen groups over ``devs``: decreasing size, consecutive offsets.
+
+    Arguments:
+        stages: the planned stages.
+        tables: their stage tables (``layouts`` indexed by the choices).
+        picks: ``[(group, choices), ...]``: stage indices of a group and the layout
+            index each of them takes.
+        devs: sorted available device ids.
+        cache: StagePlans already built, reused when a stage gets the same layout on
+            the same run of consecutive devices (StagePlans are immutable; building
+            one validates every unit, which costs milliseconds at thousands of devices).
+
+    Returns:
+        The plan; a stage uses the first ``dp * tp * pp`` devices of its group.
+    """
+    groups = []
+    for g, ch in picks:
+        lay = {i: tables[i].layouts[li] for i, li in zip(g, ch)}
+        size = max(dp * tp * pp for dp, tp, pp in lay.values())
+        groups.append((size, min(g), lay))
+    # Decreasing size keeps every group aligned to its power-of-two size.
+    groups.sort(key=lambda x: (-x[0], x[1]))
+    out: dict[int, StagePlan] = {}
+    off = 0
+    for size, _, lay in groups:
+        for i, (dp, tp, pp) in lay.items():
+            sw = stages[i]
+            w = tp * pp
+            first, last = devs[off], devs[off + dp * w - 1]
+            # Sorted distinct ids: the slice is a run of consecutive ids iff its ends
+            # are dp * w - 1 apart, and then (first, last) names it.
+            key = (sw.stage, sw.model, sw.trains, dp, tp, pp, first, last)
+            sp = None
+            if cache is not None and last - first == dp * w - 1:
+                sp = cache.get(key)
+            if sp is None:
+                run = iter(devs[off : off + dp * w])
+                units = tuple(zip(*([run] * w)))  # dp consecutive tuples of w devices
+                sp = StagePlan(sw.stage, sw.model, sw.trains, dp, tp, pp, units)
+                if cache is not None and last - first == dp * w - 1:
+                    if len(cache) > 4096:
+                        cache.clear()
+                    cache[key] = sp
+            out[i] = sp
+        off += size
+    return GlobalPlan(tuple(out[i] for i in range(len(stages))))
+
+
+def infeasible(
+    stages: list[StageWork], tables: list[_StageTable], N: int, cap: int
+) -> PlanInfeasibleError:
+    """The error for "no plan fits memory", with each stage's least bytes per device."""
+    need = {}
+    lines = []
+    for sw, t in zip(stages, tables):
+        ok = t.d <= N
+        i = int(np.argmin(np.where(ok, t.mem, np.iinfo(np.int64).max)))
+        need[sw.stage] = int(t.mem[i])
+        dp, tp, pp = t.layouts[i]
+        lines.append(f"{sw.stage}: {fmt_bytes(t.mem[i])}/device at best (dp{dp} tp{tp} pp{pp})")
+    msg = (
+        f"no plan fits memory on {N} devices of {fmt_bytes(cap)} usable each; "
+        "least memory needed per device by stage: " + "; ".join(lines) + ". "
+        "Add devices, use devices with more memory, or shrink batch/sequence length."
+    )
+    return PlanInfeasibleError(msg, need, cap, N)
