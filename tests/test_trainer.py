@@ -6,6 +6,7 @@ joins a fresh default process group on it), so the processes start once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -134,8 +135,50 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     assert taken and taken[0]["measured_transition_s"] > 0
     for key in ("signal", "predicted_saving_s", "predicted_transition_s"):
         assert key in taken[0]
-    # each measured transition was fed back to the cost model's primitive estimates
-    assert [r["costmodel_primitives_observed"] for r in taken] == list(range(1, len(taken) + 1))
+    # every transition ran as the DAG's EMU primitives on the units holding the model's
+    # state (none fell back to a per-stage reshard), and each primitive's measurement
+    # was fed to the cost model's primitive estimates once
+    for r in taken:
+        assert r["executed_primitives"] and r["fallbacks"] == 0, r
+        assert sorted(r["executed_primitives"]) == sorted(r["primitives"])
+    executed = [len(r["executed_primitives"]) for r in taken]
+    observed = [r["costmodel_primitives_observed"] for r in taken]
+    assert observed == list(itertools.accumulate(executed))
+
+
+def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
+    # Split and merge not run live: the stages whose transition needs them move by the
+    # per-stage reshard, the others by primitives; the run stays on the static path.
+    common = dict(algo="grpo", steps=4, seed=3, length_start=6, length_end=14, **FAST)
+    tr = Trainer(TrainConfig(adapt=True, **common), driver=driver)
+    try:
+        tr.start()
+        tr.units.live_kinds = frozenset({"extend", "destroy"})
+        res = tr.run()
+        # each stage's shards are its units' tensors, on the plan's devices
+        for sp in tr.plan.stages:
+            units = tr.units.by_stage[sp.stage]
+            assert [u.ranks for u in units] == [
+                tuple(tr.device_worker[d] for d in devs) for devs in sp.units
+            ]
+            for u in units:
+                held = driver.call(list(u.ranks), "emu.shards", u.uid)
+                model = driver.call(list(u.ranks), "rl.shards", sp.stage)
+                for r in u.ranks:
+                    assert held[r].keys() == model[r].keys() and held[r]
+                    for k, t in model[r].items():
+                        assert torch.equal(held[r][k], t), (sp.stage, r, k)
+    finally:
+        tr.close()
+    taken = [d for d in res.decisions if d["taken"]]
+    assert taken and sum(d["fallbacks"] for d in taken) >= 1, taken
+    for d in taken:
+        assert not any(p.split(":")[0] in ("split", "merge") for p in d["executed_primitives"])
+    static = train(adapt=False, driver=driver, **common)
+    assert res.rewards == static.rewards
+    a = torch.tensor([m["loss"] for m in res.metrics])
+    s = torch.tensor([m["loss"] for m in static.metrics])
+    torch.testing.assert_close(a, s, rtol=1e-4, atol=1e-5)
 
 
 def test_reward_rises_on_the_default_task(driver):
