@@ -128,6 +128,7 @@ class EMUManager:
             name="emu",
         )
         self._informed: set[int] = set()  # workers that know every stage
+        self._drops: list[Any] = []  # emu.drop calls sent, replies not yet collected
         driver.import_module("nereus_rl.emu_worker")
 
     # ---------------------------------------------------------------- queries
@@ -290,10 +291,24 @@ class EMUManager:
         units = [u for u in units if self._units.get(u.uid) == u]
         if units:
             self._commit(units, [], [])
+        self.flush()
+
+    def flush(self) -> None:
+        """Collect the replies of the shard drops sent by earlier primitives.
+
+        A drop on a worker that died meanwhile is moot (its shards went with it).
+        """
+        drops, self._drops = self._drops, []
+        for pending in drops:
+            try:
+                self.driver.wait(pending, timeout=60.0)
+            except WorkerLostError:
+                pass
 
     def close(self) -> None:
         """Forget every unit and drop every pooled group (the workers keep running)."""
         self.forget(self.units())
+        self.flush()
         self.pool.on_ranks_lost(self.driver.check_liveness())
         self.pool.destroy_all()
 
@@ -631,9 +646,13 @@ class EMUManager:
             comm = self._unit_comm.pop(u.uid, None)
             if comm is not None:
                 self.pool.release(comm)
-            live = [r for r in u.ranks if r not in set(self.driver.check_liveness())]
+            lost = set(self.driver.check_liveness())
+            live = [r for r in u.ranks if r not in lost]
             if live:
-                self.driver.call(live, "emu.drop", (u.uid,))
+                # Not waited for here: a worker runs its commands in order, so every later
+                # command sees the shards gone, and the reply carries nothing needed
+                # (reaped by flush). This keeps a round trip off every destroy, split, merge.
+                self._drops.append(self.driver.submit(live, "emu.drop", (u.uid,)))
         for u, comm in zip(new, new_comms):
             self._units[u.uid] = u
             self._unit_gid[u.uid] = None if comm is None else comm.handle

@@ -177,9 +177,11 @@ class Trainer:
         descs = [self._desc(sp) for sp in self.plan.stages]
         self._all("rl.setup", descs, self.mc, full, cfg.hyper())
         from nereus_rl.trainer_units import TrainerUnits
+        from nereus_rl.transition import KINDS
 
         # From here on each stage's shards are EMU units' tensors (no copy is made).
-        self.units = TrainerUnits(self, self.adapter.cm)
+        live = KINDS if cfg.transitions == "emu" else ()
+        self.units = TrainerUnits(self, self.adapter.cm, live_kinds=live)
         self.units.adopt(self.plan)
         self.result.timings["setup_s"] = time.perf_counter() - t0
 
@@ -557,7 +559,7 @@ def train(
         driver: a runtime Driver whose workers to use (they are kept running).
         progress: called after every step with (step, metrics).
         options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
-            admission, length_start, length_end, ...).
+            admission, transitions, length_start, length_end, ...).
 
     Returns:
         A :class:`TrainResult`; if a worker failed mid-run, ``error`` says so and the

@@ -53,6 +53,9 @@ class TrainConfig:
     fixed_level: bool = True
     plan: str | GlobalPlan = "auto"
     admission: str = "payback"
+    # "emu": a transition runs its DAG as live EMU primitives; "reshard": the earlier
+    # execution, one nereus_comm reshard per changed stage (a baseline to compare with).
+    transitions: str = "emu"
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
 
     def hyper(self) -> dict[str, Any]:
@@ -106,6 +109,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise UnknownAlgorithmError(f"unknown algorithm {cfg.algo!r}; choose one of {ALGOS}")
     if cfg.mode not in MODES:
         raise TrainConfigError(f"unknown mode {cfg.mode!r}; choose one of {MODES}")
+    if cfg.transitions not in ("emu", "reshard"):
+        raise TrainConfigError(
+            f"unknown transitions {cfg.transitions!r}; use 'emu' (the DAG's primitives) or "
+            "'reshard' (one reshard per changed stage)"
+        )
     if cfg.admission not in ("payback", "always"):
         raise TrainConfigError(
             f"unknown admission {cfg.admission!r}; use 'payback' or 'always' (replan on every "

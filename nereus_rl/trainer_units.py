@@ -172,12 +172,16 @@ class TrainerUnits:
             out.bytes_moved += rec.bytes_moved
             out.primitive_s += rec.seconds
         t0 = time.perf_counter()
+        self.emus.flush()
+        rebind = []
         for sp in changed:
             if sp.stage in out.fallback_stages:
                 continue
             units = [self._target_unit(dag, live, sp, i) for i in range(sp.dp)]
-            self.tr._all("rl.rebind", self.tr._desc(sp), [u.uid for u in units])
+            rebind.append((self.tr._desc(sp), [u.uid for u in units]))
             self.by_stage[sp.stage] = units
+        if rebind:  # one call for every stage: a round trip, not one per stage
+            self.tr._all("rl.rebind", rebind)
         out.rebind_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for sp in changed:

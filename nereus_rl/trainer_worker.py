@@ -198,26 +198,30 @@ register_state_owner("trainer", _reader)
 
 
 @register("rl.rebind")
-def rebind(ctx: WorkerContext, desc: dict[str, Any], uids: list[int]) -> int:
-    """Build a stage's model for its new layout from its EMU units' tensors, after a transition.
+def rebind(ctx: WorkerContext, stages: list[tuple[dict[str, Any], list[int]]]) -> int:
+    """Build stages' models for their new layouts from their EMU units, after a transition.
 
-    Collective over all workers (the model's groups are made with ``new_group``).
-    ``uids[i]`` is the EMU unit of ``desc["units"][i]``; a member loads its unit's
-    shards (received by a primitive, or a kept unit's live state) and binds the
-    unit to the new model. Returns the bytes of state this rank now holds for it.
+    Collective over all workers (the models' groups are made with ``new_group``).
+    Per ``(desc, uids)``: ``uids[i]`` is the EMU unit of ``desc["units"][i]``; a
+    member loads its unit's shards (received by a primitive, or a kept unit's live
+    state) and binds the unit to the new model. Returns the bytes of state this rank
+    now holds for those stages.
     """
     rl = _rl(ctx)
-    stage = desc["stage"]
-    model = _build_model(desc, rl["config"], rl["rank"])
-    if model is None:
-        rl["stages"].pop(stage, None)
-        return 0
-    uid = uids[model.groups.dp_rank]
-    entry = {"model": model, "desc": desc, "trains": desc["trains"]}
-    _load_state(entry, tensors_of(ctx, uid), rl["hp"])
-    rl["stages"][stage] = entry
-    bind(ctx, uid, _reader(ctx, stage))
-    return sum(t.numel() * t.element_size() for t in _state_of(entry).values())
+    held = 0
+    for desc, uids in stages:
+        stage = desc["stage"]
+        model = _build_model(desc, rl["config"], rl["rank"])
+        if model is None:
+            rl["stages"].pop(stage, None)
+            continue
+        uid = uids[model.groups.dp_rank]
+        entry = {"model": model, "desc": desc, "trains": desc["trains"]}
+        _load_state(entry, tensors_of(ctx, uid), rl["hp"])
+        rl["stages"][stage] = entry
+        bind(ctx, uid, _reader(ctx, stage))
+        held += sum(t.numel() * t.element_size() for t in _state_of(entry).values())
+    return held
 
 
 _PLANS: dict[tuple, Any] = {}

@@ -49,6 +49,7 @@ def driver():
         ({"mode": "later"}, TrainConfigError, "async"),
         ({"steps": 0}, TrainConfigError, "steps"),
         ({"plan": "sideways"}, TrainConfigError, "colocated"),
+        ({"transitions": "later"}, TrainConfigError, "reshard"),
     ],
 )
 def test_bad_options_raise_before_any_process(kwargs, error, words):
