@@ -97,6 +97,16 @@ class TrainResult:
     def num_transitions(self) -> int:
         return sum(1 for d in self.decisions if d.get("taken"))
 
+    @property
+    def num_primitives(self) -> int:
+        """EMU primitives the taken transitions ran live."""
+        return sum(len(d.get("executed_primitives", ())) for d in self.decisions if d.get("taken"))
+
+    @property
+    def num_fallbacks(self) -> int:
+        """Stages the taken transitions moved by a per-stage reshard instead of primitives."""
+        return sum(d.get("fallbacks", 0) for d in self.decisions if d.get("taken"))
+
 
 def check_config(cfg: TrainConfig) -> ModelConfig:
     """Validate options before any process starts. Returns the model config.
