@@ -394,7 +394,22 @@ class Trainer:
         Returns:
             The :class:`~nereus_rl.trainer_units.TransitionRun`.
         """
-        run = self.units.run(self.plan, new, dag)
+        from nereus_rl.transition import TransitionExecutionError
+
+        try:
+            run = self.units.run(self.plan, new, dag)
+        except TransitionExecutionError as e:
+            # A worker lost mid-transition is handled as one lost mid-step: the models
+            # of the current plan are untouched until the rebind, so :meth:`recover`
+            # rebuilds from their intact units.
+            if isinstance(e.__cause__, (WorkerLostError, WorkerTimeoutError, RemoteError)):
+                raise e.__cause__ from e
+            lost = tuple(w for w in self.driver.check_liveness() if w in self.workers)
+            if lost:  # a primitive refused the lost worker's ranks before moving anything
+                raise WorkerLostError(
+                    f"worker(s) {list(lost)} died during a transition: {e}", lost
+                ) from e
+            raise
         self._set_plan(step, new)
         return run
 

@@ -183,6 +183,35 @@ def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
     torch.testing.assert_close(a, s, rtol=1e-4, atol=1e-5)
 
 
+def test_worker_lost_mid_transition_recovers_from_the_current_plan():
+    # A worker dies inside the first live primitive: the run goes on from the current
+    # plan's intact units (their models are untouched until the rebind).
+    d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
+    d.spawn_local(4)
+    try:
+        cfg = TrainConfig(algo="grpo", steps=4, seed=3, length_start=6, length_end=14, **FAST)
+        tr = Trainer(cfg, driver=d)
+        tr.start()
+        victim = tr.device_worker[3]
+        run_one = tr.units._run
+
+        def kill_then_run(p, live):
+            if d.check_liveness() == ():
+                d.kill(victim)
+            run_one(p, live)
+
+        tr.units._run = kill_then_run
+        res = tr.run()
+        tr.close()
+    finally:
+        d.shutdown()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    rec = [x for x in res.decisions if "lost devices" in x["trigger"]]
+    assert len(rec) == 1 and "lost devices [3]" in rec[0]["trigger"], res.decisions
+    assert rec[0]["taken"] and 3 not in res.plans[-1][1].devices
+
+
 def test_reward_rises_on_the_default_task(driver):
     # The embedded default (GRPO on `sort`, 60 steps, seed 0), on the shared pool: the
     # run is seeded end to end, so the rise is a fixed fact of this code, not luck.
