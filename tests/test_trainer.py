@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import UnknownPresetError
 from nereus_rl.runtime import Driver
 from nereus_rl.tasks import TraceFormatError, UnknownTaskError
@@ -181,6 +182,53 @@ def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
     a = torch.tensor([m["loss"] for m in res.metrics])
     s = torch.tensor([m["loss"] for m in static.metrics])
     torch.testing.assert_close(a, s, rtol=1e-4, atol=1e-5)
+
+
+def _sp(stage, model, trains, tp, pp, devs=(0, 1, 2, 3)):
+    w = tp * pp
+    units = tuple(tuple(devs[i : i + w]) for i in range(0, len(devs), w))
+    return StagePlan(stage, model, trains, len(units), tp, pp, units)
+
+
+def test_a_cycle_of_plans_through_every_primitive_returns_the_state_bitwise(driver):
+    # Weights and Adam moments (after one trained step) go through merges, splits,
+    # extends across stages and destroys, and come back to the first layout unchanged.
+    def plan(rollout, train, devs=((0, 1, 2, 3),) * 3):
+        return GlobalPlan((
+            _sp("rollout", "actor", False, *rollout, devs[0]),
+            _sp("reference", "reference", False, 1, 1, devs[1]),
+            _sp("actor_train", "actor", True, *train, devs[2]),
+        ))  # fmt: skip
+
+    p0 = plan((1, 1), (1, 1))
+    cycle = [
+        plan((1, 1), (1, 2)),
+        plan((2, 1), (2, 1)),
+        p0,
+        plan((1, 1), (1, 1), ((0, 1), (2, 3), (2, 3))),
+        p0,
+    ]
+    tr = Trainer(TrainConfig(steps=1, adapt=False, plan=p0, **FAST), driver=driver)
+    try:
+        tr.start()
+        tr.run()
+        before = {sp.stage: driver.call(tr.workers, "rl.shards", sp.stage) for sp in p0.stages}
+        kinds = set()
+        for target in cycle:
+            dag, _ = tr.adapter.compile(tr.plan, target)
+            run = tr.transition(target, dag, 1)
+            assert not run.fallback_stages and len(run.primitives) == len(dag.primitives)
+            kinds |= {p.split(":")[0] for p in run.primitives}
+        after = {sp.stage: driver.call(tr.workers, "rl.shards", sp.stage) for sp in p0.stages}
+    finally:
+        tr.close()
+    assert kinds == {"extend", "destroy", "split", "merge"}
+    for stage, shards in before.items():
+        for rank, state in shards.items():
+            assert state.keys() == after[stage][rank].keys()
+            for name, t in state.items():
+                assert torch.equal(after[stage][rank][name], t), (stage, rank, name)
+    assert any(k.startswith("exp_avg.") for k in before["actor_train"][0])
 
 
 def test_worker_lost_mid_transition_recovers_from_the_current_plan():
