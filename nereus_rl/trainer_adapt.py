@@ -326,6 +326,9 @@ class Adapter:
                     plan, cand, row, set(run.fallback_stages), run.fallback_s, run.fallback_bytes
                 )
             row["costmodel_primitives_observed"] = self.cm.primitives_seen()
+            devs = plan.devices | cand.devices
+            tier = "intra" if self.cluster.tier(devs) is self.cluster.intra else "inter"
+            row.setdefault("costmodel_p2p_efficiency", float(self.cm.efficiency("p2p:" + tier)))
             self.controller.plan_changed()
             out["transition_s"] = row["measured_transition_s"]
         self._log(row)
