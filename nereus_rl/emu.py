@@ -6,28 +6,45 @@ primitives change a stage's units without touching any other unit and
 without restarting a process:
 
 - ``extend``: a new unit on free devices, any (tp, pp), its state copied from
-  a live unit of the stage (shard for shard, with no packing, when the
-  layouts match);
+  a live unit of the stage, or of another stage of the same model that holds
+  every tensor of it (a rollout unit from a training unit: its weights);
+  shard for shard, with no packing, when the layouts match;
 - ``destroy``: drop a unit and release its communicator to the pool; refused
-  for the last unit holding a stage's state;
+  for the last unit holding a stage's state (a unit of another stage of the
+  same model holding all of it counts as a holder);
 - ``split``: one unit of degree d (= tp * pp devices) into two of degree d/2
   on its own devices;
 - ``merge``: two units of one stage and layout into one of twice the degree.
 
+A unit's state is either built by the EMU layer (``create``: synthetic
+content; the primitives' outputs: the bytes received) or *adopted*
+(``adopt``): the unit's tensors are then the live tensors of another owner on
+the worker, e.g. the trainer's model parameters and Adam moments
+(:mod:`nereus_rl.trainer_units`), read at the moment a primitive copies them.
+
 Each primitive checks its input before any byte moves (:class:`EMUError`),
 moves bytes with the nereus_comm planner and reshard over a gloo group of the
 ranks involved, and commits (drops the old units) only after every rank
-succeeded. Every primitive appends a :class:`PrimitiveRecord` to
-``EMUManager.records`` and (as a dict) to ``Driver.records``; with a cost
-model, each Extend, Destroy, Split and Merge record is also fed to
-``CostModel.observe_primitive`` so its primitive estimates follow measurements.
+succeeded (:mod:`nereus_rl.emu_primitives`). Every primitive appends a
+:class:`PrimitiveRecord` to ``EMUManager.records`` and (as a dict) to
+``Driver.records``; with a cost model, each Extend, Destroy, Split and Merge
+record is also fed to ``CostModel.observe_primitive`` (here, and nowhere else)
+so its primitive estimates follow measurements.
 
 Every gloo group (a unit's own group, a transfer's group, a training stage's
 DP groups) comes from one nereus_comm CommPool on the driver, in its
 driver-directed mode (:class:`DriverGroupBackend`): the driver sees every
 request in order, so it alone decides hit or create and which idle group to
 evict, and tells only the workers involved to build or drop a group by id.
-A live unit holds (pins) its own group; Destroy releases it.
+A live unit holds (pins) its own group; Destroy releases it. The groups'
+backend is :class:`nereus_rl.emu_groups.DriverGroupBackend`; recovery after
+lost workers is in :mod:`nereus_rl.emu_recover`, the synthetic training step
+in :mod:`nereus_rl.emu_train`.
+
+By default a device serves one unit at a time. ``shared_devices=True`` lets
+units of several stages (colocated stages) and, during a transition, an old
+and a new unit of one stage share devices; what may share is then the
+caller's business (a transition DAG's memory accounting).
 
 Usage (driver side)::
 
@@ -42,67 +59,32 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from nereus_comm.errors import TransportError
-from nereus_comm.pool import CommPool, Communicator, PoolBackend, PoolStats
-from nereus_rl.costmodel import CostModel
-from nereus_rl.emu_comm import Layout, TensorSpec, box_slices
+from nereus_comm.pool import CommPool, Communicator, PoolStats
+from nereus_rl.costmodel import CostModel, CostModelError
+from nereus_rl.emu_comm import TensorSpec, box_slices
+from nereus_rl.emu_groups import DriverGroupBackend
+from nereus_rl.emu_primitives import Primitives
+from nereus_rl.emu_recover import recover_units
 from nereus_rl.emu_state import reference_state
+from nereus_rl.emu_train import run_train_step
 from nereus_rl.emu_types import EMU, EMUError, EMUStateLostError, PrimitiveRecord, StageState
 from nereus_rl.runtime import Driver, WorkerLostError
 
-# Group ids are unique in this driver process, so two pools on one Driver never collide.
-_GROUP_IDS = itertools.count(1)
+__all__ = ["DriverGroupBackend", "EMUError", "EMUManager", "EMUStateLostError"]
+
+# Unit ids are unique in this driver process, so managers that take turns on one
+# pool of workers (tests, one trainer after another) never reuse a worker's uid.
+_UNIT_IDS = itertools.count()
 
 
-class DriverGroupBackend(PoolBackend):
-    """A CommPool backend (driver-directed mode) whose communicators are runtime gloo groups.
-
-    ``init`` picks a fresh group id and has the members build the group
-    (``make_group``, a rendezvous among them); its object is the group id.
-    ``destroy`` has the live members drop it (``release_groups``).
-
-    Arguments:
-        driver: the runtime driver.
-        timeout: seconds the members may take to build a group.
-    """
-
-    directed = True
-    rank = -1  # the driver is no member of any group
-
-    def __init__(self, driver: Driver, *, timeout: float = 60.0) -> None:
-        self._driver = driver
-        self._timeout = timeout
-        self._ranks: dict[int, tuple[int, ...]] = {}
-
-    @property
-    def world_size(self) -> int:
-        """One more than the highest rank of a joined worker (workers join over time)."""
-        return max(self._driver.infos, default=-1) + 1
-
-    def init(self, ranks: tuple[int, ...], tag: str) -> int:
-        gid = next(_GROUP_IDS)
-        self._driver.call(ranks, "make_group", gid, ranks, timeout=self._timeout + 30)
-        self._ranks[gid] = ranks
-        return gid
-
-    def destroy(self, obj: int, broken: bool) -> None:
-        ranks = self._ranks.pop(obj, ())
-        lost = set(self._driver.check_liveness())
-        live = [r for r in ranks if r not in lost]
-        if live:
-            try:
-                self._driver.call(live, "release_groups", [obj], timeout=30)
-            except WorkerLostError:
-                pass  # a member died meanwhile: its group went with it
-
-
-class EMUManager:
+class EMUManager(Primitives):
     """The driver's view of every unit, and the primitives that change them.
 
     Arguments:
@@ -110,9 +92,13 @@ class EMUManager:
         transfer_timeout: seconds a transfer may wait for a peer.
         max_cached_groups: capacity of the communicator pool: idle groups kept for
             reuse (least recently used dropped first; held ones never).
-        costmodel: a ``nereus_rl.costmodel.CostModel`` whose cluster's device ids are
-            the worker ranks (e.g. ``local_cpu_cluster``); each primitive's record
+        costmodel: a ``nereus_rl.costmodel.CostModel``; each primitive's record
             refines its primitive estimates. None: records only.
+        rank_devices: the cost model's device id of each worker rank (default: the
+            rank itself, e.g. with ``local_cpu_cluster`` over the workers).
+        shared_devices: let units share devices (see the module docstring).
+        unit_groups: give each multi-rank unit its own pooled group. False where the
+            units' owner runs their TP/PP traffic over its own groups (the trainer).
     """
 
     def __init__(
@@ -122,9 +108,15 @@ class EMUManager:
         transfer_timeout: float = 60.0,
         max_cached_groups: int = 16,
         costmodel: CostModel | None = None,
+        rank_devices: Mapping[int, int] | None = None,
+        shared_devices: bool = False,
+        unit_groups: bool = True,
     ) -> None:
         self.driver = driver
         self.costmodel = costmodel
+        self.rank_devices = dict(rank_devices) if rank_devices is not None else None
+        self.shared_devices = shared_devices
+        self.unit_groups = unit_groups
         self.transfer_timeout = transfer_timeout
         self.max_cached_groups = max_cached_groups
         self.stages: dict[str, StageState] = {}
@@ -138,7 +130,7 @@ class EMUManager:
             name="emu",
         )
         self._informed: set[int] = set()  # workers that know every stage
-        self._next_uid = 0
+        self._drops: list[Any] = []  # emu.drop calls sent, replies not yet collected
         driver.import_module("nereus_rl.emu_worker")
 
     # ---------------------------------------------------------------- queries
@@ -214,6 +206,7 @@ class EMUManager:
         *,
         num_layers: int | None = None,
         seed: int = 0,
+        model: str | None = None,
     ) -> StageState:
         """Declare a stage's state (its specs) on the driver and every worker.
 
@@ -222,6 +215,8 @@ class EMUManager:
             specs: TensorSpecs of one unit's state (see emu_state.stage_state_specs).
             num_layers: layers (default: max stage_key + 1).
             seed: seed of the synthetic initial content.
+            model: the model whose weights the stage holds (default: the stage's own
+                name). Stages of one model may copy state between them (extend).
 
         Raises:
             EMUError: the stage exists already, or has no tensors.
@@ -233,7 +228,7 @@ class EMUManager:
         if num_layers is None:
             keys = [s.stage_key for s in specs if s.stage_key is not None]
             num_layers = max(keys) + 1 if keys else 1
-        stage = StageState(name, tuple(specs), num_layers, seed)
+        stage = StageState(name, tuple(specs), num_layers, seed, model or name)
         workers = self.driver.workers
         self.driver.call(workers, "emu.define_stage", name, stage.specs, num_layers)
         # Those that knew every earlier stage now know every stage.
@@ -252,7 +247,7 @@ class EMUManager:
         t0 = time.perf_counter()
         setup0 = self.pool.stats.create_seconds
         self._ensure_stage_on(unit.ranks)
-        comm = self._get_comm(unit.ranks) if unit.degree > 1 else None
+        comm = self._get_comm(unit.ranks) if self._needs_group(unit) else None
         gid = None if comm is None else comm.handle
         try:
             self.driver.call(unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid)
@@ -267,232 +262,78 @@ class EMUManager:
         )  # fmt: skip
         return unit
 
-    # ---------------------------------------------------------------- primitives
-
-    def extend(
-        self,
-        stage: str,
-        ranks: Sequence[int],
-        *,
-        tp: int | None = None,
-        pp: int | None = None,
-        source: EMU | None = None,
+    def adopt(
+        self, stage: str, ranks: Sequence[int], *, tp: int = 1, pp: int = 1, owner: str
     ) -> EMU:
-        """Add a unit of ``stage`` on free ``ranks``, its state copied from a live unit.
+        """A unit whose tensors are an owner's live state on its ranks (no byte moves).
 
-        Arguments:
-            stage: the stage to grow by one replica.
-            ranks: tp * pp free live worker ranks (Layout order).
-            tp, pp: the new unit's degrees (default: the source's).
-            source: the unit to copy from (default: the stage's oldest unit).
-
-        Returns:
-            The new unit.
+        Each rank's shard is what the worker-side state owner ``owner`` (registered
+        with :func:`nereus_rl.emu_worker.register_state_owner`) returns for
+        ``stage``, read whenever a primitive copies from the unit; it must be that
+        rank's shards of the stage's specs in the unit's layout.
 
         Raises:
-            EMUError: a rank is owned, lost or repeated; bad degrees; the source
-                is not a live unit of the stage. Raised before any byte moves.
+            EMUError: unknown stage, bad (tp, pp) or ranks, ranks owned or not live.
         """
         st = self._stage(stage)
-        if source is None:
-            live = self.units(stage)
-            if not live:
-                raise EMUError(f"stage {stage!r} has no live unit to copy its state from")
-            source = live[0]
-        self._check_live(source)
-        if source.stage != stage:
-            raise EMUError(f"source {source!r} is not a unit of stage {stage!r}")
-        unit = self._new_unit(st, ranks, tp or source.tp, pp or source.pp)
-        return self._transfer("extend", st, [source], [unit], keep_sources=True)
-
-    def destroy(self, unit: EMU) -> None:
-        """Drop a unit: its shards, its hold on its communicator, its claim on its devices.
-
-        Raises:
-            EMUError: the unit is not live, or is the last unit of its stage.
-        """
-        self._check_live(unit)
-        if self.dp_degree(unit.stage) == 1:
-            raise EMUError(
-                f"{unit!r} is the last unit holding stage {unit.stage!r}'s state; "
-                "extend the stage first or keep this unit"
-            )
+        unit = self._new_unit(st, ranks, tp, pp)
         t0 = time.perf_counter()
-        self._commit([unit], [], [])
-        self._record(
-            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0,
-            ranks=unit.ranks,
-        )  # fmt: skip
+        self._ensure_stage_on(unit.ranks)
+        self.driver.call(unit.ranks, "emu.adopt", unit.uid, stage, unit.layout, owner)
+        self._commit([], [unit], [None])
+        self._record("adopt", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0)
+        return unit
 
-    def split(self, unit: EMU, *, tp: int | None = None, pp: int | None = None) -> tuple[EMU, EMU]:
-        """Split a unit of degree d into two units of degree d/2 on its own devices.
+    def forget(self, units: Sequence[EMU]) -> None:
+        """Drop units whose state their owner has rebuilt elsewhere (no check, no byte moves).
 
-        Arguments:
-            unit: the unit to split.
-            tp, pp: degrees of each half (default: tp halved, or pp if tp is odd).
-
-        Returns:
-            The two new units (on the first and second half of unit.ranks).
-
-        Raises:
-            EMUError: the degree is odd or 1, or tp * pp != degree / 2.
+        For an owner that moved the state by other means (the trainer's per-stage
+        reshard fallback, its recovery); a lost rank's shards went with it.
         """
-        self._check_live(unit)
-        st = self._stage(unit.stage)
-        if unit.degree == 1:
-            raise EMUError(
-                f"cannot split {unit!r}: it has degree 1 (a single device); extend the "
-                "stage instead to add a replica"
-            )
-        if unit.degree % 2:
-            raise EMUError(
-                f"cannot split {unit!r}: its degree {unit.degree} is not even "
-                "(split needs tp * pp of at least 2 and divisible by 2)"
-            )
-        if tp is None and pp is None:
-            tp, pp = (unit.tp // 2, unit.pp) if unit.tp % 2 == 0 else (unit.tp, unit.pp // 2)
-        tp, pp = tp or 1, pp or 1
-        if tp * pp * 2 != unit.degree:
-            raise EMUError(
-                f"each half of {unit!r} must have tp * pp = {unit.degree // 2}, got tp={tp} pp={pp}"
-            )
-        half = unit.degree // 2
-        a = self._new_unit(st, unit.ranks[:half], tp, pp, replacing=[unit])
-        b = self._new_unit(st, unit.ranks[half:], tp, pp, replacing=[unit])
-        self._transfer("split", st, [unit], [a, b], keep_sources=False)
-        return self._units[a.uid], self._units[b.uid]
+        units = [u for u in units if self._units.get(u.uid) == u]
+        if units:
+            self._commit(units, [], [])
+        self.flush()
 
-    def merge(self, a: EMU, b: EMU, *, tp: int | None = None, pp: int | None = None) -> EMU:
-        """Merge two units of one stage and one layout into one of twice the degree.
+    def flush(self) -> None:
+        """Collect the replies of the shard drops sent by earlier primitives.
 
-        Arguments:
-            a, b: the units (the new unit's ranks are a.ranks + b.ranks).
-            tp, pp: the new unit's degrees (default: tp doubled).
-
-        Returns:
-            The new unit.
-
-        Raises:
-            EMUError: same unit twice, different stages or layouts, or
-                tp * pp != 2 * degree.
+        A drop on a worker that died meanwhile is moot (its shards went with it).
         """
-        self._check_live(a)
-        self._check_live(b)
-        if a.uid == b.uid:
-            raise EMUError(f"cannot merge {a!r} with itself")
-        if a.stage != b.stage:
-            raise EMUError(f"cannot merge units of different stages: {a!r} and {b!r}")
-        if (a.tp, a.pp) != (b.tp, b.pp):
-            raise EMUError(
-                f"cannot merge units of different layouts: {a!r} and {b!r}; "
-                "split or extend one of them to the other's (tp, pp) first"
-            )
-        st = self._stage(a.stage)
-        if tp is None and pp is None:
-            tp, pp = a.tp * 2, a.pp
-        tp, pp = tp or 1, pp or 1
-        if tp * pp != 2 * a.degree:
-            raise EMUError(f"the merged unit needs tp * pp = {2 * a.degree}, got tp={tp} pp={pp}")
-        unit = self._new_unit(st, a.ranks + b.ranks, tp, pp, replacing=[a, b])
-        return self._transfer("merge", st, [a, b], [unit], keep_sources=False)
+        drops, self._drops = self._drops, []
+        for pending in drops:
+            try:
+                self.driver.wait(pending, timeout=60.0)
+            except WorkerLostError:
+                pass
+
+    def close(self) -> None:
+        """Forget every unit and drop every pooled group (the workers keep running)."""
+        self.forget(self.units())
+        self.flush()
+        self.pool.on_ranks_lost(self.driver.check_liveness())
+        self.pool.destroy_all()
 
     def recover(self, *, spare_ranks: Sequence[int] | None = None) -> list[EMU]:
-        """Rebuild the capacity lost with dead workers from the intact units.
-
-        Every unit that lost a shard is destroyed (its survivors drop their
-        shards and groups); then, per broken unit, a unit of the same stage is
-        extended from an intact one onto free live ranks (``spare_ranks`` first
-        when given), with the broken unit's (tp, pp) if enough ranks are free,
-        else the largest smaller degree that fits. Nothing is read from disk.
-
-        Returns:
-            The new units (possibly fewer than the broken ones, if too few ranks are free).
+        """Rebuild the capacity lost with dead workers from the intact units
+        (:func:`nereus_rl.emu_recover.recover_units`).
 
         Raises:
             EMUStateLostError: a stage has no intact unit left.
         """
-        lost = set(self.driver.check_liveness())
-        broken = [u for u in self.units() if lost & set(u.ranks)]
-        for stage in {u.stage for u in broken}:
-            if not any(not (lost & set(u.ranks)) for u in self.units(stage)):
-                raise EMUStateLostError(
-                    f"every unit of stage {stage!r} lost a shard (lost workers {sorted(lost)}); "
-                    "its state must come from a checkpoint"
-                )
-        for u in broken:
-            t0 = time.perf_counter()
-            self._commit([u], [], [])
-            self._record(
-                "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
-                extra={"reason": "lost worker"}, ranks=u.ranks,
-            )  # fmt: skip
-        # Groups with a dead member are never handed out again; idle ones go first on eviction.
-        self.pool.on_ranks_lost(lost)
-        new = []
-        for u in broken:
-            free = self.free_ranks()
-            if spare_ranks is not None:
-                free = [r for r in spare_ranks if r in free] + [
-                    r for r in free if r not in spare_ranks
-                ]
-            for tp, pp in _shrinking(u.tp, u.pp):
-                if tp * pp <= len(free):
-                    new.append(self.extend(u.stage, free[: tp * pp], tp=tp, pp=pp))
-                    break
-        return new
-
-    # ---------------------------------------------------------------- training
+        return recover_units(self, spare_ranks)
 
     def train_step(
         self, stage: str, step: int, *, global_batch: int = 8, lr: float = 1e-3
     ) -> float:
-        """One synthetic data-parallel Adam step on every unit of a training stage.
-
-        See nereus_rl.emu_train: the result is bitwise independent of the DP
-        degree, the layouts and the primitives run between steps.
-
-        Arguments:
-            stage: a training stage (its state has Adam moments, a step and RNG).
-            step: the step number.
-            global_batch: samples per step over all units.
-            lr: the learning rate.
-
-        Returns:
-            The sum of every rank's gradient elements (a cheap log value).
+        """One synthetic data-parallel Adam step on every unit of a training stage
+        (:func:`nereus_rl.emu_train.run_train_step`: bitwise independent of the DP
+        degree, the layouts and the primitives run between steps).
 
         Raises:
-            EMUError: the stage has no units, its units differ in (tp, pp), or it
-                is not a training stage.
+            EMUError: no units, units of different (tp, pp), or not a training stage.
         """
-        st = self._stage(stage)
-        units = self.units(stage)
-        if not units:
-            raise EMUError(f"stage {stage!r} has no units to train")
-        if len({(u.tp, u.pp) for u in units}) > 1:
-            raise EMUError(
-                f"the units of {stage!r} differ in layout ({units}); a DP step needs one "
-                "(tp, pp) per stage: split, merge or re-extend first"
-            )
-        if not any(s.name == "optim.step" for s in st.specs):
-            raise EMUError(f"stage {stage!r} has no optimizer state; it is not a training stage")
-        ranks = [r for u in units for r in u.ranks]
-        self._ensure_stage_on(ranks)
-        # Position i's DP group (rank i of every unit) comes from the pool; it stays
-        # cached after the step, so the next step with the same units is a hit.
-        comms: list[Communicator] = []
-        try:
-            if len(units) > 1:
-                for i in range(units[0].degree):
-                    comms.append(self._get_comm(tuple(u.ranks[i] for u in units)))
-            dp_gids = tuple(c.handle for c in comms) or (0,) * units[0].degree
-            res = self.driver.call(
-                ranks, "emu.train_step", stage, tuple(u.uid for u in units),
-                tuple(u.ranks for u in units), dp_gids, step, global_batch, lr,
-            )  # fmt: skip
-        finally:
-            for c in comms:
-                self.pool.release(c)
-        return sum(res.values())
+        return run_train_step(self, stage, step, global_batch=global_batch, lr=lr)
 
     # ---------------------------------------------------------------- internals
 
@@ -529,15 +370,22 @@ class EMUManager:
         if bad:
             raise EMUError(f"ranks {bad} are not live workers (live: {sorted(workers - lost)})")
         freed = {r for u in replacing for r in u.ranks}
-        for r in ranks:
+        for r in ranks if not self.shared_devices else ():
             owner = self.owner(r)
             if owner is not None and r not in freed:
                 raise EMUError(
                     f"device {r} is already owned by {owner!r}; destroy that unit or pick a "
                     f"free device (free: {self.free_ranks()})"
                 )
-        self._next_uid += 1
-        return EMU(self._next_uid - 1, st.name, tp, pp, ranks, st.num_layers)
+        return EMU(next(_UNIT_IDS), st.name, tp, pp, ranks, st.num_layers)
+
+    def _covers(self, holder: str, stage: str) -> bool:
+        """True when units of stage ``holder`` hold all of stage ``stage``'s state."""
+        h, s = self.stages[holder], self.stages[stage]
+        return h.model == s.model and {t.name for t in s.specs} <= {t.name for t in h.specs}
+
+    def _needs_group(self, unit: EMU) -> bool:
+        return self.unit_groups and unit.degree > 1
 
     def _ensure_stage_on(self, ranks: Sequence[int]) -> None:
         # A worker that joined after define_stage has not heard of the stages yet.
@@ -557,67 +405,6 @@ class EMUManager:
                 raise e.__cause__ from None
             raise
 
-    def _transfer(
-        self, kind: str, st: StageState, sources: list[EMU], targets: list[EMU], keep_sources: bool
-    ) -> EMU:
-        t0 = time.perf_counter()
-        src = Layout(
-            len(sources), sources[0].tp, sources[0].pp,
-            tuple(r for u in sources for r in u.ranks), num_layers=st.num_layers,
-        )  # fmt: skip
-        dst = Layout(
-            len(targets), targets[0].tp, targets[0].pp,
-            tuple(r for u in targets for r in u.ranks), num_layers=st.num_layers,
-        )  # fmt: skip
-        ranks = tuple(sorted(set(src.ranks) | set(dst.ranks)))
-        self._ensure_stage_on(ranks)
-        setup0 = self.pool.stats.create_seconds
-        held: list[Communicator] = []
-        try:
-            held.append(self._get_comm(ranks))
-            gid = held[0].handle
-            unit_comms: list[Communicator | None] = []
-            for u in targets:
-                unit_comms.append(self._get_comm(u.ranks) if u.degree > 1 else None)
-                if unit_comms[-1] is not None:
-                    held.append(unit_comms[-1])
-            unit_gids = tuple(None if c is None else c.handle for c in unit_comms)
-            res = self.driver.call(
-                ranks, "emu.reshard", st.name,
-                tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
-                gid, ranks, unit_gids, self.transfer_timeout,
-                timeout=self.transfer_timeout + 30,
-            )  # fmt: skip
-        except Exception:
-            # Sources are untouched; forget whatever partial targets exist. The groups
-            # stay in the pool, idle (a dead member's are marked broken by recover).
-            for c in held:
-                self.pool.release(c)
-            live = [r for r in dst.ranks if r not in set(self.driver.check_liveness())]
-            if live:
-                try:
-                    self.driver.call(live, "emu.drop", tuple(u.uid for u in targets), timeout=30)
-                except Exception:
-                    pass  # the original error is the one worth reporting
-            raise
-        self.pool.release(held[0])  # the transfer's group; the new units keep theirs
-        self._commit([] if keep_sources else sources, targets, unit_comms)
-        total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
-        self._record(
-            kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
-            len(ranks), time.perf_counter() - t0,
-            bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
-            bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
-            comm_setup_s=self.pool.stats.create_seconds - setup0,
-            max_bytes_per_device=max(max(r["bytes_sent"], r["bytes_received"])
-                                     for r in res.values()),
-            ranks=ranks,
-            extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
-                   "reshard_s": max(r["reshard_s"] for r in res.values()),
-                   "plan_s": max(r["plan_s"] for r in res.values())},
-        )  # fmt: skip
-        return targets[0]
-
     def _commit(
         self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
     ) -> None:
@@ -628,9 +415,13 @@ class EMUManager:
             comm = self._unit_comm.pop(u.uid, None)
             if comm is not None:
                 self.pool.release(comm)
-            live = [r for r in u.ranks if r not in set(self.driver.check_liveness())]
+            lost = set(self.driver.check_liveness())
+            live = [r for r in u.ranks if r not in lost]
             if live:
-                self.driver.call(live, "emu.drop", (u.uid,))
+                # Not waited for here: a worker runs its commands in order, so every later
+                # command sees the shards gone, and the reply carries nothing needed
+                # (reaped by flush). This keeps a round trip off every destroy, split, merge.
+                self._drops.append(self.driver.submit(live, "emu.drop", (u.uid,)))
         for u, comm in zip(new, new_comms):
             self._units[u.uid] = u
             self._unit_gid[u.uid] = None if comm is None else comm.handle
@@ -656,33 +447,25 @@ class EMUManager:
             self._feed(rec, ranks)
 
     def _feed(self, rec: PrimitiveRecord, ranks: Sequence[int]) -> None:
+        """One record -> ``CostModel.observe_primitive`` (the only place primitives are fed)."""
         cm = self.costmodel
         assert cm is not None
-        tier = "intra" if not ranks or cm.cluster.tier(ranks) is cm.cluster.intra else "inter"
-        cm.observe_primitive(
-            rec.kind,
-            bytes_moved=rec.bytes_moved,
-            max_bytes_per_device=rec.max_bytes_per_device,
-            tier=tier,
-            seconds=rec.seconds,
-            setup_s=rec.comm_setup_s,
-            new_units=len(rec.outputs),
-            new_ranks=sum(len(self._units[u].ranks) for u in rec.outputs if u in self._units),
-        )
+        devs = [self.rank_devices.get(r, r) for r in ranks] if self.rank_devices else list(ranks)
+        tier = "intra" if not devs or cm.cluster.tier(devs) is cm.cluster.intra else "inter"
+        try:
+            cm.observe_primitive(
+                rec.kind,
+                bytes_moved=rec.bytes_moved,
+                # a rank's received bytes may include its local copies: cap at the total
+                max_bytes_per_device=min(rec.max_bytes_per_device, rec.bytes_moved),
+                tier=tier,
+                seconds=rec.seconds,
+                setup_s=rec.comm_setup_s,
+                new_units=len(rec.outputs),
+                new_ranks=sum(len(self._units[u].ranks) for u in rec.outputs if u in self._units),
+            )
+        except CostModelError as e:  # a measurement the model cannot read moves no state
+            rec.extra["costmodel_error"] = str(e)
 
 
 _PRIMITIVES = ("extend", "destroy", "split", "merge")  # "create" builds, it copies nothing
-_SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
-           "buffers_sent")  # fmt: skip
-
-
-def _shrinking(tp: int, pp: int) -> list[tuple[int, int]]:
-    """(tp, pp), then smaller layouts: halve tp first, then pp."""
-    out = [(tp, pp)]
-    while tp > 1 or pp > 1:
-        if tp > 1:
-            tp //= 2
-        else:
-            pp //= 2
-        out.append((tp, pp))
-    return out

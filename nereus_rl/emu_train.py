@@ -11,15 +11,22 @@ are exact in fp32 whatever the order, and Adam is elementwise: the state after
 N steps is bitwise the same for any DP degree, any (tp, pp), and any sequence
 of primitives between steps. That is what lets a test compare a run with
 transitions against an uninterrupted one bitwise. The real model's step
-(nereus_rl.model / trainer) plugs in here later.
+(nereus_rl.trainer) adopts its real state into units instead
+(EMUManager.adopt); this step remains the semantics check of the EMU layer itself.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nereus_rl.emu_state import RNG_SPEC, Box, _hashed, _name_seed
+from nereus_rl.emu_types import EMUError
 from nereus_rl.runtime.context import WorkerContext, register
+
+if TYPE_CHECKING:
+    from nereus_rl.emu import EMUManager
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8
@@ -102,3 +109,53 @@ def train_step(
     torch.rand(1, generator=gen)  # the step's draw (dropout and sampling would use these)
     tensors["rng"].copy_(gen.get_state())
     return float(sum(g.sum() for g in grads))
+
+
+def run_train_step(
+    m: EMUManager, stage: str, step: int, *, global_batch: int = 8, lr: float = 1e-3
+) -> float:
+    """Driver side of :func:`train_step`: one synthetic DP Adam step on every unit of ``stage``.
+
+    Arguments:
+        m: the manager holding the stage's units.
+        stage: a training stage (its state has Adam moments, a step and RNG).
+        step: the step number.
+        global_batch: samples per step over all units.
+        lr: the learning rate.
+
+    Returns:
+        The sum of every rank's gradient elements (a cheap log value).
+
+    Raises:
+        EMUError: the stage has no units, its units differ in (tp, pp), or it is not
+            a training stage.
+    """
+    st = m._stage(stage)
+    units = m.units(stage)
+    if not units:
+        raise EMUError(f"stage {stage!r} has no units to train")
+    if len({(u.tp, u.pp) for u in units}) > 1:
+        raise EMUError(
+            f"the units of {stage!r} differ in layout ({units}); a DP step needs one "
+            "(tp, pp) per stage: split, merge or re-extend first"
+        )
+    if not any(s.name == "optim.step" for s in st.specs):
+        raise EMUError(f"stage {stage!r} has no optimizer state; it is not a training stage")
+    ranks = [r for u in units for r in u.ranks]
+    m._ensure_stage_on(ranks)
+    # Position i's DP group (rank i of every unit) comes from the pool; it stays
+    # cached after the step, so the next step with the same units is a hit.
+    comms = []
+    try:
+        if len(units) > 1:
+            for i in range(units[0].degree):
+                comms.append(m._get_comm(tuple(u.ranks[i] for u in units)))
+        dp_gids = tuple(c.handle for c in comms) or (0,) * units[0].degree
+        res = m.driver.call(
+            ranks, "emu.train_step", stage, tuple(u.uid for u in units),
+            tuple(u.ranks for u in units), dp_gids, step, global_batch, lr,
+        )  # fmt: skip
+    finally:
+        for c in comms:
+            m.pool.release(c)
+    return sum(res.values())

@@ -25,12 +25,18 @@ class StageState:
         specs: the TensorSpecs of one unit's full state.
         num_layers: layers the pipeline split divides.
         seed: seed of the synthetic initial content.
+        model: the model whose weights the stage holds (None: the stage's own name).
     """
 
     name: str
     specs: tuple[TensorSpec, ...]
     num_layers: int
     seed: int = 0
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            object.__setattr__(self, "model", self.name)
 
     @property
     def nbytes(self) -> int:

@@ -6,10 +6,17 @@ unit's stage, layout and the rank's shard of every tensor of the stage's
 state. Primitives run :func:`_reshard` on every rank that gives or takes
 bytes; the new units' shards are stored under new unit ids, and the old
 units are dropped only when the driver says so, after every rank succeeded.
+
+A unit's tensors are either its own (a dict: built, or received by a
+primitive) or *bound* (:class:`BoundState`): the live tensors of another
+owner on this worker (the trainer's model and optimizer), read through a
+function registered with :func:`register_state_owner` each time a primitive
+copies from the unit, so the copy is of the state as it is at that moment.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +27,50 @@ from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
 from nereus_rl.emu_comm import Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
+
+StateReader = Callable[[], dict[str, torch.Tensor]]
+_OWNERS: dict[str, Callable[[WorkerContext, str], StateReader]] = {}
+
+
+def register_state_owner(name: str, fn: Callable[[WorkerContext, str], StateReader]) -> None:
+    """Name a worker-side owner of live state that units can adopt (``emu.adopt``).
+
+    Arguments:
+        name: the owner's name (``EMUManager.adopt(..., owner=name)``).
+        fn: ``fn(ctx, stage)`` -> a function returning this rank's current shards of
+            the stage by spec name (tensors sharing storage with the owner's, no copy).
+    """
+    _OWNERS[name] = fn
+
+
+class BoundState(Mapping):
+    """A unit's tensors that are an owner's live tensors (read on each access)."""
+
+    def __init__(self, read: StateReader) -> None:
+        self.read = read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.read())
+
+    def __len__(self) -> int:
+        return len(self.read())
+
+    def __repr__(self) -> str:
+        return f"BoundState({len(self)} tensors)"
+
+
+def tensors_of(ctx: WorkerContext, uid: int) -> dict[str, torch.Tensor]:
+    """This rank's shards of unit ``uid`` now (a bound unit's owner is read once)."""
+    t = _units(ctx)[uid]["tensors"]
+    return t.read() if isinstance(t, BoundState) else t
+
+
+def bind(ctx: WorkerContext, uid: int, read: StateReader) -> None:
+    """Make unit ``uid``'s tensors an owner's live state (after the owner loaded them)."""
+    _units(ctx)[uid]["tensors"] = BoundState(read)
 
 
 def _stages(ctx: WorkerContext) -> dict[str, tuple[tuple[TensorSpec, ...], int]]:
@@ -64,6 +115,20 @@ def build(
     }
 
 
+@register("emu.adopt")
+def adopt(ctx: WorkerContext, uid: int, stage: str, layout: Layout, owner: str) -> int:
+    """Make unit ``uid`` of ``stage`` the owner's live state on this rank. Returns its bytes."""
+    fn = _OWNERS.get(owner)
+    if fn is None:
+        raise KeyError(
+            f"no state owner {owner!r} on worker {ctx.rank}; registered: {sorted(_OWNERS)}; "
+            "import the module that registers it first"
+        )
+    state = BoundState(fn(ctx, stage))
+    _units(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": state}
+    return sum(t.numel() * t.element_size() for t in state.read().values())
+
+
 @register("emu.reshard")
 def _reshard(
     ctx: WorkerContext,
@@ -95,7 +160,9 @@ def _reshard(
     tensors: dict[str, torch.Tensor] = {}
     if ctx.rank in src_layout:
         d = src_layout.coords(ctx.rank)[0]
-        tensors = units[src_uids[d]]["tensors"]
+        # A source of another stage of the model (extend) may hold more (Adam moments).
+        names = {s.name for s in specs}
+        tensors = {k: v for k, v in tensors_of(ctx, src_uids[d]).items() if k in names}
     pg, setup = ctx.group(group_id, tuple(group_ranks))
     transport = GlooTransport(pg, group_ranks, ctx.rank)
     workspace = ctx.state.setdefault("emu.workspace", Workspace("cpu"))
@@ -131,7 +198,7 @@ def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] =
     freed = 0
     for uid in uids:
         unit = _units(ctx).pop(uid, None)
-        if unit is not None:
+        if unit is not None and not isinstance(unit["tensors"], BoundState):
             freed += sum(t.numel() * t.element_size() for t in unit["tensors"].values())
     ctx.release_groups(list(group_ids))
     return freed
@@ -140,7 +207,7 @@ def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] =
 @register("emu.shards")
 def shards(ctx: WorkerContext, uid: int) -> dict[str, torch.Tensor]:
     """This rank's shards of a unit, by tensor name."""
-    return dict(_units(ctx)[uid]["tensors"])
+    return dict(tensors_of(ctx, uid))
 
 
 @register("emu.units")

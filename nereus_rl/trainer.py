@@ -21,8 +21,10 @@ Asynchronous mode generates the next step's responses while the current step
 trains (one step stale, the behaviour log-probs come from the rollout
 weights that sampled them); the weight sync is the safe boundary.
 
-The adaptation loop lives in :mod:`nereus_rl.trainer_adapt`; the run folder
-in :mod:`nereus_rl.report`.
+The model's state on the workers is held as EMU units
+(:mod:`nereus_rl.trainer_units`), and a plan transition runs as EMU primitives
+on them. The adaptation loop lives in :mod:`nereus_rl.trainer_adapt`; the run
+folder in :mod:`nereus_rl.report`.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class Trainer:
         self.adapter = Adapter(self, enabled=cfg.adapt)
         self.first_plan = self.adapter.initial_plan(self._response_len(0))
         self.plan: GlobalPlan | None = None
+        self.units = None  # TrainerUnits, once the workers hold the state
         self.own_driver = driver is None
         self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
 
@@ -173,6 +176,13 @@ class Trainer:
         self._set_plan(0, plan or self.first_plan)
         descs = [self._desc(sp) for sp in self.plan.stages]
         self._all("rl.setup", descs, self.mc, full, cfg.hyper())
+        from nereus_rl.trainer_units import TrainerUnits
+        from nereus_rl.transition import KINDS
+
+        # From here on each stage's shards are EMU units' tensors (no copy is made).
+        live = KINDS if cfg.transitions == "emu" else ()
+        self.units = TrainerUnits(self, self.adapter.cm, live_kinds=live)
+        self.units.adopt(self.plan)
         self.result.timings["setup_s"] = time.perf_counter() - t0
 
     def _desc(self, sp: StagePlan) -> dict[str, Any]:
@@ -369,27 +379,39 @@ class Trainer:
         # Linear warm-up after the warm start: the first RL updates are the noisiest.
         return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
 
-    def transition(self, new: GlobalPlan, order: list[str], step: int) -> int:
-        """Move every changed stage's state to its new layout, in ``order``; returns bytes sent.
+    def transition(self, new: GlobalPlan, dag, step: int):
+        """Move every changed stage's state to its new layout by running the transition
+        DAG's EMU primitives on the units holding it (:meth:`TrainerUnits.run`).
 
         Weights (and a training stage's Adam moments and step) travel by nereus_comm
-        reshard between the old and the new units; nothing is rebuilt from scratch.
+        reshard inside the primitives; nothing is rebuilt from scratch.
+
+        Arguments:
+            new: the target plan.
+            dag: its compiled transition DAG (None: per-stage reshards).
+            step: the first step run on ``new``.
+
+        Returns:
+            The :class:`~nereus_rl.trainer_units.TransitionRun`.
         """
-        sent = 0
-        for name in order:
-            old_sp, new_sp = self.plan.stage(name), new.stage(name)
-            if old_sp == new_sp:
-                continue
-            rep = self._all(
-                "rl.move",
-                self._desc(old_sp),
-                self._desc(new_sp),
-                params_only=not new_sp.trains,
-                replace=True,
-            )
-            sent += int(sum(r["bytes_sent"] for r in rep.values()))
+        from nereus_rl.transition import TransitionExecutionError
+
+        try:
+            run = self.units.run(self.plan, new, dag)
+        except TransitionExecutionError as e:
+            # A worker lost mid-transition is handled as one lost mid-step: the models
+            # of the current plan are untouched until the rebind, so :meth:`recover`
+            # rebuilds from their intact units.
+            if isinstance(e.__cause__, (WorkerLostError, WorkerTimeoutError, RemoteError)):
+                raise e.__cause__ from e
+            lost = tuple(w for w in self.driver.check_liveness() if w in self.workers)
+            if lost:  # a primitive refused the lost worker's ranks before moving anything
+                raise WorkerLostError(
+                    f"worker(s) {list(lost)} died during a transition: {e}", lost
+                ) from e
+            raise
         self._set_plan(step, new)
-        return sent
+        return run
 
     def recover(self, step: int, error: Exception) -> None:
         """Continue after a worker died: a new default group over the survivors, a plan
@@ -430,6 +452,9 @@ class Trainer:
                 params_only=not sp.trains,
                 replace=True,
             )
+        # the units of the lost layout are gone; the rebuilt state is adopted anew
+        self.units.forget_all()
+        self.units.adopt(new)
         self._set_plan(step, new)
         row = {
             "step": step,
@@ -506,6 +531,8 @@ class Trainer:
     def close(self) -> None:
         """Release the workers (shut them down when this trainer spawned them)."""
         try:
+            if getattr(self, "units", None) is not None:
+                self.units.close()
             if self.driver.workers:
                 self.driver.call(self.workers, "rl.close", timeout=30.0)
         except Exception:
@@ -547,7 +574,7 @@ def train(
         driver: a runtime Driver whose workers to use (they are kept running).
         progress: called after every step with (step, metrics).
         options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
-            admission, length_start, length_end, ...).
+            admission, transitions, length_start, length_end, ...).
 
     Returns:
         A :class:`TrainResult`; if a worker failed mid-run, ``error`` says so and the

@@ -13,20 +13,23 @@ asynchronous one) the trainer hands the step's measurements to
    (``transition_compile``) with the cost model's primitive costs,
 4. asks admission (payback rule; or ``"always"``, the replan-on-every-trigger
    baseline) and, if taken, executes the transition and measures it,
-5. feeds the measured transition (seconds, bytes) back to the cost model's primitive
-   estimates (``CostModel.observe_primitive``, as one ``"reshard"`` covering an
-   Extend per new unit of each changed stage, priced the way ``_stagewise_cost`` is).
+5. feeds the measured primitives back to the cost model's primitive estimates
+   (``CostModel.observe_primitive``).
 
 Every decision is logged with its signal, predicted saving, predicted
-transition cost, whether it was taken and the measured transition time.
+transition cost, whether it was taken, the measured transition time, the
+primitives executed and the stages that fell back.
 
-Execution: the DAG's primitives are grouped by stage, in the DAG's safe order,
-and each changed stage's state (weights; Adam moments and step for a training
-stage) moves from its old layout to its new one through one nereus_comm
-reshard over the workers (``rl.move``). That is the composition of the
-stage's Extend/Split/Merge/Destroy primitives, done as one exchange; the EMU
-runtime's per-primitive executor holds synthetic state only, so it is not
-used for the model's state here.
+Execution (:mod:`nereus_rl.trainer_units`): the model's state lives in EMU
+units, and the DAG runs through the concurrent executor
+(``transition_exec.execute_dag``) with live primitives, each an
+``EMUManager.extend / destroy / split / merge``; the changed stages' models are
+then rebuilt from their new units. The manager feeds each primitive's record
+to the cost model as it ends, so nothing is fed here for them. A stage whose
+primitives cannot run live falls back to one nereus_comm reshard of the whole
+stage (``rl.move``); only that measurement is fed here, as one ``"reshard"``
+covering an Extend per new unit of each such stage, priced the way
+``_stagewise_cost`` is.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
-from nereus_rl.transition import TransitionError, topo_order
+from nereus_rl.transition import TransitionError
 from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
 
@@ -198,8 +201,8 @@ class Adapter:
             devices=sorted(self.trainer.device_worker),
             capacity=float("inf"),
             cost_fn=self._primitive_cost,
-            # The trainer moves a stage with one reshard, during which the stage's old
-            # and new shards share the devices: model that, not one unit per device.
+            # The trainer's stages share devices, and a stage's old and new units may too
+            # (EMUManager(shared_devices=True)): model that, not one unit per device.
             stage_slots=False,
         )
         return dag, predicted_completion_time(dag, self._primitive_cost)
@@ -306,10 +309,26 @@ class Adapter:
             row["dag_note"] = dag_note
         if taken:
             t0 = time.perf_counter()
-            moved = tr.transition(cand, self._stage_order(dag, plan, cand), step + 1)
+            run = tr.transition(cand, dag, step + 1)
             row["measured_transition_s"] = time.perf_counter() - t0
-            row["bytes_moved"] = moved
-            self._observe_transition(plan, cand, row)
+            row.update(
+                bytes_moved=run.bytes_moved,
+                executed_primitives=run.primitives,
+                primitive_s=run.primitive_s,
+                rebind_s=run.rebind_s,
+                fallbacks=len(run.fallback_stages),
+                fallback_stages=run.fallback_stages,
+            )
+            if run.execution is not None:
+                row["execution"] = repr(run.execution)
+            if run.fallback_stages:
+                self._observe_transition(
+                    plan, cand, row, set(run.fallback_stages), run.fallback_s, run.fallback_bytes
+                )
+            row["costmodel_primitives_observed"] = self.cm.primitives_seen()
+            devs = plan.devices | cand.devices
+            tier = "intra" if self.cluster.tier(devs) is self.cluster.intra else "inter"
+            row.setdefault("costmodel_p2p_efficiency", float(self.cm.efficiency("p2p:" + tier)))
             self.controller.plan_changed()
             out["transition_s"] = row["measured_transition_s"]
         self._log(row)
@@ -332,10 +351,20 @@ class Adapter:
                 ).seconds
         return total
 
-    def _observe_transition(self, old: GlobalPlan, new: GlobalPlan, row: dict[str, Any]) -> None:
-        """Feed one measured transition to the cost model's primitive estimates.
+    def _observe_transition(
+        self,
+        old: GlobalPlan,
+        new: GlobalPlan,
+        row: dict[str, Any],
+        stages: set[str],
+        seconds: float,
+        moved: int,
+    ) -> None:
+        """Feed the per-stage reshards of fallback ``stages`` to the primitive estimates.
 
-        The trainer reports the bytes sent in all, not per device; the critical path
+        (Live primitives are fed by the EMUManager, one record each; this covers only
+        the stages that fell back, so no measurement is counted twice.)
+        The reshard reports the bytes sent in all, not per device; the critical path
         (bytes of the busiest device, summed over the stages moved one after another)
         is taken as the measured total times the predicted share of it, from the same
         Extend per new unit that ``_stagewise_cost`` prices. The communicator setup
@@ -346,7 +375,7 @@ class Adapter:
         devs: set[int] = set()
         for sp in new.stages:
             src = old.stage(sp.stage)
-            if sp == src:
+            if sp == src or sp.stage not in stages:
                 continue
             for u in sp.units:
                 pc = self.cm.primitive_cost(
@@ -362,7 +391,6 @@ class Adapter:
                 units += 1
                 ranks += len(u)
                 devs |= set(u) | set(src.units[0])
-        seconds, moved = row["measured_transition_s"], row["bytes_moved"]
         if units == 0 or not seconds > 0:
             return
         crit = min(float(moved), moved * crit / total) if total > 0 else 0.0
@@ -376,19 +404,7 @@ class Adapter:
         except CostModelError as e:  # a measurement the model cannot read: keep training
             row["costmodel_feedback_error"] = str(e)
             return
-        row["costmodel_primitives_observed"] = self.cm.primitives_seen()
         row["costmodel_p2p_efficiency"] = float(self.cm.efficiency("p2p:" + tier))
-
-    def _stage_order(self, dag, old: GlobalPlan, new: GlobalPlan) -> list[str]:
-        order: list[str] = []
-        for pid in topo_order(dag) if dag is not None else ():
-            s = dag.primitives[pid].stage
-            if s not in order:
-                order.append(s)
-        for sp in new.stages:  # stages whose layout changed but needed no primitive
-            if sp != old.stage(sp.stage) and sp.stage not in order:
-                order.append(sp.stage)
-        return order
 
     def _log(self, row: dict[str, Any]) -> None:
         self.trainer.result.decisions.append(row)

@@ -53,6 +53,9 @@ class TrainConfig:
     fixed_level: bool = True
     plan: str | GlobalPlan = "auto"
     admission: str = "payback"
+    # "emu": a transition runs its DAG as live EMU primitives; "reshard": the earlier
+    # execution, one nereus_comm reshard per changed stage (a baseline to compare with).
+    transitions: str = "emu"
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
 
     def hyper(self) -> dict[str, Any]:
@@ -94,6 +97,16 @@ class TrainResult:
     def num_transitions(self) -> int:
         return sum(1 for d in self.decisions if d.get("taken"))
 
+    @property
+    def num_primitives(self) -> int:
+        """EMU primitives the taken transitions ran live."""
+        return sum(len(d.get("executed_primitives", ())) for d in self.decisions if d.get("taken"))
+
+    @property
+    def num_fallbacks(self) -> int:
+        """Stages the taken transitions moved by a per-stage reshard instead of primitives."""
+        return sum(d.get("fallbacks", 0) for d in self.decisions if d.get("taken"))
+
 
 def check_config(cfg: TrainConfig) -> ModelConfig:
     """Validate options before any process starts. Returns the model config.
@@ -106,6 +119,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise UnknownAlgorithmError(f"unknown algorithm {cfg.algo!r}; choose one of {ALGOS}")
     if cfg.mode not in MODES:
         raise TrainConfigError(f"unknown mode {cfg.mode!r}; choose one of {MODES}")
+    if cfg.transitions not in ("emu", "reshard"):
+        raise TrainConfigError(
+            f"unknown transitions {cfg.transitions!r}; use 'emu' (the DAG's primitives) or "
+            "'reshard' (one reshard per changed stage)"
+        )
     if cfg.admission not in ("payback", "always"):
         raise TrainConfigError(
             f"unknown admission {cfg.admission!r}; use 'payback' or 'always' (replan on every "

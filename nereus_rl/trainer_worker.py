@@ -9,10 +9,23 @@ them on accelerators (NCCL, NcclTransport for the reshards) is not wired yet. Pe
 model-stage the worker keeps a :class:`~nereus_rl.model.Decoder` of its shard (and
 AdamW for training stages).
 
-State moves only through nereus_comm's reshard (``emu_comm.move_state``):
-the per-step weight sync (actor_train -> rollout) and a stage's state moving to
-a new layout at a plan transition (weights and Adam moments), never through a
-full gather on one rank.
+The stage's state on this rank is also the shard of an EMU unit
+(:mod:`nereus_rl.emu_worker`): the driver adopts each unit with the state owner
+``"trainer"`` registered here, so the unit's tensors *are* the model's
+parameters and the optimizer's Adam moments (and step), read at the moment a
+primitive copies them; no second copy is kept. A plan transition runs EMU
+primitives on those units (new units receive plain tensors), then
+``rl.rebind`` builds each changed stage's model for its new layout from its
+new unit's tensors, through the same ``_load_state`` as a reshard, and binds
+the unit to the new model. The state that reaches the new model is thus the
+same bytes either way, which keeps an adaptive run bitwise on the path of a
+static one.
+
+State moves only through nereus_comm's reshard: the per-step weight sync
+(actor_train -> rollout, ``rl.move``), a transition's EMU primitives, or (the
+fallback for a stage whose primitives cannot run live) ``rl.move`` of the whole
+stage; never through a full gather on one rank. Sampling draws come from a
+generator seeded by (seed, step) at each call, so no RNG state lives in a unit.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from nereus_rl.algos.common import clipped_policy_loss, masked_sum
 from nereus_rl.algos.grpo import grpo_loss
 from nereus_rl.algos.ppo import value_loss
 from nereus_rl.algos.remax import reinforce_loss
+from nereus_rl.emu_worker import bind, register_state_owner, tensors_of
 from nereus_rl.generate import generate, make_generator
 from nereus_rl.model import Decoder, ModelConfig, shard_tensor, state_specs
 from nereus_rl.model_parallel import (
@@ -172,6 +186,41 @@ def setup(
         _load_state(entry, shards, hp)
         rl["stages"][desc["stage"]] = entry
         held[desc["stage"]] = sum(t.numel() * t.element_size() for t in _state_of(entry).values())
+    return held
+
+
+def _reader(ctx: WorkerContext, stage: str):
+    # Looked up at each read: a rebind or a weight sync changes what the stage holds.
+    return lambda: _state_of(_rl(ctx)["stages"].get(stage))
+
+
+register_state_owner("trainer", _reader)
+
+
+@register("rl.rebind")
+def rebind(ctx: WorkerContext, stages: list[tuple[dict[str, Any], list[int]]]) -> int:
+    """Build stages' models for their new layouts from their EMU units, after a transition.
+
+    Collective over all workers (the models' groups are made with ``new_group``).
+    Per ``(desc, uids)``: ``uids[i]`` is the EMU unit of ``desc["units"][i]``; a
+    member loads its unit's shards (received by a primitive, or a kept unit's live
+    state) and binds the unit to the new model. Returns the bytes of state this rank
+    now holds for those stages.
+    """
+    rl = _rl(ctx)
+    held = 0
+    for desc, uids in stages:
+        stage = desc["stage"]
+        model = _build_model(desc, rl["config"], rl["rank"])
+        if model is None:
+            rl["stages"].pop(stage, None)
+            continue
+        uid = uids[model.groups.dp_rank]
+        entry = {"model": model, "desc": desc, "trains": desc["trains"]}
+        _load_state(entry, tensors_of(ctx, uid), rl["hp"])
+        rl["stages"][stage] = entry
+        bind(ctx, uid, _reader(ctx, stage))
+        held += sum(t.numel() * t.element_size() for t in _state_of(entry).values())
     return held
 
 

@@ -371,3 +371,45 @@ def test_training_with_transitions_matches_the_uninterrupted_run(clean):
         got = m.full_state(u)
         for name, t in want.items():
             assert torch.equal(got[name], t), f"{u!r}: {name} differs from the uninterrupted run"
+
+
+def test_shared_devices_cross_stage_extend_and_explicit_halves(emus):
+    # The trainer's mode: colocated stages share devices, units of one model copy from
+    # each other, and the DAG names the ranks of split halves and merged units.
+    m = EMUManager(emus.driver, transfer_timeout=30.0, shared_devices=True, unit_groups=False)
+    train = stage_state_specs(3, hidden=12, ffn=42, vocab=37)
+    infer = stage_state_specs(3, hidden=12, ffn=42, vocab=37, training=False)
+    m.define_stage("p.train", train, seed=4, model="p")
+    m.define_stage("p.infer", infer, seed=4, model="p")
+    m.define_stage("q.infer", infer, seed=4)  # another model: never a source for p
+    try:
+        t = m.create("p.train", [0, 1], tp=2)
+        i = m.extend("p.infer", [1, 0], tp=1, pp=2, source=t)  # on t's devices
+        assert_bitwise(m, i)
+        assert_bitwise(m, t)
+        q = m.create("q.infer", [2])
+        before = (m.units(), len(m.records))
+        with pytest.raises(EMUError, match="does not hold"):
+            m.extend("p.infer", [3], source=q)
+        with pytest.raises(EMUError, match="does not hold"):
+            m.extend("p.train", [3], source=i)  # an inference unit has no Adam moments
+        assert (m.units(), len(m.records)) == before
+        j = m.extend("p.infer", [2, 3], tp=2, source=t)
+        m.destroy(i)
+        a, b = m.split(j, tp=1, pp=1, halves=([3], [2]))
+        assert (a.ranks, b.ranks) == ((3,), (2,))
+        with pytest.raises(EMUError, match="exactly"):
+            m.merge(a, b, tp=2, ranks=[2, 0])
+        k = m.merge(a, b, tp=1, pp=2, ranks=[2, 3])
+        assert k.ranks == (2, 3)
+        for u in (t, k):
+            assert_bitwise(m, u)
+        # the last inference unit may go: the training unit holds all of its state ...
+        m.destroy(k)
+        # ... but nothing else holds the training stage's Adam moments
+        with pytest.raises(EMUError, match="last unit"):
+            m.destroy(t)
+        assert_bitwise(m, t)
+    finally:
+        m.close()
+    assert not any(worker_units(m).values())

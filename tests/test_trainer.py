@@ -6,12 +6,14 @@ joins a fresh default process group on it), so the processes start once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import pytest
 import torch
 
+from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import UnknownPresetError
 from nereus_rl.runtime import Driver
 from nereus_rl.tasks import TraceFormatError, UnknownTaskError
@@ -48,6 +50,7 @@ def driver():
         ({"mode": "later"}, TrainConfigError, "async"),
         ({"steps": 0}, TrainConfigError, "steps"),
         ({"plan": "sideways"}, TrainConfigError, "colocated"),
+        ({"transitions": "later"}, TrainConfigError, "reshard"),
     ],
 )
 def test_bad_options_raise_before_any_process(kwargs, error, words):
@@ -134,8 +137,127 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     assert taken and taken[0]["measured_transition_s"] > 0
     for key in ("signal", "predicted_saving_s", "predicted_transition_s"):
         assert key in taken[0]
-    # each measured transition was fed back to the cost model's primitive estimates
-    assert [r["costmodel_primitives_observed"] for r in taken] == list(range(1, len(taken) + 1))
+    # every transition ran as the DAG's EMU primitives on the units holding the model's
+    # state (none fell back to a per-stage reshard), and each primitive's measurement
+    # was fed to the cost model's primitive estimates once
+    for r in taken:
+        assert r["executed_primitives"] and r["fallbacks"] == 0, r
+        assert sorted(r["executed_primitives"]) == sorted(r["primitives"])
+    executed = [len(r["executed_primitives"]) for r in taken]
+    observed = [r["costmodel_primitives_observed"] for r in taken]
+    assert observed == list(itertools.accumulate(executed))
+    assert adaptive.num_primitives == sum(executed) and adaptive.num_fallbacks == 0
+
+
+def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
+    # Split and merge not run live: the stages whose transition needs them move by the
+    # per-stage reshard, the others by primitives; the run stays on the static path.
+    common = dict(algo="grpo", steps=4, seed=3, length_start=6, length_end=14, **FAST)
+    tr = Trainer(TrainConfig(adapt=True, **common), driver=driver)
+    try:
+        tr.start()
+        tr.units.live_kinds = frozenset({"extend", "destroy"})
+        res = tr.run()
+        # each stage's shards are its units' tensors, on the plan's devices
+        for sp in tr.plan.stages:
+            units = tr.units.by_stage[sp.stage]
+            assert [u.ranks for u in units] == [
+                tuple(tr.device_worker[d] for d in devs) for devs in sp.units
+            ]
+            for u in units:
+                held = driver.call(list(u.ranks), "emu.shards", u.uid)
+                model = driver.call(list(u.ranks), "rl.shards", sp.stage)
+                for r in u.ranks:
+                    assert held[r].keys() == model[r].keys() and held[r]
+                    for k, t in model[r].items():
+                        assert torch.equal(held[r][k], t), (sp.stage, r, k)
+    finally:
+        tr.close()
+    taken = [d for d in res.decisions if d["taken"]]
+    assert taken and res.num_fallbacks >= 1, taken
+    for d in taken:
+        assert not any(p.split(":")[0] in ("split", "merge") for p in d["executed_primitives"])
+    static = train(adapt=False, driver=driver, **common)
+    assert res.rewards == static.rewards
+    a = torch.tensor([m["loss"] for m in res.metrics])
+    s = torch.tensor([m["loss"] for m in static.metrics])
+    torch.testing.assert_close(a, s, rtol=1e-4, atol=1e-5)
+
+
+def _sp(stage, model, trains, tp, pp, devs=(0, 1, 2, 3)):
+    w = tp * pp
+    units = tuple(tuple(devs[i : i + w]) for i in range(0, len(devs), w))
+    return StagePlan(stage, model, trains, len(units), tp, pp, units)
+
+
+def test_a_cycle_of_plans_through_every_primitive_returns_the_state_bitwise(driver):
+    # Weights and Adam moments (after one trained step) go through merges, splits,
+    # extends across stages and destroys, and come back to the first layout unchanged.
+    def plan(rollout, train, devs=((0, 1, 2, 3),) * 3):
+        return GlobalPlan((
+            _sp("rollout", "actor", False, *rollout, devs[0]),
+            _sp("reference", "reference", False, 1, 1, devs[1]),
+            _sp("actor_train", "actor", True, *train, devs[2]),
+        ))  # fmt: skip
+
+    p0 = plan((1, 1), (1, 1))
+    cycle = [
+        plan((1, 1), (1, 2)),
+        plan((2, 1), (2, 1)),
+        p0,
+        plan((1, 1), (1, 1), ((0, 1), (2, 3), (2, 3))),
+        p0,
+    ]
+    tr = Trainer(TrainConfig(steps=1, adapt=False, plan=p0, **FAST), driver=driver)
+    try:
+        tr.start()
+        tr.run()
+        before = {sp.stage: driver.call(tr.workers, "rl.shards", sp.stage) for sp in p0.stages}
+        kinds = set()
+        for target in cycle:
+            dag, _ = tr.adapter.compile(tr.plan, target)
+            run = tr.transition(target, dag, 1)
+            assert not run.fallback_stages and len(run.primitives) == len(dag.primitives)
+            kinds |= {p.split(":")[0] for p in run.primitives}
+        after = {sp.stage: driver.call(tr.workers, "rl.shards", sp.stage) for sp in p0.stages}
+    finally:
+        tr.close()
+    assert kinds == {"extend", "destroy", "split", "merge"}
+    for stage, shards in before.items():
+        for rank, state in shards.items():
+            assert state.keys() == after[stage][rank].keys()
+            for name, t in state.items():
+                assert torch.equal(after[stage][rank][name], t), (stage, rank, name)
+    assert any(k.startswith("exp_avg.") for k in before["actor_train"][0])
+
+
+def test_worker_lost_mid_transition_recovers_from_the_current_plan():
+    # A worker dies inside the first live primitive: the run goes on from the current
+    # plan's intact units (their models are untouched until the rebind).
+    d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
+    d.spawn_local(4)
+    try:
+        cfg = TrainConfig(algo="grpo", steps=4, seed=3, length_start=6, length_end=14, **FAST)
+        tr = Trainer(cfg, driver=d)
+        tr.start()
+        victim = tr.device_worker[3]
+        run_one = tr.units._run
+
+        def kill_then_run(p, live):
+            if d.check_liveness() == ():
+                d.kill(victim)
+            run_one(p, live)
+
+        tr.units._run = kill_then_run
+        res = tr.run()
+        tr.close()
+    finally:
+        d.shutdown()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    rec = [x for x in res.decisions if "lost devices" in x["trigger"]]
+    assert len(rec) == 1 and "lost devices [3]" in rec[0]["trigger"], res.decisions
+    assert rec[0]["taken"] and 3 not in res.plans[-1][1].devices
 
 
 def test_reward_rises_on_the_default_task(driver):

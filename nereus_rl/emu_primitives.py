@@ -1,0 +1,258 @@
+"""The four EMU primitives (Extend, Destroy, Split, Merge) and how they move a unit's bytes.
+
+:class:`Primitives` is the part of :class:`nereus_rl.emu.EMUManager` that
+changes units: each primitive checks its input before any byte moves
+(:class:`~nereus_rl.emu_types.EMUError`), moves bytes with the nereus_comm
+planner and reshard over a pooled gloo group of the ranks involved
+(``emu.reshard`` on the workers), and commits (drops the old units) only after
+every rank succeeded; then it records its measurement. The manager supplies the
+bookkeeping it relies on (``_stage``, ``_check_live``, ``_new_unit``,
+``_commit``, ``_record``, ``_get_comm``, the pool and the driver).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from nereus_comm.pool import Communicator
+from nereus_rl.emu_comm import Layout
+from nereus_rl.emu_types import EMU, EMUError, StageState
+
+_SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
+           "buffers_sent")  # fmt: skip
+
+
+class Primitives:
+    """Extend, Destroy, Split and Merge on the manager's units (mixed into EMUManager)."""
+
+    def extend(
+        self,
+        stage: str,
+        ranks: Sequence[int],
+        *,
+        tp: int | None = None,
+        pp: int | None = None,
+        source: EMU | None = None,
+    ) -> EMU:
+        """Add a unit of ``stage`` on free ``ranks``, its state copied from a live unit.
+
+        Arguments:
+            stage: the stage to grow by one replica.
+            ranks: tp * pp free live worker ranks (Layout order).
+            tp, pp: the new unit's degrees (default: the source's).
+            source: the unit to copy from (default: the stage's oldest unit); a unit
+                of another stage of the same model holding every tensor of ``stage``
+                (its extra tensors, e.g. Adam moments, are not copied).
+
+        Returns:
+            The new unit.
+
+        Raises:
+            EMUError: a rank is owned, lost or repeated; bad degrees; the source
+                is not a live unit holding the stage's state. Raised before any byte
+                moves.
+        """
+        st = self._stage(stage)
+        if source is None:
+            live = self.units(stage)
+            if not live:
+                raise EMUError(f"stage {stage!r} has no live unit to copy its state from")
+            source = live[0]
+        self._check_live(source)
+        if source.stage != stage and not self._covers(source.stage, stage):
+            raise EMUError(
+                f"source {source!r} does not hold stage {stage!r}'s state: it needs a unit of "
+                f"{stage!r}, or of another stage of model {st.model!r} with all its tensors"
+            )
+        unit = self._new_unit(st, ranks, tp or source.tp, pp or source.pp)
+        return self._transfer("extend", st, [source], [unit], keep_sources=True)
+
+    def destroy(self, unit: EMU) -> None:
+        """Drop a unit: its shards, its hold on its communicator, its claim on its devices.
+
+        Raises:
+            EMUError: the unit is not live, or is the last unit of its stage.
+        """
+        self._check_live(unit)
+        holders = [
+            u for u in self.units()
+            if u.uid != unit.uid and (u.stage == unit.stage or self._covers(u.stage, unit.stage))
+        ]  # fmt: skip
+        if not holders:
+            raise EMUError(
+                f"{unit!r} is the last unit holding stage {unit.stage!r}'s state; "
+                "extend the stage first or keep this unit"
+            )
+        t0 = time.perf_counter()
+        self._commit([unit], [], [])
+        self._record(
+            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0,
+            ranks=unit.ranks,
+        )  # fmt: skip
+
+    def split(
+        self,
+        unit: EMU,
+        *,
+        tp: int | None = None,
+        pp: int | None = None,
+        halves: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> tuple[EMU, EMU]:
+        """Split a unit of degree d into two units of degree d/2 on its own devices.
+
+        Arguments:
+            unit: the unit to split.
+            tp, pp: degrees of each half (default: tp halved, or pp if tp is odd).
+            halves: each half's ranks in Layout order (default: the first and the
+                second half of unit.ranks); together exactly unit.ranks.
+
+        Returns:
+            The two new units.
+
+        Raises:
+            EMUError: the degree is odd or 1, tp * pp != degree / 2, or the halves
+                are not a partition of the unit's ranks.
+        """
+        self._check_live(unit)
+        st = self._stage(unit.stage)
+        if unit.degree == 1:
+            raise EMUError(
+                f"cannot split {unit!r}: it has degree 1 (a single device); extend the "
+                "stage instead to add a replica"
+            )
+        if unit.degree % 2:
+            raise EMUError(
+                f"cannot split {unit!r}: its degree {unit.degree} is not even "
+                "(split needs tp * pp of at least 2 and divisible by 2)"
+            )
+        if tp is None and pp is None:
+            tp, pp = (unit.tp // 2, unit.pp) if unit.tp % 2 == 0 else (unit.tp, unit.pp // 2)
+        tp, pp = tp or 1, pp or 1
+        if tp * pp * 2 != unit.degree:
+            raise EMUError(
+                f"each half of {unit!r} must have tp * pp = {unit.degree // 2}, got tp={tp} pp={pp}"
+            )
+        half = unit.degree // 2
+        if halves is None:
+            halves = (unit.ranks[:half], unit.ranks[half:])
+        if sorted([*halves[0], *halves[1]]) != sorted(unit.ranks):
+            raise EMUError(
+                f"the halves {[list(h) for h in halves]} of {unit!r} must together be exactly "
+                f"its ranks {list(unit.ranks)}"
+            )
+        a = self._new_unit(st, halves[0], tp, pp, replacing=[unit])
+        b = self._new_unit(st, halves[1], tp, pp, replacing=[unit])
+        self._transfer("split", st, [unit], [a, b], keep_sources=False)
+        return self._units[a.uid], self._units[b.uid]
+
+    def merge(
+        self,
+        a: EMU,
+        b: EMU,
+        *,
+        tp: int | None = None,
+        pp: int | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> EMU:
+        """Merge two units of one stage and one layout into one of twice the degree.
+
+        Arguments:
+            a, b: the units.
+            tp, pp: the new unit's degrees (default: tp doubled).
+            ranks: the new unit's ranks in Layout order (default: a.ranks + b.ranks);
+                exactly the ranks of a and b.
+
+        Returns:
+            The new unit.
+
+        Raises:
+            EMUError: same unit twice, different stages or layouts,
+                tp * pp != 2 * degree, or ranks other than those of a and b.
+        """
+        self._check_live(a)
+        self._check_live(b)
+        if a.uid == b.uid:
+            raise EMUError(f"cannot merge {a!r} with itself")
+        if a.stage != b.stage:
+            raise EMUError(f"cannot merge units of different stages: {a!r} and {b!r}")
+        if (a.tp, a.pp) != (b.tp, b.pp):
+            raise EMUError(
+                f"cannot merge units of different layouts: {a!r} and {b!r}; "
+                "split or extend one of them to the other's (tp, pp) first"
+            )
+        st = self._stage(a.stage)
+        if tp is None and pp is None:
+            tp, pp = a.tp * 2, a.pp
+        tp, pp = tp or 1, pp or 1
+        if tp * pp != 2 * a.degree:
+            raise EMUError(f"the merged unit needs tp * pp = {2 * a.degree}, got tp={tp} pp={pp}")
+        if ranks is None:
+            ranks = a.ranks + b.ranks
+        if sorted(ranks) != sorted(a.ranks + b.ranks):
+            raise EMUError(
+                f"the merged unit's ranks {list(ranks)} must be exactly those of {a!r} and {b!r}"
+            )
+        unit = self._new_unit(st, ranks, tp, pp, replacing=[a, b])
+        return self._transfer("merge", st, [a, b], [unit], keep_sources=False)
+
+    def _transfer(
+        self, kind: str, st: StageState, sources: list[EMU], targets: list[EMU], keep_sources: bool
+    ) -> EMU:
+        t0 = time.perf_counter()
+        src = Layout(
+            len(sources), sources[0].tp, sources[0].pp,
+            tuple(r for u in sources for r in u.ranks), num_layers=st.num_layers,
+        )  # fmt: skip
+        dst = Layout(
+            len(targets), targets[0].tp, targets[0].pp,
+            tuple(r for u in targets for r in u.ranks), num_layers=st.num_layers,
+        )  # fmt: skip
+        ranks = tuple(sorted(set(src.ranks) | set(dst.ranks)))
+        self._ensure_stage_on(ranks)
+        setup0 = self.pool.stats.create_seconds
+        held: list[Communicator] = []
+        try:
+            held.append(self._get_comm(ranks))
+            gid = held[0].handle
+            unit_comms: list[Communicator | None] = []
+            for u in targets:
+                unit_comms.append(self._get_comm(u.ranks) if self._needs_group(u) else None)
+                if unit_comms[-1] is not None:
+                    held.append(unit_comms[-1])
+            unit_gids = tuple(None if c is None else c.handle for c in unit_comms)
+            res = self.driver.call(
+                ranks, "emu.reshard", st.name,
+                tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
+                gid, ranks, unit_gids, self.transfer_timeout,
+                timeout=self.transfer_timeout + 30,
+            )  # fmt: skip
+        except Exception:
+            # Sources are untouched; forget whatever partial targets exist. The groups
+            # stay in the pool, idle (a dead member's are marked broken by recover).
+            for c in held:
+                self.pool.release(c)
+            live = [r for r in dst.ranks if r not in set(self.driver.check_liveness())]
+            if live:
+                try:
+                    self.driver.call(live, "emu.drop", tuple(u.uid for u in targets), timeout=30)
+                except Exception:
+                    pass  # the original error is the one worth reporting
+            raise
+        self.pool.release(held[0])  # the transfer's group; the new units keep theirs
+        self._commit([] if keep_sources else sources, targets, unit_comms)
+        total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
+        self._record(
+            kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
+            len(ranks), time.perf_counter() - t0,
+            bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
+            bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
+            comm_setup_s=self.pool.stats.create_seconds - setup0,
+            max_bytes_per_device=max(max(r["bytes_sent"], r["bytes_received"])
+                                     for r in res.values()),
+            ranks=ranks,
+            extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
+                   "reshard_s": max(r["reshard_s"] for r in res.values()),
+                   "plan_s": max(r["plan_s"] for r in res.values())},
+        )  # fmt: skip
+        return targets[0]
