@@ -65,6 +65,9 @@ DEFAULT_EFFICIENCY = {
     "allgather:inter": 0.3,
     "p2p:intra": 0.4,
     "p2p:inter": 0.3,
+    # 1 / INTERFERENCE_PER_CORUNNER = 10 is the most it may cost; fitted from 2p plans
+    # it is about 4-7 (efficiency 0.15-0.25): start above that, i.e. conservative.
+    "interference": 0.1,
 }
 
 
