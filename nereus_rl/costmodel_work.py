@@ -61,6 +61,11 @@ import numpy as np
 from nereus_rl.spec import ClusterSpec, LocalCpuClusterSpec, ModelSpec
 from nereus_rl.workload import StageWork
 
+
+class CostModelError(ValueError):
+    """Bad input to the cost model (a plan that misses a stage, an unknown class...)."""
+
+
 CLASSES = (
     "gemm",
     "attention",
