@@ -239,6 +239,7 @@ def main() -> None:
         effs[metric] = {
             c: round(float(cm.efficiency(c)), 4)
             for c in ("gemm", "attention", "mem", "elementwise", "launch", "interference")
+            if c in CLASS_INDEX  # (so the script also re-scores with an older model)
         }
         for name, sel in (
             ("fit", [r for r in rows if r["role"] == "fit"]),
