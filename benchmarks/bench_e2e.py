@@ -1,117 +1,224 @@
-"""End to end: Nereus adaptive vs fixed plans on the same length schedule and devices.
+"""End to end: Nereus adaptive vs fixed plans on the same length trace and devices.
 
-Variants, all on the same worker processes, seed, warm start and response-length
-schedule (the default curriculum, or --trace FILE):
+Variants, all on the same worker processes, seed, warm start, memory budget and
+response-length trace, run in interleaved repeats (every variant once per repeat, in
+the same order), so slow spells of the shared machine fall on all of them:
 
-    adaptive       the planner's first plan, adaptation with payback admission
-    colocated      every stage on every device, fixed (as verl chooses at startup)
-    disaggregated  rollout on half the devices, the rest on the other half (OpenRLHF)
-    replan_always  adaptation that executes every candidate (replan on each trigger)
-    best_fixed     the fastest of the fixed plans tried (colocated, disaggregated and
-                   the planner's first plan kept fixed): the empirical best fixed plan
+    adaptive         the planner's first plan, adaptation with payback admission
+    replan_always    adaptation that executes every candidate (replan on each trigger)
+    colocated        verl-like: every stage on every device, fixed; each stage's
+                     (dp, tp, pp) chosen at startup by the same cost model and memory
+                     budget as the planner (the fastest predicted colocated layout)
+    disaggregated    OpenRLHF-like: rollout on the first half of the devices, every
+                     other stage on the second half, fixed, chosen the same way
+    planner_fixed    the planner's first plan (adaptive's start), never changed
+    *_max            the same three chosen for the trace's longest responses instead
+                     of its first ones: a static configuration sized for the whole run
+    best_fixed       the fastest fixed plan whose predicted peak stays within the
+                     budget at every step (the empirical best valid fixed plan)
 
-Reported per variant: mean step latency (transitions included), total seconds,
-transitions, mean reward, and whether the fixed plan exceeded the per-worker memory
-budget (predicted peak / budget > 1 at some step: a plan that a device with that
-memory could not run; on this CPU machine it still runs, since the budget is enforced
-on the cost model's prediction). best_fixed is chosen among the fixed plans that fit.
-Ratios are against the adaptive run.
+A fixed plan whose predicted peak exceeds the per-worker memory budget at some step
+could not run on devices with that memory: its row says "NO" under "fits" and it is
+never best_fixed (on this CPU machine it still runs, since the budget is enforced on
+the cost model's prediction only, so its time is shown). Reported per variant: mean
+over repeats of the mean step latency (transitions included), its spread (min..max over
+repeats), the paired ratio to adaptive (each repeat's variant / adaptive: mean and
+range), transitions, reward and the largest peak/budget.
 
-    python benchmarks/bench_e2e.py --quick
-    python benchmarks/bench_e2e.py --algos grpo,ppo,remax --modes sync,async --steps 20
+The default trace (``--steps N``): response length rising 6 -> 20 tokens over the first
+half, holding, then falling to 13 over the last quarter (the fall gives opportunistic,
+non-urgent moves where payback and replan-always differ).
+
+    python benchmarks/bench_e2e.py --quick --json out.json           # < 2 min
+    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --json out.json  # ~8 min
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
+from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
-from nereus_rl.trainer import TrainConfig, Trainer, simple_plan, train
+from nereus_rl.trainer import TrainConfig, Trainer, train
+from nereus_rl.trainer_config import stage_names
+
+FIXED = ("colocated", "disaggregated", "planner_fixed")
 
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _row(name, algo, mode, res, budget):
+def write_trace(path: Path, steps: int, lo: int = 6, hi: int = 20) -> Path:
+    """Rise lo -> hi over the first half, hold a quarter, fall to (lo+hi)/2."""
+    rise, hold = max(2, steps // 2), max(1, steps // 4)
+    fall = max(1, steps - rise - hold)
+    mid = (lo + hi) // 2
+    lens = [round(lo + (hi - lo) * i / (rise - 1)) for i in range(rise)]
+    lens += [hi] * hold
+    lens += [round(hi + (mid - hi) * (i + 1) / fall) for i in range(fall)]
+    lines = ["step,response_len"] + [f"{i},{n}" for i, n in enumerate(lens[:steps])]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def structured_plan(probe: Trainer, kind: str, rlen: int) -> tuple[GlobalPlan, bool]:
+    """The fastest predicted plan of a fixed structure, and whether it fits the budget.
+
+    ``kind``: ``"colocated"`` (every stage on all devices) or ``"disaggregated"``
+    (rollout on the first half, the rest on the second half). Each stage's (dp, tp,
+    pp) is free (powers of two, runnable on the model), priced by the probe's cost
+    model (the planner's, before any measurement) under the workload at ``rlen``.
+    When no layout fits the budget, the one with the smallest peak is returned.
+    """
+    ad = probe.adapter
+    n = probe.cfg.devices
+    wl = ad.workload(rlen)
+    planned = {s.stage for s in wl.planned_stages}
+    names = [x for x in stage_names(probe.cfg.algo) if x[0] in planned]
+    half = n // 2
+    options = []
+    for name, model, trains in names:
+        devs = list(range(half)) if kind == "disaggregated" and name == "rollout" else None
+        if devs is None:
+            devs = list(range(half, n)) if kind == "disaggregated" else list(range(n))
+        opts = []
+        d = len(devs)
+        for tp, pp in itertools.product([1, 2, 4, 8], repeat=2):
+            if d % (tp * pp):
+                continue
+            dp = d // (tp * pp)
+            units = tuple(tuple(devs[u * tp * pp : (u + 1) * tp * pp]) for u in range(dp))
+            opts.append(StagePlan(name, model, trains, dp, tp, pp, units))
+        options.append(opts)
+    best, best_key = None, None
+    for combo in itertools.product(*options):
+        plan = GlobalPlan(tuple(combo))
+        if not ad._runnable(plan):
+            continue
+        peak = max(ad.cm.peak_memory(plan, wl).values())
+        fits = peak <= ad.budget
+        lat = ad.cm.step_latency(plan, wl).total_s
+        key = (not fits, lat if fits else peak)
+        if best_key is None or key < best_key:
+            best, best_key = plan, key
+    if best is None:
+        raise RuntimeError(f"no runnable {kind} plan for {probe.cfg.algo} on {n} devices")
+    return best, not best_key[0]
+
+
+def _run_row(res) -> dict:
     m = res.metrics
     lat = [x["step_s"] + x.get("transition_s", 0.0) for x in m]
     frac = max((x.get("peak_memory_fraction") or 0.0) for x in m) if m else float("nan")
     return {
-        "algo": algo,
-        "mode": mode,
-        "variant": name,
         "step_latency_s": _mean(lat),
-        "total_s": sum(lat),
         "transitions": res.num_transitions,
         "reward_mean": _mean([x["reward_mean"] for x in m]),
         "peak_memory_fraction": frac,
-        # adaptive runs move away before the next step when the signal passes 1
-        "fits_budget": frac <= 1.0 or res.num_transitions > 0,
-        "memory_budget_bytes": budget,
-        "plans": len(res.plans),
         "error": res.error,
     }
 
 
-def run_setting(driver, algo, mode, common):
-    """All variants of one (algo, mode) setting; returns their rows."""
-    devices = common["devices"]
+def run_setting(driver, algo, mode, common, repeats, max_len):
+    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds."""
     probe = Trainer(TrainConfig(algo=algo, mode=mode, **common))
     budget = probe.adapter.budget
-    first = probe.first_plan
+    first_len = probe._response_len(0)
+    plans = {"planner_fixed": (probe.first_plan, True)}
+    for kind in ("colocated", "disaggregated"):
+        plans[kind] = structured_plan(probe, kind, first_len)
+        plans[kind + "_max"] = structured_plan(probe, kind, max_len)
+    best_max, _ = probe.adapter.best_plan(max_len)
+    plans["planner_fixed_max"] = (best_max, True)
     probe.driver.shutdown()  # the probe planned only; it started no workers
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
+    variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
+    runs = {v: [] for v in variants}
+    # Not recorded: the first run on fresh workers pays one-off costs (allocator,
+    # communicators) that would fall on whichever variant went first.
+    train(adapt=False, plan=plans["planner_fixed"][0], **{**kw, "steps": 2})
+    for rep in range(repeats):
+        # Each repeat starts one variant later, so no variant always runs first.
+        for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
+            if v == "adaptive":
+                res = train(adapt=True, **kw)
+            elif v == "replan_always":
+                res = train(adapt=True, admission="always", **kw)
+            else:
+                res = train(adapt=False, plan=plans[v][0], **kw)
+            runs[v].append(_run_row(res))
     rows = []
-    res = train(adapt=True, **kw)
-    rows.append(_row("adaptive", algo, mode, res, budget))
-    res = train(adapt=True, admission="always", **kw)
-    rows.append(_row("replan_always", algo, mode, res, budget))
-    fixed = []
-    for name, plan in (
-        ("colocated", simple_plan(algo, devices, "colocated")),
-        ("disaggregated", simple_plan(algo, devices, "disaggregated")),
-        ("planner_first_fixed", first),
-    ):
-        res = train(adapt=False, plan=plan, **kw)
-        row = _row(name, algo, mode, res, budget)
-        fixed.append(row)
-        if name != "planner_first_fixed":
-            rows.append(row)
-    # A fixed plan whose predicted peak exceeds the per-worker budget at some step could
-    # not run on devices with that memory; the best fixed plan is chosen among the others.
+    base = [r["step_latency_s"] for r in runs["adaptive"]]
+    for v in variants:
+        rs = runs[v]
+        lat = [r["step_latency_s"] for r in rs]
+        ratios = [a / b for a, b in zip(lat, base)]
+        frac = max(r["peak_memory_fraction"] for r in rs)
+        adaptive = v in ("adaptive", "replan_always")
+        row = {
+            "algo": algo,
+            "mode": mode,
+            "variant": v,
+            "plan": None if adaptive else repr(plans[v][0]),
+            "repeats": len(rs),
+            "step_latency_s": _mean(lat),
+            "step_latency_min_s": min(lat),
+            "step_latency_max_s": max(lat),
+            "step_latency_stdev_s": statistics.stdev(lat) if len(lat) > 1 else 0.0,
+            "latency_vs_adaptive_x": _mean(lat) / _mean(base),
+            "paired_ratio_mean_x": _mean(ratios),
+            "paired_ratio_min_x": min(ratios),
+            "paired_ratio_max_x": max(ratios),
+            "transitions": _mean([r["transitions"] for r in rs]),
+            "reward_mean": _mean([r["reward_mean"] for r in rs]),
+            "peak_memory_fraction": frac,
+            # adaptive runs move away before the next step when the signal passes 1
+            "fits_budget": adaptive or frac <= 1.0,
+            "memory_budget_bytes": budget,
+            "errors": [r["error"] for r in rs if r["error"]],
+        }
+        rows.append(row)
+    fixed = [r for r in rows if r["plan"] is not None]
     fits = [r for r in fixed if r["fits_budget"]]
     best = min(fits or fixed, key=lambda r: r["step_latency_s"])
-    label = best["variant"] if fits else f"{best['variant']}, none fits the budget"
+    label = best["variant"] if fits else f"{best['variant']}, NONE fits the budget"
     rows.append({**best, "variant": f"best_fixed ({label})"})
-    base = rows[0]["step_latency_s"]
-    for r in rows:
-        r["latency_vs_adaptive_x"] = r["step_latency_s"] / base
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="GRPO sync only, few steps")
+    ap.add_argument("--quick", action="store_true", help="GRPO sync only, 10 steps, 2 repeats")
     ap.add_argument("--algos", default="grpo,ppo,remax")
     ap.add_argument("--modes", default="sync,async")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds per setting")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--trace", default=None, help="response-length trace (CSV or JSON)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
     algos, modes = args.algos.split(","), args.modes.split(",")
-    steps = args.steps
+    steps, repeats = args.steps, args.repeats
     common = dict(devices=args.devices, warm_steps=60, batch=8, group_size=4, seed=0)
     if args.quick:
-        algos, modes, steps = ["grpo"], ["sync"], 6
+        algos, modes, steps, repeats = ["grpo"], ["sync"], 10, 2
         common.update(warm_steps=20, batch=4)
-    common.update(steps=steps, length_start=6, length_end=20)
-    if args.trace:
-        common["trace"] = args.trace
+    tmp = tempfile.TemporaryDirectory()
+    trace = args.trace or str(write_trace(Path(tmp.name) / "trace.csv", steps))
+    from nereus_rl.tasks import LengthTrace
+
+    lt = LengthTrace.from_file(trace)
+    max_len = max(lt.response_len(i) for i in range(steps))
+    common.update(steps=steps, trace=trace)
+    load_start = os.getloadavg()
     t0 = time.perf_counter()
     driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
     rows = []
@@ -119,26 +226,46 @@ def main(argv=None) -> int:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                rows += run_setting(driver, algo, mode, common)
+                rows += run_setting(driver, algo, mode, common, repeats, max_len)
     finally:
         driver.shutdown()
+        tmp.cleanup()
+    print(f"trace {lt!r}, {steps} steps, {repeats} interleaved repeats per variant")
     head = (
-        f"{'algo':6} {'mode':5} {'variant':44} {'step_s':>8} {'total_s':>8} {'vs_adapt':>8} "
-        f"{'trans':>5} {'reward':>7} {'mem/budget':>10} fits"
+        f"{'algo':5} {'mode':5} {'variant':42} {'step_s':>6} {'min..max':>11} "
+        f"{'vs_adapt':>8} {'paired range':>12} {'trans':>5} {'reward':>6} {'mem/bud':>7} fits"
     )
     print(head)
     for r in rows:
         fits = "yes" if r["fits_budget"] else "NO"
         print(
-            f"{r['algo']:6} {r['mode']:5} {r['variant']:44} {r['step_latency_s']:8.3f} "
-            f"{r['total_s']:8.2f} {r['latency_vs_adaptive_x']:8.2f}x {r['transitions']:5d} "
-            f"{r['reward_mean']:7.3f} {r['peak_memory_fraction']:10.2f} {fits}"
-            + (f"  ERROR {r['error']}" if r["error"] else "")
+            f"{r['algo']:5} {r['mode']:5} {r['variant']:42} {r['step_latency_s']:6.3f} "
+            f"{r['step_latency_min_s']:5.3f}..{r['step_latency_max_s']:5.3f} "
+            f"{r['latency_vs_adaptive_x']:7.2f}x "
+            f"{r['paired_ratio_min_x']:5.2f}..{r['paired_ratio_max_x']:4.2f}x "
+            f"{r['transitions']:5.1f} {r['reward_mean']:6.3f} "
+            f"{r['peak_memory_fraction']:7.2f} {fits}"
+            + (f"  ERRORS {r['errors']}" if r["errors"] else "")
         )
-    print(f"bench_e2e: {time.perf_counter() - t0:.0f} s")
+    for r in rows:
+        if r["plan"] is not None and not r["variant"].startswith("best_fixed"):
+            print(f"  {r['algo']} {r['mode']} {r['variant']}: {r['plan']}")
+    load_end = os.getloadavg()
+    print(
+        f"bench_e2e: {time.perf_counter() - t0:.0f} s; load average (1 min) start/end: "
+        f"{load_start[0]:.1f} / {load_end[0]:.1f}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "bench_e2e", "rows": rows}, indent=1))
+        out = {
+            "benchmark": "bench_e2e",
+            "trace": repr(lt),
+            "steps": steps,
+            "loadavg_start": load_start,
+            "loadavg_end": load_end,
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

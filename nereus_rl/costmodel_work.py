@@ -33,6 +33,13 @@ Conventions (Llama-style decoder, untied embeddings, causal attention):
     * training state: 16 bytes per parameter (bf16 weights and grads, fp32 master
       copy and Adam moments), optimizer step streams it twice through memory (mem)
       and launches 11 eager ops per parameter tensor (AdamW foreach=False, zero_grad).
+    * local CPU workers (``LocalCpuClusterSpec``): the device spec is a worker's share
+      of a core when every worker is busy; a stage on ``d`` workers keeps ``d`` busy
+      (a lower bound: other groups may run in the same phase), so its compute classes
+      scale by ``min(1, cores/d) / min(1, cores/N)`` (whole cores back when ``d`` is
+      at most the cores), and its ``d - 1`` co-running workers add ``interference``
+      work: ``INTERFERENCE_PER_CORUNNER x (launch + mem)`` each (the parts that need
+      code and weights in cache).
 Memory per device (bytes), the largest pipeline stage charged to every device:
     * weights (+ grads and optimizer state when training);
     * training activations after Korthikanti et al. 2022 (tensor parallel without
@@ -51,8 +58,13 @@ import math
 
 import numpy as np
 
-from nereus_rl.spec import ClusterSpec, ModelSpec
+from nereus_rl.spec import ClusterSpec, LocalCpuClusterSpec, ModelSpec
 from nereus_rl.workload import StageWork
+
+
+class CostModelError(ValueError):
+    """Bad input to the cost model (a plan that misses a stage, an unknown class...)."""
+
 
 CLASSES = (
     "gemm",
@@ -66,6 +78,7 @@ CLASSES = (
     "allgather:inter",
     "p2p:intra",
     "p2p:inter",
+    "interference",
 )
 CLASS_INDEX = {c: i for i, c in enumerate(CLASSES)}
 NUM_CLASSES = len(CLASSES)
@@ -91,6 +104,12 @@ WEIGHT_PASSES_TRAIN = 4
 ACT_ELEMS_PER_TOKEN_LAYER_FWD = 67
 ACT_ELEMS_PER_TOKEN_LAYER_TRAIN = 163
 OPT_KERNELS_PER_TENSOR = 11  # torch.optim.AdamW(foreach=False) step + zero_grad
+# Interference between local CPU workers that run at once (shared L2 when they
+# time-slice a core, shared L3 and memory bandwidth across cores): per co-running
+# worker, this fraction of a worker's dispatch and weight-streaming work at the peak
+# (the least it can cost: efficiency 1); the fitted efficiency scales it up.
+INTERFERENCE_PER_CORUNNER = 0.1
+_COMPUTE = ("gemm", "attention", "mem", "elementwise", "launch")
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -151,6 +170,37 @@ def stage_work(
     Returns:
         A float array of length ``NUM_CLASSES``.
     """
+    w = _device_work(sw, dp, tp, pp, tiers, cluster, dtype)
+    if isinstance(cluster, LocalCpuClusterSpec) and sw.kind != "rule":
+        _share_cores(w, dp * tp * pp, cluster)
+    return w
+
+
+_COMPUTE_IDX = [CLASS_INDEX[c] for c in _COMPUTE]
+
+
+def _share_cores(w: np.ndarray, busy: int, cluster: LocalCpuClusterSpec) -> None:
+    """Local CPU workers: the stage's own busy workers set its share of the cores."""
+    busy = min(busy, cluster.num_devices)
+    nominal = min(1.0, cluster.cores / cluster.num_devices)  # what the device spec holds
+    w[_COMPUTE_IDX] *= nominal / min(1.0, cluster.cores / busy)
+    if busy > 1:
+        w[CLASS_INDEX["interference"]] = (
+            (busy - 1)
+            * INTERFERENCE_PER_CORUNNER
+            * (w[CLASS_INDEX["launch"]] + w[CLASS_INDEX["mem"]])
+        )
+
+
+def _device_work(
+    sw: StageWork,
+    dp: int,
+    tp: int,
+    pp: int,
+    tiers: tuple[str, str, str],
+    cluster: ClusterSpec,
+    dtype: str,
+) -> np.ndarray:
     w = np.zeros(NUM_CLASSES)
     if sw.kind == "rule":
         return w

@@ -155,6 +155,25 @@ _LINKS = {
 _CLUSTER_RE = re.compile(r"^(h200|h100|a100)x(\d+)$")
 
 
+@dataclass(frozen=True)
+class LocalCpuClusterSpec(ClusterSpec):
+    """The local-CPU preset: worker processes that share ``cores`` CPU cores.
+
+    The device spec is one worker when every worker is busy (its share of a core);
+    ``costmodel_work`` gives a stage back the cores its idle peers leave free and
+    prices the interference between the workers that run at once.
+    """
+
+    cores: float = 1.0
+
+
+# gloo between local worker processes goes over loopback TCP; on the 2-vCPU dev VM a
+# 1 KiB to 64 KiB all-reduce took a median of 0.5-3.7 ms (2 ranks on 2 cores, 2 on 1
+# core, 4 on 2 cores; /tmp probe, 2026-12-01): a waiting rank's wake-up, not the bytes,
+# sets it. 0.5 ms per ring step (2(n-1) steps) sits inside that range.
+LOCAL_LINK = LinkTier("gloo-loopback", 2e9, 500e-6)
+
+
 def local_cpu_cluster(
     num_workers: int = 4,
     workers_per_core: float = 2.0,
@@ -162,16 +181,19 @@ def local_cpu_cluster(
     memory_bytes: int = 24 * 2**30,
     core_peak_flops: float = 150e9,
     core_mem_bw_Bps: float = 25e9,
-) -> ClusterSpec:
+) -> LocalCpuClusterSpec:
     """The local CPU workers as a cluster: one device per worker process.
 
     ``num_workers`` processes share the machine's cores, ``workers_per_core`` of them
-    per core (2 workers on 1 core: 2.0; 2 workers on 2 cores: 1.0). Each worker's peak
-    rate and memory bandwidth are its share of one core's, so the cost model's
-    predictions account for the sharing. The peak figures are nominal; the efficiency
-    of each operation class is fitted from measurements (``CostModel.observe``).
-    Memory is the machine's, split evenly over the workers. All workers sit in one
-    node linked by shared memory (gloo over loopback).
+    per core when all are busy (2 workers on 1 core: 2.0; 2 workers on 2 cores: 1.0;
+    pass 1.0 to price CPU time, which time-slicing does not add to). Each worker's peak
+    rate, memory bandwidth and per-op dispatch time are its share of one core's (all of
+    it is CPU work), so the cost model's predictions account for the sharing; a stage
+    that keeps fewer workers busy than there are cores gets whole cores (see
+    ``costmodel_work.stage_work``). The peak figures are nominal; the efficiency of each
+    operation class is fitted from measurements (``CostModel.observe``). Memory is the
+    machine's, split evenly over the workers. All workers sit in one node linked by
+    gloo over loopback.
 
     Raises:
         SpecError: a non-positive count.
@@ -181,25 +203,26 @@ def local_cpu_cluster(
             f"local-cpu: num_workers={num_workers} must be >= 1 and "
             f"workers_per_core={workers_per_core} > 0"
         )
-    share = 1.0 / max(workers_per_core, 1.0)
+    per_core = max(workers_per_core, 1.0)
+    share = 1.0 / per_core
     dev = DeviceSpec(
         "cpu-worker",
         memory_bytes // num_workers,
         (("fp32", core_peak_flops * share), ("bf16", core_peak_flops * share / 4)),
         core_mem_bw_Bps * share,
-        2e-6,
+        2e-6 * per_core,
     )
-    link = LinkTier("gloo-shm", 2e9, 50e-6)
-    return ClusterSpec(
+    return LocalCpuClusterSpec(
         f"local-cpu:{num_workers}",
         dev,
         num_workers,
         num_workers,
-        link,
-        link,
+        LOCAL_LINK,
+        LOCAL_LINK,
         comm_setup_s=0.02,
         comm_setup_per_rank_s=0.005,
         primitive_overhead_s=0.01,
+        cores=num_workers / per_core,
     )
 
 
