@@ -134,8 +134,9 @@ def test_worker_started_by_hand_joins_and_its_loss_is_noticed(driver):
         assert e.value.ranks == (2,)
         assert time.monotonic() - t0 < driver.heartbeat_timeout + 2
         assert driver.workers == [0, 1]
-        with pytest.raises(RuntimeUserError, match="lost"):
+        with pytest.raises(WorkerLostError, match="lost") as e:
             driver.call([2], "ping")
+        assert e.value.ranks == (2,)
     finally:
         if proc.poll() is None:
             proc.kill()

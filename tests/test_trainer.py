@@ -150,13 +150,15 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
 
 
 def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
-    # Split and merge not run live: the stages whose transition needs them move by the
-    # per-stage reshard, the others by primitives; the run stays on the static path.
+    # No primitive kind run live: every changed stage moves by the per-stage reshard
+    # fallback (which kinds a transition needs depends on the cost model's choice, so
+    # the test does not rely on it), units are re-adopted from the moved state, and the
+    # run stays on the static path.
     common = dict(algo="grpo", steps=4, seed=3, length_start=6, length_end=14, **FAST)
     tr = Trainer(TrainConfig(adapt=True, **common), driver=driver)
     try:
         tr.start()
-        tr.units.live_kinds = frozenset({"extend", "destroy"})
+        tr.units.live_kinds = frozenset()
         res = tr.run()
         # each stage's shards are its units' tensors, on the plan's devices
         for sp in tr.plan.stages:
@@ -176,7 +178,7 @@ def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
     taken = [d for d in res.decisions if d["taken"]]
     assert taken and res.num_fallbacks >= 1, taken
     for d in taken:
-        assert not any(p.split(":")[0] in ("split", "merge") for p in d["executed_primitives"])
+        assert d["executed_primitives"] == [] and d["fallback_stages"], d
     static = train(adapt=False, driver=driver, **common)
     assert res.rewards == static.rewards
     a = torch.tensor([m["loss"] for m in res.metrics])

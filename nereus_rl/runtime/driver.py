@@ -275,7 +275,8 @@ class Driver:
         """Send ``fn(*args, **kwargs)`` to each worker in ``ranks``; do not wait.
 
         Raises:
-            RuntimeUserError: a rank is not a joined worker, or is known to be lost.
+            RuntimeUserError: a rank is not a joined worker.
+            WorkerLostError: a rank is known to be lost.
         """
         ranks = list(ranks)
         self._check_ranks(ranks)
@@ -353,8 +354,9 @@ class Driver:
             rank -> return value.
 
         Raises:
-            RemoteError, WorkerLostError, WorkerTimeoutError: see :meth:`wait`.
-            RuntimeUserError: unknown or lost rank.
+            RemoteError, WorkerLostError, WorkerTimeoutError: see :meth:`wait`
+                (WorkerLostError also for a rank known to be lost).
+            RuntimeUserError: a rank is not a joined worker.
         """
         return self.wait(self.submit(ranks, fn, *args, **kwargs), timeout)
 
@@ -371,7 +373,11 @@ class Driver:
             )
         lost = [r for r in ranks if r in self._lost]
         if lost:
-            raise P.RuntimeUserError(f"worker(s) {lost} are lost; they cannot run commands")
+            # Not a caller mistake: the worker died after the caller chose it (e.g. during
+            # a transition), so callers that recover from a loss must see it as one.
+            raise P.WorkerLostError(
+                f"worker(s) {lost} are lost; they cannot run commands", tuple(lost)
+            )
 
     # ---------------------------------------------------------------- shutdown
 
