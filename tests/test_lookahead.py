@@ -51,7 +51,8 @@ def run(cm, lookahead):
         moves.append(s)
         cands = ranked(cm, nxt)
         if lookahead:
-            lengths = (bucket_of(nxt, BUCKETS),) + ctl.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
+            ahead = ctl.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
+            lengths = (bucket_of(nxt, BUCKETS), *ahead)
             ch = choose(plan, cands, [wl(n) for n in lengths], lengths, cm, tcost(cm))
             choices.append(ch)
             plan = ch.plan
