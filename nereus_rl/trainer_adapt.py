@@ -61,9 +61,12 @@ from nereus_rl.workload import bucket_of, make_workload
 # it, so the default run meets memory pressure and makes a transition.
 AUTO_BUDGET_HEADROOM = 1.08
 
-# Steps the urgent path looks ahead (the next step and 3 forecast ones): a few steps,
-# enough to see the next bucket of a rising length without trusting a long trend.
-LOOKAHEAD_STEPS = 4
+# Steps the urgent path looks ahead (the next step and 5 forecast ones): a few steps,
+# enough to see the next bucket of a rising length without trusting a long trend. 4 was
+# too short for bench_e2e's 20-step rise (about 1.5 tokens per step, and the trend from
+# the first two values is rounder still): it missed the 12 -> 16 bucket crossing 3 steps
+# on, and the second urgent move followed; 6 sees it and avoids it.
+LOOKAHEAD_STEPS = 6
 
 
 def primitive_seconds(cm: CostModel, mspec, prim) -> float:

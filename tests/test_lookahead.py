@@ -7,7 +7,7 @@ from nereus_rl.costmodel import CostModel
 from nereus_rl.lookahead import LookaheadError, choose
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
-from nereus_rl.trainer_adapt import LOOKAHEAD_STEPS, compile_priced
+from nereus_rl.trainer_adapt import compile_priced
 from nereus_rl.workload import bucket_of, make_workload
 
 BUCKETS = (8, 12, 16, 24, 32, 48, 64)
@@ -16,6 +16,7 @@ BUCKETS = (8, 12, 16, 24, 32, 48, 64)
 TRACE = [6, 10, 13, 17, 20, 20, 20, 17, 15, 13]
 BUDGET = 3_700_000
 MODEL = model_preset("tiny")
+HORIZON = 4  # the next step and 3 forecast ones (the trainer's LOOKAHEAD_STEPS may differ)
 
 
 def wl(rlen):
@@ -51,7 +52,7 @@ def run(cm, lookahead):
         moves.append(s)
         cands = ranked(cm, nxt)
         if lookahead:
-            ahead = ctl.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
+            ahead = ctl.seq_len.forecast_lengths(HORIZON - 1)
             lengths = (bucket_of(nxt, BUCKETS), *ahead)
             ch = choose(plan, cands, [wl(n) for n in lengths], lengths, cm, tcost(cm))
             choices.append(ch)
@@ -67,7 +68,7 @@ def test_lookahead_avoids_the_second_urgent_move(cm):
     assert old_moves == [1, 2]  # 13 tokens, then 17 (bucket 24) two steps later
     assert la_moves == [1]
     # At step 1 the signal had seen 10, 13: its trend says 16, 19, 22 -> 16, 24, 24.
-    assert ch.lengths == (16, 16, 24, 24) and ch.horizon == LOOKAHEAD_STEPS
+    assert ch.lengths == (16, 16, 24, 24) and ch.horizon == HORIZON
     assert not ch.fallback and ch.rank > 0 and ch.old_over_at == 2
     assert ch.score_s < ch.old_score_s
     assert not any(cm.memory_violations(ch.plan, wl(n)) for n in ch.lengths)
