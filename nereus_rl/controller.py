@@ -179,6 +179,23 @@ class LevelSignal:
         steps = min(self.horizon, max(1.0, steps))
         return Forecast(self.name, steps, k, thr)
 
+    def project(self, steps_ahead: float) -> float | None:
+        """The trend line's value ``steps_ahead`` steps after the last value (None: no values).
+
+        The line is the same least-squares fit :meth:`forecast` uses; the result is
+        never negative. With a single value the trend is flat (that value).
+        """
+        if steps_ahead < 0 or math.isnan(steps_ahead):
+            raise SignalError(f"{self.name}: steps_ahead={steps_ahead} must be >= 0")
+        pts = list(self.history)
+        if not pts:
+            return None
+        n = len(pts)
+        mx = sum(s for s, _ in pts) / n
+        my = sum(v for _, v in pts) / n
+        fitted = my + self.slope() * (pts[-1][0] - mx)
+        return max(0.0, fitted + self.slope() * steps_ahead)
+
 
 class SeqLenSignal(LevelSignal):
     """Response length in buckets; ``bucket`` is the length to plan for."""
@@ -194,6 +211,29 @@ class SeqLenSignal(LevelSignal):
         if self.level < len(self.buckets):
             return self.buckets[self.level]
         return bucket_of(max(v for _, v in self.history), self.buckets)
+
+    def forecast_lengths(self, horizon: int) -> tuple[int, ...]:
+        """Bucketed response lengths for the ``horizon`` values after the last one.
+
+        Entry ``j`` is the trend line ``j + 1`` steps after the last value, bucketed as
+        the planner plans (``bucket_of``). Only a rising trend moves the forecast: a
+        flat or falling one repeats the last value's bucket, since a plan must still
+        hold the length it has now (falling lengths are the opportunistic path's
+        business). Nothing here reads future lengths; it is the signal's own history.
+
+        Raises:
+            SignalError: ``horizon`` < 0, or no value recorded yet.
+        """
+        if horizon < 0:
+            raise SignalError(f"seq_len: horizon={horizon} must be >= 0")
+        if not self.history:
+            raise SignalError("seq_len: no value recorded yet; update() before forecasting")
+        last = self.history[-1][1]
+        out = []
+        for j in range(1, horizon + 1):
+            v = max(last, self.project(j) or 0.0)
+            out.append(bucket_of(v, self.buckets))
+        return tuple(out)
 
 
 class DevicesSignal:

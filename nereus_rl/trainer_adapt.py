@@ -10,7 +10,11 @@ asynchronous one) the trainer hands the step's measurements to
    fraction of the per-worker budget, and measured / predicted step time,
 3. on a trigger asks the planner for the best plan under the next step's
    workload, prices the transition by compiling its DAG of EMU primitives
-   (``transition_compile``) with the cost model's primitive costs,
+   (``transition_compile``) with the cost model's primitive costs; when the
+   current plan cannot run the next step (the urgent path) the candidate is
+   chosen among the planner's k-best with lookahead (:mod:`nereus_rl.lookahead`)
+   over the seq_len signal's own length forecast, so that a rising length does
+   not force another urgent move a step or two later,
 4. asks admission (payback rule; or ``"always"``, the replan-on-every-trigger
    baseline) and, if taken, executes the transition and measures it,
 5. feeds the measured primitives back to the cost model's primitive estimates
@@ -39,9 +43,11 @@ import time
 from typing import Any
 
 from nereus_rl.admission import Admission
-from nereus_rl.controller import Controller
+from nereus_rl.controller import Controller, SignalError
 from nereus_rl.costmodel import CostModel, CostModelError, UnitLayout
 from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.lookahead import LookaheadChoice, LookaheadError
+from nereus_rl.lookahead import choose as choose_lookahead
 from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError
 from nereus_rl.planner import plan as plan_best
@@ -54,6 +60,58 @@ from nereus_rl.workload import bucket_of, make_workload
 # plan at the first response length: the first plan fits, and growing responses exceed
 # it, so the default run meets memory pressure and makes a transition.
 AUTO_BUDGET_HEADROOM = 1.08
+
+# Steps the urgent path looks ahead (the next step and 5 forecast ones): a few steps,
+# enough to see the next bucket of a rising length without trusting a long trend. 4 was
+# too short for bench_e2e's 20-step rise (about 1.5 tokens per step, and the trend from
+# the first two values is rounder still): it missed the 12 -> 16 bucket crossing 3 steps
+# on, and the second urgent move followed; 6 sees it and avoids it.
+LOOKAHEAD_STEPS = 6
+
+
+def primitive_seconds(cm: CostModel, mspec, prim) -> float:
+    """The cost model's predicted seconds for one transition primitive (fp32 state).
+
+    A primitive the model cannot price costs the cluster's fixed primitive overhead:
+    pricing must never stop a running job.
+    """
+    try:
+
+        def ul(u):
+            return UnitLayout(u.tp, u.pp, tuple(u.devices))
+
+        return cm.primitive_cost(
+            prim.kind,
+            mspec,
+            trains=any(u.trains for u in prim.inputs + prim.outputs),
+            src=tuple(ul(u) for u in prim.inputs if prim.kind != "extend")
+            + ((ul(prim.source),) if prim.kind == "extend" and prim.source else ()),
+            dst=tuple(ul(u) for u in prim.outputs),
+            dtype="fp32",
+        ).seconds
+    except Exception:
+        return cm.cluster.primitive_overhead_s
+
+
+def compile_priced(cm: CostModel, mspec, devices, current: GlobalPlan, target: GlobalPlan):
+    """The transition DAG current -> target as the trainer runs it, and its predicted
+    completion seconds (stages share devices, no memory cap: see ``Adapter.compile``)."""
+    from nereus_rl.transition import predicted_completion_time
+
+    def cost(prim):
+        return primitive_seconds(cm, mspec, prim)
+
+    dag = compile_transition(
+        current,
+        target,
+        devices=sorted(devices),
+        capacity=float("inf"),
+        cost_fn=cost,
+        # The trainer's stages share devices, and a stage's old and new units may too
+        # (EMUManager(shared_devices=True)): model that, not one unit per device.
+        stage_slots=False,
+    )
+    return dag, predicted_completion_time(dag, cost)
 
 
 class Adapter:
@@ -137,8 +195,9 @@ class Adapter:
                 return False
         return True
 
-    def best_plan(self, rlen: int, devices=None) -> tuple[GlobalPlan, float]:
-        """The planner's best runnable plan for the workload at ``rlen``, and its latency.
+    def ranked_plans(self, rlen: int, devices=None) -> list[tuple[float, GlobalPlan]]:
+        """The planner's k-best runnable plans for the workload at ``rlen``, best first,
+        each with its predicted latency.
 
         Raises:
             NotEnoughDevicesError: no plan fits the devices and the memory budget.
@@ -154,13 +213,43 @@ class Adapter:
                 f"cannot hold {self.cfg.algo} on {self.cfg.model} at {rlen}-token responses: "
                 f"{e}"
             ) from None
-        for lat, p in res.k_best:
-            if self._runnable(p):
-                return p, lat
-        raise NotEnoughDevicesError(
-            f"no plan among the planner's best {len(res.k_best)} fits the model's head count "
-            f"on {self.cfg.devices} devices; use more devices or another preset"
-        )
+        out = [(lat, p) for lat, p in res.k_best if self._runnable(p)]
+        if not out:
+            raise NotEnoughDevicesError(
+                f"no plan among the planner's best {len(res.k_best)} fits the model's head "
+                f"count on {self.cfg.devices} devices; use more devices or another preset"
+            )
+        return out
+
+    def best_plan(self, rlen: int, devices=None) -> tuple[GlobalPlan, float]:
+        """The planner's best runnable plan for the workload at ``rlen``, and its latency.
+
+        Raises:
+            NotEnoughDevicesError: no plan fits the devices and the memory budget.
+        """
+        lat, p = self.ranked_plans(rlen, devices)[0]
+        return p, lat
+
+    def lookahead(
+        self, current: GlobalPlan, ranked: list[GlobalPlan], rlen: int
+    ) -> LookaheadChoice:
+        """The urgent path's choice among ``ranked`` (the k-best for ``rlen``, the next
+        step's length) over ``LOOKAHEAD_STEPS`` steps: ``rlen``, then the seq_len
+        signal's own trend forecast (never the length schedule). See
+        :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that goes over memory
+        within the horizon and another candidate scores better."""
+        lengths = (bucket_of(rlen, self.cfg.buckets),)
+        lengths += self.controller.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
+        wls = [self.workload(n) for n in lengths]
+        devs = self.trainer.device_worker
+
+        def tcost(a: GlobalPlan, b: GlobalPlan) -> float:
+            try:
+                return compile_priced(self.cm, self.mspec, devs, a, b)[1]
+            except TransitionError:
+                return self._stagewise_cost(a, b)
+
+        return choose_lookahead(current, ranked, wls, lengths, self.cm, tcost)
 
     def initial_plan(self, rlen: int) -> GlobalPlan:
         """The first plan: the planner's (``plan="auto"``), a fixed colocated/disaggregated
@@ -174,38 +263,11 @@ class Adapter:
         return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
 
     def _primitive_cost(self, prim) -> float:
-        try:
-
-            def ul(u):
-                return UnitLayout(u.tp, u.pp, tuple(u.devices))
-
-            return self.cm.primitive_cost(
-                prim.kind,
-                self.mspec,
-                trains=any(u.trains for u in prim.inputs + prim.outputs),
-                src=tuple(ul(u) for u in prim.inputs if prim.kind != "extend")
-                + ((ul(prim.source),) if prim.kind == "extend" and prim.source else ()),
-                dst=tuple(ul(u) for u in prim.outputs),
-                dtype="fp32",
-            ).seconds
-        except Exception:
-            return self.cluster.primitive_overhead_s
+        return primitive_seconds(self.cm, self.mspec, prim)
 
     def compile(self, current: GlobalPlan, target: GlobalPlan):
         """The transition DAG current -> target and its predicted completion seconds."""
-        from nereus_rl.transition import predicted_completion_time
-
-        dag = compile_transition(
-            current,
-            target,
-            devices=sorted(self.trainer.device_worker),
-            capacity=float("inf"),
-            cost_fn=self._primitive_cost,
-            # The trainer's stages share devices, and a stage's old and new units may too
-            # (EMUManager(shared_devices=True)): model that, not one unit per device.
-            stage_slots=False,
-        )
-        return dag, predicted_completion_time(dag, self._primitive_cost)
+        return compile_priced(self.cm, self.mspec, self.trainer.device_worker, current, target)
 
     # -------------------------------------------------------------- the boundary
 
@@ -256,13 +318,23 @@ class Adapter:
         if not triggers:
             return out
         trig = max(triggers, key=lambda t: t.urgent)
+        avail = sorted(tr.device_worker)
         try:
-            cand, _ = self.best_plan(nxt, devices=sorted(tr.device_worker))
+            ranked = [p for _, p in self.ranked_plans(nxt, devices=avail)]
         except ValueError as e:  # nothing fits: keep running the current plan
             self._log({"step": step, "signal": trig.signal, "trigger": trig.reason,
                        "urgent": trig.urgent, "taken": False, "reason": str(e),
                        "current": repr(plan), "measured_transition_s": None})  # fmt: skip
             return out
+        cand, la, la_note = ranked[0], None, None
+        if self.admission.problems(plan, wl, avail):
+            # The urgent path (the current plan cannot run the next step): choose with
+            # lookahead so that rising lengths do not force another move soon after.
+            try:
+                la = self.lookahead(plan, ranked, nxt)
+                cand = la.plan
+            except (LookaheadError, SignalError) as e:
+                la_note = f"lookahead not used: {e}"
         row: dict[str, Any] = {
             "step": step,
             "signal": trig.signal,
@@ -272,6 +344,10 @@ class Adapter:
             "candidate": repr(cand),
             "measured_transition_s": None,
         }
+        if la is not None:
+            row.update(la.record())
+        elif la_note:
+            row["lookahead_reason"] = la_note
         if cand == plan:
             row.update(taken=False, reason="the planner's best plan is the current one",
                        predicted_saving_s=0.0, predicted_transition_s=0.0)  # fmt: skip

@@ -70,3 +70,21 @@ def test_plan_change_restarts_the_memory_trend():
     for step, v in enumerate([0.9, 0.93, 0.96, 1.12, 0.83, 0.94]):
         stale.update(step, peak_memory_fraction=v)
     assert stale.forecast("memory").steps > fc.steps
+
+
+def test_seq_len_forecast_lengths_from_its_own_trend():
+    c = Controller(buckets=(8, 12, 16, 24, 32), hysteresis=0.0, window=5)
+    with pytest.raises(SignalError, match="no value recorded"):
+        c.seq_len.forecast_lengths(2)
+    c.update(0, seq_len=10)
+    assert c.seq_len.forecast_lengths(3) == (12, 12, 12)  # one value: flat
+    c.update(1, seq_len=13)  # +3 per step: 16, 19, 22
+    assert c.seq_len.project(2) == pytest.approx(19)
+    assert c.seq_len.forecast_lengths(3) == (16, 24, 24)
+    c.update(2, seq_len=9)  # falling trend: hold the last value's bucket
+    c.update(3, seq_len=5)
+    assert c.seq_len.forecast_lengths(2) == (8, 8)
+    with pytest.raises(SignalError, match="horizon"):
+        c.seq_len.forecast_lengths(-1)
+    with pytest.raises(SignalError, match="steps_ahead"):
+        c.seq_len.project(-1)
