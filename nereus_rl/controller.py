@@ -332,12 +332,23 @@ class Controller:
             t := self.devices.update(step, available_devices, in_use)
         ):
             out.append(t)
-        if peak_memory_fraction is not None and (
-            t := self.memory.update(step, peak_memory_fraction)
-        ):
+        if peak_memory_fraction is not None:
+            t = self.memory.update(step, peak_memory_fraction)
             if peak_memory_fraction > 1.0:
-                t = Trigger(t.signal, t.step, t.value, t.old_level, t.new_level, True, t.reason)
-            out.append(t)
+                # Over capacity is urgent whether or not the level changed: a fraction
+                # that climbs from 0.96 to 1.1 stays in the "high" level and would
+                # otherwise let the plan run over budget unnoticed.
+                level = self.memory.level
+                t = Trigger(
+                    "memory", step, peak_memory_fraction,
+                    t.old_level if t else level, level, True,
+                    t.reason if t else (
+                        f"predicted peak memory {peak_memory_fraction:.2f}x capacity: "
+                        "the plan no longer fits"
+                    ),
+                )  # fmt: skip
+            if t:
+                out.append(t)
         if efficiency_ratio is not None and (t := self.efficiency.update(step, efficiency_ratio)):
             out.append(t)
         self.triggers.extend(out)

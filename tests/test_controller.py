@@ -88,3 +88,21 @@ def test_seq_len_forecast_lengths_from_its_own_trend():
         c.seq_len.forecast_lengths(-1)
     with pytest.raises(SignalError, match="steps_ahead"):
         c.seq_len.project(-1)
+
+
+def test_over_capacity_is_urgent_even_without_a_level_change():
+    # 0.98 is already the "high" level; climbing past 1.0 does not change the level,
+    # but the plan no longer fits: that must still raise an urgent trigger, every step
+    # it stays over (and also on the very first observation).
+    c = Controller()
+    (t,) = c.update(0, peak_memory_fraction=1.2)
+    assert t.urgent and "no longer fits" in t.reason
+    c = Controller()
+    assert c.update(0, peak_memory_fraction=0.7) == []
+    (t,) = c.update(1, peak_memory_fraction=0.98)
+    assert not t.urgent
+    (t,) = c.update(2, peak_memory_fraction=1.1)
+    assert t.urgent and t.signal == "memory" and t.old_level == t.new_level
+    (t,) = c.update(3, peak_memory_fraction=1.15)
+    assert t.urgent
+    assert c.update(4, peak_memory_fraction=0.97) == []
