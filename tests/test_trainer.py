@@ -233,6 +233,45 @@ def test_a_cycle_of_plans_through_every_primitive_returns_the_state_bitwise(driv
     assert any(k.startswith("exp_avg.") for k in before["actor_train"][0])
 
 
+def test_a_transition_mixes_live_primitives_and_fallback_stages(driver):
+    # Merges not run live: the rollout (dp4 -> tp2 x dp2, merges) falls back to the
+    # per-stage reshard while the reference (drops two units: destroys) runs live, in
+    # one transition; afterwards every unit's tensors are its stage model's tensors.
+    p0 = GlobalPlan((
+        _sp("rollout", "actor", False, 1, 1),
+        _sp("reference", "reference", False, 1, 1),
+        _sp("actor_train", "actor", True, 1, 1),
+    ))  # fmt: skip
+    target = GlobalPlan((
+        _sp("rollout", "actor", False, 2, 1),
+        _sp("reference", "reference", False, 1, 1, (2, 3)),
+        _sp("actor_train", "actor", True, 1, 1),
+    ))  # fmt: skip
+    tr = Trainer(TrainConfig(steps=1, adapt=False, plan=p0, **FAST), driver=driver)
+    try:
+        tr.start()
+        tr.run()
+        tr.units.live_kinds = frozenset({"extend", "destroy"})
+        dag, _ = tr.adapter.compile(tr.plan, target)
+        run = tr.transition(target, dag, 1)
+        assert set(run.fallback_stages) == {"rollout"}, run.fallback_stages
+        assert run.primitives and {p.split(":")[0] for p in run.primitives} == {"destroy"}
+        for sp in tr.plan.stages:
+            units = tr.units.by_stage[sp.stage]
+            assert [u.ranks for u in units] == [
+                tuple(tr.device_worker[d] for d in devs) for devs in sp.units
+            ]
+            for u in units:
+                held = driver.call(list(u.ranks), "emu.shards", u.uid)
+                model = driver.call(list(u.ranks), "rl.shards", sp.stage)
+                for r in u.ranks:
+                    assert held[r].keys() == model[r].keys() and held[r]
+                    for k, t in model[r].items():
+                        assert torch.equal(held[r][k], t), (sp.stage, r, k)
+    finally:
+        tr.close()
+
+
 def test_worker_lost_mid_transition_recovers_from_the_current_plan():
     # A worker dies inside the first live primitive: the run goes on from the current
     # plan's intact units (their models are untouched until the rebind).
