@@ -1,4 +1,4 @@
-"""Build script: CMake builds the pybind11 core `nereus_comm._C`.
+"""Build script: CMake builds the pybind11 modules `nereus_comm._C` and `nereus_rl._native`.
 
 The core has no torch or CUDA headers; NCCL is dlopen'ed at run time, so a
 plain C++17 compiler, CMake and pybind11 are all a build needs.
@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent
 
 
 class CMakeExtension(Extension):
-    def __init__(self, name: str) -> None:
+    """One pybind11 module, built as the CMake target ``target``."""
+
+    def __init__(self, name: str, target: str) -> None:
         super().__init__(name, sources=[])
+        self.target = target
 
 
 class CMakeBuild(build_ext):
@@ -37,7 +40,8 @@ class CMakeBuild(build_ext):
         ]
         subprocess.run(["cmake", str(ROOT), *args], cwd=build_temp, check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_temp, check=True)
+        build = ["cmake", "--build", ".", "--target", ext.target, "-j", jobs]
+        subprocess.run(build, cwd=build_temp, check=True)
 
 
 setup(
@@ -45,7 +49,10 @@ setup(
     # nereus_comm.kernels and also import from a source checkout.
     packages=find_packages(include=["nereus_comm*", "nereus_rl*"]),
     package_data={"nereus_rl": ["data/*"]},
-    ext_modules=[CMakeExtension("nereus_comm._C")],
+    ext_modules=[
+        CMakeExtension("nereus_comm._C", "_C"),
+        CMakeExtension("nereus_rl._native", "_native"),
+    ],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
 )
