@@ -28,6 +28,11 @@ that share a worker run one after the other: in the DAG's order when an edge
 orders them, else in the order they got there. The mapping of DAG nodes to
 manager calls is :func:`nereus_rl.emu_dag.run_primitive`.
 
+Recovery after a worker died (:meth:`TrainerUnits.recover`, called by
+``Trainer.recover``): the broken units are destroyed, intact units that fit the
+new plan are kept, the others are extended from intact units, and every stage's
+model is rebound; nothing is read from disk.
+
 Fallback: a stage with a primitive that has no live counterpart here (a kind
 outside ``live_kinds``, a destroy of a lost unit, a copy from a unit that does
 not hold the stage's state, devices that do not add up) has none of its

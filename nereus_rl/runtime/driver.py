@@ -330,7 +330,7 @@ class Driver:
         deadline = pending.sent_at + timeout
         waiting = dict(pending.seqs)
         replies: dict[int, P.Reply] = {}
-        sleep = 0.0005
+        sleep = 0.0002
         next_liveness = time.monotonic() + 0.2
         while waiting:
             for rank, seq in list(waiting.items()):
@@ -355,7 +355,9 @@ class Driver:
                     tuple(sorted(waiting)),
                 )
             time.sleep(sleep)
-            sleep = min(sleep * 2, 0.01)
+            # Short commands (a small primitive, a stage command) answer within tens of
+            # ms: poll finely at first, so a reply is not left waiting for a long sleep.
+            sleep = min(sleep * 2, 0.002 if now - pending.sent_at < 0.1 else 0.01)
         for rank in sorted(replies):
             r = replies[rank]
             if not r.ok:
