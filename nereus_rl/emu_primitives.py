@@ -301,6 +301,9 @@ class Primitives:
             ranks=ranks,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
-                   "plan_s": max(r["plan_s"] for r in res.values())},
+                   "plan_s": max(r["plan_s"] for r in res.values()),
+                   # the slowest rank's pack / exchange / unpack (profiling Extend)
+                   **{k: max(r.get(k, 0.0) for r in res.values())
+                      for k in ("pack_s", "exchange_s", "unpack_s")}},
         )  # fmt: skip
         return targets[0]
