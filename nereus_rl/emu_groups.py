@@ -143,4 +143,4 @@ class PooledGroups:
         seconds = getattr(self.pool.backend, "setup_seconds", None)
         if seconds is None:
             return 0.0
-        return sum(seconds(c.handle) for c in comms if c is not None and c.how != "hit")
+        return float(sum(seconds(c.handle) for c in comms if c is not None and c.how != "hit"))

@@ -332,15 +332,24 @@ class Driver:
         replies: dict[int, P.Reply] = {}
         sleep = 0.0002
         next_liveness = time.monotonic() + 0.2
+        keys = {rank: P.reply_key(rank, seq) for rank, seq in waiting.items()}
         while waiting:
-            for rank, seq in list(waiting.items()):
-                key = P.reply_key(rank, seq)
-                if self.store.check([key]):
-                    replies[rank] = P.take(self.store, key)
+            # One round trip asks for every reply still owed (a store check is true only
+            # when all its keys exist); rank by rank only once they are all in, or when
+            # the answer is no and liveness is due (who has answered matters then).
+            if self.store.check([keys[r] for r in waiting]):
+                for rank in list(waiting):
+                    replies[rank] = P.take(self.store, keys[rank])
                     del waiting[rank]
-            if not waiting:
                 break
             now = time.monotonic()
+            if now > next_liveness or now > deadline:
+                for rank in list(waiting):
+                    if self.store.check([keys[rank]]):
+                        replies[rank] = P.take(self.store, keys[rank])
+                        del waiting[rank]
+                if not waiting:
+                    break
             if now > next_liveness:
                 next_liveness = now + 0.2
                 lost = [r for r in waiting if r in self.check_liveness()]
