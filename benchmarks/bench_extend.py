@@ -22,7 +22,16 @@ model's predicted Extend of one 8B actor (training) and critic unit (tp=8,
 from the first node to the last) on the H200 preset at 48..3,264 devices,
 labelled predicted.
 
+With ``--concurrent``, instead: one transition with independent primitives
+(two stages at dp=1 on workers 0 and 2, each extended to dp=2 onto workers 1
+and 3: two extends on disjoint workers, no edge between them) compiled to a
+DAG and run live by the concurrent executor, once one primitive at a time
+(the executor with one thread: what the trainer did before primitives on
+disjoint workers could run at once) and once concurrently; the transition's
+seconds side by side, every run's state checked.
+
     python benchmarks/bench_extend.py --quick [--json PATH]
+    python benchmarks/bench_extend.py --concurrent [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -445,6 +454,92 @@ def run(args) -> list[dict]:
     return rows
 
 
+def run_concurrent(args) -> list[dict]:
+    """Serial vs concurrent execution of one transition of two independent extends."""
+    from nereus_rl.emu_dag import live_impls
+    from nereus_rl.globalplan import GlobalPlan, StagePlan
+    from nereus_rl.transition_compile import compile_transition
+    from nereus_rl.transition_exec import execute_dag
+
+    # A small state (round trips dominate) and larger ones (copies dominate).
+    sizes = [
+        dict(num_layers=2, hidden=32, ffn=64, vocab=256),
+        dict(num_layers=2, hidden=384, ffn=1024, vocab=6000),
+    ]
+    if not args.quick:
+        sizes.append(dict(num_layers=4, hidden=768, ffn=2048, vocab=16000))
+    seeds = {STAGE: 7, "critic": 8}  # bench.verify reads STAGE's specs: both stages share them
+
+    def plan(**units) -> GlobalPlan:
+        return GlobalPlan(tuple(
+            StagePlan(st, st, True, len(us), 1, 1, tuple((x,) for x in us))
+            for st, us in units.items()
+        ))  # fmt: skip
+
+    current = plan(**{STAGE: [0], "critic": [2]})
+    target = plan(**{STAGE: [0, 1], "critic": [2, 3]})
+    dag = compile_transition(current, target, capacity=float("inf"), stage_slots=False)
+    print(f"DAG {dag.counts()}, {len(dag.edges)} edges")
+    rows: list[dict] = []
+    for size in sizes:
+        specs = stage_state_specs(**size)
+        state_bytes = sum(s.nbytes for s in specs)
+        nl = size["num_layers"]
+        d = Driver(call_timeout=1800)
+        try:
+            d.spawn_local(4, num_threads=1)
+            d.import_module("benchmarks.bench_extend")
+            m = EMUManager(d, transfer_timeout=1800)
+            base = {}
+            for st, rank in ((STAGE, 0), ("critic", 2)):
+                m.define_stage(st, specs, seed=seeds[st])
+                base[f"{st}#0"] = m.create(st, [rank])
+            modes = ("serial", "concurrent", "serial_cold", "concurrent_cold")
+            runs: dict[str, list[float]] = {mode: [] for mode in modes}
+            # The first round (not counted) builds the groups and shared-memory segments.
+            # A cold run starts from an empty pool: its transfer groups and their
+            # shared-memory segments are built inside the transition, as on a first move
+            # to new devices.
+            for i in range(args.repeat + 1):
+                for mode in modes:
+                    if mode.endswith("_cold"):
+                        m.pool.destroy_all()
+                        m.flush()
+                    live = dict(base)
+                    t0 = time.perf_counter()
+                    rep = execute_dag(
+                        dag,
+                        live_impls(m, live, list),
+                        max_workers=1 if mode.startswith("serial") else None,
+                    )
+                    dt = time.perf_counter() - t0
+                    if i:
+                        runs[mode].append(dt)
+                    for st, rank in ((STAGE, 1), ("critic", 3)):
+                        (u,) = [x for x in m.units(st) if x.ranks == (rank,)]
+                        d.call([rank], "bench.stash_unit", u.uid)
+                        lay = Layout(1, 1, 1, (rank,), num_layers=nl)
+                        ok = d.call([rank], "bench.verify", lay, "bench.loaded", seeds[st])
+                        if not all(ok.values()):
+                            raise RuntimeError(f"{mode}: {st}'s new unit is not the reference")
+                        m.destroy(u)  # back to dp=1 for the next run
+                    m.flush()
+                    note = "" if i else " (warm-up)"
+                    print(f"  {state_bytes / 2**20:.1f} MiB {mode}: {dt:.4f} s, "
+                          f"{[repr(r) for r in rep.records]}{note}")  # fmt: skip
+        finally:
+            d.shutdown()
+        scenario = f"2x_extend_{state_bytes / 2**20:.1f}MiB"
+        for mode in modes:
+            rows.append(dict(scenario=scenario, way=f"transition_{mode}",
+                             seconds=min(runs[mode]), runs=[round(x, 4) for x in runs[mode]],
+                             state_bytes=state_bytes, repeats=args.repeat))  # fmt: skip
+        for a, b in ((rows[-4], rows[-3]), (rows[-2], rows[-1])):
+            a["ratio_to_concurrent_x"] = a["seconds"] / b["seconds"]
+            b["ratio_to_concurrent_x"] = 1.0
+    return rows
+
+
 def predicted_rows() -> list[dict]:
     """Cost-model Extend predictions for the 8B actor/critic units on H200 clusters."""
     try:
@@ -474,8 +569,24 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--tmp", default=None, help="directory for checkpoint files")
     ap.add_argument("--repeat", type=int, default=2, help="runs per way (the fastest counts)")
+    ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="serial vs concurrent transition of independent primitives instead",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.concurrent:
+        rows = run_concurrent(args)
+        print(f"\n{'scenario':<24}{'way':<24}{'seconds':>9}{'x concurrent':>14}")
+        for r in rows:
+            print(f"{r['scenario']:<24}{r['way']:<24}{r['seconds']:>9.4f}"
+                  f"{r['ratio_to_concurrent_x']:>14.2f}")  # fmt: skip
+        print(f"(state per replica and stage; total run {time.perf_counter() - t0:.0f} s)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "bench_extend_concurrent", "rows": rows}, f, indent=1)
+        return
     rows = run(args)
     print(f"\n{'scenario':<15}{'way':<15}{'seconds':>10}{'x EMU':>9}")
     for r in rows:

@@ -46,6 +46,18 @@ units of several stages (colocated stages) and, during a transition, an old
 and a new unit of one stage share devices; what may share is then the
 caller's business (a transition DAG's memory accounting).
 
+Concurrency: threads may run primitives at once (the transition executor
+does). A primitive first takes the workers it involves (every rank of its
+source and target units; per-rank locks, taken in rank order so two
+primitives never wait on each other in a cycle): primitives on disjoint
+workers run at the same time, and two that share a worker run one after the
+other, in the order they got there. Only the bookkeeping (units, pool,
+records) is under one lock, held for the checks and the commit but never
+while bytes move; group builds and drops do not block it
+(:mod:`nereus_rl.emu_groups`). Ordering primitives that depend on each other
+(a source extended before it is destroyed) is the caller's business, as is
+the DAG's.
+
 Usage (driver side)::
 
     driver = Driver(); ranks = driver.spawn_local(4)
@@ -58,6 +70,7 @@ Usage (driver side)::
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -65,13 +78,12 @@ from typing import Any
 
 import torch
 
-from nereus_comm.errors import TransportError
 from nereus_comm.pool import CommPool, Communicator, PoolStats
 from nereus_rl.costmodel import CostModel, CostModelError
 from nereus_rl.emu_comm import TensorSpec, box_slices
-from nereus_rl.emu_groups import DriverGroupBackend
+from nereus_rl.emu_groups import DriverGroupBackend, PooledGroups
 from nereus_rl.emu_primitives import Primitives
-from nereus_rl.emu_recover import recover_units
+from nereus_rl.emu_recover import destroy_broken, recover_units
 from nereus_rl.emu_state import reference_state
 from nereus_rl.emu_train import run_train_step
 from nereus_rl.emu_types import EMU, EMUError, EMUStateLostError, PrimitiveRecord, StageState
@@ -84,7 +96,7 @@ __all__ = ["DriverGroupBackend", "EMUError", "EMUManager", "EMUStateLostError"]
 _UNIT_IDS = itertools.count()
 
 
-class EMUManager(Primitives):
+class EMUManager(Primitives, PooledGroups):
     """The driver's view of every unit, and the primitives that change them.
 
     Arguments:
@@ -131,6 +143,8 @@ class EMUManager(Primitives):
         )
         self._informed: set[int] = set()  # workers that know every stage
         self._drops: list[Any] = []  # emu.drop calls sent, replies not yet collected
+        self._lock = threading.RLock()  # the bookkeeping above (see the module docstring)
+        self._rank_locks: dict[int, threading.Lock] = {}
         driver.import_module("nereus_rl.emu_worker")
 
     # ---------------------------------------------------------------- queries
@@ -142,7 +156,9 @@ class EMUManager(Primitives):
 
     def units(self, stage: str | None = None) -> list[EMU]:
         """Live units (of one stage, or all), by uid."""
-        return [u for uid, u in sorted(self._units.items()) if stage is None or u.stage == stage]
+        with self._lock:
+            items = sorted(self._units.items())
+        return [u for uid, u in items if stage is None or u.stage == stage]
 
     def dp_degree(self, stage: str) -> int:
         """The stage's data-parallel degree: its number of units."""
@@ -150,14 +166,14 @@ class EMUManager(Primitives):
 
     def owner(self, rank: int) -> EMU | None:
         """The unit holding a shard on ``rank``, if any."""
-        for u in self._units.values():
+        for u in self.units():
             if rank in u.ranks:
                 return u
         return None
 
     def free_ranks(self) -> list[int]:
         """Live workers that hold no unit."""
-        owned = {r for u in self._units.values() for r in u.ranks}
+        owned = {r for u in self.units() for r in u.ranks}
         lost = set(self.driver.check_liveness())
         return [r for r in self.driver.workers if r not in owned and r not in lost]
 
@@ -243,23 +259,27 @@ class EMUManager(Primitives):
             EMUError: unknown stage, bad (tp, pp) or ranks, ranks owned or not live.
         """
         st = self._stage(stage)
-        unit = self._new_unit(st, ranks, tp, pp)
-        t0 = time.perf_counter()
-        setup0 = self.pool.stats.create_seconds
-        self._ensure_stage_on(unit.ranks)
-        comm = self._get_comm(unit.ranks) if self._needs_group(unit) else None
-        gid = None if comm is None else comm.handle
-        try:
-            self.driver.call(unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid)
-        except Exception:
-            if comm is not None:
-                self.pool.release(comm)
-            raise
-        self._commit([], [unit], [comm])
-        self._record(
-            "create", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0,
-            comm_setup_s=self.pool.stats.create_seconds - setup0,
-        )  # fmt: skip
+        with self._busy(ranks):
+            with self._lock:
+                unit = self._new_unit(st, ranks, tp, pp)
+                t0 = time.perf_counter()
+                self._ensure_stage_on(unit.ranks)
+                comm = self._get_comm(unit.ranks) if self._needs_group(unit) else None
+            gid = None if comm is None else comm.handle
+            try:
+                self.driver.call(
+                    unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid
+                )
+                setup = self._settle([comm])
+            except Exception:
+                if comm is not None:
+                    self._release(comm)
+                raise
+            self._commit([], [unit], [comm])
+            self._record(
+                "create", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0,
+                comm_setup_s=setup, started=t0,
+            )  # fmt: skip
         return unit
 
     def adopt(
@@ -276,12 +296,17 @@ class EMUManager(Primitives):
             EMUError: unknown stage, bad (tp, pp) or ranks, ranks owned or not live.
         """
         st = self._stage(stage)
-        unit = self._new_unit(st, ranks, tp, pp)
-        t0 = time.perf_counter()
-        self._ensure_stage_on(unit.ranks)
-        self.driver.call(unit.ranks, "emu.adopt", unit.uid, stage, unit.layout, owner)
-        self._commit([], [unit], [None])
-        self._record("adopt", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0)
+        with self._busy(ranks):
+            with self._lock:
+                unit = self._new_unit(st, ranks, tp, pp)
+                t0 = time.perf_counter()
+                self._ensure_stage_on(unit.ranks)
+            self.driver.call(unit.ranks, "emu.adopt", unit.uid, stage, unit.layout, owner)
+            self._commit([], [unit], [None])
+            self._record(
+                "adopt", stage, (), (unit.uid,), len(unit.ranks), time.perf_counter() - t0,
+                started=t0,
+            )  # fmt: skip
         return unit
 
     def forget(self, units: Sequence[EMU]) -> None:
@@ -290,9 +315,10 @@ class EMUManager(Primitives):
         For an owner that moved the state by other means (the trainer's per-stage
         reshard fallback, its recovery); a lost rank's shards went with it.
         """
-        units = [u for u in units if self._units.get(u.uid) == u]
-        if units:
-            self._commit(units, [], [])
+        with self._lock:
+            units = [u for u in units if self._units.get(u.uid) == u]
+            if units:
+                self._commit(units, [], [])
         self.flush()
 
     def flush(self) -> None:
@@ -300,19 +326,24 @@ class EMUManager(Primitives):
 
         A drop on a worker that died meanwhile is moot (its shards went with it).
         """
-        drops, self._drops = self._drops, []
+        with self._lock:
+            drops, self._drops = self._drops, []
         for pending in drops:
             try:
                 self.driver.wait(pending, timeout=60.0)
             except WorkerLostError:
                 pass
+        reap = getattr(self.pool.backend, "reap", None)
+        if reap is not None:
+            reap()
 
     def close(self) -> None:
         """Forget every unit and drop every pooled group (the workers keep running)."""
         self.forget(self.units())
+        with self._lock:
+            self.pool.on_ranks_lost(self.driver.check_liveness())
+            self.pool.destroy_all()
         self.flush()
-        self.pool.on_ranks_lost(self.driver.check_liveness())
-        self.pool.destroy_all()
 
     def recover(self, *, spare_ranks: Sequence[int] | None = None) -> list[EMU]:
         """Rebuild the capacity lost with dead workers from the intact units
@@ -322,6 +353,15 @@ class EMUManager(Primitives):
             EMUStateLostError: a stage has no intact unit left.
         """
         return recover_units(self, spare_ranks)
+
+    def destroy_broken(self) -> list[EMU]:
+        """Destroy every unit that lost a shard with a dead worker; returns them
+        (:func:`nereus_rl.emu_recover.destroy_broken`).
+
+        Raises:
+            EMUStateLostError: a stage has no intact unit left (nothing is destroyed).
+        """
+        return destroy_broken(self)
 
     def train_step(
         self, stage: str, step: int, *, global_batch: int = 8, lr: float = 1e-3
@@ -395,17 +435,13 @@ class EMUManager(Primitives):
                     self.driver.call([rank], "emu.define_stage", st.name, st.specs, st.num_layers)
                 self._informed.add(rank)
 
-    def _get_comm(self, ranks: Sequence[int]) -> Communicator:
-        """A held communicator over ``ranks`` from the pool (the workers build it on a miss)."""
-        try:
-            return self.pool.get(ranks)
-        except TransportError as e:
-            # The pool wraps the backend's failure; a lost worker is what the caller handles.
-            if isinstance(e.__cause__, WorkerLostError):
-                raise e.__cause__ from None
-            raise
-
     def _commit(
+        self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
+    ) -> None:
+        with self._lock:
+            self._commit_locked(gone, new, new_comms)
+
+    def _commit_locked(
         self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
     ) -> None:
         for u in gone:
@@ -441,10 +477,11 @@ class EMUManager(Primitives):
         **measured: Any,
     ) -> None:
         rec = PrimitiveRecord(kind, stage, inputs, outputs, num_ranks, seconds, **measured)
-        self.records.append(rec)
-        self.driver.records.append(asdict(rec))
-        if self.costmodel is not None and kind in _PRIMITIVES:
-            self._feed(rec, ranks)
+        with self._lock:
+            self.records.append(rec)
+            self.driver.records.append(asdict(rec))
+            if self.costmodel is not None and kind in _PRIMITIVES:
+                self._feed(rec, ranks)
 
     def _feed(self, rec: PrimitiveRecord, ranks: Sequence[int]) -> None:
         """One record -> ``CostModel.observe_primitive`` (the only place primitives are fed)."""

@@ -7,13 +7,18 @@ planner and reshard over a pooled gloo group of the ranks involved
 (``emu.reshard`` on the workers), and commits (drops the old units) only after
 every rank succeeded; then it records its measurement. The manager supplies the
 bookkeeping it relies on (``_stage``, ``_check_live``, ``_new_unit``,
-``_commit``, ``_record``, ``_get_comm``, the pool and the driver).
+``_commit``, ``_record``, ``_get_comm``, the pool and the driver), and the
+locks that let threads run primitives at once: each primitive holds the
+workers it involves (``_busy``) from its checks to its commit, and the
+bookkeeping lock (``_lock``) only around its checks and its commit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from nereus_comm.pool import Communicator
 from nereus_rl.emu_comm import Layout
@@ -59,14 +64,17 @@ class Primitives:
             if not live:
                 raise EMUError(f"stage {stage!r} has no live unit to copy its state from")
             source = live[0]
-        self._check_live(source)
-        if source.stage != stage and not self._covers(source.stage, stage):
-            raise EMUError(
-                f"source {source!r} does not hold stage {stage!r}'s state: it needs a unit of "
-                f"{stage!r}, or of another stage of model {st.model!r} with all its tensors"
-            )
-        unit = self._new_unit(st, ranks, tp or source.tp, pp or source.pp)
-        return self._transfer("extend", st, [source], [unit], keep_sources=True)
+        with self._busy([*ranks, *source.ranks]):
+            with self._lock:
+                self._check_live(source)
+                if source.stage != stage and not self._covers(source.stage, stage):
+                    raise EMUError(
+                        f"source {source!r} does not hold stage {stage!r}'s state: it needs a "
+                        f"unit of {stage!r}, or of another stage of model {st.model!r} with all "
+                        "its tensors"
+                    )
+                unit = self._new_unit(st, ranks, tp or source.tp, pp or source.pp)
+            return self._transfer("extend", st, [source], [unit], keep_sources=True)
 
     def destroy(self, unit: EMU) -> None:
         """Drop a unit: its shards, its hold on its communicator, its claim on its devices.
@@ -74,22 +82,24 @@ class Primitives:
         Raises:
             EMUError: the unit is not live, or is the last unit of its stage.
         """
-        self._check_live(unit)
-        holders = [
-            u for u in self.units()
-            if u.uid != unit.uid and (u.stage == unit.stage or self._covers(u.stage, unit.stage))
-        ]  # fmt: skip
-        if not holders:
-            raise EMUError(
-                f"{unit!r} is the last unit holding stage {unit.stage!r}'s state; "
-                "extend the stage first or keep this unit"
-            )
-        t0 = time.perf_counter()
-        self._commit([unit], [], [])
-        self._record(
-            "destroy", unit.stage, (unit.uid,), (), len(unit.ranks), time.perf_counter() - t0,
-            ranks=unit.ranks,
-        )  # fmt: skip
+        with self._busy(unit.ranks), self._lock:  # check and commit as one step
+            self._check_live(unit)
+            holders = [
+                u for u in self.units()
+                if u.uid != unit.uid
+                and (u.stage == unit.stage or self._covers(u.stage, unit.stage))
+            ]  # fmt: skip
+            if not holders:
+                raise EMUError(
+                    f"{unit!r} is the last unit holding stage {unit.stage!r}'s state; "
+                    "extend the stage first or keep this unit"
+                )
+            t0 = time.perf_counter()
+            self._commit([unit], [], [])
+            self._record(
+                "destroy", unit.stage, (unit.uid,), (), len(unit.ranks),
+                time.perf_counter() - t0, ranks=unit.ranks, started=t0,
+            )  # fmt: skip
 
     def split(
         self,
@@ -114,6 +124,16 @@ class Primitives:
             EMUError: the degree is odd or 1, tp * pp != degree / 2, or the halves
                 are not a partition of the unit's ranks.
         """
+        with self._busy(unit.ranks):
+            return self._split(unit, tp, pp, halves)
+
+    def _split(
+        self,
+        unit: EMU,
+        tp: int | None,
+        pp: int | None,
+        halves: tuple[Sequence[int], Sequence[int]] | None,
+    ) -> tuple[EMU, EMU]:
         self._check_live(unit)
         st = self._stage(unit.stage)
         if unit.degree == 1:
@@ -141,8 +161,9 @@ class Primitives:
                 f"the halves {[list(h) for h in halves]} of {unit!r} must together be exactly "
                 f"its ranks {list(unit.ranks)}"
             )
-        a = self._new_unit(st, halves[0], tp, pp, replacing=[unit])
-        b = self._new_unit(st, halves[1], tp, pp, replacing=[unit])
+        with self._lock:
+            a = self._new_unit(st, halves[0], tp, pp, replacing=[unit])
+            b = self._new_unit(st, halves[1], tp, pp, replacing=[unit])
         self._transfer("split", st, [unit], [a, b], keep_sources=False)
         return self._units[a.uid], self._units[b.uid]
 
@@ -170,6 +191,12 @@ class Primitives:
             EMUError: same unit twice, different stages or layouts,
                 tp * pp != 2 * degree, or ranks other than those of a and b.
         """
+        with self._busy([*a.ranks, *b.ranks]):
+            return self._merge(a, b, tp, pp, ranks)
+
+    def _merge(
+        self, a: EMU, b: EMU, tp: int | None, pp: int | None, ranks: Sequence[int] | None
+    ) -> EMU:
         self._check_live(a)
         self._check_live(b)
         if a.uid == b.uid:
@@ -193,8 +220,27 @@ class Primitives:
             raise EMUError(
                 f"the merged unit's ranks {list(ranks)} must be exactly those of {a!r} and {b!r}"
             )
-        unit = self._new_unit(st, ranks, tp, pp, replacing=[a, b])
+        with self._lock:
+            unit = self._new_unit(st, ranks, tp, pp, replacing=[a, b])
         return self._transfer("merge", st, [a, b], [unit], keep_sources=False)
+
+    @contextlib.contextmanager
+    def _busy(self, ranks: Sequence[int]) -> Iterator[None]:
+        """Hold the named workers for one primitive (see the module docstring).
+
+        The locks are taken in rank order, so two primitives never wait on each other
+        in a cycle. Malformed ranks take no lock (the primitive's checks refuse them).
+        """
+        try:
+            keys = sorted({int(r) for r in ranks})
+        except (TypeError, ValueError):
+            keys = []
+        with self._lock:
+            locks = [self._rank_locks.setdefault(r, threading.Lock()) for r in keys]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
 
     def _transfer(
         self, kind: str, st: StageState, sources: list[EMU], targets: list[EMU], keep_sources: bool
@@ -209,8 +255,8 @@ class Primitives:
             tuple(r for u in targets for r in u.ranks), num_layers=st.num_layers,
         )  # fmt: skip
         ranks = tuple(sorted(set(src.ranks) | set(dst.ranks)))
-        self._ensure_stage_on(ranks)
-        setup0 = self.pool.stats.create_seconds
+        with self._lock:
+            self._ensure_stage_on(ranks)
         held: list[Communicator] = []
         try:
             held.append(self._get_comm(ranks))
@@ -227,11 +273,13 @@ class Primitives:
                 gid, ranks, unit_gids, self.transfer_timeout,
                 timeout=self.transfer_timeout + 30,
             )  # fmt: skip
+            # the builds ran before the transfer on every member: their replies are in
+            setup = self._settle(held)
         except Exception:
             # Sources are untouched; forget whatever partial targets exist. The groups
             # stay in the pool, idle (a dead member's are marked broken by recover).
             for c in held:
-                self.pool.release(c)
+                self._release(c)
             live = [r for r in dst.ranks if r not in set(self.driver.check_liveness())]
             if live:
                 try:
@@ -239,7 +287,7 @@ class Primitives:
                 except Exception:
                     pass  # the original error is the one worth reporting
             raise
-        self.pool.release(held[0])  # the transfer's group; the new units keep theirs
+        self._release(held[0])  # the transfer's group; the new units keep theirs
         self._commit([] if keep_sources else sources, targets, unit_comms)
         total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
         self._record(
@@ -247,12 +295,15 @@ class Primitives:
             len(ranks), time.perf_counter() - t0,
             bytes_moved=total["bytes_sent"], bytes_local=total["bytes_local"],
             bytes_direct=total["bytes_direct"], bytes_packed=total["bytes_packed"],
-            comm_setup_s=self.pool.stats.create_seconds - setup0,
+            comm_setup_s=setup, started=t0,
             max_bytes_per_device=max(max(r["bytes_sent"], r["bytes_received"])
                                      for r in res.values()),
             ranks=ranks,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
-                   "plan_s": max(r["plan_s"] for r in res.values())},
+                   "plan_s": max(r["plan_s"] for r in res.values()),
+                   # the slowest rank's pack / exchange / unpack (profiling Extend)
+                   **{k: max(r.get(k, 0.0) for r in res.values())
+                      for k in ("pack_s", "exchange_s", "unpack_s")}},
         )  # fmt: skip
         return targets[0]

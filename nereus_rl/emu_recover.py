@@ -31,23 +31,7 @@ def recover_units(m: EMUManager, spare_ranks: Sequence[int] | None = None) -> li
     Raises:
         EMUStateLostError: a stage has no intact unit left.
     """
-    lost = set(m.driver.check_liveness())
-    broken = [u for u in m.units() if lost & set(u.ranks)]
-    for stage in {u.stage for u in broken}:
-        if not any(not (lost & set(u.ranks)) for u in m.units(stage)):
-            raise EMUStateLostError(
-                f"every unit of stage {stage!r} lost a shard (lost workers {sorted(lost)}); "
-                "its state must come from a checkpoint"
-            )
-    for u in broken:
-        t0 = time.perf_counter()
-        m._commit([u], [], [])
-        m._record(
-            "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
-            extra={"reason": "lost worker"}, ranks=u.ranks,
-        )  # fmt: skip
-    # Groups with a dead member are never handed out again; idle ones go first on eviction.
-    m.pool.on_ranks_lost(lost)
+    broken = destroy_broken(m)
     new = []
     for u in broken:
         free = m.free_ranks()
@@ -58,6 +42,40 @@ def recover_units(m: EMUManager, spare_ranks: Sequence[int] | None = None) -> li
                 new.append(m.extend(u.stage, free[: tp * pp], tp=tp, pp=pp))
                 break
     return new
+
+
+def destroy_broken(m: EMUManager) -> list[EMU]:
+    """Destroy every unit that lost a shard with a dead worker (recovery's first step).
+
+    The survivors of a broken unit drop its shards; pooled groups with a dead member
+    are marked broken (never handed out again).
+
+    Returns:
+        The destroyed units.
+
+    Raises:
+        EMUStateLostError: a stage has no intact unit left (nothing is destroyed).
+    """
+    with m._lock:  # the checks and the destroys as one step
+        lost = set(m.driver.check_liveness())
+        broken = [u for u in m.units() if lost & set(u.ranks)]
+        for stage in {u.stage for u in broken}:
+            if not any(not (lost & set(u.ranks)) for u in m.units(stage)):
+                raise EMUStateLostError(
+                    f"every unit of stage {stage!r} lost a shard (lost workers {sorted(lost)}); "
+                    "its state must come from a checkpoint"
+                )
+        for u in broken:
+            t0 = time.perf_counter()
+            m._commit([u], [], [])
+            m._record(
+                "destroy", u.stage, (u.uid,), (), len(u.ranks), time.perf_counter() - t0,
+                extra={"reason": "lost worker"}, ranks=u.ranks, started=t0,
+            )  # fmt: skip
+        # Groups with a dead member are never handed out again; idle ones go first on
+        # eviction.
+        m.pool.on_ranks_lost(lost)
+    return broken
 
 
 def shrinking(tp: int, pp: int) -> list[tuple[int, int]]:

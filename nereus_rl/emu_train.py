@@ -142,7 +142,8 @@ def run_train_step(
     if not any(s.name == "optim.step" for s in st.specs):
         raise EMUError(f"stage {stage!r} has no optimizer state; it is not a training stage")
     ranks = [r for u in units for r in u.ranks]
-    m._ensure_stage_on(ranks)
+    with m._lock:
+        m._ensure_stage_on(ranks)
     # Position i's DP group (rank i of every unit) comes from the pool; it stays
     # cached after the step, so the next step with the same units is a hit.
     comms = []
@@ -155,7 +156,8 @@ def run_train_step(
             ranks, "emu.train_step", stage, tuple(u.uid for u in units),
             tuple(u.ranks for u in units), dp_gids, step, global_batch, lr,
         )  # fmt: skip
+        m._settle(comms)  # read the builds' replies (they ran before the step)
     finally:
         for c in comms:
-            m.pool.release(c)
+            m._release(c)
     return sum(res.values())

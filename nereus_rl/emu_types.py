@@ -92,7 +92,9 @@ class PrimitiveRecord:
     the source tensors (zero copy) / packed into per-message buffers;
     comm_setup_s: the slowest rank's communicator creation time; seconds: wall
     time on the driver (planning, setup, transfer, commit); max_bytes_per_device:
-    the most bytes one rank sent or received (the transfer's critical path).
+    the most bytes one rank sent or received (the transfer's critical path);
+    started: ``time.perf_counter()`` on the driver when the primitive began, after
+    it got its workers (so ``[started, started + seconds]`` is when it ran).
     """
 
     kind: str
@@ -107,4 +109,5 @@ class PrimitiveRecord:
     bytes_packed: int = 0
     comm_setup_s: float = 0.0
     max_bytes_per_device: int = 0
+    started: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -182,6 +182,10 @@ def _reshard(
         "messages_sent": result.messages_sent,
         "buffers_sent": result.buffers_sent,
         "reshard_s": result.seconds,
+        # where the transfer's time went on this rank (for profiling Extend)
+        "pack_s": result.pack_seconds,
+        "exchange_s": result.exchange_seconds,
+        "unpack_s": result.unpack_seconds,
         "comm_setup_s": setup,
         **extra,
     }

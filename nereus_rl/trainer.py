@@ -29,6 +29,7 @@ folder in :mod:`nereus_rl.report`.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 import uuid
@@ -41,6 +42,7 @@ import torch
 from nereus_rl.algos.grpo import group_advantages
 from nereus_rl.algos.ppo import gae, kl_penalized_rewards
 from nereus_rl.algos.remax import remax_advantages
+from nereus_rl.emu_types import EMUError, EMUStateLostError
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import Decoder
 from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
@@ -67,6 +69,8 @@ from nereus_rl.trainer_config import (
     stage_desc,
     stage_names,
 )
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "ALGOS",
@@ -415,8 +419,12 @@ class Trainer:
 
     def recover(self, step: int, error: Exception) -> None:
         """Continue after a worker died: a new default group over the survivors, a plan
-        over the remaining devices, every stage's state copied from a unit that lost no
-        device (reshard into the new plan).
+        over the remaining devices, and every stage's state rebuilt from its units that
+        lost no device, through the EMU runtime where it can
+        (:meth:`TrainerUnits.recover <nereus_rl.trainer_units.TrainerUnits.recover>`:
+        Destroy the broken units, keep the intact ones that fit the new plan, Extend
+        from them onto the remaining devices), else by the per-stage reshard from one
+        intact unit (logged with the reason). Nothing is reloaded from disk.
 
         Raises:
             the original error: no worker was lost (it was something else), or some stage
@@ -444,28 +452,43 @@ class Trainer:
         self._init_world()
         self.world_rank = {d: i for i, d in enumerate(alive)}
         new, _ = self.adapter.best_plan(self._response_len(step), devices=alive)
-        for sp in new.stages:
-            self._all(
-                "rl.move",
-                self._desc(sources[sp.stage]),
-                self._desc(sp),
-                params_only=not sp.trains,
-                replace=True,
-            )
-        # the units of the lost layout are gone; the rebuilt state is adopted anew
-        self.units.forget_all()
-        self.units.adopt(new)
+        run, why = None, None
+        if {"extend", "destroy"} <= self.units.live_kinds:
+            try:
+                run = self.units.recover(new)
+            except (EMUError, EMUStateLostError) as e:  # refused before the models changed
+                why = f"EMU recovery refused: {e}"
+        else:
+            why = f"transitions={self.cfg.transitions!r}: EMU primitives are not run live"
+        if run is None:
+            _LOG.warning("recovery by per-stage reshard: %s", why)
+            for sp in new.stages:
+                self._all(
+                    "rl.move",
+                    self._desc(sources[sp.stage]),
+                    self._desc(sp),
+                    params_only=not sp.trains,
+                    replace=True,
+                )
+            # the units of the lost layout are gone; the rebuilt state is adopted anew
+            self.units.forget_all()
+            self.units.adopt(new)
+        old = self.plan
         self._set_plan(step, new)
         row = {
             "step": step,
             "signal": "devices",
             "trigger": f"lost devices {sorted(dead)} ({type(error).__name__})",
             "urgent": True,
-            "current": repr(self.plan),
+            "current": repr(old),
             "candidate": repr(new),
             "taken": True,
             "path": "urgent",
             "reason": "recovery from the intact units after a worker died",
+            "recovery": "emu" if run is not None else "reshard",
+            "recovery_fallback": why,
+            "executed_primitives": run.primitives if run is not None else [],
+            "bytes_moved": run.bytes_moved if run is not None else None,
             "predicted_saving_s": None,
             "predicted_transition_s": None,
             "measured_transition_s": time.perf_counter() - t0,

@@ -18,10 +18,20 @@ units are bound to it. Bytes move only inside the primitives (nereus_comm
 reshard over pooled gloo groups), and ``rl.rebind`` loads them exactly as the
 per-stage reshard did, so the run's numbers do not change.
 
-The manager is shared by threads of the executor but is not thread-safe, and a
-runtime worker runs one command at a time (two primitives sharing a worker
-could each wait on the other's peer), so the live primitives run one at a time
-under a lock, in the order the executor's dependency tracking releases them.
+The executor starts every ready primitive at once, and they really run at once
+where their workers are disjoint: the manager holds each primitive's workers
+(source and target ranks) while it runs and keeps only its bookkeeping under a
+lock, the driver's submits are atomic over their ranks, and the primitives'
+groups are built among their members only (:mod:`nereus_rl.emu`,
+:mod:`nereus_rl.emu_groups`, :mod:`nereus_rl.runtime.driver`). Two primitives
+that share a worker run one after the other: in the DAG's order when an edge
+orders them, else in the order they got there. The mapping of DAG nodes to
+manager calls is :func:`nereus_rl.emu_dag.run_primitive`.
+
+Recovery after a worker died (:meth:`TrainerUnits.recover`, called by
+``Trainer.recover``): the broken units are destroyed, intact units that fit the
+new plan are kept, the others are extended from intact units, and every stage's
+model is rebound; nothing is read from disk.
 
 Fallback: a stage with a primitive that has no live counterpart here (a kind
 outside ``live_kinds``, a destroy of a lost unit, a copy from a unit that does
@@ -36,11 +46,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nereus_rl.emu import EMUManager
-from nereus_rl.emu_types import EMU
+from nereus_rl.emu_dag import run_primitive
+from nereus_rl.emu_types import EMU, EMUError
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.trainer_worker import tensor_specs
 from nereus_rl.transition import KINDS, Primitive, TransitionDAG
@@ -107,7 +119,8 @@ class TrainerUnits:
             transfer_timeout=120.0,
         )
         self.by_stage: dict[str, list[EMU]] = {}
-        self._lock = threading.Lock()
+        self._live_lock = threading.Lock()  # the transition's uid -> unit map
+        self._rebinding = False  # a rebind was sent and has not finished everywhere
 
     # ---------------------------------------------------------------- adopting
 
@@ -178,10 +191,11 @@ class TrainerUnits:
             if sp.stage in out.fallback_stages:
                 continue
             units = [self._target_unit(dag, live, sp, i) for i in range(sp.dp)]
-            rebind.append((self.tr._desc(sp), [u.uid for u in units]))
-            self.by_stage[sp.stage] = units
+            rebind.append((self.tr._desc(sp), units))
         if rebind:  # one call for every stage: a round trip, not one per stage
-            self.tr._all("rl.rebind", rebind)
+            self._rebind(rebind)
+        for desc, units in rebind:  # only now: until the rebind the models are the old plan's
+            self.by_stage[desc["stage"]] = units
         out.rebind_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for sp in changed:
@@ -196,6 +210,96 @@ class TrainerUnits:
         out.fallback_s = time.perf_counter() - t0
         out.bytes_moved += out.fallback_bytes
         return out
+
+    # ---------------------------------------------------------------- recovery
+
+    def recover(self, new: GlobalPlan) -> TransitionRun:
+        """Rebuild the trainer's state on ``new`` from the live units that lost no worker.
+
+        EMU recovery: every unit that lost a shard is destroyed
+        (``EMUManager.destroy_broken``); each unit of ``new`` is an intact unit that
+        already sits on its devices with its layout (kept, no byte moves) or is
+        extended from an intact unit of its stage (round robin over them), the extends
+        running at once where their workers are disjoint; then the intact units not
+        kept are destroyed and every stage's model is rebuilt from its units
+        (``rl.rebind``: the job's default group changed). Nothing is read from disk.
+
+        Every live unit holds its stage's whole state (a primitive commits only after
+        all its ranks succeeded): the current plan's units read the models, which stay
+        untouched until a rebind, and units made by a transition that a loss cut short
+        hold received copies. So any intact live unit is a sound source, except after a
+        rebind that did not finish (some models may already be the new layout's).
+
+        Arguments:
+            new: the plan over the surviving devices (its device ids are the trainer's).
+
+        Returns:
+            What ran (primitives, bytes, seconds; ``execution`` is None).
+
+        Raises:
+            EMUError: a rebind was cut short, a stage has no intact unit, or a primitive
+                refused its input; the models are untouched, so the per-stage reshard
+                (the caller's fallback) can still run. EMUStateLostError: every unit of
+                a stage lost a shard.
+        """
+        out = TransitionRun()
+        m = self.emus
+        if self._rebinding:
+            raise EMUError("a rebind was cut short: the models may be on two layouts")
+        first_rec = len(m.records)
+        broken = m.destroy_broken()
+        out.primitives += [f"destroy:{u.stage}" for u in broken]
+        keep: dict[str, list[EMU | None]] = {}
+        todo: list[tuple[int, EMU, StagePlan]] = []
+        for sp in new.stages:
+            intact = m.units(sp.stage)
+            if not intact:
+                raise EMUError(f"stage {sp.stage!r} has no intact unit to extend from")
+            free = list(intact)
+            slots: list[EMU | None] = []
+            for devs in sp.units:
+                ranks = tuple(self._ranks(devs))
+                fits = [u for u in free if u.ranks == ranks and (u.tp, u.pp) == (sp.tp, sp.pp)]
+                slots.append(fits[0] if fits else None)
+                if fits:
+                    free.remove(fits[0])
+            todo += [(i, intact[len(todo) % len(intact)], sp)
+                     for i, u in enumerate(slots) if u is None]  # fmt: skip
+            keep[sp.stage] = slots
+
+        def extend(job: tuple[int, EMU, StagePlan]) -> EMU:
+            i, src, sp = job
+            return m.extend(sp.stage, self._ranks(sp.units[i]), tp=sp.tp, pp=sp.pp, source=src)
+
+        if todo:  # at once: the manager runs those on disjoint workers in parallel
+            with ThreadPoolExecutor(max_workers=len(todo)) as ex:
+                made = list(ex.map(extend, todo))
+            for (i, _, sp), u in zip(todo, made):
+                keep[sp.stage][i] = u
+                out.primitives.append(f"extend:{sp.stage}")
+        kept = {u.uid for us in keep.values() for u in us if u is not None}
+        for u in m.units():
+            if u.uid not in kept:
+                m.destroy(u)
+                out.primitives.append(f"destroy:{u.stage}")
+        for rec in m.records[first_rec:]:
+            out.bytes_moved += rec.bytes_moved
+            out.primitive_s += rec.seconds
+        t0 = time.perf_counter()
+        m.flush()
+        self.by_stage = {s: [u for u in us if u is not None] for s, us in keep.items()}
+        self._rebind([(self.tr._desc(sp), self.by_stage[sp.stage]) for sp in new.stages])
+        out.rebind_s = time.perf_counter() - t0
+        return out
+
+    def _rebind(self, stages: list[tuple[dict[str, Any], list[EMU]]]) -> None:
+        """``rl.rebind`` on every worker (one round trip for every stage)."""
+        # A worker known lost fails the submit before anything is sent (the models stay
+        # as they are); once sent, the flag stays up unless every worker finished.
+        pending = self.tr._submit("rl.rebind", [(d, [u.uid for u in us]) for d, us in stages])
+        self._rebinding = True
+        self.tr.driver.wait(pending)
+        self._rebinding = False
 
     def _target_unit(self, dag, live: dict[str, EMU], sp: StagePlan, i: int) -> EMU:
         ranks = tuple(self._ranks(sp.units[i]))
@@ -262,29 +366,11 @@ class TrainerUnits:
         def run(p: Primitive) -> None:
             if p.stage in fallback:
                 return  # its stage moves by the per-stage reshard after the DAG
-            with self._lock:  # one primitive at a time (see the module docstring)
-                self._run(p, live)
-                out.primitives.append(f"{p.kind}:{p.stage}")
+            # concurrently with the other ready primitives (see the module docstring)
+            self._run(p, live)
+            out.primitives.append(f"{p.kind}:{p.stage}")  # list.append: atomic
 
         return dict.fromkeys(KINDS, run)
 
     def _run(self, p: Primitive, live: dict[str, EMU]) -> None:
-        m = self.emus
-        if p.kind == "extend":
-            u = p.outputs[0]
-            live[u.uid] = m.extend(
-                u.stage, self._ranks(u.devices), tp=u.tp, pp=u.pp, source=live[p.source.uid]
-            )
-        elif p.kind == "destroy":
-            m.destroy(live.pop(p.inputs[0].uid))
-        elif p.kind == "split":
-            a, b = p.outputs
-            ea, eb = m.split(
-                live.pop(p.inputs[0].uid), tp=a.tp, pp=a.pp,
-                halves=(self._ranks(a.devices), self._ranks(b.devices)),
-            )  # fmt: skip
-            live[a.uid], live[b.uid] = ea, eb
-        else:
-            (u,) = p.outputs
-            a, b = (live.pop(x.uid) for x in p.inputs)
-            live[u.uid] = m.merge(a, b, tp=u.tp, pp=u.pp, ranks=self._ranks(u.devices))
+        run_primitive(self.emus, p, live, self._ranks, self._live_lock)

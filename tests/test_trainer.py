@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from functools import partial
 
 import pytest
 import torch
 
+from nereus_rl.emu_types import EMUError
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import UnknownPresetError
 from nereus_rl.runtime import Driver
@@ -299,6 +301,53 @@ def test_worker_lost_mid_transition_recovers_from_the_current_plan():
     rec = [x for x in res.decisions if "lost devices" in x["trigger"]]
     assert len(rec) == 1 and "lost devices [3]" in rec[0]["trigger"], res.decisions
     assert rec[0]["taken"] and 3 not in res.plans[-1][1].devices
+    # A primitive may have consumed a unit of the current plan before the loss: then
+    # the reshard rebuilds it, and the log says why.
+    assert rec[0]["recovery"] == "emu" or rec[0]["recovery_fallback"], rec[0]
+    print("RECOVERY", rec[0])
+
+
+def _kill_after_first_step(driver, victim, step, m):
+    if step == 0:
+        driver.kill(victim)
+
+
+def test_emu_recovery_matches_the_reshard_recovery():
+    # The same worker death, recovered by the EMU runtime (destroy the broken units,
+    # extend from intact ones) and by the per-stage reshard (forced): the runs match.
+    p0 = GlobalPlan((
+        _sp("rollout", "actor", False, 1, 1, (2, 3)),
+        _sp("reference", "reference", False, 1, 1, (1, 3)),
+        _sp("actor_train", "actor", True, 1, 1, (0, 3)),
+    ))  # fmt: skip
+    out = {}
+    for path in ("emu", "reshard"):
+        d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
+        d.spawn_local(4)
+        try:
+            tr = Trainer(TrainConfig(steps=3, adapt=False, plan=p0, **FAST), driver=d)
+            tr.start()
+            tr.progress = partial(_kill_after_first_step, d, tr.device_worker[3])
+            if path == "reshard":
+
+                def refuse(new):
+                    raise EMUError("forced")
+
+                tr.units.recover = refuse
+            out[path] = tr.run()
+            tr.close()
+        finally:
+            d.shutdown()
+        rec = [x for x in out[path].decisions if "lost devices" in x["trigger"]]
+        assert len(rec) == 1 and rec[0]["recovery"] == path, rec
+        if path == "emu":
+            assert any(p.startswith("extend:") for p in rec[0]["executed_primitives"]), rec
+            assert rec[0]["bytes_moved"] > 0
+    emu, reshard = out["emu"], out["reshard"]
+    assert [m["step"] for m in emu.metrics] == [0, 1, 2]
+    assert emu.plans[-1][1] == reshard.plans[-1][1]
+    assert emu.rewards == reshard.rewards
+    assert [m["loss"] for m in emu.metrics] == [m["loss"] for m in reshard.metrics]
 
 
 def test_reward_rises_on_the_default_task(driver):
@@ -329,5 +378,9 @@ def test_worker_death_mid_run_recovers_and_keeps_logs(driver, tmp_path):
     rec = [d for d in res.decisions if d["signal"] == "devices"]
     assert len(rec) == 1 and rec[0]["taken"] and "lost devices [3]" in rec[0]["trigger"]
     assert 3 not in res.plans[-1][1].devices
+    # Rebuilt by the EMU runtime: the broken units destroyed, the rest from intact units.
+    assert rec[0]["recovery"] == "emu" and rec[0]["recovery_fallback"] is None, rec[0]
+    assert any(p.startswith("destroy:") for p in rec[0]["executed_primitives"]), rec[0]
+    print("RECOVERY", rec[0])
     lines = (tmp_path / "decisions.jsonl").read_text().splitlines()
     assert any("lost devices" in x for x in lines)

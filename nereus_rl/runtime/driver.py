@@ -9,6 +9,16 @@ registered worker commands on any set of workers and gets their results, or a
 did not answer. Membership and liveness are nereus_comm.world.World's (the
 driver creates the World, workers join it; heartbeats are counters compared
 on the watcher's own clock) and, for local workers, the process itself.
+
+Thread safety: threads may call :meth:`Driver.submit`, :meth:`Driver.wait`,
+:meth:`Driver.call` and the membership queries at once (the transition
+executor runs EMU primitives on disjoint workers from its threads). A submit
+is atomic over its ranks, so every worker receives the commands of
+concurrent callers in one global order: a command that spans several workers
+(a collective among them) is never queued before another one on one worker
+and after it on another, which rules out cyclic waits between commands. The
+TCPStore client serializes its own operations; replies are polled without
+blocking it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -89,6 +100,11 @@ class Driver:
         self._lost: set[int] = set()
         self._imports: list[str] = []
         self._closed = False
+        # Guards the membership tables and the per-worker sequence numbers, and makes
+        # each submit atomic: every worker then sees the commands of concurrent callers
+        # in one global order, so commands that span workers (collectives) never wait
+        # on each other in a cycle. Reentrant: a late joiner's imports are sent under it.
+        self._lock = threading.RLock()
 
     @property
     def address(self) -> str:
@@ -195,6 +211,10 @@ class Driver:
             time.sleep(0.05)
 
     def _poll_joined(self) -> list[P.WorkerInfo]:
+        with self._lock:
+            return self._poll_joined_locked()
+
+    def _poll_joined_locked(self) -> list[P.WorkerInfo]:
         num_ids = self.store.add(P.WORLD_NUM_IDS_KEY, 0)
         new = []
         for rank in range(P.rank_of_member(num_ids)):
@@ -215,8 +235,9 @@ class Driver:
     @property
     def workers(self) -> list[int]:
         """Ranks of the joined workers not known to be lost."""
-        self._poll_joined()
-        return sorted(r for r in self.infos if r not in self._lost)
+        with self._lock:
+            self._poll_joined_locked()
+            return sorted(r for r in self.infos if r not in self._lost)
 
     def check_liveness(self) -> tuple[int, ...]:
         """Look at heartbeats (and local processes) now.
@@ -224,6 +245,10 @@ class Driver:
         Returns:
             All workers known to be lost so far (sorted).
         """
+        with self._lock:
+            return self._check_liveness_locked()
+
+    def _check_liveness_locked(self) -> tuple[int, ...]:
         alive = self.world.alive()
         now = time.monotonic()
         for rank in list(self.infos):
@@ -279,13 +304,15 @@ class Driver:
             WorkerLostError: a rank is known to be lost.
         """
         ranks = list(ranks)
-        self._check_ranks(ranks)
-        seqs = {}
-        for rank in ranks:
-            seq = self._seq[rank]
-            self._seq[rank] = seq + 1
-            P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, fn, tuple(args), kwargs))
-            seqs[rank] = seq
+        cmd_args = tuple(args)
+        with self._lock:  # atomic over the ranks (see __init__)
+            self._check_ranks(ranks)
+            seqs = {}
+            for rank in ranks:
+                seq = self._seq[rank]
+                self._seq[rank] = seq + 1
+                P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, fn, cmd_args, kwargs))
+                seqs[rank] = seq
         return PendingCall(fn, seqs, time.monotonic())
 
     def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, Any]:
@@ -303,17 +330,26 @@ class Driver:
         deadline = pending.sent_at + timeout
         waiting = dict(pending.seqs)
         replies: dict[int, P.Reply] = {}
-        sleep = 0.0005
+        sleep = 0.0002
         next_liveness = time.monotonic() + 0.2
+        keys = {rank: P.reply_key(rank, seq) for rank, seq in waiting.items()}
         while waiting:
-            for rank, seq in list(waiting.items()):
-                key = P.reply_key(rank, seq)
-                if self.store.check([key]):
-                    replies[rank] = P.take(self.store, key)
+            # One round trip asks for every reply still owed (a store check is true only
+            # when all its keys exist); rank by rank only once they are all in, or when
+            # the answer is no and liveness is due (who has answered matters then).
+            if self.store.check([keys[r] for r in waiting]):
+                for rank in list(waiting):
+                    replies[rank] = P.take(self.store, keys[rank])
                     del waiting[rank]
-            if not waiting:
                 break
             now = time.monotonic()
+            if now > next_liveness or now > deadline:
+                for rank in list(waiting):
+                    if self.store.check([keys[rank]]):
+                        replies[rank] = P.take(self.store, keys[rank])
+                        del waiting[rank]
+                if not waiting:
+                    break
             if now > next_liveness:
                 next_liveness = now + 0.2
                 lost = [r for r in waiting if r in self.check_liveness()]
@@ -328,7 +364,9 @@ class Driver:
                     tuple(sorted(waiting)),
                 )
             time.sleep(sleep)
-            sleep = min(sleep * 2, 0.01)
+            # Short commands (a small primitive, a stage command) answer within tens of
+            # ms: poll finely at first, so a reply is not left waiting for a long sleep.
+            sleep = min(sleep * 2, 0.002 if now - pending.sent_at < 0.1 else 0.01)
         for rank in sorted(replies):
             r = replies[rank]
             if not r.ok:
@@ -383,16 +421,18 @@ class Driver:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every worker (politely, then by SIGKILL for local ones) and close the store."""
-        if self._closed:
-            return
-        self._closed = True
-        live = [r for r in self.workers if r not in self._lost]
-        for rank in live:
-            try:
-                seq = self._seq[rank]
-                P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, "exit"))
-            except RuntimeError:
-                pass
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = [r for r in self.workers if r not in self._lost]
+            for rank in live:
+                try:
+                    seq = self._seq[rank]
+                    self._seq[rank] = seq + 1
+                    P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, "exit"))
+                except RuntimeError:
+                    pass
         self.store.set(P.SHUTDOWN_KEY, b"1")
         deadline = time.monotonic() + timeout
         for proc in self._procs.values():
