@@ -16,10 +16,6 @@ Two paths:
       (``forced_move_s``). Without this, a candidate that is faster for the next step
       only (the one the urgent path's lookahead avoided) looks like a bargain over a
       long flat forecast and is taken, and the urgent move follows a step or two later.
-      A saving smaller than ``min_saving_fraction`` of the current plan's predicted
-      latency (the cost model's recent error, passed by the trainer) is not counted at
-      all: the model cannot tell it from zero, and over a long flat forecast a
-      noise-sized saving would otherwise repay any transition.
 
 Every call returns a :class:`Decision` holding its inputs and its reason, and
 ``Admission.history`` keeps them, so a run can explain each transition it made or
@@ -133,7 +129,6 @@ class Admission:
         candidate_over_in: int | None = None,
         current_over_in: int | None = None,
         forced_move_s: float = 0.0,
-        min_saving_fraction: float = 0.0,
     ) -> Decision:
         """Decide whether to move from ``current`` to ``candidate``.
 
@@ -153,16 +148,13 @@ class Admission:
                 it holds every forecast length. Only the opportunistic path reads them.
             forced_move_s: predicted seconds of the move the candidate's crossing would
                 force (e.g. :class:`nereus_rl.lookahead.LookaheadChoice.forced_move_s`).
-            min_saving_fraction: on the opportunistic path, a saving below this
-                fraction of the current plan's predicted step latency is declined
-                (within the cost model's error); 0 counts any saving.
 
         Returns:
             Decision (also appended to ``history``).
 
         Raises:
-            AdmissionError: negative forecast, transition cost, forced-move cost,
-                crossing step or saving fraction.
+            AdmissionError: negative forecast, transition cost, forced-move cost or
+                crossing step.
         """
         steps = float(getattr(forecast_steps, "steps", forecast_steps))
         if steps < 0 or math.isnan(steps):
@@ -173,8 +165,6 @@ class Admission:
         )
         if cost < 0 or math.isnan(cost):
             raise AdmissionError(f"transition cost {cost} s must be >= 0")
-        if not min_saving_fraction >= 0:
-            raise AdmissionError(f"min_saving_fraction={min_saving_fraction} must be >= 0")
         forced = float(forced_move_s)
         if forced < 0 or math.isnan(forced):
             raise AdmissionError(f"forced_move_s={forced} must be >= 0")
@@ -243,13 +233,6 @@ class Admission:
                 False,
                 "opportunistic",
                 f"candidate is not faster ({cand_lat:.4g} s vs {cur_lat:.4g} s per step)",
-            )
-        if saving < min_saving_fraction * cur_lat:
-            return rec(
-                False,
-                "opportunistic",
-                f"saves {saving:.3g} s/step ({saving / cur_lat:.1%}), within the cost "
-                f"model's recent error ({min_saving_fraction:.1%}): not counted",
             )
         gain = saving * steps
         horizon = (

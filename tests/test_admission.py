@@ -103,23 +103,6 @@ def test_candidate_that_goes_over_soon_is_priced_with_the_forced_move(setup):
     assert d.taken and d.forecast_steps == 20 and "included" in d.reason
 
 
-def test_saving_within_the_model_error_is_not_counted(setup):
-    cm, w, slow, best = setup
-    adm = Admission(cm)
-    t_slow = cm.step_latency(slow, w).total_s
-    frac = (t_slow - cm.step_latency(best, w).total_s) / t_slow
-    kw = dict(forecast_steps=1e6, transition_cost=0.0)
-    d = adm.decide(slow, best, w, min_saving_fraction=frac * 1.01, **kw)
-    assert not d.taken and "within the cost model's recent error" in d.reason
-    assert adm.decide(slow, best, w, min_saving_fraction=frac * 0.99, **kw).taken
-    # The urgent path ignores it (it ignores payback altogether).
-    long = w.with_response_len(16384)
-    cand = plan(long, cm.cluster, cm).plan
-    d = adm.decide(best, cand, long, forecast_steps=0, transition_cost=1.0,
-                   min_saving_fraction=10.0)  # fmt: skip
-    assert d.taken and d.path == "urgent"
-
-
 def test_bad_horizon_input(setup):
     cm, w, slow, best = setup
     adm = Admission(cm)
@@ -127,7 +110,6 @@ def test_bad_horizon_input(setup):
         ({"forced_move_s": -1.0}, "forced_move_s"),
         ({"candidate_over_in": -1}, "candidate_over_in"),
         ({"current_over_in": -2}, "current_over_in"),
-        ({"min_saving_fraction": -0.1}, "min_saving_fraction"),
     ):
         with pytest.raises(AdmissionError, match=msg):
             adm.decide(slow, best, w, forecast_steps=1, transition_cost=0.0, **kw)
