@@ -128,6 +128,8 @@ def _run_row(res) -> dict:
         "reward_mean": _mean([x["reward_mean"] for x in m]),
         "peak_memory_fraction": frac,
         "error": res.error,
+        # (step, plan) each time the plan was set or changed: which plans adaptive ran
+        "plans": [(s, repr(p)) for s, p in res.plans],
     }
 
 
@@ -198,6 +200,7 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
             "fits_budget": adaptive or frac <= 1.0,
             "memory_budget_bytes": budget,
             "errors": [r["error"] for r in rs if r["error"]],
+            "plans_per_repeat": [r["plans"] for r in rs] if adaptive else None,
             # the unrecorded warm-up run's transitions (first use of layouts)
             "warmup_transition_s": warm_trans.get(v),
         }
