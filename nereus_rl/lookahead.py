@@ -15,11 +15,10 @@ is the fastest (over the rest) candidate that holds every remaining length, else
 fastest that fits ``wl_j`` (one extra move is predicted; what happens after it is
 not). Lookahead only overrides the old choice (the planner's
 best for the next step) when that choice goes over memory within the horizon; then
-the lowest score wins, also when no candidate fits the whole horizon (the one that
-lasts longest usually scores best: it postpones the forced move; before, the old
-choice was kept there, the plan that goes over first). When the old choice fits the
-whole horizon (a flat forecast included), or every score is infinite (no candidate
-fits the length where the others go over), the old choice stands.
+the lowest score wins. A forecast length that no candidate holds is beyond planning:
+the horizon ends before it (before, lookahead was then switched off and the old
+choice kept, whatever it held). When the old choice fits the (so cut) horizon, a
+flat forecast included, the old choice stands.
 
 The urgent path uses it to choose its move. The opportunistic path uses it too (with
 the current plan among the candidates, at no transition cost): a planner's best that
@@ -34,9 +33,9 @@ the best score found (branch and bound: the result is the exact argmin).
 Near ties (``tie_margin``): scores within that relative band of the best count as
 tied, and among them the candidate needing the fewest moves over the horizon wins
 (staying: 0; a move: 1; a move that goes over within the horizon: 2). The trainer
-passes the controller's efficiency band (measured within it of predicted counts as
-"the model agrees"), so a predicted difference smaller than the model's own accepted
-error never buys an extra move.
+passes the cost model's measured step error capped at the controller's efficiency
+band (``Adapter.tie_margin``), so a predicted difference the model cannot resolve
+never buys an extra move.
 """
 
 from __future__ import annotations
