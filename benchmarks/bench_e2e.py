@@ -2,7 +2,11 @@
 
 Variants, all on the same worker processes, seed, warm start, memory budget and
 response-length trace, run in interleaved repeats (every variant once per repeat, in
-the same order), so slow spells of the shared machine fall on all of them:
+the same order), so slow spells of the shared machine fall on all of them. Before
+them, unrecorded: a 2-step fixed run and one run of each adaptive variant, so that
+one-off costs of fresh workers and of a layout's first use (its communicators) fall
+on no recorded variant (a fixed plan pays those in its setup, outside its steps);
+the warm-up runs' transition times are printed:
 
     adaptive         the planner's first plan, adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
@@ -124,6 +128,8 @@ def _run_row(res) -> dict:
         "reward_mean": _mean([x["reward_mean"] for x in m]),
         "peak_memory_fraction": frac,
         "error": res.error,
+        # (step, plan) each time the plan was set or changed: which plans adaptive ran
+        "plans": [(s, repr(p)) for s, p in res.plans],
     }
 
 
@@ -143,8 +149,18 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
     runs = {v: [] for v in variants}
     # Not recorded: the first run on fresh workers pays one-off costs (allocator,
-    # communicators) that would fall on whichever variant went first.
+    # communicators) that would fall on whichever variant went first. A fixed plan
+    # pays its layout's one-off costs in its setup, which no variant's step latency
+    # counts; an adaptive run pays those of each layout it moves to inside its steps
+    # (communicators for the new units: seconds on this machine, against ~0.1 s for
+    # a transition that finds them), and only the first run in the process pays them.
+    # So one unrecorded run of each adaptive variant goes first too (replan-always
+    # visits other layouts), and what they paid is reported.
     train(adapt=False, plan=plans["planner_fixed"][0], **{**kw, "steps": 2})
+    warm_trans = {}
+    for v, extra in (("adaptive", {}), ("replan_always", {"admission": "always"})):
+        warm = train(adapt=True, **extra, **kw)
+        warm_trans[v] = [d["measured_transition_s"] for d in warm.decisions if d.get("taken")]
     for rep in range(repeats):
         # Each repeat starts one variant later, so no variant always runs first.
         for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
@@ -184,6 +200,9 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
             "fits_budget": adaptive or frac <= 1.0,
             "memory_budget_bytes": budget,
             "errors": [r["error"] for r in rs if r["error"]],
+            "plans_per_repeat": [r["plans"] for r in rs] if adaptive else None,
+            # the unrecorded warm-up run's transitions (first use of layouts)
+            "warmup_transition_s": warm_trans.get(v),
         }
         rows.append(row)
     fixed = [r for r in rows if r["plan"] is not None]
@@ -247,6 +266,13 @@ def main(argv=None) -> int:
             f"{r['peak_memory_fraction']:7.2f} {fits}"
             + (f"  ERRORS {r['errors']}" if r["errors"] else "")
         )
+    for r in rows:
+        if r.get("warmup_transition_s") is not None and not r["variant"].startswith("best"):
+            w = ", ".join(f"{x:.3f}" for x in r["warmup_transition_s"])
+            print(
+                f"  {r['algo']} {r['mode']} {r['variant']} unrecorded warm-up run, "
+                f"transitions (s): {w or 'none'}"
+            )
     for r in rows:
         if r["plan"] is not None and not r["variant"].startswith("best_fixed"):
             print(f"  {r['algo']} {r['mode']} {r['variant']}: {r['plan']}")

@@ -9,7 +9,13 @@ Two paths:
       taken only when ``saving per step x forecast steps >= transition cost``, where the
       forecast is the number of steps until the triggering signal next crosses a
       threshold (after which the planner will be asked again, so savings beyond it
-      cannot be counted on).
+      cannot be counted on). When the length forecast says the candidate goes over
+      memory ``over_in_steps`` steps after the move, sooner than the current plan
+      would, the candidate is priced with the move it will force: its saving counts
+      only until then, and that move's predicted cost is added to the transition's
+      (``forced_move_s``). Without this, a candidate that is faster for the next step
+      only (the one the urgent path's lookahead avoided) looks like a bargain over a
+      long flat forecast and is taken, and the urgent move follows a step or two later.
 
 Every call returns a :class:`Decision` holding its inputs and its reason, and
 ``Admission.history`` keeps them, so a run can explain each transition it made or
@@ -48,6 +54,11 @@ class Decision:
         forecast_steps: steps until the trigger next crosses its threshold.
         transition_cost_s: predicted transition completion time.
         payback_steps: steps needed to repay the transition (inf if no saving).
+        over_in_steps: steps after the move until the length forecast says the
+            candidate goes over memory, when that is sooner than the current plan
+            (None: not priced so; ``forecast_steps`` is then capped at it).
+        forced_move_s: predicted cost of the move that crossing forces (included in
+            ``transition_cost_s``; 0 when none).
         problems: why the current plan cannot run (urgent path), else empty.
         current, candidate: the plans.
     """
@@ -65,6 +76,8 @@ class Decision:
     problems: tuple[str, ...]
     current: GlobalPlan | None
     candidate: GlobalPlan
+    over_in_steps: int | None = None
+    forced_move_s: float = 0.0
 
     def __repr__(self) -> str:
         verdict = "TAKE" if self.taken else "DECLINE"
@@ -113,6 +126,9 @@ class Admission:
         transition_cost: TransitionCost,
         available_devices: Iterable[int] | None = None,
         trigger: str | None = None,
+        candidate_over_in: int | None = None,
+        current_over_in: int | None = None,
+        forced_move_s: float = 0.0,
     ) -> Decision:
         """Decide whether to move from ``current`` to ``candidate``.
 
@@ -127,12 +143,18 @@ class Admission:
                 predicted completion time).
             available_devices: device ids that are alive (None: all are).
             trigger: name of the signal that prompted this (kept in the record).
+            candidate_over_in, current_over_in: steps after the move until the length
+                forecast says the candidate (the current plan) goes over memory; None:
+                it holds every forecast length. Only the opportunistic path reads them.
+            forced_move_s: predicted seconds of the move the candidate's crossing would
+                force (e.g. :class:`nereus_rl.lookahead.LookaheadChoice.forced_move_s`).
 
         Returns:
             Decision (also appended to ``history``).
 
         Raises:
-            AdmissionError: negative forecast or transition cost.
+            AdmissionError: negative forecast, transition cost, forced-move cost or
+                crossing step.
         """
         steps = float(getattr(forecast_steps, "steps", forecast_steps))
         if steps < 0 or math.isnan(steps):
@@ -143,6 +165,22 @@ class Admission:
         )
         if cost < 0 or math.isnan(cost):
             raise AdmissionError(f"transition cost {cost} s must be >= 0")
+        forced = float(forced_move_s)
+        if forced < 0 or math.isnan(forced):
+            raise AdmissionError(f"forced_move_s={forced} must be >= 0")
+        for name, v in (("candidate_over_in", candidate_over_in),
+                        ("current_over_in", current_over_in)):  # fmt: skip
+            if v is not None and v < 0:
+                raise AdmissionError(f"{name}={v} must be >= 0 or None")
+        # The candidate forces a move that staying would not (or sooner): count its
+        # saving only until then and add that move's cost (see the module doc).
+        over_in = None
+        if candidate_over_in is not None and (
+            current_over_in is None or candidate_over_in < current_over_in
+        ):
+            over_in = int(candidate_over_in)
+        else:
+            forced = 0.0
         cand_lat = self.costmodel.step_latency(candidate, workload).total_s
         cur_problems = self.problems(current, workload, avail)
         cand_problems = self.problems(candidate, workload, avail)
@@ -150,6 +188,11 @@ class Admission:
         if current is not None and not any("unavailable" in p for p in cur_problems):
             cur_lat = self.costmodel.step_latency(current, workload).total_s
         saving = (cur_lat - cand_lat) if cur_lat is not None else 0.0
+        if over_in is not None and not cur_problems:
+            steps = min(steps, float(over_in))
+            cost += forced
+        else:
+            over_in, forced = None, 0.0
         payback = cost / saving if saving > 0 else math.inf
 
         def rec(taken: bool, path: str, reason: str) -> Decision:
@@ -167,6 +210,8 @@ class Admission:
                 cur_problems,
                 current,
                 candidate,
+                over_in,
+                forced,
             )
             self.history.append(d)
             return d
@@ -190,16 +235,22 @@ class Admission:
                 f"candidate is not faster ({cand_lat:.4g} s vs {cur_lat:.4g} s per step)",
             )
         gain = saving * steps
+        horizon = (
+            f" (the forecast puts the candidate over memory {over_in} step(s) after the "
+            f"move, which forces another move of {forced:.3g} s, included)"
+            if over_in is not None
+            else ""
+        )
         if gain >= cost:
             return rec(
                 True,
                 "opportunistic",
                 f"saves {saving:.3g} s/step x {steps:.3g} steps = {gain:.3g} s >= "
-                f"transition {cost:.3g} s (repaid in {payback:.3g} steps)",
+                f"transition {cost:.3g} s (repaid in {payback:.3g} steps){horizon}",
             )
         return rec(
             False,
             "opportunistic",
             f"saves {saving:.3g} s/step x {steps:.3g} steps = {gain:.3g} s < "
-            f"transition {cost:.3g} s (needs {payback:.3g} steps)",
+            f"transition {cost:.3g} s (needs {payback:.3g} steps){horizon}",
         )

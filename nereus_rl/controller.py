@@ -316,6 +316,7 @@ class Controller:
         step: int,
         *,
         seq_len: float | None = None,
+        current_seq_len: float | None = None,
         available_devices: Iterable[int] | None = None,
         in_use: Iterable[int] = (),
         peak_memory_fraction: float | None = None,
@@ -323,9 +324,23 @@ class Controller:
     ) -> list[Trigger]:
         """Feed one step's observations; returns the triggers it raised.
 
+        ``seq_len`` is the length the next step will run (the trainer feeds the next
+        step's length limit at each boundary, keyed by the boundary's step).
+        ``current_seq_len``, the length of the step that just ran, is recorded (keyed
+        ``step - 1``) only while the seq_len signal has no value yet: at the first
+        boundary the signal then holds two lengths the run has actually seen, so its
+        first forecast has a trend. Without it the first forecast is flat (one value),
+        and the first urgent move of a rising run cannot look ahead: it takes the plan
+        that just fits the next step and moves again one or two steps later. (No
+        future length is read: the schedule's later values stay unknown here.)
+
         A memory fraction above 1 (the plan no longer fits) is urgent.
         """
         out = []
+        if current_seq_len is not None and seq_len is not None and not self.seq_len.history:
+            # Sets the level from the running step's length; a level change at ``step``
+            # is then a trigger like any other.
+            self.seq_len.update(step - 1, current_seq_len)
         if seq_len is not None and (t := self.seq_len.update(step, seq_len)):
             out.append(t)
         if available_devices is not None and (
@@ -353,6 +368,15 @@ class Controller:
             out.append(t)
         self.triggers.extend(out)
         return out
+
+    @property
+    def model_tolerance(self) -> float:
+        """The relative error of the cost model that the efficiency signal accepts as
+        agreement (the wider side of its "ok" band: 0.15 for the default 0.85..1.15).
+        Predicted differences smaller than this are within what the model is trusted
+        to; the trainer's lookahead treats them as ties."""
+        lo, hi = self.efficiency.edges[0], self.efficiency.edges[-1]
+        return max(1.0 - lo, hi - 1.0, 0.0)
 
     def plan_changed(self) -> None:
         """Call after a transition: the plan-dependent signals (memory, efficiency)

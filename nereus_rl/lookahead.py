@@ -1,4 +1,4 @@
-"""Lookahead choice for the urgent path: pick a plan that keeps fitting as lengths rise.
+"""Lookahead choice: pick a plan that keeps fitting as lengths rise.
 
 The urgent path used to take the planner's best plan for the next step's workload
 only. With response lengths rising, that plan is often the one that just fits: a
@@ -11,21 +11,37 @@ built from the controller's own length forecast (never from the length schedule)
 
 and, when ``c`` goes over memory at horizon step ``j``, the predicted extra urgent
 move replaces the rest: ``+ T(c -> r) + sum_{i >= j} latency(r, wl_i)`` where ``r``
-is the fastest candidate that fits ``wl_j`` (one extra move is predicted; what
-happens after it is not). Lookahead only overrides the old choice (the planner's
+is the fastest (over the rest) candidate that holds every remaining length, else the
+fastest that fits ``wl_j`` (one extra move is predicted; what happens after it is
+not). Lookahead only overrides the old choice (the planner's
 best for the next step) when that choice goes over memory within the horizon; then
-the lowest score wins. When the old choice fits the whole horizon (a flat forecast
-included), or no candidate does, the old choice stands.
+the lowest score wins. A forecast length that no candidate holds is beyond planning:
+the horizon ends before it (before, lookahead was then switched off and the old
+choice kept, whatever it held). When the old choice fits the (so cut) horizon, a
+flat forecast included, the old choice stands.
+
+The urgent path uses it to choose its move. The opportunistic path uses it too (with
+the current plan among the candidates, at no transition cost): a planner's best that
+goes over within the horizon is replaced by the best-scoring plan, and the chosen
+plan's crossing (``over_at``) and the move it would force (``forced_move_s``) go to
+admission, which counts savings only until then (:mod:`nereus_rl.admission`).
 
 Transition costs are the expensive part (a DAG compile each), so candidates are
 visited by their latency lower bound and the search stops when the bound exceeds
 the best score found (branch and bound: the result is the exact argmin).
+
+Near ties (``tie_margin``): scores within that relative band of the best count as
+tied, and among them the candidate needing the fewest moves over the horizon wins
+(staying: 0; a move: 1; a move that goes over within the horizon: 2). The trainer
+passes the cost model's measured step error capped at the controller's efficiency
+band (``Adapter.tie_margin``), so a predicted difference the model cannot resolve
+never buys an extra move.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
@@ -51,6 +67,11 @@ class LookaheadChoice:
         old_over_at: horizon index where the old choice goes over memory (None: never).
         reason: one sentence a person can read.
         scored: candidates whose score was computed (the rest were bounded out).
+        over_at: horizon index where the chosen plan goes over memory (None: never).
+        forced_move_s: predicted seconds of the extra move that crossing forces
+            (0.0 when it never goes over; inf when no candidate holds that length).
+        current_over_at: horizon index where the current plan goes over memory (None:
+            never; 0: it cannot run the next step, the urgent path).
     """
 
     plan: GlobalPlan
@@ -63,6 +84,9 @@ class LookaheadChoice:
     old_over_at: int | None
     reason: str
     scored: int = field(default=0)
+    over_at: int | None = None
+    forced_move_s: float = 0.0
+    current_over_at: int | None = None
 
     def record(self) -> dict:
         """The fields logged in the trainer's decision record."""
@@ -76,7 +100,20 @@ class LookaheadChoice:
             "lookahead_old_over_at": self.old_over_at,
             "lookahead_scored": self.scored,
             "lookahead_reason": self.reason,
+            "lookahead_over_at": self.over_at,
+            "lookahead_current_over_at": self.current_over_at,
+            # inf (no plan holds the length where it goes over) is not valid JSON
+            "lookahead_forced_move_s": (
+                self.forced_move_s if self.forced_move_s != float("inf") else None
+            ),
         }
+
+
+def first_over(plan: GlobalPlan, workloads: Sequence[Workload], costmodel: CostModel) -> int | None:
+    """Index of the first workload under which ``plan`` goes over memory (None: never)."""
+    return next(
+        (j for j, wl in enumerate(workloads) if costmodel.memory_violations(plan, wl)), None
+    )
 
 
 def choose(
@@ -86,22 +123,42 @@ def choose(
     lengths: Sequence[int],
     costmodel: CostModel,
     transition_cost: Callable[[GlobalPlan, GlobalPlan], float],
+    tie_margin: float = 0.0,
 ) -> LookaheadChoice:
     """Choose among ``candidates`` over the horizon ``workloads`` (see the module doc).
 
     Arguments:
-        current: the running plan (the transition's source).
+        current: the running plan (the transition's source; it may be among the
+            candidates, then at no transition cost: the opportunistic path).
         candidates: the planner's k-best for ``workloads[0]``, best first; those that do
             not fit ``workloads[0]`` are skipped.
         workloads: the next step's workload, then the forecast ones.
         lengths: the response length of each workload (for the record).
         costmodel: prices latency and memory.
         transition_cost: predicted seconds of a transition ``(src, dst)``.
+        tie_margin: relative band of the best score within which candidates count as
+            tied; among them the one needing the fewest moves wins (0: exact argmin).
 
     Raises:
-        LookaheadError: no workloads, lengths of another size, or no candidate that fits
-            the next step's workload.
+        LookaheadError: no workloads, lengths of another size, no candidate that fits
+            the next step's workload, or a negative ``tie_margin``.
     """
+    if not tie_margin >= 0:
+        raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
+    ch = _choose(current, candidates, workloads, lengths, costmodel, transition_cost, tie_margin)
+    return replace(ch, current_over_at=first_over(current, workloads, costmodel))
+
+
+def _choose(
+    current: GlobalPlan,
+    candidates: Sequence[GlobalPlan],
+    workloads: Sequence[Workload],
+    lengths: Sequence[int],
+    costmodel: CostModel,
+    transition_cost: Callable[[GlobalPlan, GlobalPlan], float],
+    tie_margin: float,
+) -> LookaheadChoice:
+    """The choice of :func:`choose` (without ``current_over_at``)."""
     if not workloads or len(lengths) != len(workloads):
         raise LookaheadError(
             f"need one length per workload and at least one ({len(lengths)} lengths, "
@@ -112,8 +169,16 @@ def choose(
     cands = [c for c in candidates if not cm.memory_violations(c, workloads[0])]
     if not cands:
         raise LookaheadError("no candidate fits the next step's workload; ask the planner again")
-    lat = [[cm.step_latency(c, wl).total_s for wl in workloads] for c in cands]
-    fits = [[not cm.memory_violations(c, wl) for wl in workloads] for c in cands]
+    fits_all = [[not cm.memory_violations(c, wl) for wl in workloads] for c in cands]
+    old_over_full = next((j for j in range(h) if not fits_all[0][j]), None)
+    # A length that no candidate holds is beyond planning (the planner will have to be
+    # asked when it comes): the horizon ends before the first such one, so that a
+    # forecast running past every plan's memory does not switch lookahead off for the
+    # lengths before it (before, the old choice was then kept, whatever it held).
+    h_all = h
+    h = next((j for j in range(h) if not any(f[j] for f in fits_all)), h)
+    fits = [f[:h] for f in fits_all]
+    lat = [[cm.step_latency(c, wl).total_s for wl in workloads[:h]] for c in cands]
     over = [next((j for j in range(h) if not f[j]), None) for f in fits]
     tcache: dict[tuple[int, int], float] = {}
 
@@ -125,8 +190,15 @@ def choose(
         return tcache[key]
 
     def repl(i: int) -> int | None:
-        # The extra urgent move's target: the fastest candidate fitting wl_j.
+        # The extra urgent move's target: the fastest candidate over the rest of the
+        # horizon among those that hold all of it (as this choice itself prefers),
+        # else the fastest fitting wl_j. (Before, it was always the fastest fitting
+        # wl_j, whose own later crossing went uncounted: that favoured candidates that
+        # go over early, replaced by a plan that would go over again.)
         j = over[i]
+        rest = [r for r in range(len(cands)) if all(fits[r][j:])]
+        if rest:
+            return min(rest, key=lambda r: sum(lat[r][j:]))
         ok = [r for r in range(len(cands)) if fits[r][j]]
         return min(ok, key=lambda r: lat[r][j]) if ok else None
 
@@ -144,23 +216,29 @@ def choose(
             return b + tcost(None, i)
         return b + tcost(None, i) + tcost(i, repl(i))
 
-    any_fit = any(o is None for o in over)
+    def forced(i: int) -> float:
+        if over[i] is None:
+            return 0.0
+        r = repl(i)
+        return tcost(i, r) if r is not None else float("inf")
+
+    any_fit = h == h_all
+    cut = (
+        ""
+        if any_fit
+        else f"; no candidate of {len(cands)} fits the forecast lengths from horizon step "
+        f"{h} ({list(lengths[h:])}), scored over the {h} step(s) before"
+    )
     old = score(0)
     if over[0] is None:
-        # The old choice holds every forecast length: no churn to avoid, and the
-        # planner's ranking (latency) is trusted over a cheaper-looking transition.
+        # The old choice holds every plannable forecast length: no churn to avoid, and
+        # the planner's ranking (latency) is trusted over a cheaper-looking transition.
         return LookaheadChoice(
-            cands[0], 0, False, tuple(lengths), h, old, old, None,
-            f"lookahead over {h} steps at lengths {list(lengths)}: the planner's best for "
-            "the next step fits every forecast length; kept",
-            1,
-        )  # fmt: skip
-    if not any_fit:
-        return LookaheadChoice(
-            cands[0], 0, True, tuple(lengths), h, old, old, over[0],
-            f"no candidate of {len(cands)} fits the forecast lengths {list(lengths)}; "
-            "kept the planner's best for the next step",
-            1,
+            cands[0], 0, not any_fit, tuple(lengths), h_all, old, old, old_over_full,
+            f"lookahead over {h_all} steps at lengths {list(lengths)}: the planner's best "
+            f"for the next step fits every forecast length{' it can' if cut else ''}; "
+            f"kept{cut}",
+            1, old_over_full,
         )  # fmt: skip
     best_i, best_s, scored = 0, old, 1
     for i in sorted(range(1, len(cands)), key=bound):
@@ -170,6 +248,38 @@ def choose(
         scored += 1
         if s < best_s:
             best_i, best_s = i, s
+    tie = ""
+    if tie_margin > 0 and best_s < float("inf"):
+        # Near ties: the scores rest on the cost model, whose latencies are trusted only
+        # to within ``tie_margin``; a move is real time (and transitions are what the
+        # model prices least well). Among candidates within the band of the best score,
+        # the one needing the fewest moves over the horizon wins, then the lowest score.
+        band = best_s * (1 + tie_margin)
+        sc = {best_i: best_s}
+        for i in range(len(cands)):
+            if i not in sc and bound(i) <= band:
+                sc[i] = score(i)
+                scored += 1
+        near = [i for i, v in sc.items() if v <= band]
+
+        def moves(i: int) -> int:
+            return (cands[i] != current) + (over[i] is not None)
+
+        pick = min(near, key=lambda i: (moves(i), sc[i]))
+        if moves(pick) < moves(best_i):
+            tie = (
+                f"; near tie: candidate {pick} scores {sc[pick]:.4g} s, within "
+                f"{tie_margin:.0%} of the best ({best_s:.4g} s, candidate {best_i}), with "
+                f"{moves(pick)} move(s) over the horizon instead of {moves(best_i)}"
+            )
+            best_i, best_s = pick, sc[pick]
+    if best_s == float("inf"):  # not expected once the horizon is cut; kept safe
+        return LookaheadChoice(
+            cands[0], 0, True, tuple(lengths), h_all, old, old, old_over_full,
+            f"no candidate of {len(cands)} scores finitely over the forecast lengths "
+            f"{list(lengths)}; kept the planner's best for the next step",
+            scored, old_over_full, forced(0),
+        )  # fmt: skip
     if best_i == 0:
         why = (
             "the planner's best for the next step scores best even with the "
@@ -189,12 +299,14 @@ def choose(
     return LookaheadChoice(
         cands[best_i],
         best_i,
-        False,
+        not any_fit,
         tuple(lengths),
-        h,
+        h_all,
         best_s,
         old,
-        over[0],
-        f"lookahead over {h} steps at lengths {list(lengths)}: {why}",
+        old_over_full,
+        f"lookahead over {h_all} steps at lengths {list(lengths)}: {why}{tie}{cut}",
         scored,
+        over[best_i] if over[best_i] is not None else (None if any_fit else h),
+        forced(best_i),
     )

@@ -14,11 +14,20 @@ asynchronous one) the trainer hands the step's measurements to
    current plan cannot run the next step (the urgent path) the candidate is
    chosen among the planner's k-best with lookahead (:mod:`nereus_rl.lookahead`)
    over the seq_len signal's own length forecast, so that a rising length does
-   not force another urgent move a step or two later,
-4. asks admission (payback rule; or ``"always"``, the replan-on-every-trigger
-   baseline) and, if taken, executes the transition and measures it,
+   not force another urgent move a step or two later; on the opportunistic path
+   the same horizon check runs with the current plan among the candidates, so a
+   plan faster for the next step only is not moved back to (the first boundary
+   seeds the forecast with the step that ran, so the first move can look ahead),
+4. asks admission (payback rule, with the chosen plan's predicted crossing and the
+   move it forces; or ``"always"``, the replan-on-every-trigger baseline, which
+   takes the planner's best on the opportunistic path as it always did) and, if
+   taken, executes the transition and measures it,
 5. feeds the measured primitives back to the cost model's primitive estimates
-   (``CostModel.observe_primitive``).
+   (``CostModel.observe_primitive``), and the whole transition's time to
+   :class:`~nereus_rl.calibration.TransitionCalibration` (transitions are priced
+   at the model's price plus the measured excess); each step's time against its
+   prediction goes to :class:`~nereus_rl.calibration.ModelTolerance`, the error
+   below which lookahead calls scores tied (capped: :meth:`Adapter.tie_margin`).
 
 Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken, the measured transition time, the
@@ -43,6 +52,7 @@ import time
 from typing import Any
 
 from nereus_rl.admission import Admission
+from nereus_rl.calibration import ModelTolerance, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
 from nereus_rl.costmodel import CostModel, CostModelError, UnitLayout
 from nereus_rl.globalplan import GlobalPlan
@@ -140,6 +150,12 @@ class Adapter:
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.admission = Admission(self.cm)
+        self.calibration = TransitionCalibration()
+        # The model's error before any refined prediction: the error the controller's
+        # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
+        band = self.controller.model_tolerance
+        self.tolerance = ModelTolerance(band, cap=band)
+        self._refined = False
         self.prompt_len = 0
 
     # -------------------------------------------------------------- workload
@@ -233,11 +249,11 @@ class Adapter:
     def lookahead(
         self, current: GlobalPlan, ranked: list[GlobalPlan], rlen: int
     ) -> LookaheadChoice:
-        """The urgent path's choice among ``ranked`` (the k-best for ``rlen``, the next
-        step's length) over ``LOOKAHEAD_STEPS`` steps: ``rlen``, then the seq_len
-        signal's own trend forecast (never the length schedule). See
-        :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that goes over memory
-        within the horizon and another candidate scores better."""
+        """The choice among ``ranked`` (the k-best for ``rlen``, the next step's length;
+        on the opportunistic path the current plan too) over ``LOOKAHEAD_STEPS`` steps:
+        ``rlen``, then the seq_len signal's own trend forecast (never the length
+        schedule). See :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that
+        goes over memory within the horizon and another candidate scores better."""
         lengths = (bucket_of(rlen, self.cfg.buckets),)
         lengths += self.controller.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
         wls = [self.workload(n) for n in lengths]
@@ -245,11 +261,30 @@ class Adapter:
 
         def tcost(a: GlobalPlan, b: GlobalPlan) -> float:
             try:
-                return compile_priced(self.cm, self.mspec, devs, a, b)[1]
+                raw = compile_priced(self.cm, self.mspec, devs, a, b)[1]
             except TransitionError:
-                return self._stagewise_cost(a, b)
+                raw = self._stagewise_cost(a, b)
+            return self.calibration.price(raw)
 
-        return choose_lookahead(current, ranked, wls, lengths, self.cm, tcost)
+        return choose_lookahead(
+            current, ranked, wls, lengths, self.cm, tcost,
+            tie_margin=self.tie_margin(),
+        )  # fmt: skip
+
+    def tie_margin(self) -> float:
+        """The lookahead's tie band: the cost model's measured recent error, capped at
+        the controller's efficiency band.
+
+        The measured error is mostly load noise common to every plan on a shared
+        machine (bench_e2e's runs: 10-70%), which says little about how well the model
+        ranks two plans; beyond the band the efficiency signal already treats the
+        model as wrong and replans. So the band is the most a tie can span, and a
+        model that predicts well (a few percent) narrows it. (Payback does not drop
+        savings under this error: a run's decision log showed the model, refined on
+        the running plan, rank a 5% faster plan correctly while its error was 10-35%;
+        the calibrated transition price is the guard there.)
+        """
+        return self.tolerance.margin
 
     def initial_plan(self, rlen: int) -> GlobalPlan:
         """The first plan: the planner's (``plan="auto"``), a fixed colocated/disaggregated
@@ -289,8 +324,13 @@ class Adapter:
             # critic inference and training run beside their actor counterparts
             measured.pop("reference")
         predicted = self.cm.step_latency(plan, wl_now).total_s
+        if self._refined:
+            # A prediction from the model refined on earlier steps (the first step's is
+            # the unrefined model's, which says nothing about the refined one's error).
+            self.tolerance.observe(predicted, m["step_s"])
         try:
             self.cm.observe(plan, wl_now, measured)
+            self._refined = True
         except Exception:
             pass
         nxt = tr._response_len(step + 1)
@@ -308,6 +348,7 @@ class Adapter:
         triggers = self.controller.update(
             step,
             seq_len=nxt,
+            current_seq_len=m["response_len"],
             available_devices=sorted(tr.device_worker),
             in_use=plan.devices,
             peak_memory_fraction=frac,
@@ -327,11 +368,19 @@ class Adapter:
                        "current": repr(plan), "measured_transition_s": None})  # fmt: skip
             return out
         cand, la, la_note = ranked[0], None, None
-        if self.admission.problems(plan, wl, avail):
-            # The urgent path (the current plan cannot run the next step): choose with
+        urgent_now = bool(self.admission.problems(plan, wl, avail))
+        # (The replan-on-every-trigger baseline keeps its definition off the urgent
+        # path: the planner's best for the next step, no horizon check.)
+        if urgent_now or (cand != plan and self.cfg.admission != "always"):
+            # Urgent (the current plan cannot run the next step): choose the move with
             # lookahead so that rising lengths do not force another move soon after.
+            # Opportunistic: the same horizon check, with the current plan among the
+            # candidates at no transition cost, so that a plan faster for the next step
+            # only (the one an urgent move's lookahead avoided) is not moved back to;
+            # admission then counts the chosen plan's saving only until its crossing.
+            cands = ranked if urgent_now or plan in ranked else [*ranked, plan]
             try:
-                la = self.lookahead(plan, ranked, nxt)
+                la = self.lookahead(plan, cands, nxt)
                 cand = la.plan
             except (LookaheadError, SignalError) as e:
                 la_note = f"lookahead not used: {e}"
@@ -349,19 +398,24 @@ class Adapter:
         elif la_note:
             row["lookahead_reason"] = la_note
         if cand == plan:
-            row.update(taken=False, reason="the planner's best plan is the current one",
+            why = "the planner's best plan is the current one"
+            if ranked[0] != plan:
+                why = "lookahead keeps the current plan: " + la.reason
+            row.update(taken=False, reason=why, path="opportunistic",
                        predicted_saving_s=0.0, predicted_transition_s=0.0)  # fmt: skip
             self._log(row)
             return out
         try:
-            dag, cost = self.compile(plan, cand)
+            dag, raw_cost = self.compile(plan, cand)
             dag_note = None
         except TransitionError as e:
             # Compiled with the trainer's execution model (shared devices, no memory cap)
             # this is not expected; should it happen, a running job must not stop over
             # pricing: price the change as one extend per new unit and log why.
             dag, dag_note = None, f"DAG not compiled: {e}"
-            cost = self._stagewise_cost(plan, cand)
+            raw_cost = self._stagewise_cost(plan, cand)
+        # Priced as transitions have measured on this job so far (TransitionCalibration).
+        cost = self.calibration.price(raw_cost)
         dec = self.admission.decide(
             plan,
             cand,
@@ -370,6 +424,9 @@ class Adapter:
             transition_cost=cost,
             available_devices=sorted(tr.device_worker),
             trigger=trig.reason,
+            candidate_over_in=None if la is None else la.over_at,
+            current_over_in=None if la is None else la.current_over_at,
+            forced_move_s=0.0 if la is None else la.forced_move_s,
         )
         taken = dec.taken or self.cfg.admission == "always"
         row.update(
@@ -379,6 +436,11 @@ class Adapter:
             predicted_saving_s=dec.saving_per_step_s,
             forecast_steps=dec.forecast_steps,
             predicted_transition_s=cost,
+            predicted_transition_model_s=raw_cost,
+            transition_excess_s=self.calibration.excess_s,
+            model_tolerance=self.tolerance.value,
+            tie_margin=self.tie_margin(),
+            predicted_forced_move_s=dec.forced_move_s,
             primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
         )
         if dag_note:
@@ -387,6 +449,7 @@ class Adapter:
             t0 = time.perf_counter()
             run = tr.transition(cand, dag, step + 1)
             row["measured_transition_s"] = time.perf_counter() - t0
+            self.calibration.observe(float(raw_cost), row["measured_transition_s"])
             row.update(
                 bytes_moved=run.bytes_moved,
                 executed_primitives=run.primitives,

@@ -75,3 +75,42 @@ def test_bad_input(setup):
         Admission(cm).decide(slow, best, w, forecast_steps=3, transition_cost=-1)
     with pytest.raises(AdmissionError, match="forecast_steps"):
         Admission(cm).decide(slow, best, w, forecast_steps=-3, transition_cost=1)
+
+
+def test_candidate_that_goes_over_soon_is_priced_with_the_forced_move(setup):
+    cm, w, slow, best = setup
+    adm = Admission(cm)
+    saving = cm.step_latency(slow, w).total_s - cm.step_latency(best, w).total_s
+    cost = 10 * saving
+    # Over a flat 200-step forecast the move repays itself (200 x saving >= 10 x saving).
+    d = adm.decide(slow, best, w, forecast_steps=200, transition_cost=cost)
+    assert d.taken and d.over_in_steps is None and d.forced_move_s == 0.0
+    # The length forecast puts the candidate over memory 3 steps after the move (the
+    # current plan holds): savings count for 3 steps, and the forced move's cost is
+    # added: 3 x saving < 10 x saving + 5 x saving.
+    d = adm.decide(slow, best, w, forecast_steps=200, transition_cost=cost,
+                   candidate_over_in=3, current_over_in=None, forced_move_s=5 * saving)  # fmt: skip
+    assert not d.taken and d.forecast_steps == 3 and d.over_in_steps == 3
+    assert d.transition_cost_s == pytest.approx(15 * saving)
+    assert "over memory 3 step(s) after the move" in d.reason
+    # The current plan goes over sooner (2 steps): the candidate forces nothing extra.
+    d = adm.decide(slow, best, w, forecast_steps=200, transition_cost=cost,
+                   candidate_over_in=3, current_over_in=2, forced_move_s=5 * saving)  # fmt: skip
+    assert d.taken and d.forecast_steps == 200 and d.transition_cost_s == pytest.approx(cost)
+    # 20 steps of saving repay 10 + 5: taken, the reason says what was included.
+    d = adm.decide(slow, best, w, forecast_steps=200, transition_cost=cost,
+                   candidate_over_in=20, forced_move_s=5 * saving)  # fmt: skip
+    assert d.taken and d.forecast_steps == 20 and "included" in d.reason
+
+
+def test_bad_horizon_input(setup):
+    cm, w, slow, best = setup
+    adm = Admission(cm)
+    for kw, msg in (
+        ({"forced_move_s": -1.0}, "forced_move_s"),
+        ({"candidate_over_in": -1}, "candidate_over_in"),
+        ({"current_over_in": -2}, "current_over_in"),
+    ):
+        with pytest.raises(AdmissionError, match=msg):
+            adm.decide(slow, best, w, forecast_steps=1, transition_cost=0.0, **kw)
+    assert adm.history == []  # nothing recorded for bad input

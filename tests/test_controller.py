@@ -106,3 +106,26 @@ def test_over_capacity_is_urgent_even_without_a_level_change():
     (t,) = c.update(3, peak_memory_fraction=1.15)
     assert t.urgent
     assert c.update(4, peak_memory_fraction=0.97) == []
+
+
+def test_first_boundary_seeds_the_running_steps_length():
+    # The trainer's first boundary knows two lengths: the step that ran (6) and the next
+    # one (10). Seeded, the first forecast has the trend +4/step: 14, 18, 22, 26, 30.
+    c = Controller(buckets=(8, 12, 16, 24, 32, 48), hysteresis=0.0, window=5)
+    (t,) = c.update(0, seq_len=10, current_seq_len=6)
+    assert t.signal == "seq_len" and (t.old_level, t.new_level) == (0, 1)
+    assert list(c.seq_len.history) == [(-1, 6.0), (0, 10.0)]
+    assert c.seq_len.forecast_lengths(5) == (16, 24, 24, 32, 32)
+    # Later boundaries do not seed again (the signal has its own history).
+    c.update(1, seq_len=13, current_seq_len=10)
+    assert list(c.seq_len.history) == [(-1, 6.0), (0, 10.0), (1, 13.0)]
+    # Unseeded (as before), one value: flat.
+    c = Controller(buckets=(8, 12, 16, 24, 32, 48), hysteresis=0.0, window=5)
+    assert c.update(0, seq_len=10) == []
+    assert c.seq_len.forecast_lengths(5) == (12,) * 5
+
+
+def test_model_tolerance_is_the_efficiency_band():
+    assert Controller().model_tolerance == pytest.approx(0.15)
+    assert Controller(efficiency_edges=(0.9, 1.3)).model_tolerance == pytest.approx(0.3)
+    assert Controller(efficiency_edges=(0.7, 1.1)).model_tolerance == pytest.approx(0.3)

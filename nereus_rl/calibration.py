@@ -1,0 +1,103 @@
+"""What the adaptation loop learns about its own predictions while a job runs.
+
+Two corrections, both measured on the job itself and neither tuned to a trace:
+
+* :class:`TransitionCalibration`: how much longer transitions take than the cost
+  model prices them (the DAG's predicted completion covers the primitives only).
+* :class:`ModelTolerance`: how far the cost model's step-latency predictions have been
+  from the measured step times; the trainer's lookahead treats predicted differences
+  smaller than that (capped at the controller's efficiency band) as ties.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+def _median(xs) -> float:
+    r = sorted(xs)
+    n = len(r)
+    return r[n // 2] if n % 2 else 0.5 * (r[n // 2 - 1] + r[n // 2])
+
+
+class TransitionCalibration:
+    """What transitions take on this job beyond the cost model's price, learned from
+    the transitions it has run.
+
+    The DAG's predicted completion prices the primitives; a transition also rebuilds
+    the changed stages' models on their new units and runs the executor, a fixed part
+    per transition that the price leaves out (bench_e2e's decision logs on 2 shared
+    cores: measured minus predicted 0.02-0.13 s, whether the price was 0.007 s or
+    0.046 s, so a ratio fits badly and an excess fits well). Priced low, moves look
+    cheap: the urgent path's lookahead prefers a plan that forces a second move soon,
+    and payback takes moves whose saving never repays them. The excess is the lower
+    median of measured - predicted over the last ``window`` transitions and one prior
+    value of 0 (the model's own price): one slow transition alone, such as the first
+    use of a layout in a fresh process (its communicators: 2.4-3.9 s here, against
+    ~0.1 s once made), moves nothing, so it cannot price every later move out of
+    reach (a job that then never moves again would never learn otherwise); two
+    transitions that agree set the excess. Nothing here is tuned to a trace: with a
+    cost model that prices transitions well the excess stays near 0.
+    """
+
+    def __init__(self, window: int = 5) -> None:
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        self.window = window
+        self.excesses: list[float] = []
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """Record one transition; ignored when either time is negative or not a number."""
+        if predicted_s >= 0 and measured_s >= 0:
+            self.excesses.append(measured_s - predicted_s)
+            del self.excesses[: -self.window]
+
+    @property
+    def excess_s(self) -> float:
+        """Lower median of the recent measured - predicted and a prior 0 (0.0 with none)."""
+        r = sorted([0.0, *self.excesses])
+        return r[(len(r) - 1) // 2]
+
+    def price(self, predicted_s: float) -> float:
+        """The model's price plus the learned excess (never below 0)."""
+        return max(0.0, predicted_s + self.excess_s)
+
+
+class ModelTolerance:
+    """The cost model's recent relative error on step latency.
+
+    Each step's prediction (made with the model refined on the steps before it, for
+    the plan that then ran, a new plan included) is compared with the measured step
+    time; the tolerance is the median of ``|measured / predicted - 1|`` over the last
+    ``window`` steps. Before any such step it is ``prior`` (the trainer passes the
+    controller's efficiency band, the error it accepts as "the model agrees"). A
+    well-fitted model on a quiet cluster gives a few percent; a shared 2-core machine
+    gives tens of percent (mostly load noise that falls on every plan alike).
+    """
+
+    def __init__(self, prior: float, window: int = 5, cap: float | None = None) -> None:
+        if not prior >= 0:
+            raise ValueError(f"prior={prior} must be >= 0")
+        if cap is not None and not cap >= 0:
+            raise ValueError(f"cap={cap} must be >= 0 or None")
+        self.cap = cap
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        self.prior = float(prior)
+        self.errors: deque[float] = deque(maxlen=window)
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """Record one step; ignored when either time is not positive."""
+        if predicted_s > 0 and measured_s > 0:
+            self.errors.append(abs(measured_s / predicted_s - 1.0))
+
+    @property
+    def value(self) -> float:
+        """Median recent relative error (``prior`` with none recorded)."""
+        return _median(self.errors) if self.errors else self.prior
+
+    @property
+    def margin(self) -> float:
+        """:attr:`value` capped at ``cap`` (the band within which predictions count as
+        tied; see ``Adapter.tie_margin`` for why it is capped)."""
+        return self.value if self.cap is None else min(self.value, self.cap)
