@@ -76,6 +76,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from nereus_rl import planner_native
 from nereus_rl.costmodel import CostModel
 from nereus_rl.planner_bounds import CheapRows, PartitionBounds, cheap_table
 from nereus_rl.planner_groups import group_vectors
@@ -114,11 +115,25 @@ class Planner:
     Arguments:
         cluster: the cluster (device ids ``0 .. num_devices-1``).
         costmodel: prices plans; its ``version`` keys the time caches.
+        native: run the search compiled (``nereus_rl._native``; the default when it is
+            built) or in Python (the reference; same plans, objectives and k-best order).
+
+    Raises:
+        ValueError: ``native=True`` and the compiled search is not built.
     """
 
-    def __init__(self, cluster: ClusterSpec, costmodel: CostModel) -> None:
+    def __init__(
+        self, cluster: ClusterSpec, costmodel: CostModel, *, native: bool | None = None
+    ) -> None:
+        if native and not planner_native.AVAILABLE:
+            raise ValueError(
+                "native=True but nereus_rl._native has no planner search; build it with "
+                "`python setup.py build_ext --inplace` or pass native=False"
+            )
         self.cluster = cluster
         self.costmodel = costmodel
+        self.native = planner_native.AVAILABLE if native is None else native
+        self._nctx: dict = {}  # (version, cap, ids) -> compiled search context
         self._ids: dict = {}  # (StageWork, actor or None, dtype) -> small int
         self._tables: dict = {}  # id -> _StageTable
         self._pareto: dict = {}  # (id, variant, version, cap) -> {n: Pareto list}
@@ -172,7 +187,7 @@ class Planner:
         got = self._pareto.get(pk)
         if got is not None:
             return got
-        W = table.W if variant is None else table.W + table.sync[variant]
+        W = table.work(variant)
         # Plain floats and ints: the lists are short, numpy per element costs more.
         tl, ml = (W @ self.costmodel._x).tolist(), table.mem_list
         out = {}
@@ -230,10 +245,10 @@ class Planner:
             self._pareto.clear()
             self._groups.clear()
             self._ginfo.clear()
+            self._nctx.clear()
             self._ver = ver
         cap = self.costmodel.capacity_bytes
         stages = list(workload.planned_stages)
-        S = len(stages)
         actor = workload.stage("actor_train").model_spec
         names = [s.stage for s in stages]
         phases = [s.phase for s in stages]
@@ -242,6 +257,62 @@ class Planner:
         sid = [self._sid(s, actor, workload.dtype) for s in stages]
         dtype = workload.dtype
         tables = [self._tables.get(i) or self._table(s, actor, dtype) for i, s in zip(sid, stages)]
+        search = self._search_native if self.native else self._search_python
+        ranked, timings = search(stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
+        timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
+        plans = [(obj, place(stages, tables, picks, devs, self._placed)) for obj, picks in ranked]
+        # Placement is node-aligned when the devices are a run starting on a node
+        # boundary; otherwise (holes after a loss) price the placed plans as placed.
+        aligned = devs[-1] - devs[0] == N - 1 and devs[0] % self.cluster.devices_per_node == 0
+        if not aligned:
+            plans = sorted(
+                ((self.costmodel.step_latency(p, workload).total_s, p) for _, p in plans),
+                key=lambda lp: lp[0],
+            )
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        timings["aligned"] = aligned
+        return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
+
+    def _search_native(self, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
+        """The compiled search (``planner_native``): ``([(objective, picks)] best first,
+        timings)``; its context is kept per (version, capacity, stage shapes)."""
+        t0 = time.perf_counter()
+        ckey = (ver, cap, tuple(sid))
+        ctx = self._nctx.get(ckey)
+        if ctx is None:
+            if len(self._nctx) > 8:
+                self._nctx.clear()
+            c = self.cluster
+            ctx = self._nctx[ckey] = planner_native.make_context(
+                tables,
+                phases,
+                r_i,
+                a_i,
+                self.costmodel._x,
+                cap,
+                c.num_devices,
+                c.devices_per_node,
+                c.num_nodes == 1,
+            )
+        t_ctx = time.perf_counter()
+        pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+        ranked, nodes, nparts, bounds_ms, search_ms = ctx.search(pidx, k)
+        if not ranked:
+            raise infeasible(stages, tables, N, cap)
+        timings = {
+            "_start": t0,
+            "tables_ms": (t_ctx - t0) * 1e3,
+            "bounds_ms": bounds_ms,
+            "search_ms": search_ms,
+            "nodes": nodes,
+            "partitions": nparts,
+        }
+        return ranked, timings
+
+    def _search_python(self, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
+        """The reference search in Python: the same answer as ``_search_native``."""
+        t0 = time.perf_counter()
+        S = len(stages)
         plain, fast = [], []
         for i, t in enumerate(tables):
             if i == r_i:
@@ -344,27 +415,16 @@ class Planner:
         if not search.best:
             raise infeasible(stages, tables, N, cap)
         t_search = time.perf_counter()
-        ranked = sorted(search.best, key=lambda e: -e[0])
-        plans = [(-e[0], place(stages, tables, e[2], devs, self._placed)) for e in ranked]
-        # Placement is node-aligned when the devices are a run starting on a node
-        # boundary; otherwise (holes after a loss) price the placed plans as placed.
-        aligned = devs[-1] - devs[0] == N - 1 and devs[0] % dpn == 0
-        if not aligned:
-            plans = sorted(
-                ((self.costmodel.step_latency(p, workload).total_s, p) for _, p in plans),
-                key=lambda lp: lp[0],
-            )
-        t_end = time.perf_counter()
+        ranked = [(-e[0], e[2]) for e in sorted(search.best, key=lambda e: -e[0])]
         timings = {
+            "_start": t0,
             "tables_ms": (t_tables - t0) * 1e3,
             "bounds_ms": (t_bounds - t_tables) * 1e3,
             "search_ms": (t_search - t_bounds) * 1e3,
-            "total_ms": (t_end - t0) * 1e3,
             "nodes": search.nodes,
             "partitions": nparts,
-            "aligned": aligned,
         }
-        return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
+        return ranked, timings
 
 
 _PLANNERS: dict = {}

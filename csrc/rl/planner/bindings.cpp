@@ -1,8 +1,128 @@
-// Bindings of the compiled planner (filled in by its own change).
+// Bindings of the compiled planner search: nereus_rl._native.PlanContext and
+// PartitionIndex, used by nereus_rl.planner (the Python search stays as the reference).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+
+#include "planner/planner.h"
 
 namespace py = pybind11;
 
 namespace nereus_rl {
-void register_planner(py::module_& m) { (void)m; }
+namespace {
+
+using planner::Context;
+using planner::Fronts;
+using planner::PartitionIndex;
+using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw py::value_error("nereus_rl._native planner: " + what);
+}
+
+Fronts fronts_of(const F64& t, const I64& mem, const I64& d, int64_t cap, int64_t max_n) {
+  check(t.ndim() == 1 && mem.ndim() == 1 && d.ndim() == 1, "times, mem and d must be 1-D");
+  check(t.size() == mem.size() && t.size() == d.size(),
+        "times, mem and d must have one entry per layout");
+  return planner::build_fronts(t.data(), mem.data(), d.data(), t.size(), cap, max_n);
+}
+
+std::unique_ptr<Context> make_context(const std::vector<F64>& times, const std::vector<I64>& mems,
+                                      const std::vector<I64>& ds, const py::object& rollout_inter,
+                                      std::vector<int> phases, int r_i, int a_i, int64_t cap,
+                                      int64_t max_n, int64_t dpn, bool one_node) {
+  const size_t S = times.size();
+  check(S >= 1 && S <= 16, "between 1 and 16 stages");
+  check(mems.size() == S && ds.size() == S && phases.size() == S, "one entry per stage");
+  for (int p : phases) check(p >= 0 && p < 3, "phases must be 0, 1 or 2");
+  check(r_i < int(S) && a_i < int(S), "stage index out of range");
+  check(max_n >= 1 && dpn >= 1, "max_n and devices per node must be >= 1");
+  std::vector<Fronts> fronts;
+  for (size_t i = 0; i < S; ++i) fronts.push_back(fronts_of(times[i], mems[i], ds[i], cap, max_n));
+  Fronts inter;
+  if (r_i >= 0) {
+    check(!rollout_inter.is_none(), "rollout_inter is needed when r_i >= 0");
+    inter = fronts_of(rollout_inter.cast<F64>(), mems[r_i], ds[r_i], cap, max_n);
+  }
+  return std::make_unique<Context>(std::move(fronts), std::move(inter), std::move(phases), r_i, a_i,
+                                   cap, dpn, one_node);
+}
+
+PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::vector<int>> masks,
+                          int N) {
+  check(idx.ndim() == 2, "idx must be (S, rows)");
+  PartitionIndex pb;
+  pb.S = int(idx.shape(0));
+  pb.rows = idx.shape(1);
+  pb.N = N;
+  pb.L = 0;
+  while ((int64_t(1) << pb.L) <= N) ++pb.L;  // N.bit_length()
+  check(starts.ndim() == 1 && size_t(starts.size()) == masks.size(), "one start per partition");
+  pb.idx.assign(idx.data(), idx.data() + idx.size());
+  pb.starts.assign(starts.data(), starts.data() + starts.size());
+  pb.masks = std::move(masks);
+  return pb;
+}
+
+py::tuple group_of(int mask) {
+  std::vector<int> g;
+  for (int s = 0; mask >> s; ++s) {
+    if (mask >> s & 1) g.push_back(s);
+  }
+  py::tuple t(g.size());
+  for (size_t i = 0; i < g.size(); ++i) t[i] = g[i];
+  return t;
+}
+
+py::tuple search(Context& ctx, const PartitionIndex& pb, int k) {
+  check(k >= 1, "k must be >= 1");
+  planner::SearchOut out = ctx.search(pb, k);
+  py::list ranked;
+  for (const auto& f : out.ranked) {
+    py::list picks;
+    for (const auto& [mask, ch] : f.picks) {
+      py::tuple c(ch.size());
+      for (size_t i = 0; i < ch.size(); ++i) c[i] = ch[i];
+      picks.append(py::make_tuple(group_of(mask), c));
+    }
+    ranked.append(py::make_tuple(f.obj, picks));
+  }
+  return py::make_tuple(ranked, out.nodes, out.partitions, out.bounds_ms, out.search_ms);
+}
+
+}  // namespace
+
+void register_planner(py::module_& m) {
+  py::class_<PartitionIndex>(m, "PartitionIndex",
+                             "Set partitions of S stages with their maximal power-of-two size "
+                             "assignments on N devices (planner_bounds.PartitionBounds)")
+      .def(py::init(&make_index), py::arg("idx"), py::arg("starts"), py::arg("masks"), py::arg("N"))
+      .def_readonly("N", &PartitionIndex::N);
+  py::class_<Context>(m, "PlanContext",
+                      "Compiled exact-planner search over one set of stage tables priced with "
+                      "one set of efficiencies and a capacity (see csrc/rl/planner/planner.h)")
+      .def(py::init(&make_context), py::arg("times"), py::arg("mems"), py::arg("ds"),
+           py::arg("rollout_inter"), py::arg("phases"), py::arg("r_i"), py::arg("a_i"),
+           py::arg("cap"), py::arg("max_n"), py::arg("dpn"), py::arg("one_node"))
+      .def("search", &search, py::arg("pidx"), py::arg("k"),
+           "(ranked [(objective, [(group, choices)])] best first, nodes, partitions searched, "
+           "bounds_ms, search_ms); ranked is empty when nothing fits")
+      .def(
+          "bounds",
+          [](Context& ctx, const PartitionIndex& pb) {
+            const auto& b = ctx.bounds(pb);
+            return py::make_tuple(b.first, b.second);
+          },
+          py::arg("pidx"), "(order of partitions to search, bound of every partition)")
+      .def("cheap_table", [](const Context& ctx) {
+        const auto& C = ctx.cheap();
+        const py::ssize_t L = ctx.num_sizes(), M = py::ssize_t(C.size()) / (3 * L);
+        return py::array_t<double>({M, L, py::ssize_t(3)}, C.data());
+      });
+}
+
 }  // namespace nereus_rl

@@ -1,0 +1,156 @@
+// Per-(shapes, efficiencies, capacity) data of the compiled search: the cheap bounds of
+// every stage subset, the partition bounds on N devices (ports of planner_bounds), and the
+// group tables and last-group data, built on first use and kept across calls.
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "planner/planner.h"
+
+#pragma GCC optimize("fp-contract=off")
+
+namespace nereus_rl::planner {
+
+namespace {
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// planner_bounds._BIG: finite stand-in for "no layout fits" inside the masked sum.
+constexpr double kBig = 1e300;
+
+int log2_exact(int64_t n) {
+  int j = 0;
+  while ((int64_t(1) << j) < n) ++j;
+  return j;
+}
+}  // namespace
+
+Context::Context(std::vector<Fronts> fronts, Fronts rollout_inter, std::vector<int> phases, int r_i,
+                 int a_i, int64_t cap, int64_t dpn, bool one_node)
+    : fronts_(std::move(fronts)),
+      rinter_(std::move(rollout_inter)),
+      phases_(std::move(phases)),
+      S_(int(fronts_.size())),
+      r_i_(r_i),
+      a_i_(a_i),
+      L_(int(fronts_.at(0).fast.size())),
+      cap_(cap),
+      dpn_(dpn),
+      one_node_(one_node) {
+  // Each stage's fastest layout alone at each size (rollout: the faster sync variant).
+  std::vector<std::vector<double>> smin(S_);
+  for (int i = 0; i < S_; ++i) {
+    smin[i] = fronts_[i].fast;
+    if (i == r_i_) {
+      for (int j = 0; j < L_; ++j) {
+        double a = fronts_[i].fast[j], b = rinter_.fast[j];
+        smin[i][j] = a < b ? a : b;
+      }
+    }
+  }
+  // cheap_table: members @ per, i.e. per phase the sum over the subset's stages in stage
+  // order; >= _BIG / 2 (some stage fits nothing) is inf. Then the planner's 1e-12 shave.
+  C_.assign((size_t(1) << S_) * L_ * 3, 0.0);
+  for (int mask = 0; mask < (1 << S_); ++mask) {
+    for (int j = 0; j < L_; ++j) {
+      double* c = &C_[(size_t(mask) * L_ + j) * 3];
+      for (int i = 0; i < S_; ++i) {
+        if (mask >> i & 1) c[phases_[i]] += std::min(smin[i][j], kBig);
+      }
+      for (int p = 0; p < 3; ++p) {
+        if (c[p] >= kBig / 2) c[p] = kInf;
+        c[p] *= 1.0 - 1e-12;
+      }
+    }
+  }
+}
+
+std::vector<const List*> Context::lists_of(int mask, int64_t n, int64_t* thr, bool* both) const {
+  *both = r_i_ >= 0 && a_i_ >= 0 && (mask >> r_i_ & 1) && (mask >> a_i_ & 1);
+  // The cost model's rule: intra-node sync when the cluster is one node, or rollout and
+  // actor_train share a group within a node.
+  const bool intra = one_node_ || (*both && n <= dpn_);
+  *thr = (*both && !intra) ? dpn_ : 0;
+  const int j = log2_exact(n);
+  std::vector<const List*> lists;
+  for (int i = 0; i < S_; ++i) {
+    if (!(mask >> i & 1)) continue;
+    const Fronts& f = (i == r_i_ && !intra) ? rinter_ : fronts_[i];
+    lists.push_back(&f.by_j[j]);
+  }
+  return lists;
+}
+
+const Context::GroupTable& Context::group_table(int mask, int64_t n) {
+  auto key = std::make_pair(mask, n);
+  auto it = groups_.find(key);
+  if (it != groups_.end()) return it->second;
+  int64_t thr;
+  bool both;
+  auto lists = lists_of(mask, n, &thr, &both);
+  std::vector<int> ph;
+  for (int i = 0; i < S_; ++i) {
+    if (mask >> i & 1) ph.push_back(phases_[i]);
+  }
+  GroupTable gt{group_vectors(lists, ph, thr, cap_), false};
+  // Empty: nothing fits at n; for a group without rollout and actor_train also at no
+  // smaller size.
+  gt.stop = gt.vecs.empty() && !both;
+  return groups_.emplace(key, std::move(gt)).first->second;
+}
+
+const Context::LastInfo& Context::last_info(int mask, int64_t n) {
+  auto key = std::make_pair(mask, n);
+  auto it = lasts_.find(key);
+  if (it != lasts_.end()) return it->second;
+  int64_t thr;
+  bool both;
+  auto lists = lists_of(mask, n, &thr, &both);
+  LastInfo li;
+  bool all = std::all_of(lists.begin(), lists.end(), [](const List* l) { return !l->empty(); });
+  if (all) {
+    std::vector<int> ph;
+    for (int i = 0; i < S_; ++i) {
+      if (mask >> i & 1) ph.push_back(phases_[i]);
+    }
+    li.lg = std::make_unique<LastGroup>(lists, ph, thr, cap_);
+  }
+  // A larger size holds every smaller size's choices, except that a group with the width
+  // rule gets the intra-node sync at a node or less.
+  li.nxt = (thr && n > dpn_) ? dpn_ : 0;
+  return lasts_.emplace(key, std::move(li)).first->second;
+}
+
+const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
+    const PartitionIndex& pb) {
+  auto it = bounds_.find(pb.N);
+  if (it != bounds_.end()) return it->second;
+  if (bounds_.size() > 16) bounds_.clear();
+  // PartitionBounds.partition_bounds: per row (a partition with one maximal size
+  // assignment) the per-phase maximum over its groups, summed over phases; the minimum
+  // over each partition's rows.
+  const int64_t R = pb.rows;
+  const size_t P = pb.masks.size();
+  std::vector<double> lbs(P, kInf);
+  for (size_t o = 0; o < P; ++o) {
+    const int64_t r_end = o + 1 < P ? pb.starts[o + 1] : R;
+    double lo = kInf;
+    for (int64_t r = pb.starts[o]; r < r_end; ++r) {
+      double top[3] = {-kInf, -kInf, -kInf};
+      for (int c = 0; c < pb.S; ++c) {
+        const int64_t flat = pb.idx[size_t(c) * R + r];
+        const double* v = cheap_row(int(flat / pb.L), int(flat % pb.L));
+        for (int p = 0; p < 3; ++p) top[p] = std::max(top[p], v[p]);
+      }
+      double s = (top[0] + top[1]) + top[2];
+      lo = std::min(lo, s);
+    }
+    lbs[o] = lo;
+  }
+  std::vector<int64_t> order(P);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lbs[a] < lbs[b]; });
+  order.resize(std::count_if(lbs.begin(), lbs.end(), [](double v) { return v < kInf; }));
+  return bounds_.emplace(pb.N, std::make_pair(std::move(order), std::move(lbs))).first->second;
+}
+
+}  // namespace nereus_rl::planner
