@@ -55,15 +55,29 @@ std::unique_ptr<Context> make_context(const std::vector<F64>& times, const std::
 PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::vector<int>> masks,
                           int N) {
   check(idx.ndim() == 2, "idx must be (S, rows)");
+  check(starts.ndim() == 1 && size_t(starts.size()) == masks.size(), "one start per partition");
   PartitionIndex pb;
   pb.S = int(idx.shape(0));
-  pb.rows = idx.shape(1);
   pb.N = N;
   pb.L = 0;
   while ((int64_t(1) << pb.L) <= N) ++pb.L;  // N.bit_length()
-  check(starts.ndim() == 1 && size_t(starts.size()) == masks.size(), "one start per partition");
-  pb.idx.assign(idx.data(), idx.data() + idx.size());
-  pb.starts.assign(starts.data(), starts.data() + starts.size());
+  const int64_t R = idx.shape(1);
+  const int64_t* ix = idx.data();
+  const int64_t* st = starts.data();
+  // Keep only each row's real groups: the other columns of idx point at the empty subset.
+  for (size_t o = 0; o < masks.size(); ++o) {
+    pb.begin.push_back(int64_t(pb.gmask.size()));
+    const int64_t end = o + 1 < masks.size() ? st[o + 1] : R;
+    for (int64_t r = st[o]; r < end; ++r) {
+      for (size_t c = 0; c < masks[o].size(); ++c) {
+        const int64_t flat = ix[c * R + r];
+        check(flat / pb.L == masks[o][c], "idx does not match the partitions' masks");
+        pb.gmask.push_back(int32_t(flat / pb.L));
+        pb.gj.push_back(int32_t(flat % pb.L));
+      }
+    }
+  }
+  pb.begin.push_back(int64_t(pb.gmask.size()));
   pb.masks = std::move(masks);
   return pb;
 }

@@ -126,22 +126,22 @@ const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
   if (bounds_.size() > 16) bounds_.clear();
   // PartitionBounds.partition_bounds: per row (a partition with one maximal size
   // assignment) the per-phase maximum over its groups, summed over phases; the minimum
-  // over each partition's rows.
-  const int64_t R = pb.rows;
+  // over each partition's rows. (The reference's extra columns hit the empty subset,
+  // whose bounds are 0: the maxima start there.)
   const size_t P = pb.masks.size();
   std::vector<double> lbs(P, kInf);
   for (size_t o = 0; o < P; ++o) {
-    const int64_t r_end = o + 1 < P ? pb.starts[o + 1] : R;
+    const int64_t k = int64_t(pb.masks[o].size());
     double lo = kInf;
-    for (int64_t r = pb.starts[o]; r < r_end; ++r) {
-      double top[3] = {-kInf, -kInf, -kInf};
-      for (int c = 0; c < pb.S; ++c) {
-        const int64_t flat = pb.idx[size_t(c) * R + r];
-        const double* v = cheap_row(int(flat / pb.L), int(flat % pb.L));
-        for (int p = 0; p < 3; ++p) top[p] = std::max(top[p], v[p]);
+    for (int64_t e = pb.begin[o]; e < pb.begin[o + 1]; e += k) {
+      double t0 = 0.0, t1 = 0.0, t2 = 0.0;
+      for (int64_t c = e; c < e + k; ++c) {
+        const double* v = cheap_row(pb.gmask[c], pb.gj[c]);
+        t0 = std::max(t0, v[0]);
+        t1 = std::max(t1, v[1]);
+        t2 = std::max(t2, v[2]);
       }
-      double s = (top[0] + top[1]) + top[2];
-      lo = std::min(lo, s);
+      lo = std::min(lo, (t0 + t1) + t2);
     }
     lbs[o] = lo;
   }

@@ -16,37 +16,29 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 Fronts build_fronts(const double* t, const int64_t* mem, const int64_t* d, int64_t num_layouts,
                     int64_t cap, int64_t max_n) {
-  Fronts f;
-  // Layouts by device count, in table order (Python: table.by_d).
-  std::vector<std::vector<int32_t>> by_j;
+  // Python builds F(n) as the Pareto filter of F(n/2) plus the layouts with d == n, each
+  // sorted by (t, mem, layout_idx, d). The filter keeps an entry iff its memory is below
+  // every earlier entry's, and a dropped entry's dominator is itself kept or dominated by
+  // an earlier kept one; so F(n) is the same filter over all layouts with d <= n, and one
+  // sort serves every size.
+  std::vector<Cand> all;
+  all.reserve(num_layouts);
   for (int64_t i = 0; i < num_layouts; ++i) {
-    int j = 0;
-    while ((int64_t(1) << (j + 1)) <= d[i]) ++j;
-    if (int64_t(by_j.size()) <= j) by_j.resize(j + 1);
-    by_j[j].push_back(int32_t(i));
+    if (mem[i] <= cap && d[i] <= max_n) all.push_back({t[i], mem[i], int32_t(i), int32_t(d[i])});
   }
-  List prev;
-  int j = 0;
-  for (int64_t n = 1; n <= max_n; n *= 2, ++j) {
-    List cand = prev;
-    if (j < int(by_j.size())) {
-      for (int32_t i : by_j[j]) {
-        if (d[i] == n && mem[i] <= cap) cand.push_back({t[i], mem[i], i, int32_t(n)});
-      }
-    }
-    // Python sorts the tuples (t, mem, layout_idx, d): layout_idx is unique.
-    std::sort(cand.begin(), cand.end(), [](const Cand& a, const Cand& b) {
-      if (a.t != b.t) return a.t < b.t;
-      if (a.mem != b.mem) return a.mem < b.mem;
-      return a.li < b.li;
-    });
+  std::sort(all.begin(), all.end(), [](const Cand& a, const Cand& b) {
+    if (a.t != b.t) return a.t < b.t;
+    if (a.mem != b.mem) return a.mem < b.mem;
+    return a.li < b.li;  // unique
+  });
+  Fronts f;
+  for (int64_t n = 1; n <= max_n; n *= 2) {
     List front;
-    for (const Cand& c : cand) {
-      if (front.empty() || c.mem < front.back().mem) front.push_back(c);
+    for (const Cand& c : all) {
+      if (c.d <= n && (front.empty() || c.mem < front.back().mem)) front.push_back(c);
     }
     f.fast.push_back(front.empty() ? kInf : front[0].t);
-    f.by_j.push_back(front);
-    prev = std::move(front);
+    f.by_j.push_back(std::move(front));
   }
   return f;
 }

@@ -64,9 +64,11 @@ struct LastGroup {
 struct PartitionIndex {
   int S = 0, N = 0, L = 0;
   std::vector<std::vector<int>> masks;  // per partition, its groups as stage bitmasks
-  std::vector<int64_t> idx;             // (S, rows) flat indices mask * L + j
-  std::vector<int64_t> starts;          // first row of each partition
-  int64_t rows = 0;
+  // Rows of every partition (one per maximal size assignment), k = its number of groups
+  // entries each: the group's bitmask and size exponent. Partition o's rows start at
+  // entry begin[o] and end at begin[o + 1].
+  std::vector<int32_t> gmask, gj;
+  std::vector<int64_t> begin;
 };
 
 // A plan found by the search: objective and, per group in search order, its stage
