@@ -78,6 +78,7 @@ import numpy as np
 
 from nereus_rl import planner_native
 from nereus_rl.costmodel import CostModel
+from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.planner_bounds import CheapRows, PartitionBounds, cheap_table
 from nereus_rl.planner_groups import group_vectors
 from nereus_rl.planner_place import infeasible, place
@@ -141,6 +142,7 @@ class Planner:
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
         self._placed: dict = {}  # StagePlans by layout and device run
+        self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._ver = costmodel.version
 
     def _sid(self, sw: StageWork, actor, dtype: str) -> int:
@@ -260,7 +262,7 @@ class Planner:
         search = self._search_native if self.native else self._search_python
         ranked, timings = search(stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
         timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
-        plans = [(obj, place(stages, tables, picks, devs, self._placed)) for obj, picks in ranked]
+        plans = [(obj, self._place(stages, tables, sid, picks, devs)) for obj, picks in ranked]
         # Placement is node-aligned when the devices are a run starting on a node
         # boundary; otherwise (holes after a loss) price the placed plans as placed.
         aligned = devs[-1] - devs[0] == N - 1 and devs[0] % self.cluster.devices_per_node == 0
@@ -272,6 +274,19 @@ class Planner:
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         timings["aligned"] = aligned
         return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
+
+    def _place(self, stages, tables, sid, picks, devs) -> GlobalPlan:
+        """``place``, with whole plans kept per (stage shapes, choices, device run): a
+        call whose signals changed often picks a plan an earlier call placed."""
+        if devs[-1] - devs[0] != len(devs) - 1:
+            return place(stages, tables, picks, devs, self._placed)
+        key = (tuple(sid), tuple(picks), devs[0], len(devs))
+        got = self._plans.get(key)
+        if got is None:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            got = self._plans[key] = place(stages, tables, picks, devs, self._placed)
+        return got
 
     def _search_native(self, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
         """The compiled search (``planner_native``): ``([(objective, picks)] best first,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from nereus_rl.planner_bounds import PartitionBounds
 from nereus_rl.planner_tables import _StageTable
 
@@ -62,18 +64,20 @@ def make_context(
     Returns:
         ``_native.PlanContext``.
     """
-    times = [t.work("intra" if i == r_i else None) @ x for i, t in enumerate(tables)]
-    inter = tables[r_i].work("inter") @ x if r_i >= 0 else None
-    return _native.PlanContext(
-        times,
-        [t.mem for t in tables],
-        [t.d for t in tables],
-        inter,
-        phases,
-        r_i,
-        a_i,
-        cap,
-        max_n,
-        dpn,
-        one_node,
-    )
+    # One buffer for every stage's times: one array crosses into C++, not one per stage.
+    # (matmul into a slice prices exactly as the reference's ``W @ x``.)
+    works = [t.work("intra" if i == r_i else None) for i, t in enumerate(tables)]
+    if r_i >= 0:
+        works.append(tables[r_i].work("inter"))
+    times = np.empty(sum(len(W) for W in works))
+    off = 0
+    for W in works:
+        np.matmul(W, x, out=times[off : off + len(W)])
+        off += len(W)
+    layouts = []
+    for t in tables:
+        lay = t.__dict__.get("_native")
+        if lay is None:  # fixed for the table: marshalled once
+            lay = t._native = _native.StageLayouts(t.mem, t.d)
+        layouts.append(lay)
+    return _native.PlanContext(times, layouts, phases, r_i, a_i, cap, max_n, dpn, one_node)

@@ -125,3 +125,19 @@ def test_native_errors_as_python():
     assert msgs[0] == msgs[1]
     with pytest.raises(ValueError, match="k=0 must be >= 1"):
         Planner(c, CostModel(c), native=True).plan(w, k=0)
+
+
+def test_placed_stage_plans_pass_validation():
+    """place() skips StagePlan's checks (valid by construction): rebuilding every placed
+    StagePlan through the checking constructor gives an equal object, holes included."""
+    from nereus_rl.globalplan import StagePlan
+
+    c = cluster_preset("h200x64")
+    cm = CostModel(c)
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=128, response_len=2048)
+    for devs in (range(64), range(40), sorted(set(range(64)) - {5, 17})):
+        res = Planner(c, cm).plan(w, devices=devs, k=4)
+        for _, p in res.k_best:
+            for sp in p.stages:
+                fields = (sp.stage, sp.model, sp.trains, sp.dp, sp.tp, sp.pp, sp.units)
+                assert StagePlan(*fields) == sp and hash(StagePlan(*fields)) == hash(sp)

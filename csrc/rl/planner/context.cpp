@@ -130,18 +130,20 @@ const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
   // whose bounds are 0: the maxima start there.)
   const size_t P = pb.masks.size();
   std::vector<double> lbs(P, kInf);
+  double pre[17][3];  // pre[c]: maxima over the row's first c columns
+  pre[0][0] = pre[0][1] = pre[0][2] = 0.0;
+  int64_t row = 0;
   for (size_t o = 0; o < P; ++o) {
     const int64_t k = int64_t(pb.masks[o].size());
     double lo = kInf;
-    for (int64_t e = pb.begin[o]; e < pb.begin[o + 1]; e += k) {
-      double t0 = 0.0, t1 = 0.0, t2 = 0.0;
-      for (int64_t c = e; c < e + k; ++c) {
-        const double* v = cheap_row(pb.gmask[c], pb.gj[c]);
-        t0 = std::max(t0, v[0]);
-        t1 = std::max(t1, v[1]);
-        t2 = std::max(t2, v[2]);
+    for (int64_t e = pb.begin[o]; e < pb.begin[o + 1]; e += k, ++row) {
+      for (int64_t c = pb.from[row]; c < k; ++c) {
+        const double* v = cheap_row(pb.gmask[e + c], pb.gj[e + c]);
+        pre[c + 1][0] = std::max(pre[c][0], v[0]);
+        pre[c + 1][1] = std::max(pre[c][1], v[1]);
+        pre[c + 1][2] = std::max(pre[c][2], v[2]);
       }
-      lo = std::min(lo, (t0 + t1) + t2);
+      lo = std::min(lo, (pre[k][0] + pre[k][1]) + pre[k][2]);
     }
     lbs[o] = lo;
   }

@@ -16,29 +16,41 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 Fronts build_fronts(const double* t, const int64_t* mem, const int64_t* d, int64_t num_layouts,
                     int64_t cap, int64_t max_n) {
-  // Python builds F(n) as the Pareto filter of F(n/2) plus the layouts with d == n, each
-  // sorted by (t, mem, layout_idx, d). The filter keeps an entry iff its memory is below
-  // every earlier entry's, and a dropped entry's dominator is itself kept or dominated by
-  // an earlier kept one; so F(n) is the same filter over all layouts with d <= n, and one
-  // sort serves every size.
-  std::vector<Cand> all;
-  all.reserve(num_layouts);
-  for (int64_t i = 0; i < num_layouts; ++i) {
-    if (mem[i] <= cap && d[i] <= max_n) all.push_back({t[i], mem[i], int32_t(i), int32_t(d[i])});
-  }
-  std::sort(all.begin(), all.end(), [](const Cand& a, const Cand& b) {
+  // Python builds F(n) as the Pareto filter (keep an entry iff its memory is below every
+  // earlier entry's) of F(n/2) plus the layouts with d == n, sorted by the tuples
+  // (t, mem, layout_idx, d); layout_idx is unique. Here each size's new layouts are
+  // sorted alone and merged with F(n/2), which is already sorted.
+  auto before = [](const Cand& a, const Cand& b) {
     if (a.t != b.t) return a.t < b.t;
     if (a.mem != b.mem) return a.mem < b.mem;
-    return a.li < b.li;  // unique
-  });
-  Fronts f;
-  for (int64_t n = 1; n <= max_n; n *= 2) {
-    List front;
-    for (const Cand& c : all) {
-      if (c.d <= n && (front.empty() || c.mem < front.back().mem)) front.push_back(c);
+    return a.li < b.li;
+  };
+  int L = 0;
+  while ((int64_t(1) << L) <= max_n) ++L;
+  std::vector<List> added(L);
+  for (int64_t i = 0; i < num_layouts; ++i) {
+    // d is a power of two (checked when the layouts were marshalled).
+    if (mem[i] <= cap && d[i] <= max_n) {
+      added[__builtin_ctzll(uint64_t(d[i]))].push_back({t[i], mem[i], int32_t(i), int32_t(d[i])});
     }
-    f.fast.push_back(front.empty() ? kInf : front[0].t);
-    f.by_j.push_back(std::move(front));
+  }
+  Fronts f;
+  f.by_j.resize(L);
+  f.fast.resize(L);
+  for (int j = 0; j < L; ++j) {
+    List& add = added[j];
+    std::sort(add.begin(), add.end(), before);
+    const List* prev = j ? &f.by_j[j - 1] : nullptr;
+    const size_t np = prev ? prev->size() : 0;
+    List& front = f.by_j[j];
+    front.reserve(np + add.size());
+    size_t a = 0, b = 0;
+    while (a < np || b < add.size()) {
+      const Cand& c =
+          (b == add.size() || (a < np && before((*prev)[a], add[b]))) ? (*prev)[a++] : add[b++];
+      if (front.empty() || c.mem < front.back().mem) front.push_back(c);
+    }
+    f.fast[j] = front.empty() ? kInf : front[0].t;
   }
   return f;
 }

@@ -69,6 +69,10 @@ struct PartitionIndex {
   // entry begin[o] and end at begin[o + 1].
   std::vector<int32_t> gmask, gj;
   std::vector<int64_t> begin;
+  // Per row, its first column whose size differs from the previous row's (rows of a
+  // partition are sorted, so maxima over the columns before it carry over); 0 for the
+  // first row of each partition.
+  std::vector<int32_t> from;
 };
 
 // A plan found by the search: objective and, per group in search order, its stage
