@@ -142,6 +142,7 @@ class Planner:
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
         self._placed: dict = {}  # StagePlans by layout and device run
+        self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
         self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._ver = costmodel.version
 
@@ -178,20 +179,45 @@ class Planner:
         before = len(self._tables)
         for w in workloads:
             actor = w.stage("actor_train").model_spec
-            for s in w.planned_stages:
-                self._table(s, actor if s.stage == "rollout" else None, w.dtype)
+            stages = w.planned_stages
+            tables = [
+                self._table(s, actor if s.stage == "rollout" else None, w.dtype) for s in stages
+            ]
+            names = [s.stage for s in stages]
+            r_i = names.index("rollout") if "rollout" in names else -1
+            self._stack(tuple(self._sid(s, actor, w.dtype) for s in stages), tables, r_i)
         return len(self._tables) - before
 
-    def _pareto_lists(self, sid: int, table: _StageTable, variant: str | None, cap: int):
+    def _stack(self, sid: tuple[int, ...], tables: list[_StageTable], r_i: int):
+        """The stages' work matrices stacked (the rollout's intra-node sync variant in its
+        slot, its inter-node one after the last stage) and each block's first row, so that
+        one product prices them all. Both searches price from it (a row's product can
+        differ in the last bit with its place in the matrix); kept per stage shapes."""
+        got = self._stacks.get(sid)
+        if got is None:
+            works = [t.work("intra" if i == r_i else None) for i, t in enumerate(tables)]
+            if r_i >= 0:
+                works.append(tables[r_i].work("inter"))
+            starts = [0]
+            for W in works:
+                starts.append(starts[-1] + len(W))
+            if len(self._stacks) > 64:
+                self._stacks.clear()
+            got = self._stacks[sid] = (np.concatenate(works), starts)
+        return got
+
+    def _pareto_lists(self, key: tuple, table: _StageTable, cap: int, priced, slot: int):
         """({n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n, and the
-        fastest time at each size ``2**j``, inf where nothing fits)."""
-        pk = (sid, variant, self.costmodel.version, cap)
+        fastest time at each size ``2**j``, inf where nothing fits), for block ``slot`` of
+        the stacked product ``priced()`` (see ``_stack``)."""
+        pk = (key, slot, self.costmodel.version, cap)
         got = self._pareto.get(pk)
         if got is not None:
             return got
-        W = table.work(variant)
+        tl, a = priced()
         # Plain floats and ints: the lists are short, numpy per element costs more.
-        tl, ml = (W @ self.costmodel._x).tolist(), table.mem_list
+        ml = table.mem_list
+        tl = tl[a[slot] : a[slot + 1]]
         out = {}
         fast = []
         prev: list = []
@@ -298,12 +324,13 @@ class Planner:
             if len(self._nctx) > 8:
                 self._nctx.clear()
             c = self.cluster
+            W, _ = self._stack(ckey[2], tables, r_i)
             ctx = self._nctx[ckey] = planner_native.make_context(
+                W @ self.costmodel._x,
                 tables,
                 phases,
                 r_i,
                 a_i,
-                self.costmodel._x,
                 cap,
                 c.num_devices,
                 c.devices_per_node,
@@ -328,19 +355,29 @@ class Planner:
         """The reference search in Python: the same answer as ``_search_native``."""
         t0 = time.perf_counter()
         S = len(stages)
+        sid_t = tuple(sid)
+        memo: list = []
+
+        def priced():
+            if not memo:
+                W, starts = self._stack(sid_t, tables, r_i)
+                memo.append(((W @ self.costmodel._x).tolist(), starts))
+            return memo[0]
+
         plain, fast = [], []
         for i, t in enumerate(tables):
             if i == r_i:
                 plain.append(None)
                 fast.append(None)
             else:
-                fronts, fa = self._pareto_lists(sid[i], t, None, cap)
+                fronts, fa = self._pareto_lists(sid_t, t, cap, priced, i)
                 plain.append(fronts)
                 fast.append(fa)
         rvar = {}
         if r_i >= 0:
             (rvar["intra"], fi), (rvar["inter"], fe) = (
-                self._pareto_lists(sid[r_i], tables[r_i], v, cap) for v in ("intra", "inter")
+                self._pareto_lists(sid_t, tables[r_i], cap, priced, slot)
+                for slot in (r_i, len(tables))
             )
             fast[r_i] = [a if a < b else b for a, b in zip(fi, fe)]
         t_tables = time.perf_counter()

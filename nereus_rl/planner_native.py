@@ -5,8 +5,9 @@ lists, cheap and partition bounds, group tables, the branch and bound with its k
 over flat arrays, following the Python modules step by step, so that it returns the same
 plans, objectives (bit for bit), k-best order and tie-breaks. What stays here:
 
-* pricing the stage tables: one numpy product ``W @ (1/e)`` per stage (and per sync
-  variant for the rollout), done once per (stage shapes, efficiency version, capacity);
+* pricing the stage tables: one numpy product of their stacked work matrices with the
+  inverse efficiencies (``Planner._stack``; the Python search prices from the same
+  product), once per (stage shapes, efficiency version, capacity);
 * the index arrays of the set partitions and their maximal size assignments, built by
   ``planner_bounds`` once per (stages, devices) and marshalled once.
 
@@ -39,23 +40,25 @@ def partition_index(pb: PartitionBounds, N: int):
 
 
 def make_context(
+    times: np.ndarray,
     tables: list[_StageTable],
     phases: list[int],
     r_i: int,
     a_i: int,
-    x,
     cap: int,
     max_n: int,
     dpn: int,
     one_node: bool,
 ):
-    """A compiled search context for stage tables priced with inverse efficiencies ``x``.
+    """A compiled search context for stage tables priced as ``times``.
 
     Arguments:
+        times: every stage's layout times one block after the other (the rollout's with
+            its intra-node weight sync), then the rollout's with the inter-node sync
+            (``Planner._stack``'s matrix times the inverse efficiencies).
         tables: the stage tables, in the workload's stage order.
         phases: each stage's phase.
         r_i, a_i: index of rollout and actor_train (-1: absent).
-        x: the cost model's inverse efficiencies.
         cap: usable bytes per device.
         max_n: the cluster's device count (the sizes tabled are the powers of two up to it).
         dpn: devices per node.
@@ -64,16 +67,6 @@ def make_context(
     Returns:
         ``_native.PlanContext``.
     """
-    # One buffer for every stage's times: one array crosses into C++, not one per stage.
-    # (matmul into a slice prices exactly as the reference's ``W @ x``.)
-    works = [t.work("intra" if i == r_i else None) for i, t in enumerate(tables)]
-    if r_i >= 0:
-        works.append(tables[r_i].work("inter"))
-    times = np.empty(sum(len(W) for W in works))
-    off = 0
-    for W in works:
-        np.matmul(W, x, out=times[off : off + len(W)])
-        off += len(W)
     layouts = []
     for t in tables:
         lay = t.__dict__.get("_native")

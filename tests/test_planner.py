@@ -195,7 +195,7 @@ def test_persistent_caches_and_prepare_match_fresh_planner():
             assert [lat for lat, _ in got.k_best] == [lat for lat, _ in fresh.k_best]
     assert len(prepared._tables) == 3 * 6  # every call found its stage tables prepared
     # Tables of superseded efficiency versions are dropped, not accumulated.
-    assert kept_py._pareto and all(key[2] == cm.version for key in kept_py._pareto)
+    assert kept_py._pareto and all(key[-2] == cm.version for key in kept_py._pareto)
     assert kept_py._ginfo and all(key[0] == cm.version for key in kept_py._ginfo)
     assert all(key[-1] == cm.version for key in kept_py._groups)
     if kept.native:
