@@ -101,12 +101,13 @@ def _partition_bounds(S: int, N: int) -> PartitionBounds:
     return PartitionBounds(S, N)
 
 
-def _device_list(devices: Iterable[int] | None, num_devices: int) -> list[int]:
-    """Sorted distinct device ids; a ``range`` with step 1 needs no sort."""
+def _device_list(devices: Iterable[int] | None, num_devices: int) -> range | list[int]:
+    """Sorted distinct device ids; a ``range`` with step 1 is kept as it is (no list of
+    thousands of ids built per call)."""
     if devices is None:
-        return list(range(num_devices))
+        return range(num_devices)
     if isinstance(devices, range) and devices.step == 1:
-        return list(devices)
+        return devices
     return sorted(set(devices))
 
 

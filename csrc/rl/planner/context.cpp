@@ -47,17 +47,24 @@ Context::Context(std::vector<Fronts> fronts, Fronts rollout_inter, std::vector<i
     }
   }
   // cheap_table: members @ per, i.e. per phase the sum over the subset's stages in stage
-  // order; >= _BIG / 2 (some stage fits nothing) is inf. Then the planner's 1e-12 shave.
-  C_.assign((size_t(1) << S_) * L_ * 3, 0.0);
-  for (int mask = 0; mask < (1 << S_); ++mask) {
+  // order (a subset's sum is its lower stages' sum plus its highest stage's time, which
+  // is that order); >= _BIG / 2 (some stage fits nothing) is inf. Then the planner's
+  // 1e-12 shave.
+  const size_t M = size_t(1) << S_;
+  std::vector<double> raw(M * L_ * 3, 0.0);
+  C_.assign(M * L_ * 3, 0.0);
+  for (size_t mask = 1; mask < M; ++mask) {
+    int top = 0;
+    while (mask >> (top + 1)) ++top;
+    const size_t low = mask & ~(size_t(1) << top);
     for (int j = 0; j < L_; ++j) {
-      double* c = &C_[(size_t(mask) * L_ + j) * 3];
-      for (int i = 0; i < S_; ++i) {
-        if (mask >> i & 1) c[phases_[i]] += std::min(smin[i][j], kBig);
-      }
+      const size_t at = (mask * L_ + j) * 3, from = (low * L_ + j) * 3;
+      for (int p = 0; p < 3; ++p) raw[at + p] = raw[from + p];
+      raw[at + phases_[top]] += std::min(smin[top][j], kBig);
       for (int p = 0; p < 3; ++p) {
-        if (c[p] >= kBig / 2) c[p] = kInf;
-        c[p] *= 1.0 - 1e-12;
+        double v = raw[at + p];
+        if (v >= kBig / 2) v = kInf;
+        C_[at + p] = v * (1.0 - 1e-12);
       }
     }
   }
