@@ -86,7 +86,7 @@ PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::ve
   const int64_t* st = starts.data();
   // Keep only each row's real groups: the other columns of idx point at the empty subset.
   for (size_t o = 0; o < masks.size(); ++o) {
-    pb.begin.push_back(int64_t(pb.gmask.size()));
+    pb.begin.push_back(int64_t(pb.gj.size()));
     const int64_t end = o + 1 < masks.size() ? st[o + 1] : R;
     const size_t k = masks[o].size();
     for (int64_t r = st[o]; r < end; ++r) {
@@ -94,15 +94,14 @@ PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::ve
       for (size_t c = 0; c < k; ++c) {
         const int64_t flat = ix[c * R + r];
         check(flat / pb.L == masks[o][c], "idx does not match the partitions' masks");
-        pb.gmask.push_back(int32_t(flat / pb.L));
-        pb.gj.push_back(int32_t(flat % pb.L));
+        pb.gj.push_back(uint8_t(flat % pb.L));
         if (from < 0 && (r == st[o] || flat != ix[c * R + r - 1])) from = int32_t(c);
       }
       check(from >= 0, "a partition's size assignments must be distinct");
-      pb.from.push_back(from);
+      pb.from.push_back(uint8_t(from));
     }
   }
-  pb.begin.push_back(int64_t(pb.gmask.size()));
+  pb.begin.push_back(int64_t(pb.gj.size()));
   pb.masks = std::move(masks);
   return pb;
 }

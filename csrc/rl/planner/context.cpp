@@ -140,12 +140,14 @@ const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
   double pre[17][3];  // pre[c]: maxima over the row's first c columns
   pre[0][0] = pre[0][1] = pre[0][2] = 0.0;
   int64_t row = 0;
+  const double* base[17];  // per column of the partition: its group's bounds at size 1
   for (size_t o = 0; o < P; ++o) {
     const int64_t k = int64_t(pb.masks[o].size());
+    for (int64_t c = 0; c < k; ++c) base[c] = cheap_row(pb.masks[o][c], 0);
     double lo = kInf;
     for (int64_t e = pb.begin[o]; e < pb.begin[o + 1]; e += k, ++row) {
       for (int64_t c = pb.from[row]; c < k; ++c) {
-        const double* v = cheap_row(pb.gmask[e + c], pb.gj[e + c]);
+        const double* v = base[c] + 3 * pb.gj[e + c];
         pre[c + 1][0] = std::max(pre[c][0], v[0]);
         pre[c + 1][1] = std::max(pre[c][1], v[1]);
         pre[c + 1][2] = std::max(pre[c][2], v[2]);

@@ -65,14 +65,15 @@ struct PartitionIndex {
   int S = 0, N = 0, L = 0;
   std::vector<std::vector<int>> masks;  // per partition, its groups as stage bitmasks
   // Rows of every partition (one per maximal size assignment), k = its number of groups
-  // entries each: the group's bitmask and size exponent. Partition o's rows start at
-  // entry begin[o] and end at begin[o + 1].
-  std::vector<int32_t> gmask, gj;
+  // entries each: the size exponent of each group (bytes: the bounds stream through
+  // these thousands of entries on every call that needs them, so they are kept small).
+  // Partition o's rows start at entry begin[o] and end at begin[o + 1].
+  std::vector<uint8_t> gj;
   std::vector<int64_t> begin;
   // Per row, its first column whose size differs from the previous row's (rows of a
   // partition are sorted, so maxima over the columns before it carry over); 0 for the
   // first row of each partition.
-  std::vector<int32_t> from;
+  std::vector<uint8_t> from;
 };
 
 // A plan found by the search: objective and, per group in search order, its stage
