@@ -141,3 +141,32 @@ def test_placed_stage_plans_pass_validation():
             for sp in p.stages:
                 fields = (sp.stage, sp.model, sp.trains, sp.dp, sp.tp, sp.pp, sp.units)
                 assert StagePlan(*fields) == sp and hash(StagePlan(*fields)) == hash(sp)
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        ("actor_train",),
+        ("actor_train", "reference"),
+        ("rollout", "actor_train"),
+        ("actor_train", "critic_train", "reference", "reward"),  # no rollout: r_i = -1
+    ],
+)
+def test_native_equals_python_on_stage_subsets(keep):
+    """Workloads with fewer stages (one stage; no rollout, so no sync variants)."""
+    from dataclasses import replace
+
+    c = cluster_preset("h100x16")
+    cm = CostModel(c, efficiencies={"gemm": 0.45, "attention": 0.3})
+    full = make_workload("ppo", reward="llama-3.1-8b", batch=128, response_len=2048)
+    w = replace(full, stages=tuple(s for s in full.stages if s.stage in keep))
+    assert {s.stage for s in w.planned_stages} == set(keep)
+    for devs in (range(16), range(11), range(3)):
+        try:
+            want = Planner(c, cm, native=False).plan(w, devices=devs, k=6)
+        except PlanInfeasibleError as e:
+            with pytest.raises(PlanInfeasibleError) as got:
+                Planner(c, cm, native=True).plan(w, devices=devs, k=6)
+            assert str(got.value) == str(e)
+            continue
+        _same(Planner(c, cm, native=True).plan(w, devices=devs, k=6), want)

@@ -118,6 +118,8 @@ py::tuple group_of(int mask) {
 
 py::tuple search(Context& ctx, const PartitionIndex& pb, int k) {
   check(k >= 1, "k must be >= 1");
+  check(pb.S == ctx.num_stages() && pb.L <= ctx.num_sizes(),
+        "the partition index must be for this context's stages and at most its devices");
   planner::SearchOut out = ctx.search(pb, k);
   py::list ranked;
   for (const auto& f : out.ranked) {
@@ -155,6 +157,8 @@ void register_planner(py::module_& m) {
       .def(
           "bounds",
           [](Context& ctx, const PartitionIndex& pb) {
+            check(pb.S == ctx.num_stages() && pb.L <= ctx.num_sizes(),
+                  "the partition index must be for this context's stages and at most its devices");
             const auto& b = ctx.bounds(pb);
             return py::make_tuple(b.first, b.second);
           },

@@ -104,6 +104,7 @@ class Context {
   const std::pair<std::vector<int64_t>, std::vector<double>>& bounds(const PartitionIndex& pb);
   const std::vector<double>& cheap() const { return C_; }
   int num_sizes() const { return L_; }
+  int num_stages() const { return S_; }
 
   // Internals shared with the search (search.cpp).
   struct GroupTable {
