@@ -136,8 +136,8 @@ class Planner:
         self._nctx: dict = {}  # (version, cap, ids) -> compiled search context
         self._ids: dict = {}  # (StageWork, actor or None, dtype) -> small int
         self._tables: dict = {}  # id -> _StageTable
-        self._pareto: dict = {}  # (id, variant, version, cap) -> {n: Pareto list}
-        self._groups: dict = {}  # (ids, n, width rule, cap, version) -> group vectors
+        self._pareto: dict = {}  # (ids, block, version, cap) -> {n: Pareto list}
+        self._groups: dict = {}  # (ids, group, n, width rule, cap, version) -> vectors
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
         self._placed: dict = {}  # StagePlans by layout and device run

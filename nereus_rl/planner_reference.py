@@ -112,7 +112,8 @@ def search(pl: Planner, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
         got = groups.get((g, n))
         if got is None:
             lists, thr, both = lists_of(g, n)
-            gkey = (tuple(sid[i] for i in g), n, thr, cap, ver)
+            # Keyed by the whole stack: its product prices the lists (see Planner._stack).
+            gkey = (sid_t, g, n, thr, cap, ver)
             vecs = pl._groups.get(gkey)
             if vecs is None:
                 vecs = pl._groups[gkey] = group_vectors(lists, [phases[i] for i in g], thr, cap)
