@@ -146,13 +146,18 @@ const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
     for (int64_t c = 0; c < k; ++c) base[c] = cheap_row(pb.masks[o][c], 0);
     double lo = kInf;
     for (int64_t e = pb.begin[o]; e < pb.begin[o + 1]; e += k, ++row) {
-      for (int64_t c = pb.from[row]; c < k; ++c) {
+      // Most rows differ from the previous one in the last column only: the columns
+      // before it update the stored maxima, the last one is folded in registers.
+      for (int64_t c = pb.from[row]; c < k - 1; ++c) {
         const double* v = base[c] + 3 * pb.gj[e + c];
         pre[c + 1][0] = std::max(pre[c][0], v[0]);
         pre[c + 1][1] = std::max(pre[c][1], v[1]);
         pre[c + 1][2] = std::max(pre[c][2], v[2]);
       }
-      lo = std::min(lo, (pre[k][0] + pre[k][1]) + pre[k][2]);
+      const double* v = base[k - 1] + 3 * pb.gj[e + k - 1];
+      const double* m = pre[k - 1];
+      const double s = (std::max(m[0], v[0]) + std::max(m[1], v[1])) + std::max(m[2], v[2]);
+      lo = std::min(lo, s);
     }
     lbs[o] = lo;
   }
