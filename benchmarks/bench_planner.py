@@ -1,5 +1,11 @@
 """Planner decision time against OR-Tools SCIP and CP-SAT, and whether the optima match.
 
+The headline planner is the default one: its search compiled (``nereus_rl._native``)
+when the module is built. The same calls are made with the Python search
+(``Planner(native=False)``, the reference) side by side, with the ratio of their CPU
+times (``py/nat``, unprepared and prepared), and ``same`` says whether every call of
+every repeat returned the same plans and objectives on both.
+
 For each cluster size (H200 nodes of 8) the benchmark makes a sequence of planner calls
 in which the signals change from one call to the next (response-length bucket,
 available devices, a refinement of the efficiencies), with one persistent Planner (its
@@ -30,6 +36,7 @@ import json
 import statistics
 import time
 
+from nereus_rl import planner_native
 from nereus_rl.costmodel import CostModel
 from nereus_rl.planner import Planner
 from nereus_rl.planner_milp import solve_cpsat, solve_scip
@@ -51,12 +58,21 @@ SIGNALS = [
 ]
 
 
-def _repeated(n_dev: int, signals, persistent: bool, repeats: int, prepare: bool = False):
+def _repeated(
+    n_dev: int,
+    signals,
+    persistent: bool,
+    repeats: int,
+    prepare: bool = False,
+    native: bool | None = None,
+    answers: list | None = None,
+):
     """Wall and CPU ms of the calls of ``repeats`` runs of the sequence (each run's first
-    call left out when the planner is persistent), and each call's median CPU ms."""
+    call left out when the planner is persistent), and each call's median CPU ms. Each
+    call's (latency, k-best) is appended to ``answers`` when given."""
     wall, cpu, per_call = [], [], [[] for _ in signals]
     for _ in range(repeats):
-        w, c, parts = _calls(n_dev, signals, persistent, prepare)
+        w, c, parts = _calls(n_dev, signals, persistent, prepare, native, answers)
         skip = 1 if persistent else 0
         wall += w[skip:]
         cpu += c[skip:]
@@ -65,15 +81,22 @@ def _repeated(n_dev: int, signals, persistent: bool, repeats: int, prepare: bool
     return wall, cpu, [statistics.median(v) for v in per_call], parts
 
 
-def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
+def _calls(
+    n_dev: int,
+    signals,
+    persistent: bool,
+    prepare: bool = False,
+    native: bool | None = None,
+    answers: list | None = None,
+):
     """Wall and CPU (process) milliseconds of each call of the signal sequence, and the
-    number of set partitions each call searched."""
+    number of set partitions each call searched (``native``: see ``Planner``)."""
     c = cluster_preset(f"h200x{n_dev}")
     cm = CostModel(c)
     base = make_workload(
         "ppo", reward="llama-3.1-8b", batch=2 * n_dev, prompt_len=1024, response_len=2048
     )
-    planner = Planner(c, cm)
+    planner = Planner(c, cm, native=native)
     if prepare:  # a job knows its bucket edges: price their layouts at start-up
         planner.prepare(base.with_response_len(r) for r in sorted({s[0] for s in signals}))
     wall, cpu, parts = [], [], []
@@ -85,12 +108,14 @@ def _calls(n_dev: int, signals, persistent: bool, prepare: bool = False):
         if refine:  # a measured step moves the efficiencies (version bump)
             cm.observe_work({"gemm": 1.0, "mem": 0.5, "allreduce:intra": 0.1}, 3.1)
         devs = range(n_dev - lost) if lost < n_dev else range(n_dev)
-        p = planner if persistent else Planner(c, cm)
+        p = planner if persistent else Planner(c, cm, native=native)
         t0, c0 = time.perf_counter(), time.process_time()
         res = p.plan(w, devices=devs)
         cpu.append((time.process_time() - c0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
         parts.append(res.timings["partitions"])
+        if answers is not None:
+            answers.append(res.k_best)
     return wall, cpu, parts
 
 
@@ -109,18 +134,34 @@ def main() -> None:
     milp_sizes = {32, 64} if args.quick else set(sizes)
     limit = args.milp_limit_s or (20.0 if args.quick else 120.0)
     rows = []
+    native = planner_native.AVAILABLE
+    print(f"headline search: {'compiled (nereus_rl._native)' if native else 'Python'}; CPU ms")
     hdr = (
         f"{'devices':>7} {'plan_ms':>9} {'cpu_ms':>8} {'prep_ms':>8} {'prep_cpu':>8} {'min_ms':>8} "
-        f"{'cold_ms':>9} {'scip_ms':>10} {'scip':>9} "
+        f"{'cold_ms':>9} {'py_cpu':>8} {'py/nat':>6} {'py_prep':>8} {'py/nat':>6} {'same':>5} "
+        f"{'scip_ms':>10} {'scip':>9} "
         f"{'cpsat_ms':>10} {'cpsat':>9} {'step_s':>8} {'=scip':>6} {'=cpsat':>6} {'scip/plan':>9}"
     )
     print(hdr)
     for n in sizes:
         # Medians over calls whose signals differ from the previous call's: all but the
         # first call of each run of the persistent planner (it has no previous call).
-        warm, warm_cpu, warm_calls, parts = _repeated(n, signals, True, args.repeats)
-        prep, prep_cpu, prep_calls, _ = _repeated(n, signals, True, args.repeats, prepare=True)
+        nat_ans, py_ans = [], []
+        warm, warm_cpu, warm_calls, parts = _repeated(
+            n, signals, True, args.repeats, answers=nat_ans
+        )
+        prep, prep_cpu, prep_calls, _ = _repeated(
+            n, signals, True, args.repeats, prepare=True, answers=nat_ans
+        )
         cold, _, _, _ = _repeated(n, signals, False, 1)
+        # The Python search on the same calls (the reference; same answers expected).
+        _, py_cpu, py_calls, _ = _repeated(
+            n, signals, True, args.repeats, native=False, answers=py_ans
+        )
+        _, py_prep_cpu, py_prep_calls, _ = _repeated(
+            n, signals, True, args.repeats, prepare=True, native=False, answers=py_ans
+        )
+        same = nat_ans == py_ans
         plan_ms = statistics.median(warm)
         cold_ms = statistics.median(cold)
         c = cluster_preset(f"h200x{n}")
@@ -137,9 +178,22 @@ def main() -> None:
             "plan_min_ms": min(warm),
             "plan_max_ms": max(warm),
             "num_calls": len(warm),
+            "native": native,
+            "python_cpu_ms": statistics.median(py_cpu),
+            "python_prepared_cpu_ms": statistics.median(py_prep_cpu),
+            "same_answers_as_python": same,
             "calls": [
-                {"signal": list(sig), "cpu_ms": a, "prepared_cpu_ms": b, "partitions": np_}
-                for sig, a, b, np_ in zip(signals, warm_calls, prep_calls, parts)
+                {
+                    "signal": list(sig),
+                    "cpu_ms": a,
+                    "prepared_cpu_ms": b,
+                    "python_cpu_ms": c_,
+                    "python_prepared_cpu_ms": d_,
+                    "partitions": np_,
+                }
+                for sig, a, b, c_, d_, np_ in zip(
+                    signals, warm_calls, prep_calls, py_calls, py_prep_calls, parts
+                )
             ],
             "objective_s": best.latency_s,
         }
@@ -159,6 +213,10 @@ def main() -> None:
                 row[f"{name}_objective_s"] = None
                 row[f"{name}_match"] = None
         row["scip_over_plan_x"] = row["scip_ms"] / plan_ms if row["scip_ms"] else None
+        row["python_over_native_x"] = row["python_cpu_ms"] / row["plan_cpu_ms"]
+        row["python_over_native_prepared_x"] = (
+            row["python_prepared_cpu_ms"] / row["plan_prepared_cpu_ms"]
+        )
         rows.append(row)
 
         def f(v, fmt):
@@ -167,6 +225,9 @@ def main() -> None:
         print(
             f"{n:>7} {plan_ms:>9.2f} {row['plan_cpu_ms']:>8.2f} {row['plan_prepared_ms']:>8.2f} "
             f"{row['plan_prepared_cpu_ms']:>8.2f} {min(warm):>8.2f} {cold_ms:>9.2f} "
+            f"{row['python_cpu_ms']:>8.2f} {row['python_over_native_x']:>6.1f} "
+            f"{row['python_prepared_cpu_ms']:>8.2f} {row['python_over_native_prepared_x']:>6.1f} "
+            f"{f(same, '>5')} "
             f"{f(row['scip_ms'], '>10.0f')} "
             f"{row['scip_status'][:9]:>9} {f(row['cpsat_ms'], '>10.0f')} "
             f"{row['cpsat_status'][:9]:>9} {best.latency_s:>8.2f} "
@@ -182,21 +243,23 @@ def main() -> None:
 
 
 _COMPARED = ("plan_cpu_ms", "plan_prepared_cpu_ms", "plan_ms", "plan_cold_ms")
+_COMPARED_PY = ("python_cpu_ms", "python_prepared_cpu_ms")
 
 
 def _compare(path: str, rows: list[dict]) -> None:
     """Print each size's timings from ``path`` beside this run's, with old/new ratios."""
     with open(path) as fh:
         old = {r["devices"]: r for r in json.load(fh)["rows"]}
-    print(f"\nvs {path} (old / new = speed-up)")
-    print(f"{'devices':>7} " + " ".join(f"{k:>30}" for k in _COMPARED))
+    print(f"\nvs {path} (old -> new, old / new = speed-up)")
     for r in rows:
         o = old.get(r["devices"])
         if o is None:
             continue
-        cells = [f"{o[k]:>9.2f} -> {r[k]:>8.2f} ({o[k] / r[k]:>5.1f}x)" for k in _COMPARED]
+        # The Python search's own figures, when both runs have them (older outputs don't).
+        keys = _COMPARED + tuple(k for k in _COMPARED_PY if k in o)
+        cells = [f"{k}: {o[k]:.2f} -> {r[k]:.2f} ({o[k] / r[k]:.1f}x)" for k in keys]
         same = abs(o["objective_s"] - r["objective_s"]) <= 1e-9 * r["objective_s"]
-        print(f"{r['devices']:>7} " + " ".join(cells) + f"  same optimum: {same}")
+        print(f"{r['devices']:>7} " + "  ".join(cells) + f"  same optimum: {same}")
 
 
 if __name__ == "__main__":

@@ -56,31 +56,39 @@ exact optimum; the others are the next best among plans whose stage layouts are 
 points and whose non-last groups take Pareto vectors (a plan that only swaps in a
 dominated layout or vector is left out).
 
+Compiled search (``planner_native``, csrc/rl/planner/): steps 1 to 3 run in C++ over
+flat arrays when ``nereus_rl._native`` is built (``Planner(native=None)``, the default);
+``native=False`` runs them in Python, the reference. The port follows the Python step by
+step (summation orders, stable sorts, heapq's sift order), so both return the same plans,
+objectives bit for bit and k-best order; tests/test_planner_native.py checks it call by
+call. Pricing is shared: one product of the stacked work matrices of the call's stages
+with the inverse efficiencies (``Planner._stack``).
+
 Caching across calls (``Planner``): stage tables per stage shape (the weight-sync part
-per actor, shared by every bucket); Pareto lists, group tables and the cheap bounds
-per (shapes, efficiency version, capacity), partition bounds also per device count;
-those of a superseded version are dropped. Placed StagePlans are reused when a stage
-gets the same layout on the same run of devices. A call after a signal change rebuilds only what the
-change touched: a bucket change prices the new shapes' layouts
-(``costmodel_work.stage_work``, plain Python, the largest part of such a call;
-``Planner.prepare`` does it ahead for known buckets), a refinement redoes the Pareto
-lists and bounds, a device loss only the partition bounds and the search.
+per actor, shared by every bucket), their stacked work matrices per set of shapes;
+Pareto lists, group tables and the cheap bounds (the compiled search: one context
+holding all of them) per (shapes, efficiency version, capacity), partition bounds also
+per device count; those of a superseded version are dropped. Placed plans are reused
+per (shapes, choices, device run), StagePlans when a stage gets the same layout on the
+same run of devices. A call after a signal change rebuilds only what the change
+touched: a bucket change prices the new shapes' layouts (``costmodel_work.stage_work``,
+plain Python, by far the largest part of such a call; ``Planner.prepare`` does it ahead
+for known buckets), a refinement redoes the pricing, Pareto lists and bounds, a device
+loss only the partition bounds and the search.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 from collections.abc import Iterable
 
 import numpy as np
 
+from nereus_rl import planner_native, planner_reference
 from nereus_rl.costmodel import CostModel
-from nereus_rl.planner_bounds import CheapRows, PartitionBounds, cheap_table
-from nereus_rl.planner_groups import group_vectors
+from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
 from nereus_rl.planner_place import infeasible, place
-from nereus_rl.planner_search import LastGroup, Search
 from nereus_rl.planner_tables import _StageTable
 from nereus_rl.planner_tables import set_partitions as set_partitions  # public, re-exported
 from nereus_rl.planner_types import PlanInfeasibleError as PlanInfeasibleError
@@ -90,21 +98,14 @@ from nereus_rl.planner_types import check_plan_space as check_plan_space
 from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork, Workload
 
-_INF = math.inf
 
-
-@functools.lru_cache(maxsize=32)
-def _partition_bounds(S: int, N: int) -> PartitionBounds:
-    # Depends only on the problem's size: shared by every planner.
-    return PartitionBounds(S, N)
-
-
-def _device_list(devices: Iterable[int] | None, num_devices: int) -> list[int]:
-    """Sorted distinct device ids; a ``range`` with step 1 needs no sort."""
+def _device_list(devices: Iterable[int] | None, num_devices: int) -> range | list[int]:
+    """Sorted distinct device ids; a ``range`` with step 1 is kept as it is (no list of
+    thousands of ids built per call)."""
     if devices is None:
-        return list(range(num_devices))
+        return range(num_devices)
     if isinstance(devices, range) and devices.step == 1:
-        return list(devices)
+        return devices
     return sorted(set(devices))
 
 
@@ -114,18 +115,34 @@ class Planner:
     Arguments:
         cluster: the cluster (device ids ``0 .. num_devices-1``).
         costmodel: prices plans; its ``version`` keys the time caches.
+        native: run the search compiled (``nereus_rl._native``; the default when it is
+            built) or in Python (the reference; same plans, objectives and k-best order).
+
+    Raises:
+        ValueError: ``native=True`` and the compiled search is not built.
     """
 
-    def __init__(self, cluster: ClusterSpec, costmodel: CostModel) -> None:
+    def __init__(
+        self, cluster: ClusterSpec, costmodel: CostModel, *, native: bool | None = None
+    ) -> None:
+        if native and not planner_native.AVAILABLE:
+            raise ValueError(
+                "native=True but nereus_rl._native has no planner search; build it with "
+                "`python setup.py build_ext --inplace` or pass native=False"
+            )
         self.cluster = cluster
         self.costmodel = costmodel
+        self.native = planner_native.AVAILABLE if native is None else native
+        self._nctx: dict = {}  # (version, cap, ids) -> compiled search context
         self._ids: dict = {}  # (StageWork, actor or None, dtype) -> small int
         self._tables: dict = {}  # id -> _StageTable
-        self._pareto: dict = {}  # (id, variant, version, cap) -> {n: Pareto list}
-        self._groups: dict = {}  # (ids, n, width rule, cap, version) -> group vectors
+        self._pareto: dict = {}  # (ids, block, version, cap) -> {n: Pareto list}
+        self._groups: dict = {}  # (ids, group, n, width rule, cap, version) -> vectors
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
         self._placed: dict = {}  # StagePlans by layout and device run
+        self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
+        self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._ver = costmodel.version
 
     def _sid(self, sw: StageWork, actor, dtype: str) -> int:
@@ -161,37 +178,31 @@ class Planner:
         before = len(self._tables)
         for w in workloads:
             actor = w.stage("actor_train").model_spec
-            for s in w.planned_stages:
-                self._table(s, actor if s.stage == "rollout" else None, w.dtype)
+            stages = w.planned_stages
+            tables = [
+                self._table(s, actor if s.stage == "rollout" else None, w.dtype) for s in stages
+            ]
+            names = [s.stage for s in stages]
+            r_i = names.index("rollout") if "rollout" in names else -1
+            self._stack(tuple(self._sid(s, actor, w.dtype) for s in stages), tables, r_i)
         return len(self._tables) - before
 
-    def _pareto_lists(self, sid: int, table: _StageTable, variant: str | None, cap: int):
-        """({n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n, and the
-        fastest time at each size ``2**j``, inf where nothing fits)."""
-        pk = (sid, variant, self.costmodel.version, cap)
-        got = self._pareto.get(pk)
-        if got is not None:
-            return got
-        W = table.W if variant is None else table.W + table.sync[variant]
-        # Plain floats and ints: the lists are short, numpy per element costs more.
-        tl, ml = (W @ self.costmodel._x).tolist(), table.mem_list
-        out = {}
-        fast = []
-        prev: list = []
-        n = 1
-        while n <= self.cluster.num_devices:
-            cand = prev + [(tl[i], ml[i], i, n) for i in table.by_d.get(n, ()) if ml[i] <= cap]
-            cand.sort()
-            front, best_mem = [], None
-            for c in cand:
-                if best_mem is None or c[1] < best_mem:
-                    front.append(c)
-                    best_mem = c[1]
-            out[n] = front
-            fast.append(front[0][0] if front else _INF)
-            prev = front
-            n *= 2
-        got = self._pareto[pk] = (out, fast)
+    def _stack(self, sid: tuple[int, ...], tables: list[_StageTable], r_i: int):
+        """The stages' work matrices stacked (the rollout's intra-node sync variant in its
+        slot, its inter-node one after the last stage) and each block's first row, so that
+        one product prices them all. Both searches price from it (a row's product can
+        differ in the last bit with its place in the matrix); kept per stage shapes."""
+        got = self._stacks.get(sid)
+        if got is None:
+            works = [t.work("intra" if i == r_i else None) for i, t in enumerate(tables)]
+            if r_i >= 0:
+                works.append(tables[r_i].work("inter"))
+            starts = [0]
+            for W in works:
+                starts.append(starts[-1] + len(W))
+            if len(self._stacks) > 64:
+                self._stacks.clear()
+            got = self._stacks[sid] = (np.concatenate(works), starts)
         return got
 
     def plan(
@@ -230,10 +241,10 @@ class Planner:
             self._pareto.clear()
             self._groups.clear()
             self._ginfo.clear()
+            self._nctx.clear()
             self._ver = ver
         cap = self.costmodel.capacity_bytes
         stages = list(workload.planned_stages)
-        S = len(stages)
         actor = workload.stage("actor_train").model_spec
         names = [s.stage for s in stages]
         phases = [s.phase for s in stages]
@@ -242,129 +253,74 @@ class Planner:
         sid = [self._sid(s, actor, workload.dtype) for s in stages]
         dtype = workload.dtype
         tables = [self._tables.get(i) or self._table(s, actor, dtype) for i, s in zip(sid, stages)]
-        plain, fast = [], []
-        for i, t in enumerate(tables):
-            if i == r_i:
-                plain.append(None)
-                fast.append(None)
-            else:
-                fronts, fa = self._pareto_lists(sid[i], t, None, cap)
-                plain.append(fronts)
-                fast.append(fa)
-        rvar = {}
-        if r_i >= 0:
-            (rvar["intra"], fi), (rvar["inter"], fe) = (
-                self._pareto_lists(sid[r_i], tables[r_i], v, cap) for v in ("intra", "inter")
-            )
-            fast[r_i] = [a if a < b else b for a, b in zip(fi, fe)]
-        t_tables = time.perf_counter()
-
-        # Everything below depends on the stage shapes, efficiencies and capacity only:
-        # kept across calls (a device loss reuses the group tables).
-        ckey = (ver, cap, tuple(sid))
-        info = self._ginfo.get(ckey)
-        if info is None:
-            if len(self._ginfo) > 8:
-                self._ginfo.clear()
-            info = self._ginfo[ckey] = ({}, {}, {})
-        groups, lasts, bounds = info
-        dpn = self.cluster.devices_per_node
-        one_node = self.cluster.num_nodes == 1
-
-        def lists_of(g: tuple[int, ...], n: int) -> tuple[list, int, bool]:
-            """The group's stage lists at n, its width rule, and whether it has one."""
-            both = r_i in g and a_i in g
-            # The cost model's rule: intra-node sync when the cluster is one node, or
-            # rollout and actor_train share a group within a node.
-            intra = one_node or (both and n <= dpn)
-            thr = dpn if (both and not intra) else 0
-            var = rvar.get("intra" if intra else "inter")
-            return [(var if i == r_i else plain[i])[n] for i in g], thr, both
-
-        def gi(g: tuple[int, ...], n: int):
-            """(Pareto vectors, whether no size up to n can fit) of group g at size n."""
-            got = groups.get((g, n))
-            if got is None:
-                lists, thr, both = lists_of(g, n)
-                gkey = (tuple(sid[i] for i in g), n, thr, cap, ver)
-                vecs = self._groups.get(gkey)
-                if vecs is None:
-                    vecs = self._groups[gkey] = group_vectors(
-                        lists, [phases[i] for i in g], thr, cap
-                    )
-                # Empty: nothing fits at n; for a group without rollout and actor_train
-                # also at no smaller size (F_s(m) is dominated within F_s(n), m <= n).
-                got = groups[(g, n)] = (vecs, not vecs and not both)
-            return got
-
-        def gl(g: tuple[int, ...], n: int):
-            """(LastGroup or None, next size worth searching) of the last group at n."""
-            got = lasts.get((g, n))
-            if got is None:
-                lists, thr, _ = lists_of(g, n)
-                lg = LastGroup(lists, [phases[i] for i in g], thr, cap) if all(lists) else None
-                # A larger size holds every smaller size's choices, except that a group
-                # with the width rule gets the intra-node sync at a node or less.
-                nxt = dpn if (thr and n > dpn) else 0
-                got = lasts[(g, n)] = (lg, nxt)
-            return got
-
-        # Cheap bounds of every stage subset at every size (one table for all device
-        # counts), then of every partition on N devices (planner_bounds).
-        Cl = bounds.get("rows")
-        if Cl is None:
-            # Each stage's fastest layout alone at each size (the rollout: the faster of
-            # its two sync variants).
-            C = cheap_table(np.array(fast), phases)
-            # Shave a relative 1e-12: the bounds are sums in another order than the
-            # search's, and a bound must never exceed what it bounds.
-            C *= 1.0 - 1e-12
-            Cl = bounds["rows"] = CheapRows(C)
-        pb = _partition_bounds(S, N)
-        got = bounds.get(N)
-        if got is None:
-            lbs = pb.partition_bounds(Cl.C[:, : pb.L])
-            order = np.argsort(lbs, kind="stable")[: int(np.count_nonzero(lbs < _INF))]
-            got = bounds[N] = (order.tolist(), lbs.tolist())
-        order, lbs = got
-        if not order:
-            raise infeasible(stages, tables, N, cap)
-        t_bounds = time.perf_counter()
-
-        search = Search(Cl, gi, gl, k)
-        jmax = pb.L - 1
-        nparts = 0
-        for o in order:
-            if lbs[o] >= search.thr:
-                break
-            nparts += 1
-            # Heavy groups first: the size loop prunes best when they come early.
-            gm = sorted(zip(pb.parts[o], pb.masks[o]), key=lambda x: -sum(Cl[x[1]][jmax]))
-            search.run([g for g, _ in gm], [m for _, m in gm], N)
-        if not search.best:
-            raise infeasible(stages, tables, N, cap)
-        t_search = time.perf_counter()
-        ranked = sorted(search.best, key=lambda e: -e[0])
-        plans = [(-e[0], place(stages, tables, e[2], devs, self._placed)) for e in ranked]
+        args = (stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
+        if self.native:
+            ranked, timings = self._search_native(*args)
+        else:
+            ranked, timings = planner_reference.search(self, *args)
+        timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
+        plans = [(obj, self._place(stages, tables, sid, picks, devs)) for obj, picks in ranked]
         # Placement is node-aligned when the devices are a run starting on a node
         # boundary; otherwise (holes after a loss) price the placed plans as placed.
-        aligned = devs[-1] - devs[0] == N - 1 and devs[0] % dpn == 0
+        aligned = devs[-1] - devs[0] == N - 1 and devs[0] % self.cluster.devices_per_node == 0
         if not aligned:
             plans = sorted(
                 ((self.costmodel.step_latency(p, workload).total_s, p) for _, p in plans),
                 key=lambda lp: lp[0],
             )
-        t_end = time.perf_counter()
-        timings = {
-            "tables_ms": (t_tables - t0) * 1e3,
-            "bounds_ms": (t_bounds - t_tables) * 1e3,
-            "search_ms": (t_search - t_bounds) * 1e3,
-            "total_ms": (t_end - t0) * 1e3,
-            "nodes": search.nodes,
-            "partitions": nparts,
-            "aligned": aligned,
-        }
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        timings["aligned"] = aligned
         return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
+
+    def _place(self, stages, tables, sid, picks, devs) -> GlobalPlan:
+        """``place``, with whole plans kept per (stage shapes, choices, device run): a
+        call whose signals changed often picks a plan an earlier call placed."""
+        if devs[-1] - devs[0] != len(devs) - 1:
+            return place(stages, tables, picks, devs, self._placed)
+        key = (tuple(sid), tuple(picks), devs[0], len(devs))
+        got = self._plans.get(key)
+        if got is None:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            got = self._plans[key] = place(stages, tables, picks, devs, self._placed)
+        return got
+
+    def _search_native(self, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
+        """The compiled search (``planner_native``): ``([(objective, picks)] best first,
+        timings)``; its context is kept per (version, capacity, stage shapes)."""
+        t0 = time.perf_counter()
+        ckey = (ver, cap, tuple(sid))
+        ctx = self._nctx.get(ckey)
+        if ctx is None:
+            if len(self._nctx) > 8:
+                self._nctx.clear()
+            c = self.cluster
+            W, _ = self._stack(ckey[2], tables, r_i)
+            ctx = self._nctx[ckey] = planner_native.make_context(
+                W @ self.costmodel._x,
+                tables,
+                phases,
+                r_i,
+                a_i,
+                cap,
+                c.num_devices,
+                c.devices_per_node,
+                c.num_nodes == 1,
+            )
+        t_ctx = time.perf_counter()
+        pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+        ranked, nodes, nparts, bounds_ms, search_ms = ctx.search(pidx, k)
+        if not ranked:
+            raise infeasible(stages, tables, N, cap)
+        timings = {
+            "_start": t0,
+            "tables_ms": (t_ctx - t0) * 1e3,
+            "bounds_ms": bounds_ms,
+            "search_ms": search_ms,
+            "nodes": nodes,
+            "partitions": nparts,
+        }
+        return ranked, timings
 
 
 _PLANNERS: dict = {}

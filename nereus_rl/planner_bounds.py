@@ -147,3 +147,10 @@ class PartitionBounds:
         for c in range(1, vals.shape[1]):
             np.maximum(top, vals[:, c], out=top)
         return np.minimum.reduceat(top.sum(axis=0), self.starts)
+
+
+@functools.lru_cache(maxsize=32)
+def partition_bounds_of(S: int, N: int) -> PartitionBounds:
+    """``PartitionBounds(S, N)``, kept: it depends only on the problem's size, so every
+    planner shares it."""
+    return PartitionBounds(S, N)

@@ -77,6 +77,7 @@ class _StageTable:
         for i, di in enumerate(d):
             self.by_d.setdefault(di, []).append(i)
         self.sync = {}
+        self._work: dict = {}  # variant -> W + sync[variant]
         if sw.stage == "rollout" and actor is not None:
             # The weight sync does not depend on lengths: shared by every bucket's table.
             sk = (actor, sw.model_spec, max_d, dtype)
@@ -89,3 +90,13 @@ class _StageTable:
                     for t in ("intra", "inter")
                 }
             self.sync = got
+
+    def work(self, variant: str | None) -> np.ndarray:
+        """The work matrix, with the weight sync of ``variant`` added for the rollout (kept:
+        the sum does not depend on the efficiencies)."""
+        if variant is None:
+            return self.W
+        got = self._work.get(variant)
+        if got is None:
+            got = self._work[variant] = self.W + self.sync[variant]
+        return got

@@ -176,7 +176,8 @@ def test_persistent_caches_and_prepare_match_fresh_planner():
     c = cluster_preset("h200x32")
     cm = CostModel(c)
     base = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
-    kept, prepared = Planner(c, cm), Planner(c, cm)
+    # The default search (compiled when built) and the Python reference.
+    kept, prepared, kept_py = Planner(c, cm), Planner(c, cm), Planner(c, cm, native=False)
     buckets = (1024, 2048, 4096)
     assert prepared.prepare(base.with_response_len(b) for b in buckets) == 3 * 6
     assert prepared.prepare([base]) == 0
@@ -188,15 +189,17 @@ def test_persistent_caches_and_prepare_match_fresh_planner():
         w = base.with_response_len(resp)
         devs = range(32 - lost)
         fresh = Planner(c, cm).plan(w, devices=devs, k=3)
-        for p in (kept, prepared):
+        for p in (kept, prepared, kept_py):
             got = p.plan(w, devices=devs, k=3)
             assert got.latency_s == fresh.latency_s
             assert [lat for lat, _ in got.k_best] == [lat for lat, _ in fresh.k_best]
     assert len(prepared._tables) == 3 * 6  # every call found its stage tables prepared
     # Tables of superseded efficiency versions are dropped, not accumulated.
-    assert kept._pareto and all(key[2] == cm.version for key in kept._pareto)
-    assert kept._ginfo and all(key[0] == cm.version for key in kept._ginfo)
-    assert all(key[-1] == cm.version for key in kept._groups)
+    assert kept_py._pareto and all(key[-2] == cm.version for key in kept_py._pareto)
+    assert kept_py._ginfo and all(key[0] == cm.version for key in kept_py._ginfo)
+    assert all(key[-1] == cm.version for key in kept_py._groups)
+    if kept.native:
+        assert kept._nctx and all(key[0] == cm.version for key in kept._nctx)
 
 
 @pytest.mark.parametrize("cluster,lost", [("a100x8", 0), ("h100x16", 3), ("h200x8", 2)])
@@ -226,7 +229,7 @@ def test_partition_bounds_never_exceed_the_partitions_best():
     c = cluster_preset("a100x8")  # memory-bound: the bound must ignore memory soundly
     cm = CostModel(c, efficiencies={"gemm": 0.4, "mem": 0.7})
     w = make_workload("grpo", batch=64, group_size=4, response_len=4096)
-    pl = Planner(c, cm)
+    pl = Planner(c, cm, native=False)  # reads the Python search's bounds
     for N in (8, 6, 5):
         exact = brute_force(w, c, cm, N=N, per_partition=True)
         if min(exact.values()) == np.inf:  # 5 devices: nothing fits, the planner says so

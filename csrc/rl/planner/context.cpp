@@ -1,0 +1,172 @@
+// Per-(shapes, efficiencies, capacity) data of the compiled search: the cheap bounds of
+// every stage subset, the partition bounds on N devices (ports of planner_bounds), and the
+// group tables and last-group data, built on first use and kept across calls.
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+#include "planner/planner.h"
+
+#pragma GCC optimize("fp-contract=off")
+
+namespace nereus_rl::planner {
+
+namespace {
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// planner_bounds._BIG: finite stand-in for "no layout fits" inside the masked sum.
+constexpr double kBig = 1e300;
+
+int log2_exact(int64_t n) {
+  int j = 0;
+  while ((int64_t(1) << j) < n) ++j;
+  return j;
+}
+}  // namespace
+
+Context::Context(std::vector<Fronts> fronts, Fronts rollout_inter, std::vector<int> phases, int r_i,
+                 int a_i, int64_t cap, int64_t dpn, bool one_node)
+    : fronts_(std::move(fronts)),
+      rinter_(std::move(rollout_inter)),
+      phases_(std::move(phases)),
+      S_(int(fronts_.size())),
+      r_i_(r_i),
+      a_i_(a_i),
+      L_(int(fronts_.at(0).fast.size())),
+      cap_(cap),
+      dpn_(dpn),
+      one_node_(one_node) {
+  // Each stage's fastest layout alone at each size (rollout: the faster sync variant).
+  std::vector<std::vector<double>> smin(S_);
+  for (int i = 0; i < S_; ++i) {
+    smin[i] = fronts_[i].fast;
+    if (i == r_i_) {
+      for (int j = 0; j < L_; ++j) {
+        double a = fronts_[i].fast[j], b = rinter_.fast[j];
+        smin[i][j] = a < b ? a : b;
+      }
+    }
+  }
+  // cheap_table: members @ per, i.e. per phase the sum over the subset's stages in stage
+  // order (a subset's sum is its lower stages' sum plus its highest stage's time, which
+  // is that order); >= _BIG / 2 (some stage fits nothing) is inf. Then the planner's
+  // 1e-12 shave.
+  const size_t M = size_t(1) << S_;
+  std::vector<double> raw(M * L_ * 3, 0.0);
+  C_.assign(M * L_ * 3, 0.0);
+  for (size_t mask = 1; mask < M; ++mask) {
+    int top = 0;
+    while (mask >> (top + 1)) ++top;
+    const size_t low = mask & ~(size_t(1) << top);
+    for (int j = 0; j < L_; ++j) {
+      const size_t at = (mask * L_ + j) * 3, from = (low * L_ + j) * 3;
+      for (int p = 0; p < 3; ++p) raw[at + p] = raw[from + p];
+      raw[at + phases_[top]] += std::min(smin[top][j], kBig);
+      for (int p = 0; p < 3; ++p) {
+        double v = raw[at + p];
+        if (v >= kBig / 2) v = kInf;
+        C_[at + p] = v * (1.0 - 1e-12);
+      }
+    }
+  }
+}
+
+std::vector<const List*> Context::lists_of(int mask, int64_t n, int64_t* thr, bool* both) const {
+  *both = r_i_ >= 0 && a_i_ >= 0 && (mask >> r_i_ & 1) && (mask >> a_i_ & 1);
+  // The cost model's rule: intra-node sync when the cluster is one node, or rollout and
+  // actor_train share a group within a node.
+  const bool intra = one_node_ || (*both && n <= dpn_);
+  *thr = (*both && !intra) ? dpn_ : 0;
+  const int j = log2_exact(n);
+  std::vector<const List*> lists;
+  for (int i = 0; i < S_; ++i) {
+    if (!(mask >> i & 1)) continue;
+    const Fronts& f = (i == r_i_ && !intra) ? rinter_ : fronts_[i];
+    lists.push_back(&f.by_j[j]);
+  }
+  return lists;
+}
+
+const Context::GroupTable& Context::group_table(int mask, int64_t n) {
+  auto key = std::make_pair(mask, n);
+  auto it = groups_.find(key);
+  if (it != groups_.end()) return it->second;
+  int64_t thr;
+  bool both;
+  auto lists = lists_of(mask, n, &thr, &both);
+  std::vector<int> ph;
+  for (int i = 0; i < S_; ++i) {
+    if (mask >> i & 1) ph.push_back(phases_[i]);
+  }
+  GroupTable gt{group_vectors(lists, ph, thr, cap_), false};
+  // Empty: nothing fits at n; for a group without rollout and actor_train also at no
+  // smaller size.
+  gt.stop = gt.vecs.empty() && !both;
+  return groups_.emplace(key, std::move(gt)).first->second;
+}
+
+const Context::LastInfo& Context::last_info(int mask, int64_t n) {
+  auto key = std::make_pair(mask, n);
+  auto it = lasts_.find(key);
+  if (it != lasts_.end()) return it->second;
+  int64_t thr;
+  bool both;
+  auto lists = lists_of(mask, n, &thr, &both);
+  LastInfo li;
+  bool all = std::all_of(lists.begin(), lists.end(), [](const List* l) { return !l->empty(); });
+  if (all) {
+    std::vector<int> ph;
+    for (int i = 0; i < S_; ++i) {
+      if (mask >> i & 1) ph.push_back(phases_[i]);
+    }
+    li.lg = std::make_unique<LastGroup>(lists, ph, thr, cap_);
+  }
+  // A larger size holds every smaller size's choices, except that a group with the width
+  // rule gets the intra-node sync at a node or less.
+  li.nxt = (thr && n > dpn_) ? dpn_ : 0;
+  return lasts_.emplace(key, std::move(li)).first->second;
+}
+
+const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
+    const PartitionIndex& pb) {
+  auto it = bounds_.find(pb.N);
+  if (it != bounds_.end()) return it->second;
+  if (bounds_.size() > 16) bounds_.clear();
+  // PartitionBounds.partition_bounds: per row (a partition with one maximal size
+  // assignment) the per-phase maximum over its groups, summed over phases; the minimum
+  // over each partition's rows. (The reference's extra columns hit the empty subset,
+  // whose bounds are 0: the maxima start there.)
+  const size_t P = pb.masks.size();
+  std::vector<double> lbs(P, kInf);
+  double pre[17][3];  // pre[c]: maxima over the row's first c columns
+  pre[0][0] = pre[0][1] = pre[0][2] = 0.0;
+  int64_t row = 0;
+  const double* base[17];  // per column of the partition: its group's bounds at size 1
+  for (size_t o = 0; o < P; ++o) {
+    const int64_t k = int64_t(pb.masks[o].size());
+    for (int64_t c = 0; c < k; ++c) base[c] = cheap_row(pb.masks[o][c], 0);
+    double lo = kInf;
+    for (int64_t e = pb.begin[o]; e < pb.begin[o + 1]; e += k, ++row) {
+      // Most rows differ from the previous one in the last column only: the columns
+      // before it update the stored maxima, the last one is folded in registers.
+      for (int64_t c = pb.from[row]; c < k - 1; ++c) {
+        const double* v = base[c] + 3 * pb.gj[e + c];
+        pre[c + 1][0] = std::max(pre[c][0], v[0]);
+        pre[c + 1][1] = std::max(pre[c][1], v[1]);
+        pre[c + 1][2] = std::max(pre[c][2], v[2]);
+      }
+      const double* v = base[k - 1] + 3 * pb.gj[e + k - 1];
+      const double* m = pre[k - 1];
+      const double s = (std::max(m[0], v[0]) + std::max(m[1], v[1])) + std::max(m[2], v[2]);
+      lo = std::min(lo, s);
+    }
+    lbs[o] = lo;
+  }
+  std::vector<int64_t> order(P);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lbs[a] < lbs[b]; });
+  order.resize(std::count_if(lbs.begin(), lbs.end(), [](double v) { return v < kInf; }));
+  return bounds_.emplace(pb.N, std::make_pair(std::move(order), std::move(lbs))).first->second;
+}
+
+}  // namespace nereus_rl::planner

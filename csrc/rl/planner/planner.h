@@ -1,0 +1,137 @@
+// Compiled search of the exact planner (nereus_rl/planner.py has the design; the Python
+// modules planner_search.py, planner_groups.py and planner_bounds.py are the reference
+// this code follows step by step).
+//
+// The result must be identical to the Python search: same plans, same objectives (bit
+// for bit), same k-best order and tie-breaks. So every floating-point sum here is taken
+// in the order the Python code takes it, every sort is stable with the same key, and the
+// k-best heap replays heapq's exact sift order.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace nereus_rl::planner {
+
+// One entry of a stage's Pareto list: a layout's time, memory, index and devices.
+struct Cand {
+  double t;
+  int64_t mem;
+  int32_t li;
+  int32_t d;
+};
+using List = std::vector<Cand>;
+
+// Pareto lists F_s(2^j) of one stage (one sync variant for rollout) for every size
+// 2^j <= max_n, sorted by time with memory falling, and the fastest time at each size
+// (+inf where nothing fits).
+struct Fronts {
+  std::vector<List> by_j;
+  std::vector<double> fast;
+};
+
+// Port of Planner._pareto_lists: t, mem, d per layout (layouts in table order).
+Fronts build_fronts(const double* t, const int64_t* mem, const int64_t* d, int64_t num_layouts,
+                    int64_t cap, int64_t max_n);
+
+// One Pareto phase vector of a colocation group and the layout index of each stage.
+struct GroupVec {
+  double v[3];
+  std::vector<int32_t> choices;
+};
+
+// Port of planner_groups.group_vectors.
+std::vector<GroupVec> group_vectors(const std::vector<const List*>& lists,
+                                    const std::vector<int>& phases, int64_t thr, int64_t cap);
+
+// Port of planner_search.LastGroup: what the last group's depth-first search needs.
+struct LastGroup {
+  std::vector<const List*> lists;
+  std::vector<int> phases;
+  int64_t thr = 0, cap = 0;
+  std::vector<std::array<double, 3>> rmin;
+  std::vector<int64_t> rmem;
+  std::vector<char> rflag;
+  LastGroup(std::vector<const List*> lists, std::vector<int> phases, int64_t thr, int64_t cap);
+};
+
+// Set partitions of the stages with their maximal size assignments on N devices (the
+// index arrays of planner_bounds.PartitionBounds, marshalled once per (S, N)).
+struct PartitionIndex {
+  int S = 0, N = 0, L = 0;
+  std::vector<std::vector<int>> masks;  // per partition, its groups as stage bitmasks
+  // Rows of every partition (one per maximal size assignment), k = its number of groups
+  // entries each: the size exponent of each group (bytes: the bounds stream through
+  // these thousands of entries on every call that needs them, so they are kept small).
+  // Partition o's rows start at entry begin[o] and end at begin[o + 1].
+  std::vector<uint8_t> gj;
+  std::vector<int64_t> begin;
+  // Per row, its first column whose size differs from the previous row's (rows of a
+  // partition are sorted, so maxima over the columns before it carry over); 0 for the
+  // first row of each partition.
+  std::vector<uint8_t> from;
+};
+
+// A plan found by the search: objective and, per group in search order, its stage
+// bitmask and the layout index of each of its stages.
+struct Found {
+  double obj;
+  std::vector<std::pair<int, std::vector<int32_t>>> picks;
+};
+
+struct SearchOut {
+  std::vector<Found> ranked;  // best first; empty: nothing fits
+  int64_t nodes = 0, partitions = 0;
+  double bounds_ms = 0, search_ms = 0;
+};
+
+// Everything the search needs for one (stage shapes, efficiencies, capacity): the
+// stages' Pareto lists, the cheap bounds of every stage subset, and caches of group
+// tables, last-group data and partition bounds (per device count) across calls.
+class Context {
+ public:
+  // fronts: per stage (the rollout's slot holds its intra-node sync variant);
+  // rollout_inter: the rollout's inter-node variant (unused when r_i < 0).
+  Context(std::vector<Fronts> fronts, Fronts rollout_inter, std::vector<int> phases, int r_i,
+          int a_i, int64_t cap, int64_t dpn, bool one_node);
+
+  SearchOut search(const PartitionIndex& pb, int k);
+  // (order of the partitions to search, every partition's bound) on pb.N devices.
+  const std::pair<std::vector<int64_t>, std::vector<double>>& bounds(const PartitionIndex& pb);
+  const std::vector<double>& cheap() const { return C_; }
+  int num_sizes() const { return L_; }
+  int num_stages() const { return S_; }
+
+  // Internals shared with the search (search.cpp).
+  struct GroupTable {
+    std::vector<GroupVec> vecs;
+    bool stop;
+  };
+  struct LastInfo {
+    std::unique_ptr<LastGroup> lg;
+    int64_t nxt;
+  };
+  const GroupTable& group_table(int mask, int64_t n);
+  const LastInfo& last_info(int mask, int64_t n);
+  const double* cheap_row(int mask, int j) const { return &C_[(size_t(mask) * L_ + j) * 3]; }
+
+ private:
+  std::vector<const List*> lists_of(int mask, int64_t n, int64_t* thr, bool* both) const;
+
+  std::vector<Fronts> fronts_;
+  Fronts rinter_;
+  std::vector<int> phases_;
+  int S_, r_i_, a_i_, L_;
+  int64_t cap_, dpn_;
+  bool one_node_;
+  std::vector<double> C_;  // (2^S, L, 3) cheap bounds, shaved
+  std::map<std::pair<int, int64_t>, GroupTable> groups_;
+  std::map<std::pair<int, int64_t>, LastInfo> lasts_;
+  std::map<int, std::pair<std::vector<int64_t>, std::vector<double>>> bounds_;
+};
+
+}  // namespace nereus_rl::planner

@@ -1,0 +1,76 @@
+"""The compiled search of the exact planner (``nereus_rl._native``; see ``nereus_rl.planner``).
+
+The C++ code (csrc/rl/planner/) runs steps 1 to 3 of the planner's algorithm (Pareto
+lists, cheap and partition bounds, group tables, the branch and bound with its k best)
+over flat arrays, following the Python modules step by step, so that it returns the same
+plans, objectives (bit for bit), k-best order and tie-breaks. What stays here:
+
+* pricing the stage tables: one numpy product of their stacked work matrices with the
+  inverse efficiencies (``Planner._stack``; the Python search prices from the same
+  product), once per (stage shapes, efficiency version, capacity);
+* the index arrays of the set partitions and their maximal size assignments, built by
+  ``planner_bounds`` once per (stages, devices) and marshalled once.
+
+A :class:`NativeContext` holds one compiled context; its caches (group tables,
+partition bounds per device count) survive across calls, like the Python planner's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from nereus_rl.planner_bounds import PartitionBounds
+from nereus_rl.planner_tables import _StageTable
+
+try:
+    from nereus_rl import _native
+except ImportError:  # a source checkout without the built module
+    _native = None
+
+#: Whether the compiled search is there (``nereus_rl._native`` built with the planner).
+AVAILABLE = _native is not None and hasattr(_native, "PlanContext")
+
+
+@functools.lru_cache(maxsize=32)
+def partition_index(pb: PartitionBounds, N: int):
+    """The compiled copy of ``pb``'s index arrays (``pb`` is itself cached per (S, N))."""
+    return _native.PartitionIndex(pb.idx, pb.starts, [list(m) for m in pb.masks], N)
+
+
+def make_context(
+    times: np.ndarray,
+    tables: list[_StageTable],
+    phases: list[int],
+    r_i: int,
+    a_i: int,
+    cap: int,
+    max_n: int,
+    dpn: int,
+    one_node: bool,
+):
+    """A compiled search context for stage tables priced as ``times``.
+
+    Arguments:
+        times: every stage's layout times one block after the other (the rollout's with
+            its intra-node weight sync), then the rollout's with the inter-node sync
+            (``Planner._stack``'s matrix times the inverse efficiencies).
+        tables: the stage tables, in the workload's stage order.
+        phases: each stage's phase.
+        r_i, a_i: index of rollout and actor_train (-1: absent).
+        cap: usable bytes per device.
+        max_n: the cluster's device count (the sizes tabled are the powers of two up to it).
+        dpn: devices per node.
+        one_node: whether the cluster is one node.
+
+    Returns:
+        ``_native.PlanContext``.
+    """
+    layouts = []
+    for t in tables:
+        lay = t.__dict__.get("_native")
+        if lay is None:  # fixed for the table: marshalled once
+            lay = t._native = _native.StageLayouts(t.mem, t.d)
+        layouts.append(lay)
+    return _native.PlanContext(times, layouts, phases, r_i, a_i, cap, max_n, dpn, one_node)
