@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
+from nereus_rl import transition_native
 from nereus_rl.globalplan import GlobalPlan, fmt_devices
 from nereus_rl.transition import (
     DEFAULT_CAPACITY,
@@ -49,6 +50,7 @@ from nereus_rl.transition import (
     default_primitive_cost,
     default_unit_memory,
     longest_path,
+    predicted_completion_time,
 )
 from nereus_rl.transition_diff import diff_plans
 from nereus_rl.transition_refine import makespan_lower_bound, refine_by_list_schedule
@@ -68,6 +70,7 @@ def compile_transition(
     cost_fn: PrimitiveCostFn = default_primitive_cost,
     refine: bool = True,
     stage_slots: bool = True,
+    native: bool | None = None,
 ) -> TransitionDAG:
     """Compile the change ``current -> target`` into a deadlock-free DAG of primitives.
 
@@ -86,6 +89,10 @@ def compile_transition(
         stage_slots: a device serves at most one unit of each stage at a time. False
             lets a new unit share devices with an old unit of its stage while memory
             allows (needed, e.g., to grow the tp of a stage with a single unit).
+        native: run the simulation, refinement and completion time in C++
+            (:mod:`nereus_rl.transition_native`; the same DAG, its object fields built
+            on first access). None (default): when ``nereus_rl._native`` has it; False:
+            the Python compiler, the reference; True: require it.
     Returns:
         the DAG, with a safe order and the funding certificate.
     Raises:
@@ -114,6 +121,28 @@ def compile_transition(
                 f"{len(after)} devices exist ({fmt_devices(sorted(after))}): plan over those"
             )
         diff = diff_plans(cur, target, lost_devices=lost_set)
+        if native is None:
+            native = transition_native.available()
+        elif native and not transition_native.available():
+            raise RuntimeError(
+                "compile_transition(native=True): nereus_rl._native has no transition "
+                "compiler; rebuild it (python setup.py build_ext --inplace) or pass native=None"
+            )
+        if native:
+            dag = transition_native.compile_native(
+                cur,
+                target,
+                diff,
+                exist,
+                lost_set,
+                unit_memory,
+                capacity,
+                cost_fn,
+                refine,
+                stage_slots,
+            )
+            if dag is not None:
+                return dag
         sim = Simulation(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots)
         dag = sim.run()
         if not refine:
@@ -207,4 +236,4 @@ def transition_cost(
         InfeasibleTargetError, StateLossError: as :func:`compile_transition`.
     """
     dag = compile_transition(current, target, cost_fn=cost_fn, **compile_kwargs)  # type: ignore[arg-type]
-    return longest_path(dag, [cost_fn(p) for p in dag.primitives])[0]
+    return predicted_completion_time(dag, cost_fn)

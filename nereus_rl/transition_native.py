@@ -1,0 +1,274 @@
+"""The transition DAG compiler's compiled path: simulation, refinement and completion in C++.
+
+:func:`compile_native` takes the plan diff (:mod:`nereus_rl.transition_diff`, still
+Python) and runs the rest of :func:`~nereus_rl.transition_compile.compile_transition`
+in ``nereus_rl._native`` (``csrc/rl/transition/``): the sequential simulation that
+orders, funds and anchors the primitives, the list-schedule refinement and the
+predicted completion time. The C++ mirrors the Python step for step (same orders, same
+float operations), so the DAG is identical field by field; the golden fingerprints and
+a randomized comparison test both paths.
+
+What is lazy. The returned :class:`NativeTransitionDAG` is a :class:`TransitionDAG`
+whose ``primitives``, ``edges``, ``order``, ``funding``, ``anchors``,
+``early_destroys`` and ``unit_bytes`` are built (in C++, from the compact result) on
+first access; everything that decides them has run by the time the compile returns.
+:func:`~nereus_rl.transition_paths.predicted_completion_time` of such a DAG, with the
+compile's cost function or the default table, comes straight from C++ without building
+them. Building all of them costs about as much again as the compile at 1,024 devices
+(see ``benchmarks/bench_transition_plan.py``, which reports both).
+
+Costs. The default table (:func:`~nereus_rl.transition.default_primitive_cost`) is
+evaluated in C++ from the primitives' kinds and bytes (with the module's bandwidth
+constants as they are at call time); any other ``cost_fn`` is called once per primitive
+(the primitives are built for it) and the durations are passed to C++ as an array.
+
+Errors. When C++ reports that no DAG exists (a device over capacity before or after,
+or every acquisition blocked), the Python simulation is run on the same diff and raises
+the error with its exact message; nothing else has happened by then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from nereus_rl import transition as _tr
+from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.transition import (
+    CapacityLike,
+    Edge,
+    Funding,
+    Placement,
+    Primitive,
+    PrimitiveCostFn,
+    TransitionDAG,
+    Unit,
+    UnitMemoryFn,
+    capacity_of,
+    default_primitive_cost,
+)
+from nereus_rl.transition_diff import TransitionDiff
+
+try:
+    from nereus_rl import _native
+
+    _simulate = getattr(_native, "transition_simulate", None)
+except ImportError:  # the package runs without its compiled module (the Python path)
+    _simulate = None
+
+#: The DAG fields built from the compiled result on first access.
+LAZY_FIELDS = (
+    "primitives",
+    "edges",
+    "order",
+    "funding",
+    "anchors",
+    "early_destroys",
+    "unit_bytes",
+)
+
+#: Unit-memory functions that depend only on a unit's (model, trains, tp, pp): called once
+#: per distinct layout instead of once per unit. Add one with :func:`memory_by_layout`.
+_BY_LAYOUT: set[Callable[..., float]] = set()
+
+
+def available() -> bool:
+    """True when ``nereus_rl._native`` has the compiled transition compiler."""
+    return _simulate is not None
+
+
+def memory_by_layout(fn: UnitMemoryFn) -> UnitMemoryFn:
+    """Declare that ``fn(unit)`` depends only on ``(model, trains, tp, pp)``.
+
+    The native path then calls it once per distinct layout, not once per unit.
+
+    Arguments:
+        fn: a unit-memory function.
+    Returns:
+        ``fn`` itself.
+    """
+    _BY_LAYOUT.add(fn)
+    return fn
+
+
+memory_by_layout(_tr.default_unit_memory)
+
+
+class _Lazy:
+    """A DAG field built from the compiled result on first access, then stored on the
+    instance (a non-data descriptor: the stored value shadows it from then on)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, dag: object, owner: type | None = None) -> object:
+        if dag is None:
+            return self
+        native = dag.__dict__["_native"]
+        if self.name == "primitives":
+            value = native.primitives(Primitive)
+        elif self.name == "edges":
+            value = native.edges(Edge)
+        elif self.name == "funding":
+            value = native.funding(Funding)
+        else:
+            value = getattr(native, self.name)()
+        dag.__dict__[self.name] = value
+        return value
+
+
+class NativeTransitionDAG(TransitionDAG):
+    """A :class:`TransitionDAG` whose object fields are built from C++ on first access.
+
+    Equal (``==``) to a :class:`TransitionDAG` with the same fields.
+    """
+
+    primitives = _Lazy()  # type: ignore[assignment]
+    edges = _Lazy()  # type: ignore[assignment]
+    order = _Lazy()  # type: ignore[assignment]
+    funding = _Lazy()  # type: ignore[assignment]
+    anchors = _Lazy()  # type: ignore[assignment]
+    early_destroys = _Lazy()  # type: ignore[assignment]
+    unit_bytes = _Lazy()  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransitionDAG):
+            return NotImplemented
+        names = [f.name for f in dataclasses.fields(TransitionDAG)]
+        return all(getattr(self, n) == getattr(other, n) for n in names)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def native_completion_time(self, cost_fn: PrimitiveCostFn) -> float | None:
+        """The critical path by ``cost_fn`` from C++, when it needs no primitive objects.
+
+        Returns:
+            seconds, or None when ``cost_fn`` is neither the compile's cost function
+            nor the default table (the caller then prices the primitives itself).
+        """
+        native = self.__dict__.get("_native")
+        if native is None:
+            return None
+        if cost_fn is self.__dict__.get("_cost_fn") and native.durations():
+            return native.completion_time_set()
+        if cost_fn is default_primitive_cost:
+            return native.completion_time(_table(native))
+        return native.completion_time([float(cost_fn(p)) for p in self.primitives])
+
+
+def _table(native: object) -> list[float]:
+    """The default cost table's durations, computed in C++ (restores the set ones)."""
+    had = native.durations()  # type: ignore[attr-defined]
+    native.set_table_durations(  # type: ignore[attr-defined]
+        1.0, _tr.DEFAULT_EXTEND_BYTES_PER_S, 0.5, _tr.DEFAULT_RESHARD_BYTES_PER_S, 0.1
+    )
+    out = native.durations()  # type: ignore[attr-defined]
+    if had:
+        native.set_durations(had)  # type: ignore[attr-defined]
+    return out
+
+
+def _memories(units: list[Unit], unit_memory: UnitMemoryFn) -> list[float]:
+    if unit_memory not in _BY_LAYOUT:
+        return list(map(float, map(unit_memory, units)))
+    cache: dict[tuple[str, bool, int, int], float] = {}
+    out = []
+    for u in units:
+        key = (u.model, u.trains, u.tp, u.pp)
+        m = cache.get(key)
+        if m is None:
+            m = cache[key] = float(unit_memory(u))
+        out.append(m)
+    return out
+
+
+def compile_native(
+    cur: Placement,
+    target: GlobalPlan,
+    diff: TransitionDiff,
+    exist: frozenset[int],
+    lost: frozenset[int],
+    unit_memory: UnitMemoryFn,
+    capacity: CapacityLike,
+    cost_fn: PrimitiveCostFn,
+    refine: bool,
+    stage_slots: bool,
+) -> TransitionDAG | None:
+    """The DAG of ``diff`` (see :func:`compile_transition`), compiled in C++.
+
+    Arguments:
+        cur: the live units.
+        target: the target plan (its stage order is the tie-break).
+        diff: ``diff_plans(cur, target, lost_devices=lost)``.
+        exist: devices that exist during the transition.
+        lost: lost devices.
+        unit_memory, capacity, cost_fn, refine, stage_slots: as ``compile_transition``.
+    Returns:
+        the DAG (a :class:`NativeTransitionDAG`), identical to the Python compiler's, or
+        None when a created unit would reuse a uid (the Python compiler handles that).
+    Raises:
+        InfeasibleTargetError: as ``compile_transition`` (raised by the Python simulation).
+    """
+    created = [*diff.extends, *(t for _, t in diff.merges)]
+    for _, halves in diff.splits:
+        created += halves
+    for _, halves, t in diff.relayouts:
+        created += [*halves, t]
+    units = [*cur.units, *created]
+    mems = _memories(units, unit_memory)
+    exist_list = list(exist)  # the Python compiler's device order
+    if isinstance(capacity, Mapping):
+        cap = [capacity_of(capacity, d) for d in exist_list]
+    else:
+        cap = [float(capacity)] * len(exist_list)
+    native = _simulate(
+        units,
+        mems,
+        len(cur.units),
+        list(target.stage_names),
+        diff.lost,
+        diff.splits,
+        diff.relayouts,
+        diff.merges,
+        diff.extends,
+        diff.destroys,
+        diff.target.units,
+        exist_list,
+        cap,
+        list(lost),
+        stage_slots,
+    )
+    if native.status == -1:
+        return None  # a created unit reuses a uid: the Python compiler handles that
+    if native.status != 0:
+        _raise_python(cur, target, diff, exist, lost, unit_memory, capacity, stage_slots)
+    if refine:
+        if cost_fn is default_primitive_cost:
+            _table(native)
+        else:
+            prims = native.primitives(Primitive)
+            native.set_durations([float(cost_fn(p)) for p in prims])
+        native.refine()
+    dag = object.__new__(NativeTransitionDAG)
+    set_ = object.__setattr__
+    set_(dag, "_native", native)
+    set_(dag, "_cost_fn", cost_fn if refine else None)
+    set_(dag, "current", cur)
+    set_(dag, "target", diff.target)
+    set_(dag, "capacity", capacity)
+    set_(dag, "devices", exist)
+    set_(dag, "stage_slots", stage_slots)
+    if refine and cost_fn is not default_primitive_cost:
+        set_(dag, "primitives", prims)
+    return dag
+
+
+def _raise_python(cur, target, diff, exist, lost, unit_memory, capacity, stage_slots):
+    """Run the Python simulation of the same diff: it raises the error C++ reported."""
+    from nereus_rl.transition_simulate import Simulation
+
+    Simulation(cur, diff, target, exist, lost, unit_memory, capacity, stage_slots).run()
+    raise AssertionError(
+        "the native transition compiler found no DAG but the Python simulation compiled "
+        "the same diff; report this as a bug"
+    )
