@@ -101,8 +101,20 @@ def compile_transition(
             exceed it, or no order reaches the target without overfilling a device.
         StateLossError: the target would lose a state (see :func:`diff_plans`).
     """
+    if native is None:
+        native = transition_native.available()
+    elif native and not transition_native.available():
+        raise RuntimeError(
+            "compile_transition(native=True): nereus_rl._native has no transition "
+            "compiler; rebuild it (python setup.py build_ext --inplace) or pass native=None"
+        )
     with _gc_paused():
-        cur = current if isinstance(current, Placement) else Placement.from_plan(current)
+        if isinstance(current, Placement):
+            cur = current
+        elif native:
+            cur = transition_native.placement_from_plan(current)
+        else:
+            cur = Placement.from_plan(current)
         lost_set = frozenset(lost_devices)
         cur_devices = cur.devices
         # target.devices, with the units' devices gathered in C
@@ -120,19 +132,10 @@ def compile_transition(
                 f"{fmt_devices(missing)} (used by {stages}) do not exist or are lost; "
                 f"{len(after)} devices exist ({fmt_devices(sorted(after))}): plan over those"
             )
-        diff = diff_plans(cur, target, lost_devices=lost_set)
-        if native is None:
-            native = transition_native.available()
-        elif native and not transition_native.available():
-            raise RuntimeError(
-                "compile_transition(native=True): nereus_rl._native has no transition "
-                "compiler; rebuild it (python setup.py build_ext --inplace) or pass native=None"
-            )
         if native:
             dag = transition_native.compile_native(
                 cur,
                 target,
-                diff,
                 exist,
                 lost_set,
                 unit_memory,
@@ -143,6 +146,7 @@ def compile_transition(
             )
             if dag is not None:
                 return dag
+        diff = diff_plans(cur, target, lost_devices=lost_set)
         sim = Simulation(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots)
         dag = sim.run()
         if not refine:

@@ -1,12 +1,11 @@
 """The transition DAG compiler's compiled path: simulation, refinement and completion in C++.
 
-:func:`compile_native` takes the plan diff (:mod:`nereus_rl.transition_diff`, still
-Python) and runs the rest of :func:`~nereus_rl.transition_compile.compile_transition`
-in ``nereus_rl._native`` (``csrc/rl/transition/``): the sequential simulation that
-orders, funds and anchors the primitives, the list-schedule refinement and the
-predicted completion time. The C++ mirrors the Python step for step (same orders, same
-float operations), so the DAG is identical field by field; the golden fingerprints and
-a randomized comparison test both paths.
+:func:`compile_native` runs :func:`~nereus_rl.transition_compile.compile_transition`
+after its device checks in ``nereus_rl._native`` (``csrc/rl/transition/``): the plan
+diff, the sequential simulation that orders, funds and anchors the primitives, the
+list-schedule refinement and the predicted completion time. The C++ mirrors the
+Python step for step (same orders, same float operations), so the DAG is identical
+field by field; the golden fingerprints and a randomized comparison test both paths.
 
 What is lazy. The returned :class:`NativeTransitionDAG` is a :class:`TransitionDAG`
 whose ``primitives``, ``edges``, ``order``, ``funding``, ``anchors``,
@@ -22,9 +21,10 @@ evaluated in C++ from the primitives' kinds and bytes (with the module's bandwid
 constants as they are at call time); any other ``cost_fn`` is called once per primitive
 (the primitives are built for it) and the durations are passed to C++ as an array.
 
-Errors. When C++ reports that no DAG exists (a device over capacity before or after,
-or every acquisition blocked), the Python simulation is run on the same diff and raises
-the error with its exact message; nothing else has happened by then.
+Errors. When C++ reports that no DAG exists (a state would be lost, a device is over
+capacity before or after, or every acquisition is blocked), the Python diff and
+simulation run on the same input and raise the error with its exact message; nothing
+else has happened by then.
 """
 
 from __future__ import annotations
@@ -47,14 +47,15 @@ from nereus_rl.transition import (
     capacity_of,
     default_primitive_cost,
 )
-from nereus_rl.transition_diff import TransitionDiff
+from nereus_rl.transition_diff import diff_plans
+from nereus_rl.transition_simulate import Simulation
 
 try:
     from nereus_rl import _native
 
-    _simulate = getattr(_native, "transition_simulate", None)
+    _HAVE = hasattr(_native, "transition_diff")
 except ImportError:  # the package runs without its compiled module (the Python path)
-    _simulate = None
+    _HAVE = False
 
 #: The DAG fields built from the compiled result on first access.
 LAZY_FIELDS = (
@@ -74,7 +75,7 @@ _BY_LAYOUT: set[Callable[..., float]] = set()
 
 def available() -> bool:
     """True when ``nereus_rl._native`` has the compiled transition compiler."""
-    return _simulate is not None
+    return _HAVE
 
 
 def memory_by_layout(fn: UnitMemoryFn) -> UnitMemoryFn:
@@ -149,7 +150,7 @@ class NativeTransitionDAG(TransitionDAG):
         native = self.__dict__.get("_native")
         if native is None:
             return None
-        if cost_fn is self.__dict__.get("_cost_fn") and native.durations():
+        if cost_fn is self.__dict__.get("_cost_fn") and native.has_durations:
             return native.completion_time_set()
         if cost_fn is default_primitive_cost:
             return native.completion_time(_table(native))
@@ -168,24 +169,20 @@ def _table(native: object) -> list[float]:
     return out
 
 
-def _memories(units: list[Unit], unit_memory: UnitMemoryFn) -> list[float]:
-    if unit_memory not in _BY_LAYOUT:
-        return list(map(float, map(unit_memory, units)))
-    cache: dict[tuple[str, bool, int, int], float] = {}
-    out = []
-    for u in units:
-        key = (u.model, u.trains, u.tp, u.pp)
-        m = cache.get(key)
-        if m is None:
-            m = cache[key] = float(unit_memory(u))
-        out.append(m)
+def placement_from_plan(plan: GlobalPlan) -> Placement:
+    """``Placement.from_plan(plan)``, its units built in C++.
+
+    Uids ``"<stage>#<i>"`` are unique by construction (GlobalPlan's stage names are
+    unique and a stage's counter has no ``#``), so Placement's own uid check is skipped.
+    """
+    out = object.__new__(Placement)
+    object.__setattr__(out, "units", _native.transition_units_from_plan(plan.stages, Unit))
     return out
 
 
 def compile_native(
     cur: Placement,
     target: GlobalPlan,
-    diff: TransitionDiff,
     exist: frozenset[int],
     lost: frozenset[int],
     unit_memory: UnitMemoryFn,
@@ -194,54 +191,42 @@ def compile_native(
     refine: bool,
     stage_slots: bool,
 ) -> TransitionDAG | None:
-    """The DAG of ``diff`` (see :func:`compile_transition`), compiled in C++.
+    """The DAG of ``cur -> target`` (see :func:`compile_transition`), compiled in C++.
 
     Arguments:
         cur: the live units.
         target: the target plan (its stage order is the tie-break).
-        diff: ``diff_plans(cur, target, lost_devices=lost)``.
         exist: devices that exist during the transition.
         lost: lost devices.
         unit_memory, capacity, cost_fn, refine, stage_slots: as ``compile_transition``.
     Returns:
         the DAG (a :class:`NativeTransitionDAG`), identical to the Python compiler's, or
-        None when a created unit would reuse a uid (the Python compiler handles that).
+        None when a created unit would reuse a current uid (the Python compiler then
+        compiles it).
     Raises:
+        StateLossError: as ``diff_plans`` (raised by the Python diff).
         InfeasibleTargetError: as ``compile_transition`` (raised by the Python simulation).
     """
-    created = [*diff.extends, *(t for _, t in diff.merges)]
-    for _, halves in diff.splits:
-        created += halves
-    for _, halves, t in diff.relayouts:
-        created += [*halves, t]
-    units = [*cur.units, *created]
-    mems = _memories(units, unit_memory)
+    native = _native.transition_diff(cur.units, target.stages, list(lost), Unit)
+    if native.status == _STATE_LOSS:
+        diff_plans(cur, target, lost_devices=lost)  # raises the StateLossError
+        raise AssertionError(_DISAGREE)
+    if native.status == -1:
+        return None
+    if unit_memory in _BY_LAYOUT:
+        native.set_layout_memory([float(unit_memory(u)) for u in native.layout_units()])
+    else:
+        native.set_memory(list(map(float, map(unit_memory, native.memory_units()))))
     exist_list = list(exist)  # the Python compiler's device order
     if isinstance(capacity, Mapping):
         cap = [capacity_of(capacity, d) for d in exist_list]
     else:
         cap = [float(capacity)] * len(exist_list)
-    native = _simulate(
-        units,
-        mems,
-        len(cur.units),
-        list(target.stage_names),
-        diff.lost,
-        diff.splits,
-        diff.relayouts,
-        diff.merges,
-        diff.extends,
-        diff.destroys,
-        diff.target.units,
-        exist_list,
-        cap,
-        list(lost),
-        stage_slots,
-    )
-    if native.status == -1:
-        return None  # a created unit reuses a uid: the Python compiler handles that
+    native.simulate(exist_list, cap, stage_slots)
     if native.status != 0:
-        _raise_python(cur, target, diff, exist, lost, unit_memory, capacity, stage_slots)
+        diff = diff_plans(cur, target, lost_devices=lost)
+        Simulation(cur, diff, target, exist, lost, unit_memory, capacity, stage_slots).run()
+        raise AssertionError(_DISAGREE)
     if refine:
         if cost_fn is default_primitive_cost:
             _table(native)
@@ -249,12 +234,14 @@ def compile_native(
             prims = native.primitives(Primitive)
             native.set_durations([float(cost_fn(p)) for p in prims])
         native.refine()
+    final = object.__new__(Placement)  # uids unique: checked by the diff
+    object.__setattr__(final, "units", native.target_units())
     dag = object.__new__(NativeTransitionDAG)
     set_ = object.__setattr__
     set_(dag, "_native", native)
     set_(dag, "_cost_fn", cost_fn if refine else None)
     set_(dag, "current", cur)
-    set_(dag, "target", diff.target)
+    set_(dag, "target", final)
     set_(dag, "capacity", capacity)
     set_(dag, "devices", exist)
     set_(dag, "stage_slots", stage_slots)
@@ -263,12 +250,8 @@ def compile_native(
     return dag
 
 
-def _raise_python(cur, target, diff, exist, lost, unit_memory, capacity, stage_slots):
-    """Run the Python simulation of the same diff: it raises the error C++ reported."""
-    from nereus_rl.transition_simulate import Simulation
-
-    Simulation(cur, diff, target, exist, lost, unit_memory, capacity, stage_slots).run()
-    raise AssertionError(
-        "the native transition compiler found no DAG but the Python simulation compiled "
-        "the same diff; report this as a bug"
-    )
+_STATE_LOSS = 4
+_DISAGREE = (
+    "the native transition compiler found no DAG but the Python compiler compiled the "
+    "same transition; report this as a bug"
+)

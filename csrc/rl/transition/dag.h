@@ -26,7 +26,13 @@ enum Why : int8_t {
 };
 
 // Result codes the Python front turns into the Python compiler's exceptions.
-enum Status : int { kOk = 0, kCurrentOverCapacity = 1, kTargetOverCapacity = 2, kBlocked = 3 };
+enum Status : int {
+  kOk = 0,
+  kCurrentOverCapacity = 1,
+  kTargetOverCapacity = 2,
+  kBlocked = 3,
+  kStateLoss = 4,
+};
 
 /// One unit: devices are dense indices; states are model ids (weights) and
 /// num_models + stage (optimizer).
@@ -34,6 +40,7 @@ struct Unit {
   int stage = 0;
   int model = 0;
   bool trains = false;
+  int tp = 1, pp = 1;
   std::vector<int> dev;
   double mem = 0.0;
   int num_states = 1;
