@@ -109,12 +109,21 @@ def compile_transition(
             "compiler; rebuild it (python setup.py build_ext --inplace) or pass native=None"
         )
     with _gc_paused():
-        if isinstance(current, Placement):
-            cur = current
-        elif native:
-            cur = transition_native.placement_from_plan(current)
-        else:
-            cur = Placement.from_plan(current)
+        if native:
+            dag = transition_native.compile_native(
+                current,
+                target,
+                devices=devices,
+                lost_devices=lost_devices,
+                unit_memory=unit_memory,
+                capacity=capacity,
+                cost_fn=cost_fn,
+                refine=refine,
+                stage_slots=stage_slots,
+            )
+            if dag is not None:
+                return dag
+        cur = current if isinstance(current, Placement) else Placement.from_plan(current)
         lost_set = frozenset(lost_devices)
         cur_devices = cur.devices
         # target.devices, with the units' devices gathered in C
@@ -132,20 +141,6 @@ def compile_transition(
                 f"{fmt_devices(missing)} (used by {stages}) do not exist or are lost; "
                 f"{len(after)} devices exist ({fmt_devices(sorted(after))}): plan over those"
             )
-        if native:
-            dag = transition_native.compile_native(
-                cur,
-                target,
-                exist,
-                lost_set,
-                unit_memory,
-                capacity,
-                cost_fn,
-                refine,
-                stage_slots,
-            )
-            if dag is not None:
-                return dag
         diff = diff_plans(cur, target, lost_devices=lost_set)
         sim = Simulation(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots)
         dag = sim.run()

@@ -30,7 +30,7 @@ else has happened by then.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from nereus_rl import transition as _tr
 from nereus_rl.globalplan import GlobalPlan
@@ -47,18 +47,19 @@ from nereus_rl.transition import (
     capacity_of,
     default_primitive_cost,
 )
-from nereus_rl.transition_diff import diff_plans
-from nereus_rl.transition_simulate import Simulation
 
 try:
     from nereus_rl import _native
 
-    _HAVE = hasattr(_native, "transition_diff")
+    _HAVE = hasattr(_native, "transition_front")
 except ImportError:  # the package runs without its compiled module (the Python path)
     _HAVE = False
 
 #: The DAG fields built from the compiled result on first access.
 LAZY_FIELDS = (
+    "current",
+    "target",
+    "devices",
     "primitives",
     "edges",
     "order",
@@ -106,7 +107,11 @@ class _Lazy:
         if dag is None:
             return self
         native = dag.__dict__["_native"]
-        if self.name == "primitives":
+        if self.name in ("current", "target"):
+            value = _placement(getattr(native, f"{self.name}_units")())
+        elif self.name == "devices":
+            value = frozenset(native.exist_devices())
+        elif self.name == "primitives":
             value = native.primitives(Primitive)
         elif self.name == "edges":
             value = native.edges(Edge)
@@ -124,6 +129,9 @@ class NativeTransitionDAG(TransitionDAG):
     Equal (``==``) to a :class:`TransitionDAG` with the same fields.
     """
 
+    current = _Lazy()  # type: ignore[assignment]
+    target = _Lazy()  # type: ignore[assignment]
+    devices = _Lazy()  # type: ignore[assignment]
     primitives = _Lazy()  # type: ignore[assignment]
     edges = _Lazy()  # type: ignore[assignment]
     order = _Lazy()  # type: ignore[assignment]
@@ -175,58 +183,66 @@ def placement_from_plan(plan: GlobalPlan) -> Placement:
     Uids ``"<stage>#<i>"`` are unique by construction (GlobalPlan's stage names are
     unique and a stage's counter has no ``#``), so Placement's own uid check is skipped.
     """
-    out = object.__new__(Placement)
-    object.__setattr__(out, "units", _native.transition_units_from_plan(plan.stages, Unit))
+    return _placement(_native.transition_units_from_plan(plan.stages, Unit))
+
+
+def _placement(units: tuple[Unit, ...]) -> Placement:
+    out = object.__new__(Placement)  # uids unique: made so by the diff or the plan
+    object.__setattr__(out, "units", units)
     return out
 
 
 def compile_native(
-    cur: Placement,
+    current: Placement | GlobalPlan,
     target: GlobalPlan,
-    exist: frozenset[int],
-    lost: frozenset[int],
+    *,
+    devices: Collection[int] | None,
+    lost_devices: Collection[int],
     unit_memory: UnitMemoryFn,
     capacity: CapacityLike,
     cost_fn: PrimitiveCostFn,
     refine: bool,
     stage_slots: bool,
 ) -> TransitionDAG | None:
-    """The DAG of ``cur -> target`` (see :func:`compile_transition`), compiled in C++.
+    """``compile_transition`` in C++: the same arguments, the same DAG (or error).
 
-    Arguments:
-        cur: the live units.
-        target: the target plan (its stage order is the tie-break).
-        exist: devices that exist during the transition.
-        lost: lost devices.
-        unit_memory, capacity, cost_fn, refine, stage_slots: as ``compile_transition``.
     Returns:
-        the DAG (a :class:`NativeTransitionDAG`), identical to the Python compiler's, or
-        None when a created unit would reuse a current uid (the Python compiler then
-        compiles it).
+        the DAG (a :class:`NativeTransitionDAG`), or None when a created unit would reuse
+        a current uid (the Python compiler then compiles it).
     Raises:
-        StateLossError: as ``diff_plans`` (raised by the Python diff).
-        InfeasibleTargetError: as ``compile_transition`` (raised by the Python simulation).
+        what ``compile_transition(..., native=False)`` raises, raised by it: when C++
+        reports that no DAG exists, the Python compiler runs on the same input.
     """
-    native = _native.transition_diff(cur.units, target.stages, list(lost), Unit)
-    if native.status == _STATE_LOSS:
-        diff_plans(cur, target, lost_devices=lost)  # raises the StateLossError
-        raise AssertionError(_DISAGREE)
+    from_plan = not isinstance(current, Placement)
+    native = _native.transition_front(
+        current.stages if from_plan else current.units,
+        from_plan,
+        target.stages,
+        None if devices is None else list(devices),
+        list(lost_devices),
+        Unit,
+    )
+    args = (current, target, devices, lost_devices, unit_memory, capacity, stage_slots)
     if native.status == -1:
         return None
+    if native.status != 0:
+        _raise_python(*args)
+    # Capacity before memory, as the Python compiler reads them.
+    cap, scalar = None, 0.0
+    if isinstance(capacity, Mapping):
+        try:
+            cap = [capacity_of(capacity, d) for d in native.exist_devices()]
+        except KeyError:
+            _raise_python(*args)  # the KeyError of the Python compiler's device order
+    else:
+        scalar = float(capacity)
     if unit_memory in _BY_LAYOUT:
         native.set_layout_memory([float(unit_memory(u)) for u in native.layout_units()])
     else:
         native.set_memory(list(map(float, map(unit_memory, native.memory_units()))))
-    exist_list = list(exist)  # the Python compiler's device order
-    if isinstance(capacity, Mapping):
-        cap = [capacity_of(capacity, d) for d in exist_list]
-    else:
-        cap = [float(capacity)] * len(exist_list)
-    native.simulate(exist_list, cap, stage_slots)
+    native.simulate(cap, scalar, stage_slots)
     if native.status != 0:
-        diff = diff_plans(cur, target, lost_devices=lost)
-        Simulation(cur, diff, target, exist, lost, unit_memory, capacity, stage_slots).run()
-        raise AssertionError(_DISAGREE)
+        _raise_python(*args)
     if refine:
         if cost_fn is default_primitive_cost:
             _table(native)
@@ -234,23 +250,37 @@ def compile_native(
             prims = native.primitives(Primitive)
             native.set_durations([float(cost_fn(p)) for p in prims])
         native.refine()
-    final = object.__new__(Placement)  # uids unique: checked by the diff
-    object.__setattr__(final, "units", native.target_units())
     dag = object.__new__(NativeTransitionDAG)
     set_ = object.__setattr__
     set_(dag, "_native", native)
     set_(dag, "_cost_fn", cost_fn if refine else None)
-    set_(dag, "current", cur)
-    set_(dag, "target", final)
+    if not from_plan:
+        set_(dag, "current", current)
     set_(dag, "capacity", capacity)
-    set_(dag, "devices", exist)
     set_(dag, "stage_slots", stage_slots)
     if refine and cost_fn is not default_primitive_cost:
         set_(dag, "primitives", prims)
     return dag
 
 
-_STATE_LOSS = 4
+def _raise_python(current, target, devices, lost_devices, unit_memory, capacity, stage_slots):
+    """Run the Python compiler on the same input: it raises the error C++ reported."""
+    from nereus_rl.transition_compile import compile_transition
+
+    compile_transition(
+        current,
+        target,
+        devices=devices,
+        lost_devices=lost_devices,
+        unit_memory=unit_memory,
+        capacity=capacity,
+        refine=False,
+        stage_slots=stage_slots,
+        native=False,
+    )
+    raise AssertionError(_DISAGREE)
+
+
 _DISAGREE = (
     "the native transition compiler found no DAG but the Python compiler compiled the "
     "same transition; report this as a bug"
