@@ -42,12 +42,12 @@ py::tuple NativeDag::primitives(py::object cls) {
   py::tuple out(c.prims.size());
   for (size_t p = 0; p < c.prims.size(); ++p) {
     const Prim& pr = c.prims[p];
-    auto units_of = [&](const std::vector<int>& us) {
+    auto units_of = [&](const SmallVec<int, 2>& us) {
       PyObject* t = PyTuple_New(Py_ssize_t(us.size()));
       for (size_t i = 0; i < us.size(); ++i) PyTuple_SET_ITEM(t, i, unit(us[i]));
       return t;
     };
-    auto bytes_of = [&](const std::vector<int>& us, bool skip_lost) {
+    auto bytes_of = [&](const SmallVec<int, 2>& us, bool skip_lost) {
       size_t k = 0;
       for (int u : us)
         for (int d : pb.units[u].dev) k += !(skip_lost && pb.lostdev[d]);

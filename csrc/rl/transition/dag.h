@@ -5,8 +5,12 @@
 // identical; tests/test_transition_golden.py checks both paths.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <utility>
 #include <vector>
 
 namespace nereus_rl::transition {
@@ -34,6 +38,57 @@ enum Status : int {
   kStateLoss = 4,
 };
 
+/// A vector with N elements inline (no allocation up to N): units have few devices and
+/// primitives few units, and a compile makes thousands of each. T is trivially copyable.
+template <typename T, size_t N>
+class SmallVec {
+ public:
+  SmallVec() = default;
+  SmallVec(std::initializer_list<T> xs) { assign(xs.begin(), xs.end()); }
+  SmallVec(const SmallVec& o) { assign(o.begin(), o.end()); }
+  SmallVec& operator=(const SmallVec& o) {
+    if (this != &o) assign(o.begin(), o.end());
+    return *this;
+  }
+  template <typename It>
+  void assign(It b, It e) {
+    resize(size_t(std::distance(b, e)));
+    std::copy(b, e, data());
+  }
+  void resize(size_t n) {
+    if (n > N) {
+      if (n_ <= N) heap_.assign(buf_, buf_ + n_);
+      heap_.resize(n);
+    }
+    n_ = n;
+  }
+  void push_back(const T& x) {
+    resize(n_ + 1);
+    data()[n_ - 1] = x;
+  }
+  template <typename... A>
+  void emplace_back(A&&... a) {
+    push_back(T{std::forward<A>(a)...});
+  }
+  T* data() { return n_ > N ? heap_.data() : buf_; }
+  const T* data() const { return n_ > N ? heap_.data() : buf_; }
+  T* begin() { return data(); }
+  T* end() { return data() + n_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + n_; }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  T& operator[](size_t i) { return data()[i]; }
+  const T& operator[](size_t i) const { return data()[i]; }
+
+ private:
+  T buf_[N];
+  size_t n_ = 0;
+  std::vector<T> heap_;
+};
+
+using Devs = SmallVec<int, 8>;
+
 /// One unit: devices are dense indices; states are model ids (weights) and
 /// num_models + stage (optimizer).
 struct Unit {
@@ -41,7 +96,7 @@ struct Unit {
   int model = 0;
   bool trains = false;
   int tp = 1, pp = 1;
-  std::vector<int> dev;
+  Devs dev;
   double mem = 0.0;
   int num_states = 1;
   std::array<int, 2> state{{0, 0}};
@@ -51,11 +106,11 @@ struct Unit {
 struct Prim {
   Kind kind = kExtend;
   int stage = 0;
-  std::vector<int> ins, outs;
+  SmallVec<int, 2> ins, outs;
   int source = -1;
   bool lost = false;
-  std::vector<std::pair<int, double>> acq, rel;
-  std::vector<int> slot_acq, slot_rel;
+  SmallVec<std::pair<int, double>, 8> acq, rel;
+  Devs slot_acq, slot_rel;
 };
 
 /// One edge src -> dst; data or resource, with its reason in codes.

@@ -146,7 +146,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
     popped[sp.stage] = 1;
     SeqDict by_layout(rem.size());
     std::vector<int> key;
-    auto layout_key = [&](int tp, int pp, const std::vector<int>& dev) {
+    auto layout_key = [&](int tp, int pp, const auto& dev) {
       key.assign({tp, pp});
       key.insert(key.end(), dev.begin(), dev.end());
       return key;
@@ -182,7 +182,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
       t.trains = sp.trains;
       t.tp = sp.tp;
       t.pp = sp.pp;
-      t.dev = sp.units[j];
+      t.dev.assign(sp.units[j].begin(), sp.units[j].end());
       int id = new_unit(t);
       r.origin.push_back({id, Origin::kTarget, si, j, k});
       fresh.push_back(id);
@@ -192,8 +192,8 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
     // Relayout in place: same device set, other layout.
     if (!rem.empty()) {
       SeqDict by_set(rem.size());
-      auto set_key = [&](const std::vector<int>& dev) {
-        key = dev;
+      auto set_key = [&](const Devs& dev) {
+        key.assign(dev.begin(), dev.end());
         std::sort(key.begin(), key.end());
         key.erase(std::unique(key.begin(), key.end()), key.end());
         return key;
@@ -226,8 +226,8 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
       fresh.swap(left);
     }
     // _halves: the two units of by_dev whose devices are exactly dev, half each.
-    auto halves = [&](const std::vector<int>& dev, int* a_out, int* b_out) {
-      std::vector<int> whole(dev);
+    auto halves = [&](const Devs& dev, int* a_out, int* b_out) {
+      std::vector<int> whole(dev.begin(), dev.end());
       std::sort(whole.begin(), whole.end());
       whole.erase(std::unique(whole.begin(), whole.end()), whole.end());
       auto in_whole = [&](int d) { return std::binary_search(whole.begin(), whole.end(), d); };
@@ -243,7 +243,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
                                  [&](int x, int y) { return dev_id[x] < dev_id[y]; });
       int b = dev_map[lo];
       if (b < 0) return false;
-      std::vector<int> bs(U[b].dev);
+      std::vector<int> bs(U[b].dev.begin(), U[b].dev.end());
       std::sort(bs.begin(), bs.end());
       bs.erase(std::unique(bs.begin(), bs.end()), bs.end());
       if (bs != rest) return false;

@@ -44,7 +44,8 @@ PlanStage plan_stage(py::handle sp, py::list* keep) {
   return p;
 }
 
-void read_devices(PyObject* seq, Devices& devices, std::vector<int>* out) {
+template <typename V>
+void read_devices(PyObject* seq, Devices& devices, V* out) {
   Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
   out->resize(k);
   for (Py_ssize_t j = 0; j < k; ++j) (*out)[j] = devices.id(PySequence_Fast_GET_ITEM(seq, j));
@@ -97,27 +98,29 @@ void NativeDag::front(py::object current, bool plan, py::tuple target, py::objec
   auto& U = pb.units;
   std::unordered_set<std::string_view> uids;  // current uids (given as units)
   std::vector<int> count_of;                  // current units per stage (given as a plan)
-  auto add_unit = [&](PyObject* stage, PyObject* model, PyObject* trains, PyObject* tp,
-                      PyObject* pp, PyObject* devs) {
-    Unit x;
-    x.stage = stage_ids.id(stage);
-    x.model = model_ids.id(model);
-    x.trains = PyObject_IsTrue(trains);
-    x.tp = int(PyLong_AsLong(tp));
-    x.pp = int(PyLong_AsLong(pp));
+  auto add_unit = [&](int stage, int model, bool trains, int tp, int pp, PyObject* devs) {
+    U.emplace_back();
+    Unit& x = U.back();
+    x.stage = stage;
+    x.model = model;
+    x.trains = trains;
+    x.tp = tp;
+    x.pp = pp;
     read_devices(devs, device_index, &x.dev);
-    U.push_back(std::move(x));
   };
   if (plan) {
     for (auto sp : current) {
       cur_plans.push_back(plan_stage(sp, &keep));
       const PlanStage& p = cur_plans.back();
       Py_ssize_t n = PyTuple_GET_SIZE(p.units);
+      int s = stage_ids.id(p.stage), model = model_ids.id(p.model);
+      bool trains = PyObject_IsTrue(p.trains);
+      int tp = int(PyLong_AsLong(p.tp)), pp = int(PyLong_AsLong(p.pp));
+      U.reserve(U.size() + n);
       for (Py_ssize_t i = 0; i < n; ++i) {
-        add_unit(p.stage, p.model, p.trains, p.tp, p.pp, PyTuple_GET_ITEM(p.units, i));
+        add_unit(s, model, trains, tp, pp, PyTuple_GET_ITEM(p.units, i));
         cur_origin.emplace_back(int(cur_plans.size()) - 1, int(i));
       }
-      int s = stage_ids.id(p.stage);
       if (int(count_of.size()) <= s) count_of.resize(s + 1, 0);
       count_of[s] = int(n);
     }
@@ -127,9 +130,10 @@ void NativeDag::front(py::object current, bool plan, py::tuple target, py::objec
     for (auto o : units) {
       PyObject* u = o.ptr();
       uids.insert(utf8(PyTuple_GET_ITEM(u, kUid)));
-      add_unit(PyTuple_GET_ITEM(u, kStage), PyTuple_GET_ITEM(u, kModel),
-               PyTuple_GET_ITEM(u, kTrains), PyTuple_GET_ITEM(u, kTp), PyTuple_GET_ITEM(u, kPp),
-               PyTuple_GET_ITEM(u, kDevices));
+      add_unit(stage_ids.id(PyTuple_GET_ITEM(u, kStage)), model_ids.id(PyTuple_GET_ITEM(u, kModel)),
+               PyObject_IsTrue(PyTuple_GET_ITEM(u, kTrains)),
+               int(PyLong_AsLong(PyTuple_GET_ITEM(u, kTp))),
+               int(PyLong_AsLong(PyTuple_GET_ITEM(u, kPp))), PyTuple_GET_ITEM(u, kDevices));
       objs.push_back(new_ref(u));
     }
   }

@@ -61,29 +61,48 @@ std::vector<int> topo_order(int n, const Dag& dag) {
   return out;
 }
 
+// Adjacency in one flat array per direction (edge order kept within each node).
+struct Csr {
+  std::vector<int> off, to;
+  void build(int n, const std::vector<Edge>& edges, bool data_only, bool by_dst) {
+    off.assign(n + 1, 0);
+    for (const Edge& e : edges)
+      if (!data_only || e.data) ++off[(by_dst ? e.dst : e.src) + 1];
+    for (int p = 0; p < n; ++p) off[p + 1] += off[p];
+    to.resize(off[n]);
+    std::vector<int> at(off.begin(), off.end() - 1);
+    for (const Edge& e : edges)
+      if (!data_only || e.data) to[at[by_dst ? e.dst : e.src]++] = by_dst ? e.src : e.dst;
+  }
+  struct Range {
+    const int *b, *e;
+    const int* begin() const { return b; }
+    const int* end() const { return e; }
+    size_t size() const { return size_t(e - b); }
+  };
+  Range operator[](int p) const { return {to.data() + off[p], to.data() + off[p + 1]}; }
+};
+
+// The data edges of the simulation's DAG: what every refinement keeps.
 struct DataGraph {
-  std::vector<std::vector<int>> preds, succs;
+  Csr preds, succs;
   std::vector<Edge> edges;
 };
 
 DataGraph data_graph(int n, const Dag& dag) {
   DataGraph g;
-  g.preds.resize(n);
-  g.succs.resize(n);
+  g.preds.build(n, dag.edges, true, true);
+  g.succs.build(n, dag.edges, true, false);
   for (const Edge& e : dag.edges)
-    if (e.data) {
-      g.preds[e.dst].push_back(e.src);
-      g.succs[e.src].push_back(e.dst);
-      g.edges.push_back(e);
-    }
+    if (e.data) g.edges.push_back(e);
   return g;
 }
 
 // transition_refine.makespan_lower_bound.
-double lower_bound(const Problem& pb, const Compiled& c, const std::vector<double>& dur) {
+double lower_bound(const Problem& pb, const Compiled& c, const DataGraph& g,
+                   const std::vector<double>& dur) {
   const auto& P = c.prims;
   const int n = int(P.size());
-  DataGraph g = data_graph(n, c.sim);
   const std::vector<int>& order = c.sim.order;
   std::vector<double> head(n, 0.0), tail(n, 0.0);
   for (int p : order)
@@ -217,11 +236,11 @@ void fund(int p, uint64_t* a_bits, Bits& anc, double need, std::vector<std::pair
 }
 
 // transition_refine.refine_by_list_schedule; false when greedy gets stuck.
-bool list_schedule(const Problem& pb, const Compiled& c, const std::vector<double>& dur,
-                   bool by_order, const std::vector<double>* boost, bool reserve, Dag* out) {
+bool list_schedule(const Problem& pb, const Compiled& c, const DataGraph& g,
+                   const std::vector<double>& dur, bool by_order, const std::vector<double>* boost,
+                   bool reserve, Dag* out) {
   const auto& P = c.prims;
   const int n = int(P.size()), D = pb.num_devices;
-  DataGraph g = data_graph(n, c.sim);
   std::vector<int> rank(n);
   for (int i = 0; i < n; ++i) rank[c.sim.order[i]] = i;
   std::vector<double> bottom(n, 0.0);
@@ -240,9 +259,18 @@ bool list_schedule(const Problem& pb, const Compiled& c, const std::vector<doubl
         used[d] += pb.units[u].mem;
         slots[pb.slot_key(pb.units[u].stage, d)] = 1;
       }
+  const std::vector<double> used0 = used;
+  // Per device, [funder, bytes left]: memory free before (-1), then releases; made on
+  // first use (few devices see an acquisition or a release).
   std::vector<std::vector<std::pair<int, double>>> funds(D);
-  for (int d = 0; d < D; ++d)
-    if (pb.exist[d]) funds[d].emplace_back(-1, pb.cap[d] - used[d]);
+  std::vector<char> funded(D, 0);
+  auto funds_of = [&](int d) -> std::vector<std::pair<int, double>>& {
+    if (!funded[d]) {
+      funded[d] = 1;
+      funds[d].emplace_back(-1, pb.cap[d] - used0[d]);
+    }
+    return funds[d];
+  };
   std::vector<int> slot_free_by(size_t(pb.num_stages) * D, -1);
   std::vector<int> npred(n);
   for (int p = 0; p < n; ++p) npred[p] = int(g.preds[p].size());  // data edges are unique
@@ -277,7 +305,7 @@ bool list_schedule(const Problem& pb, const Compiled& c, const std::vector<doubl
   };
   double now = 0.0;
   int finished = 0;
-  std::vector<int> waiting;
+  std::vector<int> waiting, batch;
   std::vector<double> reserved(D, 0.0);
   std::vector<int> reserved_at;
   while (finished < n) {
@@ -308,7 +336,7 @@ bool list_schedule(const Problem& pb, const Compiled& c, const std::vector<doubl
         uint64_t* a_bits = anc.row(p);
         for (int q : g.preds[p]) anc.add(a_bits, q);
         for (auto [d, a] : pr.acq) {
-          fund(p, a_bits, anc, a, funds[d], d, &out->funding, add_edge);
+          fund(p, a_bits, anc, a, funds_of(d), d, &out->funding, add_edge);
           used[d] += a;
         }
         for (int s : pr.slot_acq) {
@@ -330,7 +358,7 @@ bool list_schedule(const Problem& pb, const Compiled& c, const std::vector<doubl
     }
     if (running.empty()) return false;
     now = running.top().first;
-    std::vector<int> batch;
+    batch.clear();
     while (!running.empty() && running.top().first <= now) {
       batch.push_back(running.top().second);
       running.pop();
@@ -338,7 +366,7 @@ bool list_schedule(const Problem& pb, const Compiled& c, const std::vector<doubl
     for (int p : batch) {
       for (auto [d, r] : P[p].rel) {
         used[d] -= r;
-        funds[d].emplace_back(p, r);
+        funds_of(d).emplace_back(p, r);
       }
       for (int s : P[p].slot_rel) {
         slots[s] = 0;
@@ -371,8 +399,8 @@ double longest_path(const Compiled& c, const Dag& dag, const std::vector<double>
   const int n = int(c.prims.size());
   if (path) path->clear();
   if (!n) return 0.0;
-  std::vector<std::vector<int>> preds(n);
-  for (const Edge& e : dag.edges) preds[e.dst].push_back(e.src);
+  Csr preds;
+  preds.build(n, dag.edges, false, true);
   std::vector<double> finish(n, 0.0);
   std::vector<int> via(n, -1);
   int end = -1;
@@ -410,11 +438,12 @@ int refine(const Problem& pb, const Compiled& c, const std::vector<double>& dur,
     }
   }
   if (all_data) return -1;  // the critical path is data edges only: nothing can be shorter
-  double bound = lower_bound(pb, c, dur);
+  const DataGraph g = data_graph(n, c.sim);
+  double bound = lower_bound(pb, c, g, dur);
   if (best_t <= bound + 1e-9) return -1;
   auto try_alt = [&](bool by_order, const std::vector<double>* boost, bool reserve) {
     Dag alt;
-    if (!list_schedule(pb, c, dur, by_order, boost, reserve, &alt)) return false;
+    if (!list_schedule(pb, c, g, dur, by_order, boost, reserve, &alt)) return false;
     double t = longest_path(c, alt, dur, nullptr);
     if (!(t < best_t - 1e-12)) return false;
     alts->push_back(std::move(alt));

@@ -70,8 +70,9 @@ class Sim {
   std::vector<std::vector<int>> in_preds_;
   std::vector<uint64_t> anc_bits_;
   std::unordered_map<int64_t, char> edge_set_;
+  std::vector<int> fund_groups_[3];
 
-  int add_prim(Kind kind, int stage, std::vector<int> ins, std::vector<int> outs);
+  int add_prim(Kind kind, int stage, SmallVec<int, 2> ins, SmallVec<int, 2> outs);
   bool check_memory();
   void edge(int src, int dst, bool data, Why why, int arg, int arg2 = -1);
   bool has_anc(const uint64_t* a, int f) const { return (a[f >> 6] >> (f & 63)) & 1; }
@@ -95,7 +96,7 @@ class Sim {
   void fund(int p, uint64_t* a_bits, double need, int d);
 };
 
-int Sim::add_prim(Kind kind, int stage, std::vector<int> ins, std::vector<int> outs) {
+int Sim::add_prim(Kind kind, int stage, SmallVec<int, 2> ins, SmallVec<int, 2> outs) {
   Prim pr;
   pr.kind = kind;
   pr.stage = stage;
@@ -121,8 +122,8 @@ int Sim::add_prim(Kind kind, int stage, std::vector<int> ins, std::vector<int> o
         if (!kept) pr.slot_rel.push_back(pb_.slot_key(U[u].stage, d));
       }
   }
-  pr.ins = std::move(ins);
-  pr.outs = std::move(outs);
+  pr.ins = ins;
+  pr.outs = outs;
   out_.prims.push_back(std::move(pr));
   return int(out_.prims.size()) - 1;
 }
@@ -317,7 +318,8 @@ bool Sim::unblock(const std::vector<int>& blocked) {
 void Sim::fund(int p, uint64_t* a_bits, double need, int d) {
   if (need <= kTol) return;
   auto& entries = funds_[d];
-  std::vector<int> groups[3];
+  auto& groups = fund_groups_;
+  for (auto& g : groups) g.clear();
   for (int i = 0; i < int(entries.size()); ++i) {
     if (entries[i].second > kTol) {
       int f = entries[i].first;
@@ -418,6 +420,8 @@ Compiled Sim::run() {
   destroy_of_.assign(nu, -1);
   creator_.assign(nu, -1);
   std::vector<int> lost_pids, acq;
+  out_.prims.reserve(pb_.lost_units.size() + pb_.splits.size() + 2 * pb_.relayouts.size() +
+                     pb_.merges.size() + pb_.extends.size() + pb_.destroys.size());
   for (int u : pb_.lost_units) lost_pids.push_back(add_prim(kDestroy, U[u].stage, {u}, {}));
   for (auto [u, a, b] : pb_.splits) {
     acq.push_back(add_prim(kSplit, U[u].stage, {u}, {a, b}));
