@@ -12,22 +12,22 @@ refinement is skipped (or stopped) once a DAG meets its
 :func:`~nereus_rl.transition_refine.makespan_lower_bound`, a completion time no
 safe schedule of the same primitives can beat.
 
-Planning time. The goal is the paper's 1.22 ms at 1,024 devices. The chosen
-method is the exact one: the same general compiler, doing less per unit and per
-primitive (indexes local to the devices a primitive touches, C-level iteration
-over the units of the cluster, a DAG's own order reused as its topological
-order, the cyclic garbage collector paused), pinned to the DAGs it gave before by fingerprints
-(``tests/test_transition_golden.py``). Compiling one block of a symmetric
-transition and replicating it was not taken: the compiler's choices couple
-blocks that share no device (extends copy round-robin from holders anywhere,
-destroys anchor on holders anywhere, and the acquisition order and the
-refinement's choice are global), so a replicated DAG would differ from the
-general compiler's. Neither way reaches the goal in CPython: at 1,024 devices,
-merely building the returned objects (1,952 units, 640 primitives, 384 edges,
-1,408 funding entries) and calling ``unit_memory`` once per unit and ``cost_fn``
-once per primitive, as the API requires, took 1.4 ms of CPU on the (loaded)
-development machine, before any planning; see
-``benchmarks/results/bench_transition_plan_new.md``.
+Planning time. The goal is the paper's 1.22 ms at 1,024 devices. The Python
+compiler here is the exact one (indexes local to the devices a primitive touches,
+C-level iteration, the DAG's own order reused as its topological order, the cyclic
+garbage collector paused), pinned to the DAGs it gave before by fingerprints
+(``tests/test_transition_golden.py``); in CPython it cannot reach the goal (merely
+building the returned objects at 1,024 devices costs about a millisecond). So by
+default the same algorithm runs in C++ (:mod:`nereus_rl.transition_native`,
+``csrc/rl/transition/``), step for step, giving the same DAG field by field (the golden
+fingerprints and ``tests/test_transition_native.py`` check both paths), with the DAG's
+Python objects built on first access; ``native=False`` keeps this module's Python
+compiler as the reference. Compiling one block of a symmetric transition and
+replicating it was not taken: the compiler's choices couple blocks that share no device
+(extends copy round-robin from holders anywhere, destroys anchor on holders anywhere,
+and the acquisition order and the refinement's choice are global), so a replicated DAG
+would differ from the general compiler's. Figures:
+``benchmarks/results/bench_transition_plan_native.md``.
 """
 
 from __future__ import annotations

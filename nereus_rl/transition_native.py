@@ -1,30 +1,35 @@
-"""The transition DAG compiler's compiled path: simulation, refinement and completion in C++.
+"""The transition DAG compiler in C++: diff, simulation, refinement and completion time.
 
-:func:`compile_native` runs :func:`~nereus_rl.transition_compile.compile_transition`
-after its device checks in ``nereus_rl._native`` (``csrc/rl/transition/``): the plan
-diff, the sequential simulation that orders, funds and anchors the primitives, the
-list-schedule refinement and the predicted completion time. The C++ mirrors the
-Python step for step (same orders, same float operations), so the DAG is identical
-field by field; the golden fingerprints and a randomized comparison test both paths.
+:func:`compile_native` is :func:`~nereus_rl.transition_compile.compile_transition` run
+in ``nereus_rl._native`` (``csrc/rl/transition/``): the device checks, the plan diff,
+the sequential simulation that orders, funds and anchors the primitives, the
+list-schedule refinement and the predicted completion time. The C++ mirrors the Python
+step for step (same orders, same float operations), so the DAG is identical field by
+field; the golden fingerprints and ``tests/test_transition_native.py`` check both paths.
+Inputs are read once from the current plan (or Placement) and the target plan.
 
 What is lazy. The returned :class:`NativeTransitionDAG` is a :class:`TransitionDAG`
-whose ``primitives``, ``edges``, ``order``, ``funding``, ``anchors``,
-``early_destroys`` and ``unit_bytes`` are built (in C++, from the compact result) on
-first access; everything that decides them has run by the time the compile returns.
+whose fields ``current``, ``target``, ``devices``, ``primitives``, ``edges``,
+``order``, ``funding``, ``anchors``, ``early_destroys`` and ``unit_bytes`` are built
+(in C++, from the compact result) on first access (:data:`LAZY_FIELDS`; a Placement
+given as ``current`` is kept as is); everything that decides them has run by the time
+the compile returns, so building them cannot fail or change them.
 :func:`~nereus_rl.transition_paths.predicted_completion_time` of such a DAG, with the
 compile's cost function or the default table, comes straight from C++ without building
-them. Building all of them costs about as much again as the compile at 1,024 devices
-(see ``benchmarks/bench_transition_plan.py``, which reports both).
+them. At 1,024 devices building all of them costs about twice the compile itself
+(``benchmarks/bench_transition_plan.py`` reports both times).
 
-Costs. The default table (:func:`~nereus_rl.transition.default_primitive_cost`) is
-evaluated in C++ from the primitives' kinds and bytes (with the module's bandwidth
+Costs and memory. The default table (:func:`~nereus_rl.transition.default_primitive_cost`)
+is evaluated in C++ from the primitives' kinds and bytes (with the module's bandwidth
 constants as they are at call time); any other ``cost_fn`` is called once per primitive
-(the primitives are built for it) and the durations are passed to C++ as an array.
+(the primitives are built for it) and the durations go to C++ as an array. A
+``unit_memory`` declared with :func:`memory_by_layout` (the default and the scenarios'
+ones) is called once per distinct (model, trains, tp, pp); any other once per unit.
 
-Errors. When C++ reports that no DAG exists (a state would be lost, a device is over
-capacity before or after, or every acquisition is blocked), the Python diff and
-simulation run on the same input and raise the error with its exact message; nothing
-else has happened by then.
+Errors. When C++ reports that no DAG exists (a target device missing or lost, a state
+would be lost, a device over capacity before or after, every acquisition blocked), the
+Python compiler runs on the same input and raises its error with its exact message;
+nothing else has happened by then.
 """
 
 from __future__ import annotations
