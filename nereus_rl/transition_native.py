@@ -35,6 +35,7 @@ nothing else has happened by then.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Collection, Mapping
 
 from nereus_rl import transition as _tr
@@ -112,20 +113,30 @@ class _Lazy:
         if dag is None:
             return self
         native = dag.__dict__["_native"]
-        if self.name in ("current", "target"):
-            value = _placement(getattr(native, f"{self.name}_units")())
-        elif self.name == "devices":
-            value = frozenset(native.exist_devices())
-        elif self.name == "primitives":
-            value = native.primitives(Primitive)
-        elif self.name == "edges":
-            value = native.edges(Edge)
-        elif self.name == "funding":
-            value = native.funding(Funding)
-        else:
-            value = getattr(native, self.name)()
+        # Thousands of new tuples: pause the cyclic collector as the compile does (it
+        # would scan them and free nothing; reference counting frees them all the same).
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            value = self._build(native)
+        finally:
+            if was:
+                gc.enable()
         dag.__dict__[self.name] = value
         return value
+
+    def _build(self, native: object) -> object:
+        if self.name in ("current", "target"):
+            return _placement(getattr(native, f"{self.name}_units")())
+        if self.name == "devices":
+            return frozenset(native.exist_devices())  # type: ignore[attr-defined]
+        if self.name == "primitives":
+            return native.primitives(Primitive)  # type: ignore[attr-defined]
+        if self.name == "edges":
+            return native.edges(Edge)  # type: ignore[attr-defined]
+        if self.name == "funding":
+            return native.funding(Funding)  # type: ignore[attr-defined]
+        return getattr(native, self.name)()
 
 
 class NativeTransitionDAG(TransitionDAG):
@@ -170,12 +181,17 @@ class NativeTransitionDAG(TransitionDAG):
         return native.completion_time([float(cost_fn(p)) for p in self.primitives])
 
 
-def _table(native: object) -> list[float]:
-    """The default cost table's durations, computed in C++ (restores the set ones)."""
-    had = native.durations()  # type: ignore[attr-defined]
+def _set_table(native: object) -> None:
+    """Set the durations to the default cost table's, computed in C++."""
     native.set_table_durations(  # type: ignore[attr-defined]
         1.0, _tr.DEFAULT_EXTEND_BYTES_PER_S, 0.5, _tr.DEFAULT_RESHARD_BYTES_PER_S, 0.1
     )
+
+
+def _table(native: object) -> list[float]:
+    """The default cost table's durations, computed in C++ (restores the set ones)."""
+    had = native.durations()  # type: ignore[attr-defined]
+    _set_table(native)
     out = native.durations()  # type: ignore[attr-defined]
     if had:
         native.set_durations(had)  # type: ignore[attr-defined]
@@ -250,7 +266,7 @@ def compile_native(
         _raise_python(*args)
     if refine:
         if cost_fn is default_primitive_cost:
-            _table(native)
+            _set_table(native)
         else:
             prims = native.primitives(Primitive)
             native.set_durations([float(cost_fn(p)) for p in prims])

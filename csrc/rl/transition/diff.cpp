@@ -132,6 +132,9 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
     if (by_stage[U[u].stage].empty()) stage_seen.push_back(U[u].stage);
     by_stage[U[u].stage].push_back(u);
   }
+  size_t created = 0;  // at most one per target unit, two per relayout
+  for (const TargetStage& sp : target) created += 3 * sp.units.size();
+  U.reserve(U.size() + created);
   std::vector<char> popped(pb.num_stages, 0);
   std::vector<int> merges_t;  // merge targets, in order (for the creation order)
   std::vector<int> dev_map(pb.num_devices, -1);
