@@ -110,6 +110,12 @@ def compile_transition(
         )
     with _gc_paused():
         if native:
+            # The native path reads these once and may hand them on to the Python path:
+            # a one-shot iterable must survive that.
+            if devices is not None and not isinstance(devices, Collection):
+                devices = list(devices)
+            if not isinstance(lost_devices, Collection):
+                lost_devices = list(lost_devices)
             dag = transition_native.compile_native(
                 current,
                 target,

@@ -148,3 +148,13 @@ def test_errors_are_the_python_compilers():
         py, nat = _both(cur, tgt, capacity=20e9, unit_memory=scenario_unit_memory)
         assert isinstance(py, tuple), name
         assert py == nat, name
+
+
+def test_devices_given_as_one_shot_iterables():
+    sc = scaled_scenario(32)
+    kw = {"unit_memory": scenario_unit_memory, "capacity": SCALED_CAPACITY}
+    want = compile_transition(sc.current, sc.target, devices=sc.devices, native=False, **kw)
+    got = compile_transition(
+        sc.current, sc.target, devices=iter(sc.devices), lost_devices=iter(()), **kw
+    )
+    assert got == want
