@@ -138,6 +138,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
   std::vector<char> popped(pb.num_stages, 0);
   std::vector<int> merges_t;  // merge targets, in order (for the creation order)
   std::vector<int> dev_map(pb.num_devices, -1);
+  std::vector<int> whole, rest, bs;  // _halves' scratch, reused
   auto new_unit = [&](const Unit& like) {
     U.push_back(like);
     return int(U.size()) - 1;
@@ -149,7 +150,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
     popped[sp.stage] = 1;
     SeqDict by_layout(rem.size());
     std::vector<int> key;
-    auto layout_key = [&](int tp, int pp, const auto& dev) {
+    auto layout_key = [&](int tp, int pp, const auto& dev) -> const std::vector<int>& {
       key.assign({tp, pp});
       key.insert(key.end(), dev.begin(), dev.end());
       return key;
@@ -195,7 +196,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
     // Relayout in place: same device set, other layout.
     if (!rem.empty()) {
       SeqDict by_set(rem.size());
-      auto set_key = [&](const Devs& dev) {
+      auto set_key = [&](const Devs& dev) -> const std::vector<int>& {
         key.assign(dev.begin(), dev.end());
         std::sort(key.begin(), key.end());
         key.erase(std::unique(key.begin(), key.end()), key.end());
@@ -230,7 +231,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
     }
     // _halves: the two units of by_dev whose devices are exactly dev, half each.
     auto halves = [&](const Devs& dev, int* a_out, int* b_out) {
-      std::vector<int> whole(dev.begin(), dev.end());
+      whole.assign(dev.begin(), dev.end());
       std::sort(whole.begin(), whole.end());
       whole.erase(std::unique(whole.begin(), whole.end()), whole.end());
       auto in_whole = [&](int d) { return std::binary_search(whole.begin(), whole.end(), d); };
@@ -238,7 +239,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
       if (a < 0 || 2 * U[a].dev.size() != whole.size()) return false;
       for (int d : U[a].dev)
         if (!in_whole(d)) return false;
-      std::vector<int> rest;
+      rest.clear();
       for (int d : whole)
         if (std::find(U[a].dev.begin(), U[a].dev.end(), d) == U[a].dev.end()) rest.push_back(d);
       if (rest.empty()) return false;
@@ -246,7 +247,7 @@ DiffResult diff_plans(Problem& pb, const std::vector<TargetStage>& target,
                                  [&](int x, int y) { return dev_id[x] < dev_id[y]; });
       int b = dev_map[lo];
       if (b < 0) return false;
-      std::vector<int> bs(U[b].dev.begin(), U[b].dev.end());
+      bs.assign(U[b].dev.begin(), U[b].dev.end());
       std::sort(bs.begin(), bs.end());
       bs.erase(std::unique(bs.begin(), bs.end()), bs.end());
       if (bs != rest) return false;
