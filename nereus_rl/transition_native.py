@@ -16,7 +16,7 @@ given as ``current`` is kept as is); everything that decides them has run by the
 the compile returns, so building them cannot fail or change them.
 :func:`~nereus_rl.transition_paths.predicted_completion_time` of such a DAG, with the
 compile's cost function or the default table, comes straight from C++ without building
-them. At 1,024 devices building all of them costs about twice the compile itself
+them. At 1,024 devices building all of them costs about as much again as the compile
 (``benchmarks/bench_transition_plan.py`` reports both times).
 
 Costs and memory. The default table (:func:`~nereus_rl.transition.default_primitive_cost`)
