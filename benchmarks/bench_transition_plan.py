@@ -1,5 +1,14 @@
 """Transition-DAG planning time and completion time against an OR-Tools CP-SAT schedule.
 
+Planning runs the native compiler (``nereus_rl.transition_native``: plan diff,
+simulation, refinement and completion time in C++) unless a column says python
+(``compile_transition(native=False)``, the reference, which gives the same DAG). The
+native DAG's object fields (units, primitives, edges, order, funding, anchors, early
+destroys, memory table, current/target placements, devices) are built from the C++
+result on first access: the native ``plan_*`` times include everything that decides
+the DAG and its predicted completion time, not those Python objects;
+``plan_materialized_cpu_ms`` adds building all of them.
+
 Table 1 (scale): the scaled rebalance of ``nereus_rl.transition_scenarios.scaled_scenario``
 at 32, 128, 512, 1,024 and 4,096 devices: the actor side takes an eighth of the
 devices from the critic side and rollout re-lays-out from tp2 to tp1 (in-place
@@ -61,6 +70,7 @@ from nereus_rl.transition import (
     predicted_completion_time,
 )
 from nereus_rl.transition_milp import schedule_cpsat
+from nereus_rl.transition_native import LAZY_FIELDS
 from nereus_rl.transition_scenarios import (
     SCALED_CAPACITY,
     TRANSITION_TYPES,
@@ -81,22 +91,38 @@ def _cost(p):
 GOAL_MS_AT_1024 = 1.22
 
 
-def _plan_times(sc, repeats: int, refine: bool = True, completion: bool = True):
+def _plan_times(
+    sc,
+    repeats: int,
+    refine: bool = True,
+    completion: bool = True,
+    native: bool = True,
+    materialize: bool = False,
+):
     """Minimum wall and CPU seconds of compiling ``sc`` (and, with ``completion``, of
-    predicting the DAG's completion time, as a caller must), and the DAG."""
+    predicting the DAG's completion time, as a caller must), and the DAG. ``native``:
+    the C++ compiler (its DAG's object fields are built on first access; ``materialize``
+    also builds all of them inside the timing) or the Python one."""
     best_wall, best_cpu, dag = math.inf, math.inf, None
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
-        dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=refine)
+        dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=refine, native=native)
         if completion:
             predicted_completion_time(dag)
+        if materialize:
+            for name in LAZY_FIELDS:
+                getattr(dag, name)
         best_cpu = min(best_cpu, time.thread_time() - c)
         best_wall = min(best_wall, time.perf_counter() - t)
     return best_wall, best_cpu, dag
 
 
 def breakdown_rows(quick: bool) -> list[dict]:
-    """CPU time of the parts of planning (no solver): the plan diff, the sequential
+    """CPU time of planning (no solver). The headline ``plan_cpu_ms`` is the native
+    compiler (compile + predicted completion time, DAG fields lazy);
+    ``plan_materialized_cpu_ms`` also builds every field of its DAG as Python objects;
+    ``python_plan_cpu_ms`` is the Python compiler (``native=False``) and ``speedup_x``
+    the ratio. The parts are the Python compiler's: the plan diff, the sequential
     simulation (``refine=False`` minus the diff), the refinement (``compile_transition``
     minus ``refine=False``) and the predicted completion time; minimum over the repeats
     of each. Uses only the public API, so the same command measures another checkout
@@ -110,33 +136,40 @@ def breakdown_rows(quick: bool) -> list[dict]:
             c = time.thread_time()
             diff_plans(Placement.from_plan(sc.current), sc.target, lost_devices=sc.lost)
             diff_s = min(diff_s, time.thread_time() - c)
-        _, plain_s, _ = _plan_times(sc, repeats, refine=False, completion=False)
-        _, compile_s, dag = _plan_times(sc, repeats, completion=False)
+        py = {"native": False}
+        _, plain_s, _ = _plan_times(sc, repeats, refine=False, completion=False, **py)
+        _, compile_s, dag = _plan_times(sc, repeats, completion=False, **py)
         done_s = math.inf
         for _ in range(repeats):
             c = time.thread_time()
             predicted_completion_time(dag)
             done_s = min(done_s, time.thread_time() - c)
-        _, full_s, _ = _plan_times(sc, repeats)
+        _, full_s, _ = _plan_times(sc, repeats, **py)
         floor_s = materialize_floor_s(dag, repeats)
+        _, native_s, _ = _plan_times(sc, repeats)
+        _, built_s, _ = _plan_times(sc, repeats, materialize=True)
         row = {
             "devices": n,
             "primitives": len(dag.primitives),
+            "plan_cpu_ms": native_s * 1e3,
+            "plan_materialized_cpu_ms": built_s * 1e3,
+            "python_plan_cpu_ms": full_s * 1e3,
+            "speedup_x": full_s / native_s,
             "diff_cpu_ms": diff_s * 1e3,
             "simulate_cpu_ms": max(0.0, plain_s - diff_s) * 1e3,
             "refine_cpu_ms": max(0.0, compile_s - plain_s) * 1e3,
             "completion_cpu_ms": done_s * 1e3,
-            "plan_cpu_ms": full_s * 1e3,
-            "plan_cpu_per_primitive_us": full_s * 1e6 / len(dag.primitives),
+            "plan_cpu_per_primitive_us": native_s * 1e6 / len(dag.primitives),
             "materialize_floor_cpu_ms": floor_s * 1e3,
         }
         rows.append(row)
         print(
-            f"{n:>5} dev {row['primitives']:>5} prims | diff {row['diff_cpu_ms']:7.2f} ms "
-            f"simulate {row['simulate_cpu_ms']:7.2f} ms refine {row['refine_cpu_ms']:7.2f} ms "
-            f"completion {row['completion_cpu_ms']:6.2f} ms | plan {row['plan_cpu_ms']:7.2f} ms "
-            f"CPU ({row['plan_cpu_per_primitive_us']:.1f} us per primitive) | objects alone "
-            f"{row['materialize_floor_cpu_ms']:5.2f} ms",
+            f"{n:>5} dev {row['primitives']:>5} prims | native plan {row['plan_cpu_ms']:7.3f} ms "
+            f"CPU (all fields built {row['plan_materialized_cpu_ms']:7.3f} ms) | python plan "
+            f"{row['python_plan_cpu_ms']:7.2f} ms = diff {row['diff_cpu_ms']:6.2f} + simulate "
+            f"{row['simulate_cpu_ms']:6.2f} + refine {row['refine_cpu_ms']:6.2f} + completion "
+            f"{row['completion_cpu_ms']:5.2f} | python / native {row['speedup_x']:5.1f}x | "
+            f"objects alone {row['materialize_floor_cpu_ms']:5.2f} ms",
             flush=True,
         )
     return rows
@@ -170,14 +203,31 @@ def materialize_floor_s(dag, repeats: int) -> float:
 
 def plan_rows(repeats: int) -> list[dict]:
     """Planning CPU time alone (compile plus predicted completion time), the minimum of
-    ``repeats`` (a quarter of them at 4,096 devices): a short run, so that two
+    ``repeats`` (a quarter of them at 4,096 devices), native (headline; DAG fields lazy,
+    and with every field built) and Python side by side: a short run, so that two
     checkouts can be measured at the same time, under the same machine load."""
     rows = []
     for n in SCALES:
         sc = scaled_scenario(n)
-        _, cpu, dag = _plan_times(sc, max(3, repeats // 4) if n >= 4096 else repeats)
-        rows.append({"devices": n, "primitives": len(dag.primitives), "plan_cpu_ms": cpu * 1e3})
-        print(f"{n:>5} dev {rows[-1]['primitives']:>5} prims | plan {cpu * 1e3:8.2f} ms CPU")
+        k = max(3, repeats // 4) if n >= 4096 else repeats
+        _, cpu, dag = _plan_times(sc, k)
+        _, built, _ = _plan_times(sc, k, materialize=True)
+        _, py, _ = _plan_times(sc, max(3, k // 4), native=False)
+        rows.append(
+            {
+                "devices": n,
+                "primitives": len(dag.primitives),
+                "plan_cpu_ms": cpu * 1e3,
+                "plan_materialized_cpu_ms": built * 1e3,
+                "python_plan_cpu_ms": py * 1e3,
+                "speedup_x": py / cpu,
+            }
+        )
+        print(
+            f"{n:>5} dev {rows[-1]['primitives']:>5} prims | native plan {cpu * 1e3:8.3f} ms CPU "
+            f"(all fields built {built * 1e3:8.3f} ms) | python plan {py * 1e3:8.2f} ms | "
+            f"python / native {py / cpu:5.1f}x"
+        )
     return rows
 
 
@@ -209,6 +259,7 @@ def scale_rows(quick: bool) -> list[dict]:
         repeats = 3 if (quick and n >= 1024) else 7
         wall, cpu, dag = _plan_times(sc, repeats)
         _, cpu_plain, dag_plain = _plan_times(sc, repeats, refine=False)
+        _, cpu_py, _ = _plan_times(sc, max(1, repeats // 2), native=False)
         limit = (5.0 if n <= 512 else 20.0) if quick else (20.0 if n <= 512 else 60.0)
         res = schedule_cpsat(dag, time_limit_s=limit)
         cold = schedule_cpsat(dag, time_limit_s=limit, hint_dag_schedule=False)
@@ -220,6 +271,7 @@ def scale_rows(quick: bool) -> list[dict]:
             "plan_ms": wall * 1e3,
             "plan_cpu_ms": cpu * 1e3,
             "plan_cpu_norefine_ms": cpu_plain * 1e3,
+            "python_plan_cpu_ms": cpu_py * 1e3,
             "dag_norefine_makespan_s": predicted_completion_time(dag_plain, _cost),
             "cpsat_build_s": res.build_s,
             "cpsat_solve_s": res.solve_s,
@@ -239,7 +291,7 @@ def scale_rows(quick: bool) -> list[dict]:
         print(
             f"{n:>5} dev {row['primitives']:>5} prims {row['resource_edges']:>5} redges | "
             f"plan {row['plan_ms']:8.2f} ms (cpu {row['plan_cpu_ms']:7.2f}, "
-            f"no refine {row['plan_cpu_norefine_ms']:7.2f}) | "
+            f"no refine {row['plan_cpu_norefine_ms']:7.2f}, python {cpu_py * 1e3:7.2f}) | "
             f"cpsat {res.status:>8} build {res.build_s:6.2f} s solve {res.solve_s:7.2f} s "
             f"makespan {res.makespan_s:6.2f} s bound {res.bound_s:6.2f} | "
             f"dag {res.dag_makespan_s:6.2f} s gap {res.gap_pct:6.2f}% | "

@@ -12,22 +12,22 @@ refinement is skipped (or stopped) once a DAG meets its
 :func:`~nereus_rl.transition_refine.makespan_lower_bound`, a completion time no
 safe schedule of the same primitives can beat.
 
-Planning time. The goal is the paper's 1.22 ms at 1,024 devices. The chosen
-method is the exact one: the same general compiler, doing less per unit and per
-primitive (indexes local to the devices a primitive touches, C-level iteration
-over the units of the cluster, a DAG's own order reused as its topological
-order, the cyclic garbage collector paused), pinned to the DAGs it gave before by fingerprints
-(``tests/test_transition_golden.py``). Compiling one block of a symmetric
-transition and replicating it was not taken: the compiler's choices couple
-blocks that share no device (extends copy round-robin from holders anywhere,
-destroys anchor on holders anywhere, and the acquisition order and the
-refinement's choice are global), so a replicated DAG would differ from the
-general compiler's. Neither way reaches the goal in CPython: at 1,024 devices,
-merely building the returned objects (1,952 units, 640 primitives, 384 edges,
-1,408 funding entries) and calling ``unit_memory`` once per unit and ``cost_fn``
-once per primitive, as the API requires, took 1.4 ms of CPU on the (loaded)
-development machine, before any planning; see
-``benchmarks/results/bench_transition_plan_new.md``.
+Planning time. The goal is the paper's 1.22 ms at 1,024 devices. The Python
+compiler here is the exact one (indexes local to the devices a primitive touches,
+C-level iteration, the DAG's own order reused as its topological order, the cyclic
+garbage collector paused), pinned to the DAGs it gave before by fingerprints
+(``tests/test_transition_golden.py``); in CPython it cannot reach the goal (merely
+building the returned objects at 1,024 devices costs about a millisecond). So by
+default the same algorithm runs in C++ (:mod:`nereus_rl.transition_native`,
+``csrc/rl/transition/``), step for step, giving the same DAG field by field (the golden
+fingerprints and ``tests/test_transition_native.py`` check both paths), with the DAG's
+Python objects built on first access; ``native=False`` keeps this module's Python
+compiler as the reference. Compiling one block of a symmetric transition and
+replicating it was not taken: the compiler's choices couple blocks that share no device
+(extends copy round-robin from holders anywhere, destroys anchor on holders anywhere,
+and the acquisition order and the refinement's choice are global), so a replicated DAG
+would differ from the general compiler's. Figures:
+``benchmarks/results/bench_transition_plan_native.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
+from nereus_rl import transition_native
 from nereus_rl.globalplan import GlobalPlan, fmt_devices
 from nereus_rl.transition import (
     DEFAULT_CAPACITY,
@@ -49,6 +50,7 @@ from nereus_rl.transition import (
     default_primitive_cost,
     default_unit_memory,
     longest_path,
+    predicted_completion_time,
 )
 from nereus_rl.transition_diff import diff_plans
 from nereus_rl.transition_refine import makespan_lower_bound, refine_by_list_schedule
@@ -68,6 +70,7 @@ def compile_transition(
     cost_fn: PrimitiveCostFn = default_primitive_cost,
     refine: bool = True,
     stage_slots: bool = True,
+    native: bool | None = None,
 ) -> TransitionDAG:
     """Compile the change ``current -> target`` into a deadlock-free DAG of primitives.
 
@@ -86,6 +89,10 @@ def compile_transition(
         stage_slots: a device serves at most one unit of each stage at a time. False
             lets a new unit share devices with an old unit of its stage while memory
             allows (needed, e.g., to grow the tp of a stage with a single unit).
+        native: run the simulation, refinement and completion time in C++
+            (:mod:`nereus_rl.transition_native`; the same DAG, its object fields built
+            on first access). None (default): when ``nereus_rl._native`` has it; False:
+            the Python compiler, the reference; True: require it.
     Returns:
         the DAG, with a safe order and the funding certificate.
     Raises:
@@ -94,7 +101,34 @@ def compile_transition(
             exceed it, or no order reaches the target without overfilling a device.
         StateLossError: the target would lose a state (see :func:`diff_plans`).
     """
+    if native is None:
+        native = transition_native.available()
+    elif native and not transition_native.available():
+        raise RuntimeError(
+            "compile_transition(native=True): nereus_rl._native has no transition "
+            "compiler; rebuild it (python setup.py build_ext --inplace) or pass native=None"
+        )
     with _gc_paused():
+        if native:
+            # The native path reads these once and may hand them on to the Python path:
+            # a one-shot iterable must survive that.
+            if devices is not None and not isinstance(devices, Collection):
+                devices = list(devices)
+            if not isinstance(lost_devices, Collection):
+                lost_devices = list(lost_devices)
+            dag = transition_native.compile_native(
+                current,
+                target,
+                devices=devices,
+                lost_devices=lost_devices,
+                unit_memory=unit_memory,
+                capacity=capacity,
+                cost_fn=cost_fn,
+                refine=refine,
+                stage_slots=stage_slots,
+            )
+            if dag is not None:
+                return dag
         cur = current if isinstance(current, Placement) else Placement.from_plan(current)
         lost_set = frozenset(lost_devices)
         cur_devices = cur.devices
@@ -207,4 +241,4 @@ def transition_cost(
         InfeasibleTargetError, StateLossError: as :func:`compile_transition`.
     """
     dag = compile_transition(current, target, cost_fn=cost_fn, **compile_kwargs)  # type: ignore[arg-type]
-    return longest_path(dag, [cost_fn(p) for p in dag.primitives])[0]
+    return predicted_completion_time(dag, cost_fn)

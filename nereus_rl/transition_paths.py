@@ -74,6 +74,11 @@ def predicted_completion_time(
     Returns:
         predicted completion time in seconds.
     """
+    native = getattr(dag, "native_completion_time", None)  # a DAG the C++ path compiled
+    if native is not None:
+        t = native(cost_fn)
+        if t is not None:
+            return t
     return longest_path(dag, [cost_fn(p) for p in dag.primitives])[0]
 
 

@@ -31,6 +31,7 @@ from nereus_rl.transition import (
     Unit,
     compile_transition,
 )
+from nereus_rl.transition_native import memory_by_layout
 
 #: (stage, model, trains) in workload order (the stage-order tie-break).
 STAGES: tuple[tuple[str, str, bool], ...] = (
@@ -53,6 +54,9 @@ def scenario_unit_memory(unit: Unit) -> float:
     """Bytes per device of a unit in the scenarios."""
     b = SCENARIO_MODEL_BYTES * (SCENARIO_TRAIN_FACTOR if unit.trains else 1.0)
     return b / (unit.tp * unit.pp)
+
+
+memory_by_layout(scenario_unit_memory)  # the native compiler calls it once per layout
 
 
 def _stage_mem(trains: bool, tp: int, pp: int) -> float:

@@ -22,6 +22,7 @@ import sys
 
 import pytest
 
+from nereus_rl import transition_native
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.transition import TransitionDAG, TransitionError, compile_transition
 
@@ -70,8 +71,11 @@ def _unit_memory(u) -> float:
 OPTIONS = ({}, {"stage_slots": False}, {"refine": False})
 
 
-def outcome(case: dict, options: dict) -> str:
-    """The compiled DAG's fingerprint, or the error's type and a hash of its message."""
+def outcome(case: dict, options: dict, native: bool | None = None) -> str:
+    """The compiled DAG's fingerprint, or the error's type and a hash of its message.
+
+    ``native``: as ``compile_transition`` (False: the Python compiler; True: C++).
+    """
     try:
         dag = compile_transition(
             _plan(case["current"]),
@@ -80,6 +84,7 @@ def outcome(case: dict, options: dict) -> str:
             lost_devices=case["lost"],
             unit_memory=_unit_memory,
             capacity=case["capacity"],
+            native=native,
             **options,
         )
     except TransitionError as e:
@@ -135,13 +140,26 @@ def test_recorded_cases_cover_every_outcome():
 
 
 @pytest.mark.parametrize("part", range(4))
-def test_dags_match_the_recorded_fingerprints(part):
+@pytest.mark.parametrize(
+    "native",
+    [
+        pytest.param(False, id="python"),
+        pytest.param(
+            True,
+            id="native",
+            marks=pytest.mark.skipif(
+                not transition_native.available(), reason="nereus_rl._native not built"
+            ),
+        ),
+    ],
+)
+def test_dags_match_the_recorded_fingerprints(part, native):
     cases = _golden()[part::4]
     wrong = [
         f"{c['name']} {opts}"
         for c in cases
         for opts, want in zip(OPTIONS, c["want"])
-        if outcome(c, opts) != want
+        if outcome(c, opts, native) != want
     ]
     assert not wrong, f"{len(wrong)} of {3 * len(cases)} DAGs changed, e.g. {wrong[:5]}"
 
@@ -151,6 +169,6 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     cases = _cases()
     for c in cases:
-        c["want"] = [outcome(c, opts) for opts in OPTIONS]
+        c["want"] = [outcome(c, opts, native=False) for opts in OPTIONS]
     GOLDEN.write_text(json.dumps({"cases": cases}, separators=(",", ":")) + "\n")
     print(f"recorded {len(cases)} cases to {GOLDEN}")
