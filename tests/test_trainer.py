@@ -351,9 +351,14 @@ def test_emu_recovery_matches_the_reshard_recovery():
 
 
 def test_reward_rises_on_the_default_task(driver):
-    # The embedded default (GRPO on `sort`, 60 steps, seed 0), on the shared pool: the
-    # run is seeded end to end, so the rise is a fixed fact of this code, not luck.
-    result = train(driver=driver)
+    # The embedded default (GRPO on `sort`, 60 steps, seed 0) on its first plan, on the
+    # shared pool: seeded end to end, so the rise is a fixed fact of this code, not luck.
+    # Not adaptive: some of the adaptive run's moves answer measured step times (the
+    # efficiency signal), so which steps run on which layout varies from run to run, and a
+    # sampled token can flip with a layout's last-bit differences; its rise measured
+    # 0.023-0.052 over three runs. Adaptive against static is checked on matched runs by
+    # the semantics tests above.
+    result = train(driver=driver, adapt=False)
     _finite(result)
     r = result.rewards
     q = len(r) // 4
