@@ -21,7 +21,9 @@ def _workloads(model: str, response_len: int):
         "ppo", actor=model, batch=batch, response_len=response_len, reward=model, micro_batch=3
     )
     yield make_workload("grpo", actor=model, batch=batch, group_size=4, response_len=response_len)
-    yield make_workload("remax", actor=model, batch=batch, prompt_len=512, response_len=response_len)
+    yield make_workload(
+        "remax", actor=model, batch=batch, prompt_len=512, response_len=response_len
+    )
 
 
 def _check(cluster_name: str, model: str, response_len: int, dtype: str = "bf16") -> int:
