@@ -61,6 +61,8 @@ def _shapes(m: ModelSpec, value_head: bool, tps: tuple, pps: tuple) -> _Shapes:
 
 
 def _as_i64(name: str, v) -> np.ndarray:
+    if type(v) is np.ndarray and v.dtype == np.int64 and v.ndim == 1:
+        return v  # the planner's own arrays: skip the checks (they cost ~10 % of a table)
     a = np.asarray(v)
     if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"{name} must be a 1-d integer array (one entry per layout), got {a!r}")
