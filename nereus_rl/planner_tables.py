@@ -8,7 +8,8 @@ import functools
 
 import numpy as np
 
-from nereus_rl.costmodel_work import stage_memory, stage_work, sync_work
+from nereus_rl.costmodel_vec import stage_memory_many, stage_work_many
+from nereus_rl.costmodel_work import sync_work
 from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork
 
@@ -31,6 +32,20 @@ def _layouts_of(max_d: int, num_heads: int, num_layers: int) -> tuple[tuple[int,
             tp *= 2
         d *= 2
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_arrays(layouts: tuple, dpn: int, one_node: bool) -> tuple:
+    """dp, tp, pp, devices and the inter-node flags (tp groups, pp chains, dp group) of
+    each layout, as arrays (shared by every bucket's table of the same stage shape)."""
+    a = np.array(layouts, dtype=np.int64).reshape(-1, 3)
+    dp, tp, pp = a[:, 0], a[:, 1], a[:, 2]
+    d = dp * tp * pp
+    inter = np.stack([tp > dpn, tp * pp > dpn, d > dpn], axis=1) & (not one_node)
+    out = (dp, tp, pp, d, inter)
+    for arr in out:
+        arr.setflags(write=False)  # cached: shared by tables
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -58,21 +73,16 @@ class _StageTable:
         self, sw: StageWork, actor, cluster: ClusterSpec, max_d: int, dtype: str, sync_cache: dict
     ):
         self.layouts = _layouts(max_d, sw)
-        dpn, one_node = cluster.devices_per_node, cluster.num_nodes == 1
-
-        def tier(ok: bool) -> str:
-            return "intra" if (ok or one_node) else "inter"
-
-        rows, mem, d = [], [], []
-        for dp, tp, pp in self.layouts:
-            tiers = (tier(tp <= dpn), tier(tp * pp <= dpn), tier(dp * tp * pp <= dpn))
-            rows.append(stage_work(sw, dp, tp, pp, tiers, cluster, dtype))
-            mem.append(stage_memory(sw, dp, tp, pp, dtype))
-            d.append(dp * tp * pp)
-        self.W = np.array(rows)
-        self.mem = np.array(mem, dtype=np.int64)
-        self.d = np.array(d, dtype=np.int64)
-        self.mem_list = [int(v) for v in mem]
+        dp, tp, pp, d_arr, inter = _layout_arrays(
+            self.layouts, cluster.devices_per_node, cluster.num_nodes == 1
+        )
+        # The whole table priced at once, bitwise equal to stage_work/stage_memory per
+        # layout (costmodel_vec): this was 95-98 % of a call that met a new bucket.
+        self.W = stage_work_many(sw, dp, tp, pp, inter, cluster, dtype)
+        self.mem = stage_memory_many(sw, dp, tp, pp, dtype)
+        self.d = d_arr
+        self.mem_list = self.mem.tolist()
+        d = d_arr.tolist()
         self.by_d: dict[int, list[int]] = {}
         for i, di in enumerate(d):
             self.by_d.setdefault(di, []).append(i)
