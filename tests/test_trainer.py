@@ -163,18 +163,7 @@ def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
         tr.units.live_kinds = frozenset()
         res = tr.run()
         # each stage's shards are its units' tensors, on the plan's devices
-        for sp in tr.plan.stages:
-            units = tr.units.by_stage[sp.stage]
-            assert [u.ranks for u in units] == [
-                tuple(tr.device_worker[d] for d in devs) for devs in sp.units
-            ]
-            for u in units:
-                held = driver.call(list(u.ranks), "emu.shards", u.uid)
-                model = driver.call(list(u.ranks), "rl.shards", sp.stage)
-                for r in u.ranks:
-                    assert held[r].keys() == model[r].keys() and held[r]
-                    for k, t in model[r].items():
-                        assert torch.equal(held[r][k], t), (sp.stage, r, k)
+        _assert_units_are_the_models(tr, driver)
     finally:
         tr.close()
     taken = [d for d in res.decisions if d["taken"]]
@@ -186,6 +175,22 @@ def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
     a = torch.tensor([m["loss"] for m in res.metrics])
     s = torch.tensor([m["loss"] for m in static.metrics])
     torch.testing.assert_close(a, s, rtol=1e-4, atol=1e-5)
+
+
+def _assert_units_are_the_models(tr, driver):
+    """Each stage's EMU units sit on the plan's devices and hold its model's shards."""
+    for sp in tr.plan.stages:
+        units = tr.units.by_stage[sp.stage]
+        assert [u.ranks for u in units] == [
+            tuple(tr.device_worker[d] for d in devs) for devs in sp.units
+        ]
+        for u in units:
+            held = driver.call(list(u.ranks), "emu.shards", u.uid)
+            model = driver.call(list(u.ranks), "rl.shards", sp.stage)
+            for r in u.ranks:
+                assert held[r].keys() == model[r].keys() and held[r]
+                for k, t in model[r].items():
+                    assert torch.equal(held[r][k], t), (sp.stage, r, k)
 
 
 def _sp(stage, model, trains, tp, pp, devs=(0, 1, 2, 3)):
@@ -258,18 +263,7 @@ def test_a_transition_mixes_live_primitives_and_fallback_stages(driver):
         run = tr.transition(target, dag, 1)
         assert set(run.fallback_stages) == {"rollout"}, run.fallback_stages
         assert run.primitives and {p.split(":")[0] for p in run.primitives} == {"destroy"}
-        for sp in tr.plan.stages:
-            units = tr.units.by_stage[sp.stage]
-            assert [u.ranks for u in units] == [
-                tuple(tr.device_worker[d] for d in devs) for devs in sp.units
-            ]
-            for u in units:
-                held = driver.call(list(u.ranks), "emu.shards", u.uid)
-                model = driver.call(list(u.ranks), "rl.shards", sp.stage)
-                for r in u.ranks:
-                    assert held[r].keys() == model[r].keys() and held[r]
-                    for k, t in model[r].items():
-                        assert torch.equal(held[r][k], t), (sp.stage, r, k)
+        _assert_units_are_the_models(tr, driver)
     finally:
         tr.close()
 
