@@ -98,12 +98,15 @@ def _plan_times(
     completion: bool = True,
     native: bool = True,
     materialize: bool = False,
+    stats: dict | None = None,
 ):
     """Minimum wall and CPU seconds of compiling ``sc`` (and, with ``completion``, of
     predicting the DAG's completion time, as a caller must), and the DAG. ``native``:
     the C++ compiler (its DAG's object fields are built on first access; ``materialize``
-    also builds all of them inside the timing) or the Python one."""
+    also builds all of them inside the timing) or the Python one. ``stats`` (if given)
+    receives the median CPU seconds as ``cpu_median``."""
     best_wall, best_cpu, dag = math.inf, math.inf, None
+    cpus = []
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
         dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=refine, native=native)
@@ -112,8 +115,11 @@ def _plan_times(
         if materialize:
             for name in LAZY_FIELDS:
                 getattr(dag, name)
-        best_cpu = min(best_cpu, time.thread_time() - c)
+        cpus.append(time.thread_time() - c)
+        best_cpu = min(best_cpu, cpus[-1])
         best_wall = min(best_wall, time.perf_counter() - t)
+    if stats is not None:
+        stats["cpu_median"] = statistics.median(cpus)
     return best_wall, best_cpu, dag
 
 
@@ -257,7 +263,10 @@ def scale_rows(quick: bool) -> list[dict]:
     for n in SCALES:
         sc = scaled_scenario(n)
         repeats = 3 if (quick and n >= 1024) else 7
-        wall, cpu, dag = _plan_times(sc, repeats)
+        # The compiled plan takes milliseconds: 41 repeats cost little and keep one
+        # preempted call on this shared box from deciding the minimum or the median.
+        med: dict = {}
+        wall, cpu, dag = _plan_times(sc, 41 if n <= 1024 else 11, stats=med)
         _, cpu_plain, dag_plain = _plan_times(sc, repeats, refine=False)
         _, cpu_py, _ = _plan_times(sc, max(1, repeats // 2), native=False)
         limit = (5.0 if n <= 512 else 20.0) if quick else (20.0 if n <= 512 else 60.0)
@@ -270,6 +279,7 @@ def scale_rows(quick: bool) -> list[dict]:
             "resource_edges": dag.num_resource_edges,
             "plan_ms": wall * 1e3,
             "plan_cpu_ms": cpu * 1e3,
+            "plan_cpu_median_ms": med["cpu_median"] * 1e3,
             "plan_cpu_norefine_ms": cpu_plain * 1e3,
             "python_plan_cpu_ms": cpu_py * 1e3,
             "dag_norefine_makespan_s": predicted_completion_time(dag_plain, _cost),
@@ -291,6 +301,7 @@ def scale_rows(quick: bool) -> list[dict]:
         print(
             f"{n:>5} dev {row['primitives']:>5} prims {row['resource_edges']:>5} redges | "
             f"plan {row['plan_ms']:8.2f} ms (cpu {row['plan_cpu_ms']:7.2f}, "
+            f"cpu median {row['plan_cpu_median_ms']:7.2f}, "
             f"no refine {row['plan_cpu_norefine_ms']:7.2f}, python {cpu_py * 1e3:7.2f}) | "
             f"cpsat {res.status:>8} build {res.build_s:6.2f} s solve {res.solve_s:7.2f} s "
             f"makespan {res.makespan_s:6.2f} s bound {res.bound_s:6.2f} | "
@@ -374,8 +385,10 @@ def main() -> None:
     at1024 = next(r for r in scale if r["devices"] == 1024)
     print(
         f"at 1,024 devices: plan {at1024['plan_ms']:.2f} ms wall / {at1024['plan_cpu_ms']:.2f} ms "
-        f"CPU vs goal {GOAL_MS_AT_1024} ms: "
-        f"{'met' if at1024['plan_cpu_ms'] <= GOAL_MS_AT_1024 else 'NOT met'}"
+        f"CPU (minimum), {at1024['plan_cpu_median_ms']:.2f} ms CPU median, vs goal "
+        f"{GOAL_MS_AT_1024} ms: minimum "
+        f"{'met' if at1024['plan_cpu_ms'] <= GOAL_MS_AT_1024 else 'NOT met'}, median "
+        f"{'met' if at1024['plan_cpu_median_ms'] <= GOAL_MS_AT_1024 else 'NOT met'}"
     )
     print("Table 2: completion-time gap on random 12-device transitions")
     rand = random_rows(args.quick)
