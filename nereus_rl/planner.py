@@ -185,6 +185,8 @@ class Planner:
             names = [s.stage for s in stages]
             r_i = names.index("rollout") if "rollout" in names else -1
             self._stack(tuple(self._sid(s, actor, w.dtype) for s in stages), tables, r_i)
+            if self.native:  # the compiled copies of the layouts, off the decision path
+                planner_native.stage_layouts(tables)
         return len(self._tables) - before
 
     def _stack(self, sid: tuple[int, ...], tables: list[_StageTable], r_i: int):

@@ -67,10 +67,19 @@ def make_context(
     Returns:
         ``_native.PlanContext``.
     """
+    return _native.PlanContext(
+        times, stage_layouts(tables), phases, r_i, a_i, cap, max_n, dpn, one_node
+    )
+
+
+def stage_layouts(tables: list[_StageTable]) -> list:
+    """Each table's compiled copy of its layouts' memory and device counts
+    (``_native.StageLayouts``), marshalled once per table and kept on it: they depend
+    only on the table, so ``Planner.prepare`` builds them with the tables."""
     layouts = []
     for t in tables:
         lay = t.__dict__.get("_native")
-        if lay is None:  # fixed for the table: marshalled once
+        if lay is None:
             lay = t._native = _native.StageLayouts(t.mem, t.d)
         layouts.append(lay)
-    return _native.PlanContext(times, layouts, phases, r_i, a_i, cap, max_n, dpn, one_node)
+    return layouts

@@ -66,13 +66,19 @@ def place(
             key = (sw.stage, sw.model, sw.kind, dp, tp, pp, first, last)
             sp = cache.get(key) if (cache is not None and run) else None
             if sp is None:
-                it = iter(devs[off : off + n])
-                units = tuple(zip(*([it] * w)))  # dp consecutive tuples of w devices
+                # On a run, the units are fixed by (first, n, w): stages (and calls) that
+                # take the same slice and unit width share one tuple (it is immutable).
+                ukey = ("units", first, n, w)
+                units = cache.get(ukey) if (cache is not None and run) else None
+                if units is None:
+                    it = iter(devs[off : off + n])
+                    units = tuple(zip(*([it] * w)))  # dp consecutive tuples of w devices
                 sp = _stage_plan(sw.stage, sw.model, sw.trains, dp, tp, pp, units)
                 if cache is not None and run:
                     if len(cache) > 4096:
                         cache.clear()
                     cache[key] = sp
+                    cache[ukey] = units
             out[i] = sp
         off -= neg_size
     return GlobalPlan(tuple(out))

@@ -15,6 +15,7 @@ from nereus_rl.planner import (
     plan,
     set_partitions,
 )
+from nereus_rl.planner_place import place
 from nereus_rl.spec import cluster_preset
 from nereus_rl.workload import make_workload
 
@@ -243,3 +244,43 @@ def test_partition_bounds_never_exceed_the_partitions_best():
         assert len(pb.parts) == len(exact)
         for part, lb in zip(pb.parts, lbs):
             assert lb <= exact[tuple(sorted(part))] * (1 + 1e-12), (part, lb)
+
+
+def test_place_units_cache_is_keyed_by_first_device_size_and_width():
+    """``place`` shares unit tuples across stages and calls through its cache; each
+    placement must equal an uncached one when only the first device, the stage's device
+    count or its unit width changes (a key missing one of them would hand back another
+    slice's units)."""
+    c = cluster_preset("h200x32")
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    p = Planner(c, CostModel(c))
+    stages = list(w.planned_stages)
+    actor = w.stage("actor_train").model_spec
+    tables = [p._table(s, actor, w.dtype) for s in stages]
+    lay = {L: i for i, L in enumerate(tables[0].layouts)}
+    g = (0,)
+    cache: dict = {}
+    # (layout of stage 0, device run): same size and width at a new first device, a new
+    # size at the same first device, a new width at the same size and first device.
+    cases = [((8, 1, 1), range(0, 8)), ((8, 1, 1), range(8, 16)), ((16, 1, 1), range(8, 24))]
+    cases += [((4, 2, 1), range(8, 16)), ((2, 2, 2), range(8, 16)), ((8, 1, 1), range(8, 16))]
+    for (dp, tp, pp), devs in cases:
+        if (dp, tp, pp) not in lay:
+            continue
+        picks = [(g, (lay[(dp, tp, pp)],))]
+        got = place(stages[:1], tables[:1], picks, devs, cache).stages[0]
+        want = place(stages[:1], tables[:1], picks, devs, None).stages[0]
+        assert got.units == want.units and got == want
+        assert got.units == tuple(tuple(devs[u * tp * pp : (u + 1) * tp * pp]) for u in range(dp))
+    assert any(k[0] == "units" for k in cache)
+
+
+def test_prepare_marshals_the_compiled_layouts():
+    """``prepare`` builds each table's compiled layouts, so a prepared call only prices."""
+    c = cluster_preset("h200x32")
+    p = Planner(c, CostModel(c))
+    if not p.native:
+        pytest.skip("nereus_rl._native has no planner search")
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    p.prepare([w])
+    assert p._tables and all("_native" in t.__dict__ for t in p._tables.values())
