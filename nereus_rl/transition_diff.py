@@ -76,6 +76,24 @@ def _halves(devices: tuple[int, ...], by_device: dict[int, Unit]) -> tuple[Unit,
     return a, b
 
 
+def _pair_halves(
+    units: list[Unit], by_device: dict[int, Unit]
+) -> tuple[list[tuple[Unit, tuple[Unit, Unit]]], list[Unit]]:
+    """Each of ``units`` whose devices are exactly two entries of ``by_device`` (see
+    :func:`_halves`), paired with them; the paired entries leave ``by_device``, so no
+    unit is used twice. Returns the pairs and the units left unpaired, in order."""
+    pairs, left = [], []
+    for u in units:
+        halves = _halves(u.devices, by_device)
+        if halves is None:
+            left.append(u)
+            continue
+        pairs.append((u, halves))
+        for d in u.devices:
+            del by_device[d]
+    return pairs, left
+
+
 def diff_plans(
     current: Placement | GlobalPlan, target: GlobalPlan, *, lost_devices: Collection[int] = ()
 ) -> TransitionDiff:
@@ -190,31 +208,16 @@ def diff_plans(
         size = sp.tp * sp.pp
         if new and any(2 * len(u.devices) == size for u in rem):
             dev_u = {d: u for u in rem for d in u.devices}
-            left = []
-            for t in new:
-                halves = _halves(t.devices, dev_u)
-                if halves is None:
-                    left.append(t)
-                    continue
-                merges.append((halves, t))
-                for d in t.devices:
-                    del dev_u[d]
-            new = left
+            paired, new = _pair_halves(new, dev_u)
+            merges.extend((halves, t) for t, halves in paired)
             rem = [u for u in rem if u.devices[0] in dev_u]
 
         # Split: one current unit whose devices make up two target units (so it has at
         # least twice their size).
         if new and any(len(u.devices) >= 2 * size for u in rem):
             dev_t = {d: t for t in new for d in t.devices}
-            left_u = []
-            for u in rem:
-                halves = _halves(u.devices, dev_t)
-                if halves is None:
-                    left_u.append(u)
-                    continue
-                splits.append((u, halves))
-                for d in u.devices:
-                    del dev_t[d]
+            paired, left_u = _pair_halves(rem, dev_t)
+            splits.extend(paired)
             extends.extend(t for t in new if t.devices[0] in dev_t)
             destroys.extend(left_u)
         else:
