@@ -264,3 +264,9 @@ def test_cma_route_refuses_device_memory() -> None:
     plan = plan_reshard(specs, Layout(1, 1, 1, (0,)), Layout(1, 1, 1, (1,)))
     with pytest.raises(TransportArgumentError, match="route='cma' moves host memory"):
         reshard(plan, 0, {}, _DeviceTransport(), route="cma")
+
+
+def test_local_workers_allocate_transparent_huge_pages(pool) -> None:
+    from test_runtime_commands import huge_page_advised
+
+    assert pool.run(huge_page_advised) == [("1", True)] * WORLD
