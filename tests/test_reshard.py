@@ -22,7 +22,16 @@ from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import _CMA, _SHM, Workspace, reshard, shards_from_full
+from nereus_comm.reshard import (
+    _CMA,
+    _SHM,
+    CMA_MIN_RUN_BYTES,
+    DIRECT_MIN_BYTES,
+    Workspace,
+    reshard,
+    shards_from_full,
+)
+from nereus_comm.reshard_program import program
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
@@ -148,7 +157,7 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
                     res.cma_bytes_sent,
                     res.cma_bytes_received,
                 ),
-                "want_routes": _want_routes(route, res),
+                "want_routes": _want_routes(route, res, plan, rank, direct),
                 "fallback": res.fallback_reasons,
                 "plan_sent": sum(m.nbytes for m in sends),
                 "plan_received": sum(m.nbytes for m in recvs),
@@ -162,12 +171,24 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
     return out
 
 
-def _want_routes(route: str, res) -> tuple[int, int, int, int]:
-    """Every rank is on this host and may read the others: "auto" is all cross-memory
-    attach, "shm" all shared memory, "transport" neither."""
+def _want_routes(route: str, res, plan, rank: int, direct: dict) -> tuple[int, int, int, int]:
+    """(shm sent, shm received, cma sent, cma received) the route should give.
+
+    Every rank is on this host and may read the others: "cma" is all cross-memory
+    attach, "shm" all shared memory, "transport" neither, and "auto" reads a peer's
+    message by cross-memory attach when its runs average CMA_MIN_RUN_BYTES, else
+    takes shared memory.
+    """
     both = (res.bytes_sent, res.bytes_received)
-    none = (0, 0)
-    return (both if route == "shm" else none) + (both if route in ("auto", "cma") else none)
+    if route in ("shm", "cma", "transport"):
+        none = (0, 0)
+        return (both if route == "shm" else none) + (both if route == "cma" else none)
+    prog = program(plan, rank, direct.get("direct_min_bytes", DIRECT_MIN_BYTES))
+    cma = [
+        sum(n for p, n in totals.items() if n >= CMA_MIN_RUN_BYTES * runs[p])
+        for totals, runs in ((prog.send_totals, prog.send_runs), (prog.recv_totals, prog.recv_runs))
+    ]
+    return (both[0] - cma[0], both[1] - cma[1], cma[0], cma[1])
 
 
 def _moved_so_far(transport: GlooTransport) -> tuple[int, int]:

@@ -140,8 +140,8 @@ def _eperm(ctx: WorkerContext) -> dict:
         _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
         transport = _fresh_group(ctx)
-        specs = [TensorSpec("w", (40, 12), torch.float32, 1, None),
-                 TensorSpec("s", (5,), torch.int64, None, None)]  # fmt: skip
+        # Long runs (64 KiB blocks): route="auto" reads them by CMA where it may.
+        specs = [TensorSpec("w", (4096, 16), torch.float32, 0, None)]
         ranks = tuple(range(ctx.world_size))
         plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
         rows = []
@@ -193,7 +193,7 @@ def test_eperm_falls_back_to_shared_memory_per_direction(pool) -> None:
 def _other_hosts(ctx: WorkerContext) -> dict:
     # Ranks 0, 1 play host "a", ranks 2, 3 host "b": CMA within a host, gloo across.
     transport = _fresh_group(ctx, "a" if ctx.rank < 2 else "b")
-    specs = [TensorSpec("w", (13, 7), torch.float32, 0, None)]
+    specs = [TensorSpec("w", (4096, 16), torch.float32, 0, None)]
     ranks = tuple(range(ctx.world_size))
     plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, (1, 2, 3, 0)))
     full = _full_state(specs, 3)
@@ -270,3 +270,26 @@ def test_local_workers_allocate_transparent_huge_pages(pool) -> None:
     from test_runtime_commands import huge_page_advised
 
     assert pool.run(huge_page_advised) == [("1", True)] * WORLD
+
+
+def _short_runs(ctx: WorkerContext) -> dict:
+    # Rows of 64 B (split on dim 1): route="auto" takes a segment, route="cma" reads.
+    transport = _fresh_group(ctx)
+    specs = [TensorSpec("w", (256, 64), torch.float32, 1, None)]
+    ranks = tuple(range(ctx.world_size))
+    plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
+    full = _full_state(specs, 5)
+    mine = shards_from_full(full, specs, plan.src, ctx.rank)
+    want = shards_from_full(full, specs, plan.dst, ctx.rank)
+    out = {}
+    for route in ("auto", "cma"):
+        res = reshard(plan, ctx.rank, mine, transport, timeout=30, route=route)
+        out[route] = (torch.equal(res.tensors["w"], want["w"]), _routes(res), res.bytes_sent)
+    return out
+
+
+def test_auto_takes_shared_memory_for_short_runs(pool) -> None:
+    for r, res in enumerate(pool.run(_short_runs)):
+        (ok_auto, auto, n), (ok_cma, cma, _) = res["auto"], res["cma"]
+        assert ok_auto and ok_cma, f"rank {r}"
+        assert auto == (0, 0, n, n) and cma == (n, n, 0, 0), (r, res)
