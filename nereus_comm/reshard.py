@@ -24,9 +24,9 @@ transport. Where the kernel allows cross-memory attach between them and a messag
 contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average: whole shards, as in
 an Extend), the receiver reads the sender's shards straight into its own (one copy
 in all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes
-where its pieces are and waits until its receivers are done. Otherwise (probed once per peer pair
-and group; the reason is kept in ``ReshardResult.fallback_reasons``), the sender
-packs a message straight into a shared-memory segment the receiver maps and the
+where its pieces are and waits until its receivers are done. Otherwise (short
+runs, or the kernel refuses: probed once per peer pair and group, the reason kept
+in ``ReshardResult.fallback_reasons``), the sender packs a message straight into a shared-memory segment the receiver maps and the
 receiver unpacks straight out of it (one copy each side, see
 :mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
 first use, kept per process group and reused by every later call.
