@@ -26,8 +26,9 @@ an Extend), the receiver reads the sender's shards straight into its own (one co
 in all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes
 where its pieces are and waits until its receivers are done. Otherwise (short
 runs, or the kernel refuses: probed once per peer pair and group, the reason kept
-in ``ReshardResult.fallback_reasons``), the sender packs a message straight into a shared-memory segment the receiver maps and the
-receiver unpacks straight out of it (one copy each side, see
+in ``ReshardResult.fallback_reasons``), the sender packs a message straight into
+a shared-memory segment the receiver maps and the receiver unpacks straight out of
+it (one copy each side, see
 :mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
 first use, kept per process group and reused by every later call.
 ``route="transport"`` sends everything through the transport (the old path);
