@@ -6,10 +6,12 @@ in two scenarios (see layouts()): "resize" (tp W -> tp W/2 x pp 2 on the same
 ranks: sends, receives, packing and local copies) and "sync" (training layout
 on half the ranks -> a rollout layout on the other half: nothing is local).
 
-Two reshard variants: "reshard" (route="transport": every byte through the
-GlooTransport, as before) and "shm" (route="auto": the workers share this host,
-so every byte goes through shared-memory segments, packed straight into them;
-see nereus_comm.transport_shm). Baselines, run in the same worker pool and the
+Three reshard variants: "reshard" (route="transport": every byte through the
+GlooTransport, as before), "shm" (route="shm": the workers share this host, so
+every byte goes through shared-memory segments, packed straight into them; see
+nereus_comm.transport_shm) and "cma" (route="cma", what route="auto" picks here:
+each receiver reads the senders' shards straight into its own by cross-memory
+attach, one copy; see nereus_comm.transport_cma). Baselines, run in the same worker pool and the
 same process group, interleaved with both round by round (the order rotates
 every round):
 
@@ -66,7 +68,7 @@ def state_specs(target_bytes: int):
 
 
 SCENARIOS = ("resize", "sync")
-VARIANTS = ("reshard", "shm", "raw", "raw_copy", "raw_shm")
+VARIANTS = ("reshard", "shm", "cma", "raw", "raw_copy", "raw_shm")
 
 
 def layouts(num_workers: int, scenario: str = "resize") -> tuple[Layout, Layout]:
@@ -135,7 +137,8 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
 
     fns = [
         ("reshard", resharded),
-        ("shm", lambda: resharded("auto")),
+        ("shm", lambda: resharded("shm")),
+        ("cma", lambda: resharded("cma")),
         ("raw", raw),
         ("raw_copy", lambda: raw(local_copy=True)),
         ("raw_shm", shm_copy),
@@ -151,13 +154,14 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             if i:
                 times[key].append((wall, cpu))
-    res, shm = last["transport"], last["auto"]
+    res, shm, cma = last["transport"], last["shm"], last["cma"]
     times["counts"] = [
         (
             res.buffers_sent,
             res.staged_bytes_sent + res.staged_bytes_received,
             res.bytes_local,
             shm.shm_bytes_sent,
+            cma.cma_bytes_sent,
         )
     ]
     return times
@@ -201,6 +205,7 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     "staged_mib": round(sum(r["counts"][0][1] for r in per_rank) / MiB, 1),
                     # bytes the shm variant moved through shared memory (all of them here).
                     "shm_mib": round(sum(r["counts"][0][3] for r in per_rank) / MiB, 1),
+                    "cma_mib": round(sum(r["counts"][0][4] for r in per_rank) / MiB, 1),
                     "repeats": repeats,
                 }
                 for k in VARIANTS:
@@ -224,6 +229,11 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # > 1: shared memory faster than reshard over gloo.
                     ("shm_vs_gloo_x", "reshard", wall, "shm"),
                     ("shm_vs_gloo_cpu_x", "reshard", cpu, "shm"),
+                    ("cma_ratio_x", "raw", wall, "cma"),
+                    ("cma_cpu_ratio_x", "raw", cpu, "cma"),
+                    # > 1: cross-memory attach faster than shared memory.
+                    ("cma_vs_shm_x", "shm", wall, "cma"),
+                    ("cma_vs_shm_cpu_x", "shm", cpu, "cma"),
                 ):
                     med, lo, hi = ratio(base, d, of)
                     row[name] = round(med, 3)
@@ -258,6 +268,15 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     f"{r['shm_vs_gloo_x']:.2f} cpu {r['shm_vs_gloo_cpu_x']:.2f}",
                     flush=True,
                 )
+                print(
+                    f"{'':6s} {w}w cma: {r['cma_mib']:.1f} MiB by cross-memory attach | wall ms "
+                    f"{r['cma_ms']:.0f} [{r['cma_ms_min']:.0f}-{r['cma_ms_max']:.0f}] cpu ms "
+                    f"{r['cma_cpu_ms']:.0f} | cma/raw wall {r['cma_ratio_x']:.2f} cpu "
+                    f"{r['cma_cpu_ratio_x']:.2f} | cma vs shm wall {r['cma_vs_shm_x']:.2f} "
+                    f"[{r['cma_vs_shm_x_min']:.2f}-{r['cma_vs_shm_x_max']:.2f}] cpu "
+                    f"{r['cma_vs_shm_cpu_x']:.2f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -270,15 +289,19 @@ def main() -> None:
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     repeats = args.repeats or (5 if args.quick else 7)
     rows = run(sizes, [2, 4], repeats)
-    for variant, prefix in (("reshard(gloo)", ""), ("reshard(shm)", "shm_")):
+    for variant, prefix in (
+        ("reshard(gloo)", ""),
+        ("reshard(shm)", "shm_"),
+        ("reshard(cma)", "cma_"),
+    ):
         for key, what in (
             ("ratio_x", "wall vs raw"),
-            ("ratio_copy_x", "wall vs raw + local copy"),
+            *([] if prefix == "cma_" else [("ratio_copy_x", "wall vs raw + local copy")]),
             ("cpu_ratio_x", "CPU vs raw"),
-            ("cpu_ratio_copy_x", "CPU vs raw + local copy"),
+            *([] if prefix == "cma_" else [("cpu_ratio_copy_x", "CPU vs raw + local copy")]),
             *(
                 [("ratio_rawshm_x", "wall vs raw shm"), ("cpu_ratio_rawshm_x", "CPU vs raw shm")]
-                if prefix
+                if prefix == "shm_"
                 else []
             ),
         ):

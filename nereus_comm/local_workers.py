@@ -13,13 +13,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
 import queue
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,50 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["LocalWorkers", "WorkerContext", "WorkerError"]
+__all__ = [
+    "WORKER_ENV",
+    "LocalWorkers",
+    "WorkerContext",
+    "WorkerError",
+    "worker_env",
+    "worker_environ",
+]
+
+#: Environment every local worker starts with unless the user set the variable:
+#: THP_MEM_ALLOC_ENABLE=1 makes torch's CPU allocator align allocations of 2 MiB and
+#: more to 2 MiB and madvise them to transparent huge pages, so fresh state (a new
+#: unit's shards) faults in 512x fewer pages. torch reads it at the first allocation
+#: of a process, so it must be in the environment the process starts with.
+WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: os.environ) with WORKER_ENV's defaults where unset."""
+    env = dict(os.environ if base is None else base)
+    for key, value in WORKER_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+@contextlib.contextmanager
+def worker_environ(**extra: str) -> Iterator[None]:
+    """os.environ with WORKER_ENV's defaults (and ``extra``) while processes start.
+
+    For start methods that copy this process's environment (multiprocessing's
+    forkserver is started with it); restored afterwards.
+    """
+    saved = {k: os.environ.get(k) for k in (*WORKER_ENV, *extra)}
+    os.environ.update(extra)
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class WorkerError(RuntimeError):
@@ -110,9 +154,9 @@ class LocalWorkers:
         )
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(num_workers)]
-        env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        # The forkserver starts with this environment (on the first start only: a
+        # forkserver already running keeps its own).
+        with worker_environ(OMP_NUM_THREADS="1"):
             self._procs = [
                 ctx.Process(
                     target=_worker_main,
@@ -123,11 +167,6 @@ class LocalWorkers:
             ]
             for p in self._procs:
                 p.start()
-        finally:
-            if env_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_threads
         try:
             self._collect(timeout)
         except BaseException:

@@ -20,12 +20,19 @@ same plan. Each rank:
    :func:`~nereus_comm.pack.unpack` call.
 
 Peers on the same host (``route="auto"``, the default, for host memory) skip the
-transport: the sender packs a message straight into a shared-memory segment the
-receiver maps and the receiver unpacks straight out of it (one copy each side,
-see :mod:`nereus_comm.transport_shm`). The segments are set up over the
-transport on first use, kept per process group and reused by every later call.
+transport. Where the kernel allows cross-memory attach between them and a message's
+contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average: whole shards, as in
+an Extend), the receiver reads the sender's shards straight into its own (one copy
+in all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes
+where its pieces are and waits until its receivers are done. Otherwise (short
+runs, or the kernel refuses: probed once per peer pair and group, the reason kept
+in ``ReshardResult.fallback_reasons``), the sender packs a message straight into
+a shared-memory segment the receiver maps and the receiver unpacks straight out of
+it (one copy each side, see
+:mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
+first use, kept per process group and reused by every later call.
 ``route="transport"`` sends everything through the transport (the old path);
-``route="shm"`` requires shared memory for every peer.
+``route="cma"`` and ``route="shm"`` require that route for every peer.
 
 Example::
 
@@ -58,9 +65,11 @@ from nereus_comm.reshard_program import (
     wire_groups,
 )
 from nereus_comm.transport import Transport, TransportArgumentError
+from nereus_comm.transport_cma import CmaRoute
 from nereus_comm.transport_shm import ShmTransport
 
 __all__ = [
+    "CMA_MIN_RUN_BYTES",
     "DIRECT_MIN_BYTES",
     "ROUTES",
     "ReshardResult",
@@ -70,10 +79,20 @@ __all__ = [
     "wire_groups",
 ]
 
-#: reshard(route=...): "auto" (shared memory with same-host peers, the transport
-#: with the others), "shm" (shared memory with every peer, else an error) or
-#: "transport" (everything through the transport).
-ROUTES = ("auto", "shm", "transport")
+#: reshard(route=...): "auto" (cross-memory attach with same-host peers that allow
+#: it, shared memory with the other same-host peers, the transport with the rest),
+#: "cma" (cross-memory attach with every peer, else an error), "shm" (shared memory
+#: with every peer, else an error) or "transport" (everything through the transport).
+ROUTES = ("auto", "cma", "shm", "transport")
+
+#: route="auto" reads a peer's message by cross-memory attach only when its
+#: contiguous runs average at least this many bytes. process_vm_readv costs ~0.5 us
+#: per run (it pins the pages of each iovec) and copies ~0.23 ms/MiB, where packing
+#: into and out of a warm shared-memory segment costs ~0.26 ms/MiB: 32 MiB as runs of
+#: 256 B / 1 KiB / 4 KiB / 16 KiB / 1 MiB took 76 / 27 / 12 / 10 / 7.5 ms against
+#: 8-10 ms for the two memcpys (one process, 2-core VM). Whole shards (Extend) are
+#: one run each.
+CMA_MIN_RUN_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -105,17 +124,23 @@ class ReshardResult:
     #: posting, local copies and waiting for the transfers.
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
-    #: of bytes_sent / bytes_received, those that went through shared memory (the
-    #: rest went through the transport).
+    #: of bytes_sent / bytes_received, those that went through shared memory and
+    #: those read by cross-memory attach (the rest went through the transport).
     shm_bytes_sent: int = 0
     shm_bytes_received: int = 0
+    cma_bytes_sent: int = 0
+    cma_bytes_received: int = 0
+    #: per peer of this call that cross-memory attach could not serve (route "auto"),
+    #: why not (from the probe, e.g. EPERM under Yama or missing credentials).
+    fallback_reasons: dict[int, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (
             f"ReshardResult({len(self.tensors)} tensors, {self.seconds * 1e3:.1f} ms, "
             f"sent {self.bytes_sent} B in {self.messages_sent} msgs/{self.buffers_sent} bufs "
-            f"({self.shm_bytes_sent} B by shm), received {self.bytes_received} B "
-            f"({self.shm_bytes_received} B by shm), local {self.bytes_local} B)"
+            f"({self.cma_bytes_sent} B by cma, {self.shm_bytes_sent} B by shm), received "
+            f"{self.bytes_received} B ({self.cma_bytes_received} B by cma, "
+            f"{self.shm_bytes_received} B by shm), local {self.bytes_local} B)"
         )
 
 
@@ -183,6 +208,18 @@ def _shm_for(transport: Transport) -> ShmTransport:
     return shm
 
 
+_CMA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cma_for(transport: Transport) -> CmaRoute:
+    """The CmaRoute of the transport's connections (one per process group)."""
+    key = transport.connection_key()
+    cma = _CMA.get(key)
+    if cma is None:
+        cma = _CMA[key] = CmaRoute(transport)
+    return cma
+
+
 def _by_peer(buffers, skip: frozenset[int]):
     """(buffers through the transport, {shm peer: its slots in wire order})."""
     if not skip:
@@ -222,12 +259,15 @@ def reshard(
             :func:`wire_groups`).
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
-        route: "auto": peers on this host through shared memory (host memory only),
-            the others through ``transport``; "shm": every peer through shared
-            memory; "transport": every peer through ``transport``. The shared-memory
-            segments are set up over ``transport`` on first use (collective with the
-            peers) and reused by later calls over the same process group. Every rank
-            must pass the same route (and direct_min_bytes), as with the plan.
+        route: "auto": peers on this host by cross-memory attach where the kernel
+            allows it and the message's runs are long (CMA_MIN_RUN_BYTES), else
+            through shared memory (host memory only), the others
+            through ``transport``; "cma" / "shm": every peer by cross-memory attach /
+            through shared memory; "transport": every peer through ``transport``.
+            Cross-memory attach is probed and shared-memory segments are set up over
+            ``transport`` on first use (collective with the peers) and reused by
+            later calls over the same process group. Every rank must pass the same
+            route (and direct_min_bytes), as with the plan.
 
     Returns:
         The destination shards and what was measured.
@@ -236,8 +276,10 @@ def reshard(
         TensorMismatchError: a tensor is missing, unknown, or differs from its spec
             (shape vs its box, dtype, device, contiguity); raised before any byte moves.
         TransportArgumentError: rank is not the transport's, a peer is unreachable,
-            an unknown route, or route="shm" with device memory or a peer that shared
-            memory cannot reach; raised before any byte moves.
+            an unknown route, or route="cma"/"shm" with device memory or a peer that
+            route cannot reach (the message says why); raised before any byte moves.
+        TransportError: a cross-memory-attach read failed (both ends raise; those
+            peers take the fallback route from then on).
         PeerTimeoutError: a peer did not complete within ``timeout`` (names the peer).
     """
     if route not in ROUTES:
@@ -247,9 +289,9 @@ def reshard(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
         )
     device_type = transport.device_type
-    if route == "shm" and device_type != "cpu":
+    if route in ("cma", "shm") and device_type != "cpu":
         raise TransportArgumentError(
-            f"route='shm' moves host memory, {transport!r} moves {device_type} memory; "
+            f"route={route!r} moves host memory, {transport!r} moves {device_type} memory; "
             "use route='auto' or 'transport'"
         )
     if workspace is not None and workspace.device.type != device_type:
@@ -281,18 +323,54 @@ def reshard(
 
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
+    send_totals = {p: n for p, n in prog.send_totals.items() if n}
+    recv_totals = {p: n for p, n in prog.recv_totals.items() if n}
+    cma, cma_sends, cma_recvs, fallback = None, frozenset(), frozenset(), {}
+    if route in ("auto", "cma") and device_type == "cpu" and prog.peers:
+        cma = _cma_for(transport)
+        cma_sends, cma_recvs = cma.prepare(
+            send_totals, recv_totals, timeout=timeout, control=transport
+        )
+        fallback = {p: r for p, r in cma.reasons.items() if p in prog.peers}
+        if route == "auto":
+            # Messages of short runs go faster through a segment (see CMA_MIN_RUN_BYTES);
+            # both ends decide alike, from the plan.
+            cma_sends = frozenset(
+                p for p in cma_sends if send_totals[p] >= CMA_MIN_RUN_BYTES * prog.send_runs[p]
+            )
+            cma_recvs = frozenset(
+                p for p in cma_recvs if recv_totals[p] >= CMA_MIN_RUN_BYTES * prog.recv_runs[p]
+            )
+        missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
+        if route == "cma" and missing:
+            raise TransportArgumentError(
+                f"rank {rank} cannot reach peers {sorted(missing)} by cross-memory attach "
+                f"({'; '.join(fallback.get(p, '?') for p in sorted(missing))}); use "
+                "route='auto' to let those go through shared memory or the transport"
+            )
     shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
-    if route != "transport" and device_type == "cpu" and prog.peers:
-        shm = _shm_for(transport)
-        shm_sends, shm_recvs = shm.prepare(
-            prog.send_totals,
-            prog.recv_totals,
+    if route in ("auto", "shm") and device_type == "cpu" and prog.peers:
+        shm_send = {p: n for p, n in send_totals.items() if p not in cma_sends}
+        shm_recv = {p: n for p, n in recv_totals.items() if p not in cma_recvs}
+        if shm_send or shm_recv or route == "shm":
+            shm = _shm_for(transport)
+            shm_sends, shm_recvs = shm.prepare(
+                shm_send, shm_recv, timeout=timeout, require=route == "shm", control=transport
+            )
+    sends, cma_send_slots = _by_peer(prog.sends, cma_sends)
+    recvs, cma_recv_slots = _by_peer(prog.recvs, cma_recvs)
+    sends, shm_send_slots = _by_peer(sends, shm_sends)
+    recvs, shm_recv_slots = _by_peer(recvs, shm_recvs)
+    tables = {}
+    if cma_send_slots or cma_recv_slots:
+        # Before the transport's batch is posted, so both ends of a pair post their
+        # records and their data in the same order.
+        tables = cma.publish(
+            {p: [_region(sl, tensors) for sl in slots] for p, slots in cma_send_slots.items()},
+            {p: len(slots) for p, slots in cma_recv_slots.items()},
             timeout=timeout,
-            require=route == "shm",
             control=transport,
         )
-    sends, shm_send_slots = _by_peer(prog.sends, shm_sends)
-    recvs, shm_recv_slots = _by_peer(prog.recvs, shm_recvs)
     send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
     recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
     send_bufs, send_staged = _bind(sends, tensors, send_stage)
@@ -313,6 +391,11 @@ def reshard(
             deadline=deadline,
             timeout=timeout,
         )
+    read = {}
+    for peer, slots in cma_recv_slots.items():
+        # The read is the whole transfer: from the peer's shards into ours.
+        regions = [_region(sl, dst_tensors) for sl in slots]
+        read[peer] = cma.read(peer, tables[peer], regions, prog.recv_totals[peer])
     if prog.local_src:
         copy_regions(
             [_region(sl, tensors) for sl in prog.local_src],
@@ -324,6 +407,14 @@ def reshard(
             lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
             deadline=deadline,
             timeout=timeout,
+        )
+    if cma_send_slots or cma_recv_slots:
+        # Our sources must stay untouched until every peer reading them is done.
+        cma.finish(
+            read,
+            list(cma_send_slots),
+            timeout=max(deadline - time.monotonic(), 1.0),
+            control=transport,
         )
     pending.wait()
     exchanged_at = time.perf_counter()
@@ -347,6 +438,9 @@ def reshard(
         staged_bytes_received=_staged_nbytes(prog.recvs),
         shm_bytes_sent=sum(prog.send_totals[p] for p in shm_send_slots),
         shm_bytes_received=sum(prog.recv_totals[p] for p in shm_recv_slots),
+        cma_bytes_sent=sum(prog.send_totals[p] for p in cma_send_slots),
+        cma_bytes_received=sum(prog.recv_totals[p] for p in cma_recv_slots),
+        fallback_reasons=fallback,
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,

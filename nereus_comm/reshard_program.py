@@ -153,11 +153,30 @@ class _Program:
     #: bytes per peer, for the shared-memory route (one message per peer).
     send_totals: dict[int, int]
     recv_totals: dict[int, int]
+    #: contiguous runs per peer's message, counted on both of its sides (the rows a
+    #: cross-memory-attach read is cut into, at most): both ends compute the same.
+    send_runs: dict[int, int]
+    recv_runs: dict[int, int]
 
 
 def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> _Slot:
     off, rows, row, stride = local_region(spec, layout, rank, piece.box)
     return (spec.name, off, rows, row, stride)
+
+
+def _runs(spec: TensorSpec, layout: Layout, rank: int, piece) -> int:
+    """Contiguous runs of a piece in rank's shard (1 when it is one block)."""
+    _, rows, row, stride = local_region(spec, layout, rank, piece.box)
+    return 1 if rows <= 1 or stride == row else rows
+
+
+def _message_runs(plan, specs, dst_specs, m) -> int:
+    """Runs of a message on its source plus on its destination (either end computes it)."""
+    return sum(
+        _runs(specs[p.tensor], plan.src, m.src, p) + _runs(dst_specs[p.tensor], plan.dst, m.dst, p)
+        for p in m.pieces
+        if box_nbytes(p.box, specs[p.tensor])
+    )
 
 
 def _slot_nbytes(slot: _Slot, itemsize: int) -> int:
@@ -215,6 +234,8 @@ def program(plan, rank: int, min_bytes: int) -> _Program:
         peers=frozenset(m.dst for m in sends) | frozenset(m.src for m in recvs),
         send_totals={},
         recv_totals={},
+        send_runs={m.dst: _message_runs(plan, specs, dst_specs, m) for m in sends},
+        recv_runs={m.src: _message_runs(plan, specs, dst_specs, m) for m in recvs},
     )
     for b in prog.sends:
         prog.send_totals[b.peer] = prog.send_totals.get(b.peer, 0) + b.nbytes

@@ -12,7 +12,10 @@ plan's messages do). Empty buffers are skipped on both sides.
 
 - :class:`GlooTransport`: torch.distributed gloo (host memory).
 - :class:`~nereus_comm.transport_shm.ShmTransport`: shared-memory segments between
-  ranks on one host (host memory; reshard() picks it for same-host peers).
+  ranks on one host (host memory; reshard()'s fallback for same-host peers).
+- :class:`~nereus_comm.transport_cma.CmaRoute` (not a Transport: it reads the
+  peers' shards in place): cross-memory attach between ranks on one host, which
+  reshard() picks for same-host messages of long runs where the kernel allows it.
 - :class:`NcclTransport`: grouped ``ncclSend``/``ncclRecv`` through the native
   core on torch's current CUDA stream (device memory).
 """

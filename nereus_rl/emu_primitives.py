@@ -300,6 +300,7 @@ class Primitives:
                                      for r in res.values()),
             ranks=ranks,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
+                   "bytes_cma": sum(r.get("bytes_cma", 0) for r in res.values()),
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
                    "plan_s": max(r["plan_s"] for r in res.values()),
                    # the slowest rank's pack / exchange / unpack (profiling Extend)

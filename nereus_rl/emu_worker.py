@@ -181,6 +181,8 @@ def _reshard(
         "bytes_local": result.bytes_local,
         "messages_sent": result.messages_sent,
         "buffers_sent": result.buffers_sent,
+        # of bytes_sent, those peers read straight from this rank (cross-memory attach)
+        "bytes_cma": result.cma_bytes_sent,
         "reshard_s": result.seconds,
         # where the transfer's time went on this rank (for profiling Extend)
         "pack_s": result.pack_seconds,

@@ -4,8 +4,9 @@ Random tensors (uneven shapes, fp32/bf16/int64, replicated and split, on
 pipeline stages) are resharded between random layout pairs over up to 4 ranks;
 every destination shard must equal (torch.equal) the slice of the full tensor,
 and the bytes and messages each rank moved must be exactly the plan's. Cases
-alternate between the default route (shared memory: all ranks share this host)
-and route="transport" (everything through gloo).
+cycle through the default route (cross-memory attach: all ranks share this host
+and may read each other), route="transport" (everything through gloo),
+route="shm" (shared-memory segments) and route="cma".
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import _SHM, Workspace, reshard, shards_from_full
+from nereus_comm.reshard import (
+    _CMA,
+    _SHM,
+    CMA_MIN_RUN_BYTES,
+    DIRECT_MIN_BYTES,
+    Workspace,
+    reshard,
+    shards_from_full,
+)
+from nereus_comm.reshard_program import program
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 WORLD = 4
@@ -104,13 +114,28 @@ def _random_cases(seed: int, n: int) -> list[tuple[list[TensorSpec], Layout, Lay
     return cases
 
 
+def cma_blocked(ctx: WorkerContext) -> dict[int, str]:
+    """Why this rank cannot use cross-memory attach with the others (empty: it can).
+
+    Probes over a fresh group; where the kernel forbids it (Yama ptrace scope,
+    seccomp), tests expect the fallback instead of failing.
+    """
+    from nereus_comm.transport_cma import CmaRoute
+
+    transport = GlooTransport(dist.new_group(ranks=list(range(ctx.world_size))))
+    peers = [p for p in range(ctx.world_size) if p != ctx.rank]
+    cma = CmaRoute(transport)
+    cma.prepare(peers, peers, timeout=30)
+    return cma.reasons
+
+
 def _transport(ctx: WorkerContext) -> GlooTransport:
     if "transport" not in ctx.scratch:
         ctx.scratch["transport"] = GlooTransport()
     return ctx.scratch["transport"]
 
 
-def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
+def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> list[dict]:
     transport = _transport(ctx)
     rank = ctx.rank
     out = []
@@ -119,16 +144,15 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
         plan = plan_reshard(specs, src, dst, dst_specs=dst_specs if more else None)
         full = _full_state(specs, seed + k)
         mine = shards_from_full(full, specs, plan.src, rank)
-        shm = _SHM.get(transport.connection_key())
-        before = _moved_so_far(transport, shm)
+        before = _moved_so_far(transport)
         # Every other case reuses one workspace (staging buffers of earlier cases).
         ws = ctx.scratch.setdefault("workspace", Workspace()) if k % 2 else None
         # Every third case sends every non-empty piece as its own buffer (direct
         # where contiguous), as the default does for pieces of >= 512 KiB.
         direct = {"direct_min_bytes": 1} if k % 3 == 0 else {}
-        route = "auto" if k % 2 == 0 else "transport"
+        route = ("auto", "transport", "shm", "cma" if cma_ok else "shm")[k % 4]
         res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, route=route, **direct)
-        after = _moved_so_far(transport, _SHM.get(transport.connection_key()))
+        after = _moved_so_far(transport)
         want = shards_from_full(full, dst_specs, plan.dst, rank)
         involved = rank in plan.src or rank in plan.dst
         sends = plan.sends(rank) if involved else []
@@ -142,9 +166,14 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
                 "bytes_local": res.bytes_local,
                 "wire_sent": after[0] - before[0],
                 "wire_received": after[1] - before[1],
-                # Every rank is on this host: the default route is all shared memory.
-                "shm": (res.shm_bytes_sent, res.shm_bytes_received),
-                "want_shm": (res.bytes_sent, res.bytes_received) if route == "auto" else (0, 0),
+                "routes": (
+                    res.shm_bytes_sent,
+                    res.shm_bytes_received,
+                    res.cma_bytes_sent,
+                    res.cma_bytes_received,
+                ),
+                "want_routes": _want_routes(route, res, plan, rank, direct, cma_ok),
+                "fallback": res.fallback_reasons,
                 "plan_sent": sum(m.nbytes for m in sends),
                 "plan_received": sum(m.nbytes for m in recvs),
                 "msgs": (res.messages_sent, res.messages_received),
@@ -157,16 +186,54 @@ def _run_cases(ctx: WorkerContext, cases, seed: int) -> list[dict]:
     return out
 
 
-def _moved_so_far(transport: GlooTransport, shm) -> tuple[int, int]:
-    """Data bytes sent and received through gloo and shared memory (not setup records)."""
+def _want_routes(
+    route: str, res, plan, rank: int, direct: dict, cma_ok: bool
+) -> tuple[int, int, int, int]:
+    """(shm sent, shm received, cma sent, cma received) the route should give.
+
+    Every rank is on this host and may read the others: "cma" is all cross-memory
+    attach, "shm" all shared memory, "transport" neither, and "auto" reads a peer's
+    message by cross-memory attach when its runs average CMA_MIN_RUN_BYTES, else
+    takes shared memory.
+    """
+    both = (res.bytes_sent, res.bytes_received)
+    if not cma_ok and route == "auto":
+        return (*both, 0, 0)
+    if route in ("shm", "cma", "transport"):
+        none = (0, 0)
+        return (both if route == "shm" else none) + (both if route == "cma" else none)
+    prog = program(plan, rank, direct.get("direct_min_bytes", DIRECT_MIN_BYTES))
+    cma = [
+        sum(n for p, n in totals.items() if n >= CMA_MIN_RUN_BYTES * runs[p])
+        for totals, runs in ((prog.send_totals, prog.send_runs), (prog.recv_totals, prog.recv_runs))
+    ]
+    return (both[0] - cma[0], both[1] - cma[1], cma[0], cma[1])
+
+
+def _moved_so_far(transport: GlooTransport) -> tuple[int, int]:
+    """Data bytes moved by gloo, shared memory and cross-memory attach (no setup records)."""
+    key = transport.connection_key()
+    shm, cma = _SHM.get(key), _CMA.get(key)
     sent, received = transport.stats.bytes_sent, transport.stats.bytes_received
+    if cma is not None:
+        # The CMA route's own records (probes, tables, completions) travel over gloo.
+        sent, received = _cma_free(transport, cma)
+        sent += cma.bytes_sent
+        received += cma.bytes_received
     if shm is not None:
         sent += shm.stats.bytes_sent - shm.setup_bytes
         received += shm.stats.bytes_received - shm.setup_bytes
     return sent, received
 
 
-def _check(results_by_rank: list[list[dict]], cases) -> None:
+def _cma_free(transport: GlooTransport, cma) -> tuple[int, int]:
+    """Gloo's byte counters without the CMA route's records."""
+    return transport.stats.bytes_sent - cma.control_bytes[0], (
+        transport.stats.bytes_received - cma.control_bytes[1]
+    )
+
+
+def _check(results_by_rank: list[list[dict]], cases, cma_ok: bool) -> None:
     for k, (specs, src, dst, *_) in enumerate(cases):
         rows = [results_by_rank[r][k] for r in range(WORLD)]
         where = f"case {k}: {src!r} -> {dst!r}, specs {specs}"
@@ -178,7 +245,9 @@ def _check(results_by_rank: list[list[dict]], cases) -> None:
             assert row["bytes_received"] == row["plan_received"] == row["wire_received"], where
             assert row["msgs"] == row["plan_msgs"], where
             assert row["buffers_ok"], where
-            assert row["shm"] == row["want_shm"], where
+            assert row["routes"] == row["want_routes"], (where, row["routes"])
+            if cma_ok:
+                assert row["fallback"] == {}, (where, row["fallback"])
         total, local, num_messages = rows[0]["stats"]
         assert sum(row["bytes_sent"] for row in rows) == total, where
         assert sum(row["bytes_received"] for row in rows) == total, where
@@ -186,15 +255,25 @@ def _check(results_by_rank: list[list[dict]], cases) -> None:
         assert sum(row["msgs"][0] for row in rows) == num_messages, where
 
 
+_CMA_OK: dict[int, bool] = {}
+
+
+def cma_ok(pool) -> bool:
+    """Whether every pair of the pool's workers may read each other (probed once)."""
+    if id(pool) not in _CMA_OK:
+        _CMA_OK[id(pool)] = not any(pool.run(cma_blocked))
+    return _CMA_OK[id(pool)]
+
+
 def test_fixed_layout_changes(pool) -> None:
     cases = _fixed_cases()
-    _check(pool.run(_run_cases, cases, 7), cases)
+    _check(pool.run(_run_cases, cases, 7, cma_ok(pool)), cases, cma_ok(pool))
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_layout_pairs(pool, seed: int) -> None:
     cases = _random_cases(seed, 12)
-    _check(pool.run(_run_cases, cases, 100 * seed), cases)
+    _check(pool.run(_run_cases, cases, 100 * seed, cma_ok(pool)), cases, cma_ok(pool))
 
 
 SMALL = 64 * 1024  # a direct_min_bytes that makes most pieces here "large"

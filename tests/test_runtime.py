@@ -50,6 +50,15 @@ def test_call_returns_each_workers_value(driver):
     assert driver.call([0, 1], "test.threads") == {0: 1, 1: 1}
 
 
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="no transparent huge pages in this kernel",
+)
+def test_local_workers_allocate_transparent_huge_pages(driver):
+    # Fresh state faults in 2 MiB pages: torch's allocator aligns and madvises.
+    assert driver.call([0, 1], "test.huge_page_advised") == {0: ("1", True), 1: ("1", True)}
+
+
 def test_remote_error_names_worker_and_carries_traceback(driver):
     with pytest.raises(RemoteError) as e:
         driver.call([0, 1], "test.fail", "boom")

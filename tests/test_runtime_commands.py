@@ -45,3 +45,23 @@ def big(ctx: WorkerContext, nbytes: int) -> torch.Tensor:
 @register("test.unpicklable")
 def unpicklable(ctx: WorkerContext) -> object:
     return lambda: None
+
+
+@register("test.huge_page_advised")
+def huge_page_advised(ctx: WorkerContext) -> tuple[str | None, bool]:
+    """THP_MEM_ALLOC_ENABLE as this worker sees it, and whether torch advised a fresh
+    8 MiB tensor's pages to be huge (MADV_HUGEPAGE: "hg" in the mapping's VmFlags)."""
+    import os
+
+    t = torch.empty(8 << 20, dtype=torch.uint8)
+    addr, advised = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                advised = "hg" in line.split()[1:]
+    return os.environ.get("THP_MEM_ALLOC_ENABLE"), advised

@@ -1,6 +1,7 @@
 """ShmTransport and reshard() over shared memory, across 4 local gloo processes.
 
-All workers share this host, so the default route moves every byte through
+All workers share this host; with cross-memory attach turned off (NEREUS_CMA=0,
+as where the kernel forbids it) the default route moves every byte through
 /dev/shm; workers given different NEREUS_SHM_HOST values act as two hosts, so
 that some pairs use shared memory and the others gloo. Every destination shard
 must equal (torch.equal) the slice of the full tensor, and which path moved how
@@ -25,6 +26,7 @@ from nereus_comm.local_workers import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import _SHM, reshard, shards_from_full
 from nereus_comm.transport import GlooTransport, TransportArgumentError
+from nereus_comm.transport_cma import CMA_ENV
 from nereus_comm.transport_shm import HOST_ENV, NAME_PREFIX, SHM_DIR, ShmTransport
 
 WORLD = 4
@@ -44,6 +46,9 @@ def _leftovers(pids) -> list[str]:
 
 def _fresh_group(ctx: WorkerContext, host: str | None) -> GlooTransport:
     # A new group: a new ShmTransport (it is kept per group), reading HOST_ENV anew.
+    # Cross-memory attach off: route="auto" falls back to shared memory (the path
+    # these tests check), as where the kernel refuses process_vm_readv.
+    os.environ[CMA_ENV] = "0"
     if host is None:
         os.environ.pop(HOST_ENV, None)
     else:
@@ -69,6 +74,7 @@ def _random_pairs(ctx: WorkerContext, seed: int, route: str) -> dict:
             row["names_ok"] = sorted(res.tensors) == sorted(want)
             row["shm"].append((res.shm_bytes_sent, res.shm_bytes_received))
             row["plan"] = (res.bytes_sent, res.bytes_received)
+            row["fallback"] = res.fallback_reasons
             row["rounds"].append(0 if shm is None else shm.setup_rounds)
             if call and segs is not None and shm is not None:
                 now = {**shm._out, **{-p - 1: s for p, s in shm._in.items()}}
@@ -89,6 +95,9 @@ def test_random_layout_pairs_exact_and_all_through_shm(pool, route: str) -> None
             where = f"rank {r} case {k}"
             assert row["names_ok"] and not row["bad"], f"{where}: wrong bytes in {row['bad']}"
             assert all(s == row["plan"] for s in row["shm"]), f"{where}: {row}"
+            # route="auto" says why its peers did not take cross-memory attach.
+            why = row["fallback"].values() if route == "auto" else ["disabled by NEREUS_CMA"]
+            assert all("disabled by NEREUS_CMA" in w for w in why), f"{where}: {row}"
             # The second and third call spend no setup round and keep the segments.
             assert row["rounds"][1] == row["rounds"][2] == row["rounds"][0], f"{where}: {row}"
             assert row["same_segments"], where
@@ -242,6 +251,7 @@ def _group_lifetime(ctx: WorkerContext) -> dict:
     import gc
     import weakref
 
+    os.environ[CMA_ENV] = "0"
     store = dist.PrefixStore("shm_test/lifetime", ctx.store)
     pg = dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size)
     ranks = tuple(range(ctx.world_size))

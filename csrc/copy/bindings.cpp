@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "common.h"
+#include "copy/cma.h"
 #include "copy/host_copy.h"
 
 namespace py = pybind11;
@@ -25,6 +26,25 @@ int copy_regions_py(const py::array& table, int num_threads) {
   return copy_regions(regions, num_regions, num_threads);
 }
 
+py::tuple cma_read_py(int pid, const py::array& table, int num_threads) {
+  NEREUS_CHECK(
+      table.dtype().is(py::dtype::of<int64_t>()),
+      "the region table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
+  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kCopyTableColumns,
+               "the region table must have shape (num_regions, " << kCopyTableColumns
+                                                                 << "), got ndim " << table.ndim());
+  NEREUS_CHECK(table.flags() & py::array::c_style,
+               "the region table must be C-contiguous; pass numpy.ascontiguousarray(table)");
+  const auto* regions = static_cast<const CopyRegion*>(table.data());
+  const int64_t num_regions = table.shape(0);
+  CmaResult result;
+  {
+    py::gil_scoped_release release;
+    result = cma_read(pid, regions, num_regions, num_threads);
+  }
+  return py::make_tuple(result.bytes, result.error);
+}
+
 }  // namespace
 
 void register_copy(py::module_& m) {
@@ -41,6 +61,23 @@ Arguments:
 
 Returns:
     The number of threads that copied.
+
+Raises:
+    ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
+  m.def("cma_read", &cma_read_py, py::arg("pid"), py::arg("table"), py::arg("num_threads") = 0,
+        R"doc(Read a region table from another process into this one (process_vm_readv).
+
+Arguments:
+    pid: the process whose memory the table's src addresses point into.
+    table: int64 array of shape (num_regions, 6) as for copy_regions; src_addr and
+        src_stride_bytes are in pid's address space, dst_* in this process's.
+    num_threads: threads to split the bytes over (the caller counts); <= 0: one per
+        CPU this process may run on. Small tables run on the caller alone.
+
+Returns:
+    (bytes read, errno of the first failed call or 0). EPERM/ENOSYS mean the kernel
+    forbids cross-memory attach here (Yama, seccomp, credentials), ESRCH that pid is
+    gone, EFAULT that a range is not mapped in pid or here.
 
 Raises:
     ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");

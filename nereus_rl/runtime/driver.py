@@ -37,6 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nereus_comm.local_workers import worker_env, worker_environ
 from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
 
@@ -161,7 +162,7 @@ class Driver:
                 "--group-timeout",
                 str(group_timeout),
             ]
-            env = dict(os.environ)
+            env = worker_env()  # transparent huge pages for fresh state, unless set
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # idle store waits log timeouts
             procs.append(subprocess.Popen(cmd, env=env))
         by_pid = {p.pid: p for p in procs}
@@ -462,7 +463,8 @@ class _ForkedWorker:
             args=(host, port, num_threads, group_timeout),
             name="nereus-worker",
         )
-        self._proc.start()
+        with worker_environ():  # the forkserver, if this starts it, gets THP too
+            self._proc.start()
         self.pid = self._proc.pid
 
     @property

@@ -5,6 +5,10 @@ Start one by hand on any machine that can reach the job's store::
     python -m nereus_rl.runtime.worker --store HOST:PORT [--num-threads 1]
 
 (torchrun-style MASTER_ADDR / MASTER_PORT are used when --store is absent).
+Export ``THP_MEM_ALLOC_ENABLE=1`` first, as :meth:`Driver.spawn_local` does for the
+workers it starts: torch then advises its large CPU allocations to transparent huge
+pages, and a new unit's state faults in far fewer pages (torch reads the setting at
+its first allocation, so it must be in the environment the worker starts with).
 The worker joins the job's nereus_comm World (its rank is its member id - 1,
 the driver being member 0; the World carries its heartbeat), then runs
 commands in the order the driver sends them (see nereus_rl.runtime.context
