@@ -11,11 +11,13 @@ the warm-up runs' transition times are printed:
     adaptive         the planner's first plan, adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
     colocated        verl-like: every stage on every device, fixed; each stage's
-                     (dp, tp, pp) chosen at startup by the same cost model and memory
-                     budget as the planner (the fastest predicted colocated layout)
+                     (dp, tp, pp) chosen at startup by the same cost model (after the
+                     startup calibration) and memory budget as the planner (the
+                     fastest predicted colocated layout)
     disaggregated    OpenRLHF-like: rollout on the first half of the devices, every
                      other stage on the second half, fixed, chosen the same way
-    planner_fixed    the planner's first plan (adaptive's start), never changed
+    planner_fixed    the planner's first plan (adaptive's start, after its startup
+                     calibration in the warm-up run), never changed
     *_max            the same three chosen for the trace's longest responses instead
                      of its first ones: a static configuration sized for the whole run
     best_fixed       the fastest fixed plan whose predicted peak stays within the
@@ -79,7 +81,7 @@ def structured_plan(probe: Trainer, kind: str, rlen: int) -> tuple[GlobalPlan, b
     ``kind``: ``"colocated"`` (every stage on all devices) or ``"disaggregated"``
     (rollout on the first half, the rest on the second half). Each stage's (dp, tp,
     pp) is free (powers of two, runnable on the model), priced by the probe's cost
-    model (the planner's, before any measurement) under the workload at ``rlen``.
+    model (the planner's, after its startup calibration) under the workload at ``rlen``.
     When no layout fits the budget, the one with the smallest peak is returned.
     """
     ad = probe.adapter
@@ -128,6 +130,8 @@ def _run_row(res) -> dict:
         "reward_mean": _mean([x["reward_mean"] for x in m]),
         "peak_memory_fraction": frac,
         "error": res.error,
+        # the startup calibration (adaptive runs): run time outside the step latencies
+        "calibration_s": res.timings.get("calibration_s", 0.0),
         # (step, plan) each time the plan was set or changed: which plans adaptive ran
         "plans": [(s, repr(p)) for s, p in res.plans],
     }
@@ -135,7 +139,15 @@ def _run_row(res) -> dict:
 
 def run_setting(driver, algo, mode, common, repeats, max_len):
     """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds."""
-    probe = Trainer(TrainConfig(algo=algo, mode=mode, **common))
+    # The startup choices (budget, the verl-/OpenRLHF-like layouts, planner_fixed_max)
+    # are made with what a run knows at startup: the planner's cost model after the
+    # same startup calibration an adaptive run does, on these workers.
+    probe = Trainer(TrainConfig(algo=algo, mode=mode, **common), driver=driver)
+    probe.start()
+    print(
+        f"{algo} {mode}: startup calibration {probe.result.timings['calibration_s']:.2f} s, "
+        f"probes {probe.result.calibration['probes']}"
+    )
     budget = probe.adapter.budget
     first_len = probe._response_len(0)
     plans = {"planner_fixed": (probe.first_plan, True)}
@@ -144,7 +156,7 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
         plans[kind + "_max"] = structured_plan(probe, kind, max_len)
     best_max, _ = probe.adapter.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
-    probe.driver.shutdown()  # the probe planned only; it started no workers
+    probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
     runs = {v: [] for v in variants}
@@ -161,6 +173,10 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
     for v, extra in (("adaptive", {}), ("replan_always", {"admission": "always"})):
         warm = train(adapt=True, **extra, **kw)
         warm_trans[v] = [d["measured_transition_s"] for d in warm.decisions if d.get("taken")]
+        if v == "adaptive":
+            # adaptive's start is chosen after its startup calibration (measured on
+            # these workers), so planner_fixed is the plan the warm-up run started on
+            plans["planner_fixed"] = (warm.plans[0][1], True)
     for rep in range(repeats):
         # Each repeat starts one variant later, so no variant always runs first.
         for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
@@ -194,6 +210,7 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
             "paired_ratio_min_x": min(ratios),
             "paired_ratio_max_x": max(ratios),
             "transitions": _mean([r["transitions"] for r in rs]),
+            "calibration_s": _mean([r["calibration_s"] for r in rs]),
             "reward_mean": _mean([r["reward_mean"] for r in rs]),
             "peak_memory_fraction": frac,
             # adaptive runs move away before the next step when the signal passes 1
@@ -272,6 +289,14 @@ def main(argv=None) -> int:
             print(
                 f"  {r['algo']} {r['mode']} {r['variant']} unrecorded warm-up run, "
                 f"transitions (s): {w or 'none'}"
+            )
+    for r in rows:
+        if r["calibration_s"] and not r["variant"].startswith("best"):
+            steps_s = r["step_latency_s"] * steps
+            print(
+                f"  {r['algo']} {r['mode']} {r['variant']} startup calibration "
+                f"{r['calibration_s']:.2f} s per run (steps {steps_s:.2f} s; with it "
+                f"{(steps_s + r['calibration_s']) / steps:.3f} s/step)"
             )
     for r in rows:
         if r["plan"] is not None and not r["variant"].startswith("best_fixed"):

@@ -176,6 +176,8 @@ class Trainer:
         t0 = time.perf_counter()
         full = self._initial_states()
         self.result.timings["warm_start_s"] = time.perf_counter() - t0
+        if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
+            self._calibrate(full)
         t0 = time.perf_counter()
         self._set_plan(0, plan or self.first_plan)
         descs = [self._desc(sp) for sp in self.plan.stages]
@@ -188,6 +190,17 @@ class Trainer:
         self.units = TrainerUnits(self, self.adapter.cm, live_kinds=live)
         self.units.adopt(self.plan)
         self.result.timings["setup_s"] = time.perf_counter() - t0
+
+    def _calibrate(self, full: dict[str, dict[str, torch.Tensor]]) -> None:
+        # Measured on these workers before the first decision (nereus_rl.trainer_calibrate);
+        # the planner's first plan is then chosen again with what was measured.
+        from nereus_rl.trainer_calibrate import calibrate
+
+        rec, observed = calibrate(self, full, self.cfg.calibration_probes)
+        self.result.calibration = rec
+        self.result.timings["calibration_s"] = rec["seconds"]
+        self.adapter.calibrated(observed)
+        self.first_plan = self.adapter.initial_plan(self._response_len(0))
 
     def _desc(self, sp: StagePlan) -> dict[str, Any]:
         d = stage_desc(sp)

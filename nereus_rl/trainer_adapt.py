@@ -62,6 +62,7 @@ from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
+from nereus_rl.trainer_calibrate import stage_seconds
 from nereus_rl.transition import TransitionError
 from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
@@ -158,6 +159,24 @@ class Adapter:
         self._refined = False
         self.prompt_len = 0
 
+    def calibrated(self, observed: list[tuple]) -> None:
+        """The cost model was refined at startup from ``observed`` (plan, workload, stage
+        seconds): the first step's prediction is a refined one, so its error counts
+        towards the tolerance; and the automatic budget (no ``memory_budget`` given) is
+        set again by its rule with the measured efficiencies, so that it still sits just
+        above the peak of the plan the run starts on (the model is rebuilt for the new
+        capacity and the observations replayed into it)."""
+        self._refined = True
+        if self.cfg.memory_budget is None:
+            self.budget = self._auto_budget(observed)
+            self.cluster = local_cpu_cluster(
+                self.cfg.devices, self.workers_per_core, memory_bytes=self.budget * self.cfg.devices
+            )
+            self.cm = CostModel(self.cluster)
+            for plan, wl, measured in observed:
+                self.cm.observe(plan, wl, measured)
+            self.admission = Admission(self.cm)
+
     # -------------------------------------------------------------- workload
 
     def _prompt_len(self, rlen: int) -> int:
@@ -183,11 +202,14 @@ class Adapter:
             dtype="fp32",
         )
 
-    def _auto_budget(self) -> int:
+    def _auto_budget(self, observed: list[tuple] = ()) -> int:
         # The best plan with the machine's memory, at the first response length; the
-        # budget sits just above its predicted peak.
+        # budget sits just above its predicted peak. (observed: measurements to price
+        # the plans with, see calibrated)
         cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
         cm = CostModel(cl)
+        for plan, wl, measured in observed:
+            cm.observe(plan, wl, measured)
         wl = self.workload(self.trainer._response_len(0))
         try:
             res = plan_best(wl, cl, cm, k=64)
@@ -315,14 +337,7 @@ class Adapter:
         tr = self.trainer
         plan = tr.plan
         wl_now = self.workload(m["response_len"])
-        measured = {
-            "rollout": m["stage_s"]["rollout"] + m.get("sync_s", 0.0),
-            "reference": m["stage_s"]["inference"],
-            "actor_train": m["stage_s"]["train"],
-        }
-        if self.cfg.algo == "ppo":
-            # critic inference and training run beside their actor counterparts
-            measured.pop("reference")
+        measured = stage_seconds(self.cfg.algo, m)
         predicted = self.cm.step_latency(plan, wl_now).total_s
         if self._refined:
             # A prediction from the model refined on earlier steps (the first step's is
