@@ -11,9 +11,9 @@ the warm-up runs' transition times are printed:
     adaptive         the planner's first plan, adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
     colocated        verl-like: every stage on every device, fixed; each stage's
-                     (dp, tp, pp) chosen at startup by the same cost model (after the
-                     startup calibration) and memory budget as the planner (the
-                     fastest predicted colocated layout)
+                     (dp, tp, pp) chosen at startup by the planner's cost model (before
+                     any measurement) under the same memory budget (the fastest
+                     predicted colocated layout)
     disaggregated    OpenRLHF-like: rollout on the first half of the devices, every
                      other stage on the second half, fixed, chosen the same way
     planner_fixed    the planner's first plan (adaptive's start, after its startup
@@ -50,6 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, Trainer, train
@@ -81,7 +82,7 @@ def structured_plan(probe: Trainer, kind: str, rlen: int) -> tuple[GlobalPlan, b
     ``kind``: ``"colocated"`` (every stage on all devices) or ``"disaggregated"``
     (rollout on the first half, the rest on the second half). Each stage's (dp, tp,
     pp) is free (powers of two, runnable on the model), priced by the probe's cost
-    model (the planner's, after its startup calibration) under the workload at ``rlen``.
+    model (the planner's, before any measurement) under the workload at ``rlen``.
     When no layout fits the budget, the one with the smallest peak is returned.
     """
     ad = probe.adapter
@@ -137,11 +138,20 @@ def _run_row(res) -> dict:
     }
 
 
-def run_setting(driver, algo, mode, common, repeats, max_len):
-    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds."""
-    # The startup choices (budget, the verl-/OpenRLHF-like layouts, planner_fixed_max)
-    # are made with what a run knows at startup: the planner's cost model after the
-    # same startup calibration an adaptive run does, on these workers.
+def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calibrated"):
+    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
+
+    ``budget_rule``: ``"calibrated"``, the rule a run without a budget uses (1.08x the
+    predicted peak of the plan it starts on, after its startup calibration);
+    ``"uncalibrated"``, the same rule on the plan the default cost model picks (what
+    the bench used before the startup calibration existed).
+    """
+    # The memory budget follows the rule a run uses (just above the predicted peak of
+    # the plan it starts on), after the same startup calibration an adaptive run does,
+    # on these workers. The fixed layouts are chosen as on main: by the planner's cost
+    # model before any measurement (a run of the calibrated model's choices measured
+    # 1.5-2x slower: it priced tp 2 layouts it never ran too well), so they are the same
+    # baselines as before, not weaker ones.
     probe = Trainer(TrainConfig(algo=algo, mode=mode, **common), driver=driver)
     probe.start()
     print(
@@ -149,13 +159,19 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
         f"probes {probe.result.calibration['probes']}"
     )
     budget = probe.adapter.budget
+    if budget_rule == "uncalibrated":
+        planner_only = Trainer(TrainConfig(algo=algo, mode=mode, **common))
+        budget = planner_only.adapter.budget
+        planner_only.driver.shutdown()  # it planned only; it started no workers
     first_len = probe._response_len(0)
     plans = {"planner_fixed": (probe.first_plan, True)}
+    calibrated, probe.adapter.cm = probe.adapter.cm, CostModel(probe.adapter.cluster)
     for kind in ("colocated", "disaggregated"):
         plans[kind] = structured_plan(probe, kind, first_len)
         plans[kind + "_max"] = structured_plan(probe, kind, max_len)
     best_max, _ = probe.adapter.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
+    probe.adapter.cm = calibrated
     probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
@@ -232,20 +248,32 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="GRPO sync only, 10 steps, 2 repeats")
-    ap.add_argument("--algos", default="grpo,ppo,remax")
-    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="10 steps, 2 repeats, batch 4; GRPO sync unless --algos/--modes are given",
+    )
+    ap.add_argument("--algos", default=None, help="default grpo,ppo,remax (quick: grpo)")
+    ap.add_argument("--modes", default=None, help="default sync,async (quick: sync)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds per setting")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--trace", default=None, help="response-length trace (CSV or JSON)")
+    ap.add_argument(
+        "--budget-rule",
+        choices=("calibrated", "uncalibrated"),
+        default="calibrated",
+        help="memory budget: 1.08x the peak of the start plan after (default) or before "
+        "the startup calibration",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    algos, modes = args.algos.split(","), args.modes.split(",")
+    algos = (args.algos or ("grpo" if args.quick else "grpo,ppo,remax")).split(",")
+    modes = (args.modes or ("sync" if args.quick else "sync,async")).split(",")
     steps, repeats = args.steps, args.repeats
     common = dict(devices=args.devices, warm_steps=60, batch=8, group_size=4, seed=0)
     if args.quick:
-        algos, modes, steps, repeats = ["grpo"], ["sync"], 10, 2
+        steps, repeats = 10, 2
         common.update(warm_steps=20, batch=4)
     tmp = tempfile.TemporaryDirectory()
     trace = args.trace or str(write_trace(Path(tmp.name) / "trace.csv", steps))
@@ -262,7 +290,7 @@ def main(argv=None) -> int:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                rows += run_setting(driver, algo, mode, common, repeats, max_len)
+                rows += run_setting(driver, algo, mode, common, repeats, max_len, args.budget_rule)
     finally:
         driver.shutdown()
         tmp.cleanup()
@@ -312,6 +340,7 @@ def main(argv=None) -> int:
             "benchmark": "bench_e2e",
             "trace": repr(lt),
             "steps": steps,
+            "budget_rule": args.budget_rule,
             "loadavg_start": load_start,
             "loadavg_end": load_end,
             "rows": rows,

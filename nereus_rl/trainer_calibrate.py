@@ -8,17 +8,22 @@ time) that ranked the first plan and the first urgent move wrongly: bench_e2e's 
 move went to a plan that then measured slower than the plan it found by payback six
 steps later.
 
-So before the first plan is chosen the trainer runs a few probe plans, the planner's own
-best candidates at the first response length chosen so that together they cover as
-many distinct stage layouts (stage, dp, tp, pp) as possible, on the real workers with
-the real model: each probe's stages are set up from the run's initial states and one RL
-step's work runs on them (weight sync, rollout, reference / critic inference,
-training) with the first step's shapes. The first repeat of each probe pays one-off
-costs (the layout's process groups, torch's first call on new shapes) and is not fed
-to the model; the rest go to ``CostModel.observe`` exactly as a running step's do.
-Afterwards the stages are set up again from the initial states, so the run's state is
-the same as without calibration (the probes' training never reaches it), and the
-prompts come from a generator of their own, so the run's prompts are unchanged.
+So before the first plan is chosen the trainer runs a few probe plans on the real
+workers with the real model, one at a time: each is the best plan the model, as refined
+by the probes before it, ranks at the first response length that has a stage layout
+(stage, dp, tp, pp, sharing devices or not) no probe has run. A model refined on some
+shapes can price a shape it never ran too well (a first version probed the planner's
+initial top three, all tp 1; its refined model then picked tp 2 layouts for
+bench_e2e's fixed baselines, which measured 1.5-2x slower), so what the model now
+ranks best is what gets measured next. On each probe the stages are set up from the
+run's initial states and one RL step's work runs on them (weight sync, rollout,
+reference / critic inference, training) with the first step's shapes. The first
+repeat of each probe pays one-off costs (the layout's process groups, torch's first
+call on new shapes) and is not fed to the model; the rest go to ``CostModel.observe``
+exactly as a running step's do. Afterwards the stages are set up again from the
+initial states, so the run's state is the same as without calibration (the probes'
+training never reaches it), and the prompts come from a generator of their own, so
+the run's prompts are unchanged.
 
 The calibration's time is real work of the run: it is in ``TrainResult.timings``
 (``calibration_s``) and in the run's total, not in any step's latency.
@@ -32,11 +37,11 @@ from typing import Any
 
 from nereus_rl.globalplan import GlobalPlan
 
-# Probes and repeats: three plans cover dp 1/2 and the colocated/split placements the
-# k-best mixes at 4 devices; the first repeat warms up, one more is measured. About
-# 0.5-1 s per probe on the tiny model (setup included).
-DEFAULT_PROBES = 3
+# Repeats per probe: the first warms up, one more is measured (about 0.3-0.5 s per probe
+# on the tiny model at 4 workers, setup included). Probes are drawn from the model's
+# PROBE_POOL best plans at each point.
 REPEATS = 2
+PROBE_POOL = 8
 
 
 def stage_seconds(algo: str, m: dict[str, Any]) -> dict[str, float]:
@@ -65,29 +70,16 @@ def layouts(plan: GlobalPlan) -> set[tuple]:
     return out
 
 
-def choose_probes(ranked: list[GlobalPlan], num_probes: int) -> list[GlobalPlan]:
-    """Up to ``num_probes`` plans from ``ranked`` (best first), each adding the most stage
-    layouts not yet covered (ties: the better-ranked); the best plan always goes first.
+def next_probe(ranked: list[GlobalPlan], measured: set[tuple], pool: int) -> GlobalPlan | None:
+    """The best-ranked plan among ``ranked[:pool]`` with a stage layout not in ``measured``
+    (see :func:`layouts`), or None when the model's ``pool`` best are all measured.
 
     Raises:
-        ValueError: ``num_probes`` is negative.
+        ValueError: ``pool`` is not positive.
     """
-    if num_probes < 0:
-        raise ValueError(f"num_probes={num_probes} must be >= 0 (0: no calibration)")
-    if not ranked or num_probes == 0:
-        return []
-    chosen = [ranked[0]]
-    covered = layouts(ranked[0])
-    while len(chosen) < num_probes:
-        rest = [(len(layouts(p) - covered), -i, p) for i, p in enumerate(ranked) if p not in chosen]
-        if not rest:
-            break
-        gain, _, pick = max(rest, key=lambda t: t[:2])
-        if gain == 0:
-            break
-        chosen.append(pick)
-        covered |= layouts(pick)
-    return chosen
+    if pool < 1:
+        raise ValueError(f"pool={pool} must be >= 1")
+    return next((p for p in ranked[:pool] if layouts(p) - measured), None)
 
 
 def calibrate(
@@ -111,14 +103,23 @@ def calibrate(
     ad = trainer.adapter
     rlen = trainer._response_len(0)
     wl = ad.workload(rlen)
-    probes = choose_probes([p for _, p in ad.ranked_plans(rlen)], num_probes)
-    before = {repr(p): ad.cm.step_latency(p, wl).total_s for p in probes}
+    probes: list[GlobalPlan] = []
+    before: dict[str, float] = {}
+    covered: set[tuple] = set()  # stage layouts probed so far
     saved = trainer.rng, trainer.plan
     # Its own prompts: the run's prompt stream must not depend on calibration.
     trainer.rng = random.Random(trainer.cfg.seed * 7919 + 1)
     runs, setups, observed = [], {}, []
     try:
-        for p in probes:
+        while len(probes) < num_probes:
+            # Ranked by the model as refined so far: each probe measures a layout the
+            # model now ranks among its best without having run it.
+            p = next_probe([q for _, q in ad.ranked_plans(rlen)], covered, PROBE_POOL)
+            if p is None:
+                break
+            probes.append(p)
+            covered |= layouts(p)
+            before[repr(p)] = ad.cm.step_latency(p, wl).total_s
             trainer.plan = p
             descs = [trainer._desc(sp) for sp in p.stages]
             t_setup = time.perf_counter()
@@ -130,13 +131,13 @@ def calibrate(
                 job = trainer._rollout_wait(trainer._rollout_submit(0))
                 m = trainer._train_on(job)
                 m.update(sync)
-                measured = stage_seconds(trainer.cfg.algo, m)
+                secs = stage_seconds(trainer.cfg.algo, m)
                 if rep > 0:  # the first run pays the layout's one-off costs
-                    ad.cm.observe(p, wl, measured)
-                    observed.append((p, wl, measured))
+                    ad.cm.observe(p, wl, secs)
+                    observed.append((p, wl, secs))
                 runs.append(
                     {"plan": repr(p), "repeat": rep, "step_s": time.perf_counter() - t_step,
-                     "stage_s": measured, "observed": rep > 0}
+                     "stage_s": secs, "observed": rep > 0}
                 )  # fmt: skip
     finally:
         trainer.rng, trainer.plan = saved

@@ -9,7 +9,7 @@ import torch
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, TrainConfigError, Trainer, train
-from nereus_rl.trainer_calibrate import choose_probes, layouts
+from nereus_rl.trainer_calibrate import layouts, next_probe
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
@@ -28,21 +28,22 @@ def _plan(rollout, reference, actor) -> GlobalPlan:
     )
 
 
-def test_probes_cover_the_most_new_layouts_best_first():
-    a = _plan((1, (0,)), (2, (0, 1)), (2, (0, 1)))  # the best
-    b = _plan((1, (1,)), (2, (0, 1)), (2, (0, 1)))  # same layouts as a: adds nothing
-    c = _plan((1, (0,)), (1, (3,)), (2, (0, 1)))  # the reference alone: adds 1
-    d = _plan((2, (0, 1)), (1, (2,)), (1, (2,)))  # adds 3
+def test_next_probe_is_the_best_ranked_with_an_unmeasured_layout():
+    a = _plan((1, (0,)), (2, (0, 1)), (2, (0, 1)))
+    b = _plan((1, (1,)), (2, (0, 1)), (2, (0, 1)))  # the same layouts as a
+    c = _plan((1, (0,)), (1, (3,)), (2, (0, 1)))  # a's, but the reference alone on 3
+    d = _plan((2, (0, 1)), (1, (2,)), (1, (2,)))
     assert layouts(a) == {
         ("rollout", 1, 1, 1, True), ("reference", 2, 1, 1, True), ("actor_train", 2, 1, 1, True)
     }  # fmt: skip
-    assert choose_probes([a, b, c, d], 3) == [a, d, c]
-    assert choose_probes([a, b, c, d], 2) == [a, d]
-    # nothing new left to cover: fewer probes than asked
-    assert choose_probes([a, b], 3) == [a]
-    assert choose_probes([a, b], 0) == [] and choose_probes([], 3) == []
-    with pytest.raises(ValueError, match="num_probes"):
-        choose_probes([a], -1)
+    assert ("reference", 1, 1, 1, False) in layouts(c)
+    assert next_probe([a, b, c, d], set(), pool=8) is a
+    assert next_probe([a, b, c, d], layouts(a), pool=8) is c  # b adds nothing
+    assert next_probe([a, b, c, d], layouts(a) | layouts(c), pool=8) is d
+    assert next_probe([a, b, c, d], layouts(a) | layouts(c), pool=3) is None  # d not in pool
+    assert next_probe([a, b], layouts(a), pool=8) is None and next_probe([], set(), 1) is None
+    with pytest.raises(ValueError, match="pool"):
+        next_probe([a], set(), pool=0)
 
 
 def test_bad_probe_count_raises_before_any_process():
@@ -65,6 +66,7 @@ def test_calibration_feeds_the_model_and_leaves_the_run_unchanged(driver):
     assert cal.error is None, cal.error
     rec = cal.calibration
     assert rec is not None and len(rec["probes"]) == 2
+    assert len(set(rec["probes"])) == 2  # each measured something new
     assert cal.timings["calibration_s"] == pytest.approx(rec["seconds"])
     observed = [r for r in rec["runs"] if r["observed"]]
     # every probe ran twice; the second run of each was fed to the model
