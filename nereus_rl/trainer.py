@@ -274,10 +274,11 @@ class Trainer:
                 sent += sum(r["bytes_sent"] for r in rep.values())
         return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent}
 
-    def _rollout_submit(self, step: int):
-        """Sample a step's prompts and send them to the rollout units (not waiting)."""
+    def _rollout_submit(self, step: int, rlen: int | None = None):
+        """Sample a step's prompts and send them to the rollout units (not waiting);
+        ``rlen`` overrides the step's response limit (the startup calibration's probes)."""
         cfg = self.cfg
-        rlen = self._response_len(step)
+        rlen = self._response_len(step) if rlen is None else rlen
         # The response limit follows the length schedule; the task level stays at the
         # first step's (fixed_level) so that reward can rise while responses grow.
         level = self.task.level_for_response_len(self._response_len(0) if cfg.fixed_level else rlen)

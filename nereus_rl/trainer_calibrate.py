@@ -10,20 +10,20 @@ steps later.
 
 So before the first plan is chosen the trainer runs a few probe plans on the real
 workers with the real model, one at a time: each is the best plan the model, as refined
-by the probes before it, ranks at the first response length that has a stage layout
-(stage, dp, tp, pp, sharing devices or not) no probe has run. A model refined on some
-shapes can price a shape it never ran too well (a first version probed the planner's
-initial top three, all tp 1; its refined model then picked tp 2 layouts for
-bench_e2e's fixed baselines, which measured 1.5-2x slower), so what the model now
-ranks best is what gets measured next. On each probe the stages are set up from the
-run's initial states and one RL step's work runs on them (weight sync, rollout,
-reference / critic inference, training) with the first step's shapes. The first
-repeat of each probe pays one-off costs (the layout's process groups, torch's first
-call on new shapes) and is not fed to the model; the rest go to ``CostModel.observe``
-exactly as a running step's do. Afterwards the stages are set up again from the
-initial states, so the run's state is the same as without calibration (the probes'
-training never reaches it), and the prompts come from a generator of their own, so
-the run's prompts are unchanged.
+by the probes before it, ranks at the first response length or at one of the next two
+bucket edges (see ``BUCKETS_AHEAD``) that has a stage layout (stage, dp, tp, pp,
+sharing devices or not) no probe has run, and it runs at that length. A model refined
+on some shapes prices shapes it never ran badly: a first version probed the planner's
+top three at the first length only (all tp 1) and its refined model then made its
+urgent moves to tp 2 and pp 2 layouts, which measured slower than the tp 1 plan that
+held the whole trace. On each probe the stages are set up from the run's initial
+states and one RL step's work runs on them (weight sync, rollout, reference / critic
+inference, training). The first repeat of each probe pays one-off costs (the layout's
+process groups, torch's first call on new shapes) and is not fed to the model; the
+rest go to ``CostModel.observe`` exactly as a running step's do. Afterwards the stages
+are set up again from the initial states, so the run's state is the same as without
+calibration (the probes' training never reaches it), and the prompts come from a
+generator of their own, so the run's prompts are unchanged.
 
 The calibration's time is real work of the run: it is in ``TrainResult.timings``
 (``calibration_s``) and in the run's total, not in any step's latency.
@@ -36,12 +36,20 @@ import time
 from typing import Any
 
 from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.workload import bucket_of
 
 # Repeats per probe: the first warms up, one more is measured (about 0.3-0.5 s per probe
 # on the tiny model at 4 workers, setup included). Probes are drawn from the model's
 # PROBE_POOL best plans at each point.
 REPEATS = 2
 PROBE_POOL = 8
+# Response lengths the probes are ranked (and run) at: the first, and the next two
+# bucket edges above it. A run's first moves are made for longer responses than its
+# first (the lengths RL post-training meets grow), among plans the model ranks for
+# those lengths, which at the first length alone it never ranks high (at 4 workers:
+# tp 2 and pp 2 layouts that fit the memory only the longer responses need). Two
+# buckets, not the whole range: nothing is known of how far lengths will go.
+BUCKETS_AHEAD = 2
 
 
 def stage_seconds(algo: str, m: dict[str, Any]) -> dict[str, float]:
@@ -70,16 +78,32 @@ def layouts(plan: GlobalPlan) -> set[tuple]:
     return out
 
 
-def next_probe(ranked: list[GlobalPlan], measured: set[tuple], pool: int) -> GlobalPlan | None:
-    """The best-ranked plan among ``ranked[:pool]`` with a stage layout not in ``measured``
-    (see :func:`layouts`), or None when the model's ``pool`` best are all measured.
+def next_probe(
+    ranked: dict[int, list[GlobalPlan]], covered: set[tuple], pool: int
+) -> tuple[GlobalPlan, int] | None:
+    """The next probe and the response length to run it at.
+
+    ``ranked`` holds the model's ranking at each length. Going down the ranks (the best
+    of every length first, shorter lengths first within a rank, to depth ``pool``), the
+    first plan with a stage layout not in ``covered`` (see :func:`layouts`); None when
+    there is none.
 
     Raises:
         ValueError: ``pool`` is not positive.
     """
     if pool < 1:
         raise ValueError(f"pool={pool} must be >= 1")
-    return next((p for p in ranked[:pool] if layouts(p) - measured), None)
+    for r in range(pool):
+        for n in sorted(ranked):
+            if r < len(ranked[n]) and layouts(ranked[n][r]) - covered:
+                return ranked[n][r], n
+    return None
+
+
+def probe_lengths(first: int, buckets: tuple[int, ...], ahead: int) -> list[int]:
+    """The first response length and the next ``ahead`` bucket edges above its bucket."""
+    edges = sorted(b for b in buckets if b > bucket_of(first, buckets))
+    return [first, *edges[:ahead]]
 
 
 def calibrate(
@@ -102,7 +126,7 @@ def calibrate(
     t0 = time.perf_counter()
     ad = trainer.adapter
     rlen = trainer._response_len(0)
-    wl = ad.workload(rlen)
+    lengths = probe_lengths(rlen, trainer.cfg.buckets, BUCKETS_AHEAD)
     probes: list[GlobalPlan] = []
     before: dict[str, float] = {}
     covered: set[tuple] = set()  # stage layouts probed so far
@@ -114,9 +138,17 @@ def calibrate(
         while len(probes) < num_probes:
             # Ranked by the model as refined so far: each probe measures a layout the
             # model now ranks among its best without having run it.
-            p = next_probe([q for _, q in ad.ranked_plans(rlen)], covered, PROBE_POOL)
-            if p is None:
+            ranked = {}
+            for n in lengths:
+                try:
+                    ranked[n] = [q for _, q in ad.ranked_plans(n)]
+                except ValueError:  # nothing fits at n: the run will stop before it
+                    pass
+            nxt = next_probe(ranked, covered, PROBE_POOL)
+            if nxt is None:
                 break
+            p, n = nxt
+            wl = ad.workload(n)
             probes.append(p)
             covered |= layouts(p)
             before[repr(p)] = ad.cm.step_latency(p, wl).total_s
@@ -128,7 +160,7 @@ def calibrate(
             for rep in range(repeats):
                 t_step = time.perf_counter()
                 sync = trainer.weight_sync()
-                job = trainer._rollout_wait(trainer._rollout_submit(0))
+                job = trainer._rollout_wait(trainer._rollout_submit(0, rlen=n))
                 m = trainer._train_on(job)
                 m.update(sync)
                 secs = stage_seconds(trainer.cfg.algo, m)
@@ -136,15 +168,16 @@ def calibrate(
                     ad.cm.observe(p, wl, secs)
                     observed.append((p, wl, secs))
                 runs.append(
-                    {"plan": repr(p), "repeat": rep, "step_s": time.perf_counter() - t_step,
-                     "stage_s": secs, "observed": rep > 0}
+                    {"plan": repr(p), "response_len": n, "repeat": rep,
+                     "step_s": time.perf_counter() - t_step, "stage_s": secs,
+                     "observed": rep > 0}
                 )  # fmt: skip
     finally:
         trainer.rng, trainer.plan = saved
-    after = {repr(p): ad.cm.step_latency(p, wl).total_s for p in probes}
+    after = {repr(p): ad.cm.step_latency(p, w).total_s for p, w, _ in observed}
     rec = {
         "probes": [repr(p) for p in probes],
-        "response_len": rlen,
+        "response_lens": lengths,
         "runs": runs,
         "setup_s": setups,
         "predicted_before_s": before,

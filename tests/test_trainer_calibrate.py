@@ -9,7 +9,7 @@ import torch
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, TrainConfigError, Trainer, train
-from nereus_rl.trainer_calibrate import layouts, next_probe
+from nereus_rl.trainer_calibrate import layouts, next_probe, probe_lengths
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
@@ -37,13 +37,23 @@ def test_next_probe_is_the_best_ranked_with_an_unmeasured_layout():
         ("rollout", 1, 1, 1, True), ("reference", 2, 1, 1, True), ("actor_train", 2, 1, 1, True)
     }  # fmt: skip
     assert ("reference", 1, 1, 1, False) in layouts(c)
-    assert next_probe([a, b, c, d], set(), pool=8) is a
-    assert next_probe([a, b, c, d], layouts(a), pool=8) is c  # b adds nothing
-    assert next_probe([a, b, c, d], layouts(a) | layouts(c), pool=8) is d
-    assert next_probe([a, b, c, d], layouts(a) | layouts(c), pool=3) is None  # d not in pool
-    assert next_probe([a, b], layouts(a), pool=8) is None and next_probe([], set(), 1) is None
+    short = {6: [a, b, c], 12: [b, d]}  # the model's ranking at each length
+    assert next_probe(short, set(), pool=8) == (a, 6)
+    # rank 0 of every length before rank 1 of any: 12's best before 6's second
+    assert next_probe(short, layouts(a), pool=8) == (d, 12)
+    assert next_probe(short, layouts(a) | layouts(d), pool=8) == (c, 6)  # b adds nothing
+    assert next_probe(short, layouts(a) | layouts(d), pool=2) is None  # c is at rank 2
+    assert next_probe({6: [a, b]}, layouts(a), pool=8) is None
+    assert next_probe({}, set(), pool=1) is None
     with pytest.raises(ValueError, match="pool"):
-        next_probe([a], set(), pool=0)
+        next_probe(short, set(), pool=0)
+
+
+def test_probe_lengths_are_the_first_and_the_next_bucket_edges():
+    assert probe_lengths(6, (8, 12, 16, 24), 2) == [6, 12, 16]
+    assert probe_lengths(8, (8, 12, 16, 24), 2) == [8, 12, 16]
+    assert probe_lengths(20, (8, 12, 16, 24), 2) == [20]  # nothing above 24 is known
+    assert probe_lengths(6, (8, 12, 16), 0) == [6]
 
 
 def test_bad_probe_count_raises_before_any_process():
