@@ -158,20 +158,35 @@ def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calib
         f"{algo} {mode}: startup calibration {probe.result.timings['calibration_s']:.2f} s, "
         f"probes {probe.result.calibration['probes']}"
     )
-    budget = probe.adapter.budget
-    if budget_rule == "uncalibrated":
+    # The budget and the fixed layouts come from one planner: the probe's (calibrated
+    # budget) or, by the uncalibrated rule, a planner-only trainer's (main's budget);
+    # the calibrated rule falls back to the latter when no plan fits the longest
+    # responses under it (PPO at batch 4: the calibrated start spreads every stage
+    # over its own device, and 1.08x its peak holds nothing at 20 tokens).
+    rule, chooser, planner_only = budget_rule, probe, None
+    if rule == "calibrated":
+        try:
+            probe.adapter.ranked_plans(max_len)
+        except ValueError:
+            rule = "uncalibrated"
+            print(f"{algo} {mode}: nothing fits {max_len} tokens under the calibrated budget")
+    if rule == "uncalibrated":
         planner_only = Trainer(TrainConfig(algo=algo, mode=mode, **common))
-        budget = planner_only.adapter.budget
-        planner_only.driver.shutdown()  # it planned only; it started no workers
+        chooser = planner_only
+    print(f"{algo} {mode}: budget rule {rule}")
+    ad = chooser.adapter
+    budget = ad.budget
     first_len = probe._response_len(0)
     plans = {"planner_fixed": (probe.first_plan, True)}
-    calibrated, probe.adapter.cm = probe.adapter.cm, CostModel(probe.adapter.cluster)
+    calibrated, ad.cm = ad.cm, CostModel(ad.cluster)
     for kind in ("colocated", "disaggregated"):
-        plans[kind] = structured_plan(probe, kind, first_len)
-        plans[kind + "_max"] = structured_plan(probe, kind, max_len)
-    best_max, _ = probe.adapter.best_plan(max_len)
+        plans[kind] = structured_plan(chooser, kind, first_len)
+        plans[kind + "_max"] = structured_plan(chooser, kind, max_len)
+    best_max, _ = ad.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
-    probe.adapter.cm = calibrated
+    ad.cm = calibrated
+    if planner_only is not None:
+        planner_only.driver.shutdown()  # it planned only; it started no workers
     probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
