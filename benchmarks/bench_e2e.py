@@ -11,11 +11,13 @@ the warm-up runs' transition times are printed:
     adaptive         the planner's first plan, adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
     colocated        verl-like: every stage on every device, fixed; each stage's
-                     (dp, tp, pp) chosen at startup by the same cost model and memory
-                     budget as the planner (the fastest predicted colocated layout)
+                     (dp, tp, pp) chosen at startup by the planner's cost model (before
+                     any measurement) under the same memory budget (the fastest
+                     predicted colocated layout)
     disaggregated    OpenRLHF-like: rollout on the first half of the devices, every
                      other stage on the second half, fixed, chosen the same way
-    planner_fixed    the planner's first plan (adaptive's start), never changed
+    planner_fixed    the planner's first plan (adaptive's start, after its startup
+                     calibration in the warm-up run), never changed
     *_max            the same three chosen for the trace's longest responses instead
                      of its first ones: a static configuration sized for the whole run
     best_fixed       the fastest fixed plan whose predicted peak stays within the
@@ -48,6 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, Trainer, train
@@ -128,23 +131,63 @@ def _run_row(res) -> dict:
         "reward_mean": _mean([x["reward_mean"] for x in m]),
         "peak_memory_fraction": frac,
         "error": res.error,
+        # the startup calibration (adaptive runs): run time outside the step latencies
+        "calibration_s": res.timings.get("calibration_s", 0.0),
         # (step, plan) each time the plan was set or changed: which plans adaptive ran
         "plans": [(s, repr(p)) for s, p in res.plans],
     }
 
 
-def run_setting(driver, algo, mode, common, repeats, max_len):
-    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds."""
-    probe = Trainer(TrainConfig(algo=algo, mode=mode, **common))
-    budget = probe.adapter.budget
+def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calibrated"):
+    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
+
+    ``budget_rule``: ``"calibrated"``, the rule a run without a budget uses (1.08x the
+    predicted peak of the plan it starts on, after its startup calibration);
+    ``"uncalibrated"``, the same rule on the plan the default cost model picks (what
+    the bench used before the startup calibration existed).
+    """
+    # The memory budget follows the rule a run uses (just above the predicted peak of
+    # the plan it starts on), after the same startup calibration an adaptive run does,
+    # on these workers. The fixed layouts are chosen as on main: by the planner's cost
+    # model before any measurement (a run of the calibrated model's choices measured
+    # 1.5-2x slower: it priced tp 2 layouts it never ran too well), so they are the same
+    # baselines as before, not weaker ones.
+    probe = Trainer(TrainConfig(algo=algo, mode=mode, **common), driver=driver)
+    probe.start()
+    print(
+        f"{algo} {mode}: startup calibration {probe.result.timings['calibration_s']:.2f} s, "
+        f"probes {probe.result.calibration['probes']}"
+    )
+    # The budget and the fixed layouts come from one planner: the probe's (calibrated
+    # budget) or, by the uncalibrated rule, a planner-only trainer's (main's budget);
+    # the calibrated rule falls back to the latter when no plan fits the longest
+    # responses under it (PPO at batch 4: the calibrated start spreads every stage
+    # over its own device, and 1.08x its peak holds nothing at 20 tokens).
+    rule, chooser, planner_only = budget_rule, probe, None
+    if rule == "calibrated":
+        try:
+            probe.adapter.ranked_plans(max_len)
+        except ValueError:
+            rule = "uncalibrated"
+            print(f"{algo} {mode}: nothing fits {max_len} tokens under the calibrated budget")
+    if rule == "uncalibrated":
+        planner_only = Trainer(TrainConfig(algo=algo, mode=mode, **common))
+        chooser = planner_only
+    print(f"{algo} {mode}: budget rule {rule}")
+    ad = chooser.adapter
+    budget = ad.budget
     first_len = probe._response_len(0)
     plans = {"planner_fixed": (probe.first_plan, True)}
+    calibrated, ad.cm = ad.cm, CostModel(ad.cluster)
     for kind in ("colocated", "disaggregated"):
-        plans[kind] = structured_plan(probe, kind, first_len)
-        plans[kind + "_max"] = structured_plan(probe, kind, max_len)
-    best_max, _ = probe.adapter.best_plan(max_len)
+        plans[kind] = structured_plan(chooser, kind, first_len)
+        plans[kind + "_max"] = structured_plan(chooser, kind, max_len)
+    best_max, _ = ad.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
-    probe.driver.shutdown()  # the probe planned only; it started no workers
+    ad.cm = calibrated
+    if planner_only is not None:
+        planner_only.driver.shutdown()  # it planned only; it started no workers
+    probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
     runs = {v: [] for v in variants}
@@ -161,6 +204,10 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
     for v, extra in (("adaptive", {}), ("replan_always", {"admission": "always"})):
         warm = train(adapt=True, **extra, **kw)
         warm_trans[v] = [d["measured_transition_s"] for d in warm.decisions if d.get("taken")]
+        if v == "adaptive":
+            # adaptive's start is chosen after its startup calibration (measured on
+            # these workers), so planner_fixed is the plan the warm-up run started on
+            plans["planner_fixed"] = (warm.plans[0][1], True)
     for rep in range(repeats):
         # Each repeat starts one variant later, so no variant always runs first.
         for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
@@ -194,6 +241,7 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
             "paired_ratio_min_x": min(ratios),
             "paired_ratio_max_x": max(ratios),
             "transitions": _mean([r["transitions"] for r in rs]),
+            "calibration_s": _mean([r["calibration_s"] for r in rs]),
             "reward_mean": _mean([r["reward_mean"] for r in rs]),
             "peak_memory_fraction": frac,
             # adaptive runs move away before the next step when the signal passes 1
@@ -215,20 +263,32 @@ def run_setting(driver, algo, mode, common, repeats, max_len):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="GRPO sync only, 10 steps, 2 repeats")
-    ap.add_argument("--algos", default="grpo,ppo,remax")
-    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="10 steps, 2 repeats, batch 4; GRPO sync unless --algos/--modes are given",
+    )
+    ap.add_argument("--algos", default=None, help="default grpo,ppo,remax (quick: grpo)")
+    ap.add_argument("--modes", default=None, help="default sync,async (quick: sync)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds per setting")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--trace", default=None, help="response-length trace (CSV or JSON)")
+    ap.add_argument(
+        "--budget-rule",
+        choices=("calibrated", "uncalibrated"),
+        default="calibrated",
+        help="memory budget: 1.08x the peak of the start plan after (default) or before "
+        "the startup calibration",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    algos, modes = args.algos.split(","), args.modes.split(",")
+    algos = (args.algos or ("grpo" if args.quick else "grpo,ppo,remax")).split(",")
+    modes = (args.modes or ("sync" if args.quick else "sync,async")).split(",")
     steps, repeats = args.steps, args.repeats
     common = dict(devices=args.devices, warm_steps=60, batch=8, group_size=4, seed=0)
     if args.quick:
-        algos, modes, steps, repeats = ["grpo"], ["sync"], 10, 2
+        steps, repeats = 10, 2
         common.update(warm_steps=20, batch=4)
     tmp = tempfile.TemporaryDirectory()
     trace = args.trace or str(write_trace(Path(tmp.name) / "trace.csv", steps))
@@ -245,7 +305,7 @@ def main(argv=None) -> int:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                rows += run_setting(driver, algo, mode, common, repeats, max_len)
+                rows += run_setting(driver, algo, mode, common, repeats, max_len, args.budget_rule)
     finally:
         driver.shutdown()
         tmp.cleanup()
@@ -274,6 +334,14 @@ def main(argv=None) -> int:
                 f"transitions (s): {w or 'none'}"
             )
     for r in rows:
+        if r["calibration_s"] and not r["variant"].startswith("best"):
+            steps_s = r["step_latency_s"] * steps
+            print(
+                f"  {r['algo']} {r['mode']} {r['variant']} startup calibration "
+                f"{r['calibration_s']:.2f} s per run (steps {steps_s:.2f} s; with it "
+                f"{(steps_s + r['calibration_s']) / steps:.3f} s/step)"
+            )
+    for r in rows:
         if r["plan"] is not None and not r["variant"].startswith("best_fixed"):
             print(f"  {r['algo']} {r['mode']} {r['variant']}: {r['plan']}")
     load_end = os.getloadavg()
@@ -287,6 +355,7 @@ def main(argv=None) -> int:
             "benchmark": "bench_e2e",
             "trace": repr(lt),
             "steps": steps,
+            "budget_rule": args.budget_rule,
             "loadavg_start": load_start,
             "loadavg_end": load_end,
             "rows": rows,

@@ -29,7 +29,6 @@ folder in :mod:`nereus_rl.report`.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 import uuid
@@ -42,7 +41,6 @@ import torch
 from nereus_rl.algos.grpo import group_advantages
 from nereus_rl.algos.ppo import gae, kl_penalized_rewards
 from nereus_rl.algos.remax import remax_advantages
-from nereus_rl.emu_types import EMUError, EMUStateLostError
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import Decoder
 from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
@@ -69,8 +67,6 @@ from nereus_rl.trainer_config import (
     stage_desc,
     stage_names,
 )
-
-_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "ALGOS",
@@ -176,6 +172,8 @@ class Trainer:
         t0 = time.perf_counter()
         full = self._initial_states()
         self.result.timings["warm_start_s"] = time.perf_counter() - t0
+        if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
+            self._calibrate(full)
         t0 = time.perf_counter()
         self._set_plan(0, plan or self.first_plan)
         descs = [self._desc(sp) for sp in self.plan.stages]
@@ -188,6 +186,17 @@ class Trainer:
         self.units = TrainerUnits(self, self.adapter.cm, live_kinds=live)
         self.units.adopt(self.plan)
         self.result.timings["setup_s"] = time.perf_counter() - t0
+
+    def _calibrate(self, full: dict[str, dict[str, torch.Tensor]]) -> None:
+        # Measured on these workers before the first decision (nereus_rl.trainer_calibrate);
+        # the planner's first plan is then chosen again with what was measured.
+        from nereus_rl.trainer_calibrate import calibrate
+
+        rec, observed = calibrate(self, full, self.cfg.calibration_probes)
+        self.result.calibration = rec
+        self.result.timings["calibration_s"] = rec["seconds"]
+        self.adapter.calibrated(observed)
+        self.first_plan = self.adapter.initial_plan(self._response_len(0))
 
     def _desc(self, sp: StagePlan) -> dict[str, Any]:
         d = stage_desc(sp)
@@ -265,10 +274,11 @@ class Trainer:
                 sent += sum(r["bytes_sent"] for r in rep.values())
         return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent}
 
-    def _rollout_submit(self, step: int):
-        """Sample a step's prompts and send them to the rollout units (not waiting)."""
+    def _rollout_submit(self, step: int, rlen: int | None = None):
+        """Sample a step's prompts and send them to the rollout units (not waiting);
+        ``rlen`` overrides the step's response limit (the startup calibration's probes)."""
         cfg = self.cfg
-        rlen = self._response_len(step)
+        rlen = self._response_len(step) if rlen is None else rlen
         # The response limit follows the length schedule; the task level stays at the
         # first step's (fixed_level) so that reward can rise while responses grow.
         level = self.task.level_for_response_len(self._response_len(0) if cfg.fixed_level else rlen)
@@ -418,82 +428,16 @@ class Trainer:
         return run
 
     def recover(self, step: int, error: Exception) -> None:
-        """Continue after a worker died: a new default group over the survivors, a plan
-        over the remaining devices, and every stage's state rebuilt from its units that
-        lost no device, through the EMU runtime where it can
-        (:meth:`TrainerUnits.recover <nereus_rl.trainer_units.TrainerUnits.recover>`:
-        Destroy the broken units, keep the intact ones that fit the new plan, Extend
-        from them onto the remaining devices), else by the per-stage reshard from one
-        intact unit (logged with the reason). Nothing is reloaded from disk.
+        """Continue after a worker died (:func:`nereus_rl.trainer_recover.recover`: a new
+        default group over the survivors, a plan over the remaining devices, every
+        stage's state rebuilt from its units that lost no device).
 
         Raises:
-            the original error: no worker was lost (it was something else), or some stage
-            had no intact unit left (its state is gone; the message says which).
+            the original error: no worker was lost, or some stage lost its state.
         """
-        lost = self.driver.check_liveness() or self.driver.wait_for_loss(10.0)
-        dead = {d for d, w in self.device_worker.items() if w in lost}
-        if not dead:
-            raise error
-        t0 = time.perf_counter()
-        alive = sorted(d for d in self.device_worker if d not in dead)
-        sources = {}
-        for sp in self.plan.stages:
-            intact = [u for u in sp.units if not dead.intersection(u)]
-            if not intact:
-                raise RuntimeError(
-                    f"worker(s) on devices {sorted(dead)} died and stage {sp.stage!r} "
-                    f"({sp!r}) has no unit left without them: its state is lost. Use a plan "
-                    "with dp >= 2 for every stage to survive a device loss"
-                ) from error
-            sources[sp.stage] = StagePlan(sp.stage, sp.model, sp.trains, 1, sp.tp, sp.pp,
-                                          (intact[0],))  # fmt: skip
-        self.workers = [self.device_worker[d] for d in alive]
-        self.device_worker = {d: self.device_worker[d] for d in alive}
-        self._init_world()
-        self.world_rank = {d: i for i, d in enumerate(alive)}
-        new, _ = self.adapter.best_plan(self._response_len(step), devices=alive)
-        run, why = None, None
-        if {"extend", "destroy"} <= self.units.live_kinds:
-            try:
-                run = self.units.recover(new)
-            except (EMUError, EMUStateLostError) as e:  # refused before the models changed
-                why = f"EMU recovery refused: {e}"
-        else:
-            why = f"transitions={self.cfg.transitions!r}: EMU primitives are not run live"
-        if run is None:
-            _LOG.warning("recovery by per-stage reshard: %s", why)
-            for sp in new.stages:
-                self._all(
-                    "rl.move",
-                    self._desc(sources[sp.stage]),
-                    self._desc(sp),
-                    params_only=not sp.trains,
-                    replace=True,
-                )
-            # the units of the lost layout are gone; the rebuilt state is adopted anew
-            self.units.forget_all()
-            self.units.adopt(new)
-        old = self.plan
-        self._set_plan(step, new)
-        row = {
-            "step": step,
-            "signal": "devices",
-            "trigger": f"lost devices {sorted(dead)} ({type(error).__name__})",
-            "urgent": True,
-            "current": repr(old),
-            "candidate": repr(new),
-            "taken": True,
-            "path": "urgent",
-            "reason": "recovery from the intact units after a worker died",
-            "recovery": "emu" if run is not None else "reshard",
-            "recovery_fallback": why,
-            "executed_primitives": run.primitives if run is not None else [],
-            "bytes_moved": run.bytes_moved if run is not None else None,
-            "predicted_saving_s": None,
-            "predicted_transition_s": None,
-            "measured_transition_s": time.perf_counter() - t0,
-        }
-        self.adapter._log(row)
+        from nereus_rl.trainer_recover import recover
+
+        recover(self, step, error)
 
     # ------------------------------------------------------------------ loop
 

@@ -42,7 +42,7 @@ to the cost model as it ends, so nothing is fed here for them. A stage whose
 primitives cannot run live falls back to one nereus_comm reshard of the whole
 stage (``rl.move``); only that measurement is fed here, as one ``"reshard"``
 covering an Extend per new unit of each such stage, priced the way
-``_stagewise_cost`` is.
+``stagewise_cost`` is (:mod:`nereus_rl.trainer_fallback`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import Any
 from nereus_rl.admission import Admission
 from nereus_rl.calibration import ModelTolerance, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
-from nereus_rl.costmodel import CostModel, CostModelError, UnitLayout
+from nereus_rl.costmodel import CostModel, UnitLayout
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadChoice, LookaheadError
 from nereus_rl.lookahead import choose as choose_lookahead
@@ -62,6 +62,8 @@ from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
+from nereus_rl.trainer_calibrate import stage_seconds
+from nereus_rl.trainer_fallback import observe_fallback, stagewise_cost
 from nereus_rl.transition import TransitionError
 from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
@@ -158,6 +160,24 @@ class Adapter:
         self._refined = False
         self.prompt_len = 0
 
+    def calibrated(self, observed: list[tuple]) -> None:
+        """The cost model was refined at startup from ``observed`` (plan, workload, stage
+        seconds): the first step's prediction is a refined one, so its error counts
+        towards the tolerance; and the automatic budget (no ``memory_budget`` given) is
+        set again by its rule with the measured efficiencies, so that it still sits just
+        above the peak of the plan the run starts on (the model is rebuilt for the new
+        capacity and the observations replayed into it)."""
+        self._refined = True
+        if self.cfg.memory_budget is None:
+            self.budget = self._auto_budget(observed)
+            self.cluster = local_cpu_cluster(
+                self.cfg.devices, self.workers_per_core, memory_bytes=self.budget * self.cfg.devices
+            )
+            self.cm = CostModel(self.cluster)
+            for plan, wl, measured in observed:
+                self.cm.observe(plan, wl, measured)
+            self.admission = Admission(self.cm)
+
     # -------------------------------------------------------------- workload
 
     def _prompt_len(self, rlen: int) -> int:
@@ -183,11 +203,14 @@ class Adapter:
             dtype="fp32",
         )
 
-    def _auto_budget(self) -> int:
+    def _auto_budget(self, observed: list[tuple] = ()) -> int:
         # The best plan with the machine's memory, at the first response length; the
-        # budget sits just above its predicted peak.
+        # budget sits just above its predicted peak. (observed: measurements to price
+        # the plans with, see calibrated)
         cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
         cm = CostModel(cl)
+        for plan, wl, measured in observed:
+            cm.observe(plan, wl, measured)
         wl = self.workload(self.trainer._response_len(0))
         try:
             res = plan_best(wl, cl, cm, k=64)
@@ -263,7 +286,7 @@ class Adapter:
             try:
                 raw = compile_priced(self.cm, self.mspec, devs, a, b)[1]
             except TransitionError:
-                raw = self._stagewise_cost(a, b)
+                raw = stagewise_cost(self.cm, self.mspec, a, b)
             return self.calibration.price(raw)
 
         return choose_lookahead(
@@ -315,14 +338,7 @@ class Adapter:
         tr = self.trainer
         plan = tr.plan
         wl_now = self.workload(m["response_len"])
-        measured = {
-            "rollout": m["stage_s"]["rollout"] + m.get("sync_s", 0.0),
-            "reference": m["stage_s"]["inference"],
-            "actor_train": m["stage_s"]["train"],
-        }
-        if self.cfg.algo == "ppo":
-            # critic inference and training run beside their actor counterparts
-            measured.pop("reference")
+        measured = stage_seconds(self.cfg.algo, m)
         predicted = self.cm.step_latency(plan, wl_now).total_s
         if self._refined:
             # A prediction from the model refined on earlier steps (the first step's is
@@ -413,7 +429,7 @@ class Adapter:
             # this is not expected; should it happen, a running job must not stop over
             # pricing: price the change as one extend per new unit and log why.
             dag, dag_note = None, f"DAG not compiled: {e}"
-            raw_cost = self._stagewise_cost(plan, cand)
+            raw_cost = stagewise_cost(self.cm, self.mspec, plan, cand)
         # Priced as transitions have measured on this job so far (TransitionCalibration).
         cost = self.calibration.price(raw_cost)
         dec = self.admission.decide(
@@ -461,8 +477,15 @@ class Adapter:
             if run.execution is not None:
                 row["execution"] = repr(run.execution)
             if run.fallback_stages:
-                self._observe_transition(
-                    plan, cand, row, set(run.fallback_stages), run.fallback_s, run.fallback_bytes
+                observe_fallback(
+                    self.cm,
+                    self.mspec,
+                    plan,
+                    cand,
+                    row,
+                    set(run.fallback_stages),
+                    run.fallback_s,
+                    run.fallback_bytes,
                 )
             row["costmodel_primitives_observed"] = self.cm.primitives_seen()
             devs = plan.devices | cand.devices
@@ -472,78 +495,6 @@ class Adapter:
             out["transition_s"] = row["measured_transition_s"]
         self._log(row)
         return out
-
-    def _stagewise_cost(self, old: GlobalPlan, new: GlobalPlan) -> float:
-        total = 0.0
-        for sp in new.stages:
-            src = old.stage(sp.stage)
-            if sp == src:
-                continue
-            for u in sp.units:
-                total += self.cm.primitive_cost(
-                    "extend",
-                    self.mspec,
-                    trains=sp.trains,
-                    src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
-                    dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
-                    dtype="fp32",
-                ).seconds
-        return total
-
-    def _observe_transition(
-        self,
-        old: GlobalPlan,
-        new: GlobalPlan,
-        row: dict[str, Any],
-        stages: set[str],
-        seconds: float,
-        moved: int,
-    ) -> None:
-        """Feed the per-stage reshards of fallback ``stages`` to the primitive estimates.
-
-        (Live primitives are fed by the EMUManager, one record each; this covers only
-        the stages that fell back, so no measurement is counted twice.)
-        The reshard reports the bytes sent in all, not per device; the critical path
-        (bytes of the busiest device, summed over the stages moved one after another)
-        is taken as the measured total times the predicted share of it, from the same
-        Extend per new unit that ``_stagewise_cost`` prices. The communicator setup
-        is not measured there, so the model's estimate of it is subtracted.
-        """
-        total = crit = 0.0
-        units = ranks = 0
-        devs: set[int] = set()
-        for sp in new.stages:
-            src = old.stage(sp.stage)
-            if sp == src or sp.stage not in stages:
-                continue
-            for u in sp.units:
-                pc = self.cm.primitive_cost(
-                    "extend",
-                    self.mspec,
-                    trains=sp.trains,
-                    src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
-                    dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
-                    dtype="fp32",
-                )
-                total += pc.bytes_moved
-                crit += pc.max_bytes_per_device
-                units += 1
-                ranks += len(u)
-                devs |= set(u) | set(src.units[0])
-        if units == 0 or not seconds > 0:
-            return
-        crit = min(float(moved), moved * crit / total) if total > 0 else 0.0
-        tier = "intra" if self.cluster.tier(devs) is self.cluster.intra else "inter"
-        try:
-            self.cm.observe_primitive(
-                "reshard", bytes_moved=moved, max_bytes_per_device=crit, tier=tier,
-                seconds=seconds, setup_s=None, new_units=units, new_ranks=ranks,
-                primitives=units,
-            )  # fmt: skip
-        except CostModelError as e:  # a measurement the model cannot read: keep training
-            row["costmodel_feedback_error"] = str(e)
-            return
-        row["costmodel_p2p_efficiency"] = float(self.cm.efficiency("p2p:" + tier))
 
     def _log(self, row: dict[str, Any]) -> None:
         self.trainer.result.decisions.append(row)

@@ -57,6 +57,10 @@ class TrainConfig:
     # execution, one nereus_comm reshard per changed stage (a baseline to compare with).
     transitions: str = "emu"
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
+    # Probe plans run at startup to measure this machine's efficiencies before the first
+    # plan decision (nereus_rl.trainer_calibrate); 0 turns the calibration off. It runs
+    # only where the planner decides something (adapt, or plan="auto").
+    calibration_probes: int = 3
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -78,7 +82,10 @@ class TrainResult:
         decisions: one dict per admission decision.
         run_dir: the run folder (None when not written).
         error: the message of the error that ended the run early, else None.
-        timings: seconds of the start-up parts (spawn_s, warm_start_s, setup_s).
+        timings: seconds of the start-up parts (spawn_s, warm_start_s, calibration_s,
+            setup_s).
+        calibration: the startup calibration's record (probes, measured stage seconds,
+            predictions before and after), or None when it did not run.
     """
 
     config: TrainConfig
@@ -88,6 +95,7 @@ class TrainResult:
     run_dir: Path | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
 
     @property
     def rewards(self) -> list[float]:
@@ -128,6 +136,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             f"unknown admission {cfg.admission!r}; use 'payback' or 'always' (replan on every "
             "trigger)"
+        )
+    if not (isinstance(cfg.calibration_probes, int) and cfg.calibration_probes >= 0):
+        raise TrainConfigError(
+            f"calibration_probes={cfg.calibration_probes!r} must be an int >= 0 "
+            "(0 turns the startup calibration off)"
         )
     mc = get_preset(cfg.model)
     get_task(cfg.task)

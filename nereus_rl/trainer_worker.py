@@ -85,7 +85,31 @@ def init_world(
         timeout=datetime.timedelta(seconds=timeout),
     )
     _rl(ctx)["rank"] = rank
+    _warm_optimizer()
     return rank
+
+
+_OPTIMIZER_WARM = False
+
+
+def _warm_optimizer() -> None:
+    """Construct and step one AdamW in this process, once.
+
+    The first optimizer made in a process imports torch's compiler stack (about 4 s
+    here, measured in a fresh interpreter; 0.6 ms for the next one). Paid lazily, it
+    fell on the first transition that gave a worker a training stage it never held
+    (bench_e2e's warm-up runs: 2.4-3.9 s for a move the model prices at ~0.05 s), and
+    on nothing a fixed plan's steps count. Paid here it is a start-up cost on every
+    worker at once, whatever the plan.
+    """
+    global _OPTIMIZER_WARM
+    if _OPTIMIZER_WARM:
+        return
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=0.0)
+    p.sum().backward()
+    opt.step()
+    _OPTIMIZER_WARM = True
 
 
 def _layout(desc: dict[str, Any], num_layers: int) -> Layout:
@@ -163,7 +187,8 @@ def setup(
     full_states: dict[str, dict[str, torch.Tensor]],
     hp: dict[str, Any],
 ) -> dict[str, int]:
-    """Build every stage's shard on this worker from full initial states (once, at start).
+    """Build every stage's shard on this worker from full initial states (at start; the
+    startup calibration's probes call it once per probe plan, the run's plan last).
 
     Collective over all workers (process groups are created in the same order everywhere).
     Returns bytes held per stage on this rank.
@@ -175,6 +200,8 @@ def setup(
     for desc in stages:
         model = _build_model(desc, config, rank)
         if model is None:
+            # not a member: drop what an earlier setup (a calibration probe) left here
+            rl["stages"].pop(desc["stage"], None)
             continue
         full = full_states[desc["model"]]
         shards = {}

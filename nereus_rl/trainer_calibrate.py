@@ -1,0 +1,187 @@
+"""Startup calibration: measure this machine's stage work before the first plan decision.
+
+The cost model starts from default efficiencies (deliberately low, the same on every
+machine) and is refined only from the steps a run executes, that is, from the plans it
+runs. Plans it has not run are priced with efficiencies fitted to other shapes, and on
+a small model on shared CPU cores (where launch overhead, not FLOPs, sets most of the
+time) that ranked the first plan and the first urgent move wrongly: bench_e2e's step-0
+move went to a plan that then measured slower than the plan it found by payback six
+steps later.
+
+So before the first plan is chosen the trainer runs a few probe plans on the real
+workers with the real model, one at a time: each is the best plan the model, as refined
+by the probes before it, ranks at the first response length or at one of the next two
+bucket edges (see ``BUCKETS_AHEAD``) that has a stage layout (stage, dp, tp, pp,
+sharing devices or not) no probe has run, and it runs at that length. A model refined
+on some shapes prices shapes it never ran badly: a first version probed the planner's
+top three at the first length only (all tp 1) and its refined model then made its
+urgent moves to tp 2 and pp 2 layouts, which measured slower than the tp 1 plan that
+held the whole trace. On each probe the stages are set up from the run's initial
+states and one RL step's work runs on them (weight sync, rollout, reference / critic
+inference, training). The first repeat of each probe pays one-off costs (the layout's
+process groups, torch's first call on new shapes) and is not fed to the model; the
+rest go to ``CostModel.observe`` exactly as a running step's do. Afterwards the stages
+are set up again from the initial states, so the run's state is the same as without
+calibration (the probes' training never reaches it), and the prompts come from a
+generator of their own, so the run's prompts are unchanged.
+
+The calibration's time is real work of the run: it is in ``TrainResult.timings``
+(``calibration_s``) and in the run's total, not in any step's latency.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.workload import bucket_of
+
+# Repeats per probe: the first warms up, one more is measured (about 0.3-0.5 s per probe
+# on the tiny model at 4 workers, setup included). Probes are drawn from the model's
+# PROBE_POOL best plans at each point.
+REPEATS = 2
+PROBE_POOL = 8
+# Response lengths the probes are ranked (and run) at: the first, and the next two
+# bucket edges above it. A run's first moves are made for longer responses than its
+# first (the lengths RL post-training meets grow), among plans the model ranks for
+# those lengths, which at the first length alone it never ranks high (at 4 workers:
+# tp 2 and pp 2 layouts that fit the memory only the longer responses need). Two
+# buckets, not the whole range: nothing is known of how far lengths will go.
+BUCKETS_AHEAD = 2
+
+
+def stage_seconds(algo: str, m: dict[str, Any]) -> dict[str, float]:
+    """Measured seconds per stage of one step, as ``CostModel.observe`` reads them.
+
+    Rollout's time includes the weight sync (the model prices the sync into rollout);
+    for PPO the critic inference and training run beside their actor counterparts, so
+    the inference time is not attributed to the reference alone.
+    """
+    out = {
+        "rollout": m["stage_s"]["rollout"] + m.get("sync_s", 0.0),
+        "reference": m["stage_s"]["inference"],
+        "actor_train": m["stage_s"]["train"],
+    }
+    if algo == "ppo":
+        out.pop("reference")
+    return out
+
+
+def layouts(plan: GlobalPlan) -> set[tuple]:
+    """The plan's stage layouts as (stage, dp, tp, pp, shares devices with another stage)."""
+    out = set()
+    for sp in plan.stages:
+        shared = any(o.stage != sp.stage and o.devices & sp.devices for o in plan.stages)
+        out.add((sp.stage, sp.dp, sp.tp, sp.pp, shared))
+    return out
+
+
+def next_probe(
+    ranked: dict[int, list[GlobalPlan]], covered: set[tuple], pool: int
+) -> tuple[GlobalPlan, int] | None:
+    """The next probe and the response length to run it at.
+
+    ``ranked`` holds the model's ranking at each length. Going down the ranks (the best
+    of every length first, shorter lengths first within a rank, to depth ``pool``), the
+    first plan with a stage layout not in ``covered`` (see :func:`layouts`); None when
+    there is none.
+
+    Raises:
+        ValueError: ``pool`` is not positive.
+    """
+    if pool < 1:
+        raise ValueError(f"pool={pool} must be >= 1")
+    for r in range(pool):
+        for n in sorted(ranked):
+            if r < len(ranked[n]) and layouts(ranked[n][r]) - covered:
+                return ranked[n][r], n
+    return None
+
+
+def probe_lengths(first: int, buckets: tuple[int, ...], ahead: int) -> list[int]:
+    """The first response length and the next ``ahead`` bucket edges above its bucket."""
+    edges = sorted(b for b in buckets if b > bucket_of(first, buckets))
+    return [first, *edges[:ahead]]
+
+
+def calibrate(
+    trainer, full_states: dict, num_probes: int, repeats: int = REPEATS
+) -> tuple[dict, list[tuple]]:
+    """Run the probes on ``trainer``'s workers and feed their stage times to its cost model.
+
+    Arguments:
+        trainer: a started :class:`~nereus_rl.trainer.Trainer` (workers joined, no stage
+            set up yet, or any: every probe sets its stages up anew).
+        full_states: the run's initial states (the probes set up from them).
+        num_probes: probe plans (0: nothing runs).
+        repeats: runs per probe; the first is not fed to the model.
+
+    Returns:
+        A record (the probes, each run's stage seconds, each probe's setup seconds, the
+        predictions before and after, the seconds spent) and the observations fed to the
+        model, as (plan, workload, stage seconds), for a model built again later.
+    """
+    t0 = time.perf_counter()
+    ad = trainer.adapter
+    rlen = trainer._response_len(0)
+    lengths = probe_lengths(rlen, trainer.cfg.buckets, BUCKETS_AHEAD)
+    probes: list[GlobalPlan] = []
+    before: dict[str, float] = {}
+    covered: set[tuple] = set()  # stage layouts probed so far
+    saved = trainer.rng, trainer.plan
+    # Its own prompts: the run's prompt stream must not depend on calibration.
+    trainer.rng = random.Random(trainer.cfg.seed * 7919 + 1)
+    runs, setups, observed = [], {}, []
+    try:
+        while len(probes) < num_probes:
+            # Ranked by the model as refined so far: each probe measures a layout the
+            # model now ranks among its best without having run it.
+            ranked = {}
+            for n in lengths:
+                try:
+                    ranked[n] = [q for _, q in ad.ranked_plans(n)]
+                except ValueError:  # nothing fits at n: the run will stop before it
+                    pass
+            nxt = next_probe(ranked, covered, PROBE_POOL)
+            if nxt is None:
+                break
+            p, n = nxt
+            wl = ad.workload(n)
+            probes.append(p)
+            covered |= layouts(p)
+            before[repr(p)] = ad.cm.step_latency(p, wl).total_s
+            trainer.plan = p
+            descs = [trainer._desc(sp) for sp in p.stages]
+            t_setup = time.perf_counter()
+            trainer._all("rl.setup", descs, trainer.mc, full_states, trainer.cfg.hyper())
+            setups[repr(p)] = time.perf_counter() - t_setup
+            for rep in range(repeats):
+                t_step = time.perf_counter()
+                sync = trainer.weight_sync()
+                job = trainer._rollout_wait(trainer._rollout_submit(0, rlen=n))
+                m = trainer._train_on(job)
+                m.update(sync)
+                secs = stage_seconds(trainer.cfg.algo, m)
+                if rep > 0:  # the first run pays the layout's one-off costs
+                    ad.cm.observe(p, wl, secs)
+                    observed.append((p, wl, secs))
+                runs.append(
+                    {"plan": repr(p), "response_len": n, "repeat": rep,
+                     "step_s": time.perf_counter() - t_step, "stage_s": secs,
+                     "observed": rep > 0}
+                )  # fmt: skip
+    finally:
+        trainer.rng, trainer.plan = saved
+    after = {repr(p): ad.cm.step_latency(p, w).total_s for p, w, _ in observed}
+    rec = {
+        "probes": [repr(p) for p in probes],
+        "response_lens": lengths,
+        "runs": runs,
+        "setup_s": setups,
+        "predicted_before_s": before,
+        "predicted_after_s": after,
+        "seconds": time.perf_counter() - t0,
+    }
+    return rec, observed

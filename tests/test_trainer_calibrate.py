@@ -1,0 +1,97 @@
+"""The trainer's startup calibration: which probes it runs, what it feeds the cost model,
+and that the run it precedes is the run without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.runtime import Driver
+from nereus_rl.trainer import TrainConfig, TrainConfigError, Trainer, train
+from nereus_rl.trainer_calibrate import layouts, next_probe, probe_lengths
+
+FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
+
+
+def _plan(rollout, reference, actor) -> GlobalPlan:
+    def sp(name, model, trains, dp, devs):
+        units = tuple(tuple(devs[i::dp]) for i in range(dp))
+        return StagePlan(name, model, trains, dp, 1, 1, units)
+
+    return GlobalPlan(
+        (
+            sp("rollout", "actor", False, *rollout),
+            sp("reference", "reference", False, *reference),
+            sp("actor_train", "actor", True, *actor),
+        )
+    )
+
+
+def test_next_probe_is_the_best_ranked_with_an_unmeasured_layout():
+    a = _plan((1, (0,)), (2, (0, 1)), (2, (0, 1)))
+    b = _plan((1, (1,)), (2, (0, 1)), (2, (0, 1)))  # the same layouts as a
+    c = _plan((1, (0,)), (1, (3,)), (2, (0, 1)))  # a's, but the reference alone on 3
+    d = _plan((2, (0, 1)), (1, (2,)), (1, (2,)))
+    assert layouts(a) == {
+        ("rollout", 1, 1, 1, True), ("reference", 2, 1, 1, True), ("actor_train", 2, 1, 1, True)
+    }  # fmt: skip
+    assert ("reference", 1, 1, 1, False) in layouts(c)
+    short = {6: [a, b, c], 12: [b, d]}  # the model's ranking at each length
+    assert next_probe(short, set(), pool=8) == (a, 6)
+    # rank 0 of every length before rank 1 of any: 12's best before 6's second
+    assert next_probe(short, layouts(a), pool=8) == (d, 12)
+    assert next_probe(short, layouts(a) | layouts(d), pool=8) == (c, 6)  # b adds nothing
+    assert next_probe(short, layouts(a) | layouts(d), pool=2) is None  # c is at rank 2
+    assert next_probe({6: [a, b]}, layouts(a), pool=8) is None
+    assert next_probe({}, set(), pool=1) is None
+    with pytest.raises(ValueError, match="pool"):
+        next_probe(short, set(), pool=0)
+
+
+def test_probe_lengths_are_the_first_and_the_next_bucket_edges():
+    assert probe_lengths(6, (8, 12, 16, 24), 2) == [6, 12, 16]
+    assert probe_lengths(8, (8, 12, 16, 24), 2) == [8, 12, 16]
+    assert probe_lengths(20, (8, 12, 16, 24), 2) == [20]  # nothing above 24 is known
+    assert probe_lengths(6, (8, 12, 16), 0) == [6]
+
+
+def test_bad_probe_count_raises_before_any_process():
+    with pytest.raises(TrainConfigError, match="calibration_probes"):
+        Trainer(TrainConfig(calibration_probes=-1))
+
+
+@pytest.fixture(scope="module")
+def driver():
+    d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
+    d.spawn_local(4)
+    yield d
+    d.shutdown()
+
+
+def test_calibration_feeds_the_model_and_leaves_the_run_unchanged(driver):
+    common = dict(algo="grpo", steps=3, seed=5, driver=driver, length_start=6,
+                  length_end=10, **FAST)  # fmt: skip
+    cal = train(adapt=False, plan="auto", calibration_probes=2, **common)
+    assert cal.error is None, cal.error
+    rec = cal.calibration
+    assert rec is not None and len(rec["probes"]) == 2
+    assert len(set(rec["probes"])) == 2  # each measured something new
+    assert cal.timings["calibration_s"] == pytest.approx(rec["seconds"])
+    observed = [r for r in rec["runs"] if r["observed"]]
+    # every probe ran twice; the second run of each was fed to the model
+    assert len(rec["runs"]) == 4 and len(observed) == 2
+    assert all(t > 0 for r in observed for t in r["stage_s"].values())
+    # the model moved from its defaults to the measured times (the defaults are
+    # deliberately optimistic: measured steps are slower than they predict)
+    for p in rec["probes"]:
+        assert rec["predicted_after_s"][p] != rec["predicted_before_s"][p]
+    # The same run without calibration (a plan given and no adaptation: nothing for the
+    # planner to decide, so none runs), on the plan the calibrated run started on: the
+    # probes' prompts and training did not reach the run's prompts or state.
+    plain = train(adapt=False, plan=cal.plans[0][1], **common)
+    assert plain.calibration is None and "calibration_s" not in plain.timings
+    assert plain.rewards == cal.rewards
+    a = torch.tensor([m["loss"] for m in cal.metrics])
+    b = torch.tensor([m["loss"] for m in plain.metrics])
+    assert torch.equal(a, b)
