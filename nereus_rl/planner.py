@@ -65,8 +65,8 @@ call. The compiled search computes a partition's bound only when that partition 
 the next to search: every partition starts with a cheap lower bound (its largest group
 at the largest size, the others at the largest size left), refined by a branch and bound
 over its rows when it comes to the top; the order searched, and so every result, is the
-reference's (csrc/rl/planner/search.cpp). Pricing is shared: one product of the stacked work matrices of the call's stages
-with the inverse efficiencies (``Planner._stack``).
+reference's (csrc/rl/planner/search.cpp). Pricing is shared: one product of the stacked
+work matrices of the call's stages with the inverse efficiencies (``Planner._stack``).
 
 Caching across calls (``Planner``): stage tables per stage shape (the weight-sync part
 per actor, shared by every bucket), their stacked work matrices per set of shapes;
