@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan, fmt_bytes
-from nereus_rl.planner_tables import _StageTable
+from nereus_rl.planner_tables import _StageTable, tp_rule
 from nereus_rl.planner_types import PlanInfeasibleError
 from nereus_rl.workload import StageWork
 
@@ -96,9 +96,17 @@ def infeasible(
         need[sw.stage] = int(t.mem[i])
         dp, tp, pp = t.layouts[i]
         lines.append(f"{sw.stage}: {fmt_bytes(t.mem[i])}/device at best (dp{dp} tp{tp} pp{pp})")
+    rules = [r for r in (tp_rule(sw, N) for sw in stages) if r]
     msg = (
         f"no plan fits memory on {N} devices of {fmt_bytes(cap)} usable each; "
-        "least memory needed per device by stage: " + "; ".join(lines) + ". "
-        "Add devices, use devices with more memory, or shrink batch/sequence length."
+        "least memory needed per device by stage: "
+        + "; ".join(lines)
+        + ". "
+        + (
+            "Tensor parallelism is limited by the attention heads: " + "; ".join(rules) + ". "
+            if rules
+            else ""
+        )
+        + "Add devices, use devices with more memory, or shrink batch/sequence length."
     )
     return PlanInfeasibleError(msg, need, cap, N)
