@@ -157,7 +157,8 @@ class Planner:
         self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._specs: dict = {}  # id(ModelSpec) -> (spec, token); equal specs, one token
         self._spec_tok: dict = {}  # ModelSpec -> token
-        self._shapes: dict = {}  # stage ids -> (names, phases, r_i, a_i, tables)
+        self._shapes: dict = {}  # stage ids -> (phases, r_i, a_i, tables)
+        self._pidx: dict = {}  # (stages, devices) -> compiled partition index
         self._ver = costmodel.version
 
     def _tok(self, spec) -> int:
@@ -344,7 +345,12 @@ class Planner:
                 c.num_nodes == 1,
             )
         t_ctx = time.perf_counter()
-        pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+        pidx = self._pidx.get((len(stages), N))
+        if pidx is None:
+            pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+            if len(self._pidx) > 32:
+                self._pidx.clear()
+            self._pidx[(len(stages), N)] = pidx
         ranked, nodes, nparts, bounds_ms, search_ms = ctx.search(pidx, k)
         if not ranked:
             raise infeasible(stages, tables, N, cap)

@@ -22,6 +22,10 @@ def _stage_plan(
     return sp
 
 
+def _by_size(group: tuple) -> tuple[int, int]:
+    return group[0], group[1]
+
+
 def place(
     stages: list[StageWork],
     tables: list[_StageTable],
@@ -46,42 +50,48 @@ def place(
     """
     groups = []
     for g, ch in picks:
-        lay = [(i, tables[i].layouts[li]) for i, li in zip(g, ch)]
-        size = max(dp * tp * pp for _, (dp, tp, pp) in lay)
+        lay = [tables[i].layouts[li] for i, li in zip(g, ch)]
+        size = max([dp * tp * pp for dp, tp, pp in lay])
         # Groups are tuples of increasing stage indices: g[0] is the smallest.
-        groups.append((-size, g[0], lay))
+        groups.append((-size, g[0], g, lay))
     # Decreasing size keeps every group aligned to its power-of-two size.
-    groups.sort(key=lambda x: (x[0], x[1]))
+    if len(groups) > 1:
+        groups.sort(key=_by_size)
     out: list = [None] * len(stages)
     off = 0
-    for neg_size, _, lay in groups:
-        for i, (dp, tp, pp) in lay:
+    use = cache is not None
+    for neg_size, _, g, lay in groups:
+        first = devs[off]
+        for i, (dp, tp, pp) in zip(g, lay):
             sw = stages[i]
             w = tp * pp
             n = dp * w
-            first, last = devs[off], devs[off + n - 1]
+            last = devs[off + n - 1]
             # Sorted distinct ids: the slice is a run of consecutive ids iff its ends
             # are n - 1 apart, and then (first, last) names it.
-            run = last - first == n - 1
+            run = use and last - first == n - 1
             key = (sw.stage, sw.model, sw.kind, dp, tp, pp, first, last)
-            sp = cache.get(key) if (cache is not None and run) else None
+            sp = cache.get(key) if run else None
             if sp is None:
                 # On a run, the units are fixed by (first, n, w): stages (and calls) that
-                # take the same slice and unit width share one tuple (it is immutable).
+                # take the same slice at the same width share one tuple (it is immutable).
                 ukey = ("units", first, n, w)
-                units = cache.get(ukey) if (cache is not None and run) else None
+                units = cache.get(ukey) if run else None
                 if units is None:
                     it = iter(devs[off : off + n])
                     units = tuple(zip(*([it] * w)))  # dp consecutive tuples of w devices
                 sp = _stage_plan(sw.stage, sw.model, sw.trains, dp, tp, pp, units)
-                if cache is not None and run:
+                if run:
                     if len(cache) > 4096:
                         cache.clear()
                     cache[key] = sp
                     cache[ukey] = units
             out[i] = sp
         off -= neg_size
-    return GlobalPlan(tuple(out))
+    # Stage names are the workload's, unique: skip __post_init__'s check.
+    gp = object.__new__(GlobalPlan)
+    gp.__dict__["stages"] = tuple(out)
+    return gp
 
 
 def infeasible(
