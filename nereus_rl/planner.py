@@ -61,8 +61,12 @@ flat arrays when ``nereus_rl._native`` is built (``Planner(native=None)``, the d
 ``native=False`` runs them in Python, the reference. The port follows the Python step by
 step (summation orders, stable sorts, heapq's sift order), so both return the same plans,
 objectives bit for bit and k-best order; tests/test_planner_native.py checks it call by
-call. Pricing is shared: one product of the stacked work matrices of the call's stages
-with the inverse efficiencies (``Planner._stack``).
+call. The compiled search computes a partition's bound only when that partition may be
+the next to search: every partition starts with a cheap lower bound (its largest group
+at the largest size, the others at the largest size left), refined by a branch and bound
+over its rows when it comes to the top; the order searched, and so every result, is the
+reference's (csrc/rl/planner/search.cpp). Pricing is shared: one product of the stacked
+work matrices of the call's stages with the inverse efficiencies (``Planner._stack``).
 
 Caching across calls (``Planner``): stage tables per stage shape (the weight-sync part
 per actor, shared by every bucket), their stacked work matrices per set of shapes;
@@ -79,6 +83,8 @@ loss only the partition bounds and the search.
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import time
 from collections.abc import Iterable
 
@@ -97,6 +103,12 @@ from nereus_rl.planner_types import PlanSpaceError as PlanSpaceError
 from nereus_rl.planner_types import check_plan_space as check_plan_space
 from nereus_rl.spec import ClusterSpec
 from nereus_rl.workload import StageWork, Workload
+
+# A StageWork's fields but its ModelSpec, read in one C call: with a token for the
+# spec, the key of a stage shape without hashing the (nested, uncached) dataclasses.
+_SW_FIELDS = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(StageWork) if f.name != "model_spec")
+)
 
 
 def _device_list(devices: Iterable[int] | None, num_devices: int) -> range | list[int]:
@@ -143,11 +155,26 @@ class Planner:
         self._placed: dict = {}  # StagePlans by layout and device run
         self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
         self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
+        self._specs: dict = {}  # id(ModelSpec) -> (spec, token); equal specs, one token
+        self._spec_tok: dict = {}  # ModelSpec -> token
+        self._shapes: dict = {}  # stage ids -> (phases, r_i, a_i, tables)
+        self._pidx: dict = {}  # (stages, devices) -> compiled partition index
         self._ver = costmodel.version
 
+    def _tok(self, spec) -> int:
+        """Small int per ModelSpec value, found by identity first (specs are shared by a
+        workload's copies), by equality on first sight of an object."""
+        got = self._specs.get(id(spec))
+        if got is None or got[0] is not spec:
+            tok = self._spec_tok.setdefault(spec, len(self._spec_tok))
+            got = self._specs[id(spec)] = (spec, tok)
+        return got[1]
+
     def _sid(self, sw: StageWork, actor, dtype: str) -> int:
-        """Small int for a stage shape (hashing the dataclasses once per call)."""
-        key = (sw, actor if sw.stage == "rollout" else None, dtype)
+        """Small int for a stage shape: its fields, its spec's token and, for rollout, the
+        actor's (no dataclass is hashed on the decision path)."""
+        act = self._tok(actor) if sw.stage == "rollout" else -1
+        key = (_SW_FIELDS(sw), self._tok(sw.model_spec), act, dtype)
         sid = self._ids.get(key)
         if sid is None:
             sid = self._ids[key] = len(self._ids)
@@ -248,13 +275,21 @@ class Planner:
         cap = self.costmodel.capacity_bytes
         stages = list(workload.planned_stages)
         actor = workload.stage("actor_train").model_spec
-        names = [s.stage for s in stages]
-        phases = [s.phase for s in stages]
-        r_i = names.index("rollout") if "rollout" in names else -1
-        a_i = names.index("actor_train") if "actor_train" in names else -1
-        sid = [self._sid(s, actor, workload.dtype) for s in stages]
         dtype = workload.dtype
-        tables = [self._tables.get(i) or self._table(s, actor, dtype) for i, s in zip(sid, stages)]
+        sid = [self._sid(s, actor, dtype) for s in stages]
+        # What the call needs of its stages, kept per stage shapes.
+        shape = self._shapes.get(tuple(sid))
+        if shape is None:
+            if len(self._shapes) > 64:
+                self._shapes.clear()
+            names = [s.stage for s in stages]
+            shape = self._shapes[tuple(sid)] = (
+                [s.phase for s in stages],
+                names.index("rollout") if "rollout" in names else -1,
+                names.index("actor_train") if "actor_train" in names else -1,
+                [self._table(s, actor, dtype) for s in stages],
+            )
+        phases, r_i, a_i, tables = shape
         args = (stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
         if self.native:
             ranked, timings = self._search_native(*args)
@@ -310,7 +345,12 @@ class Planner:
                 c.num_nodes == 1,
             )
         t_ctx = time.perf_counter()
-        pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+        pidx = self._pidx.get((len(stages), N))
+        if pidx is None:
+            pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+            if len(self._pidx) > 32:
+                self._pidx.clear()
+            self._pidx[(len(stages), N)] = pidx
         ranked, nodes, nparts, bounds_ms, search_ms = ctx.search(pidx, k)
         if not ranked:
             raise infeasible(stages, tables, N, cap)

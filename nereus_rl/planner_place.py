@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan, fmt_bytes
-from nereus_rl.planner_tables import _StageTable
+from nereus_rl.planner_tables import _StageTable, tp_rule
 from nereus_rl.planner_types import PlanInfeasibleError
 from nereus_rl.workload import StageWork
 
@@ -20,6 +20,10 @@ def _stage_plan(
     sp = object.__new__(StagePlan)
     sp.__dict__.update(stage=stage, model=model, trains=trains, dp=dp, tp=tp, pp=pp, units=units)
     return sp
+
+
+def _by_size(group: tuple) -> tuple[int, int]:
+    return group[0], group[1]
 
 
 def place(
@@ -46,42 +50,48 @@ def place(
     """
     groups = []
     for g, ch in picks:
-        lay = [(i, tables[i].layouts[li]) for i, li in zip(g, ch)]
-        size = max(dp * tp * pp for _, (dp, tp, pp) in lay)
+        lay = [tables[i].layouts[li] for i, li in zip(g, ch)]
+        size = max([dp * tp * pp for dp, tp, pp in lay])
         # Groups are tuples of increasing stage indices: g[0] is the smallest.
-        groups.append((-size, g[0], lay))
+        groups.append((-size, g[0], g, lay))
     # Decreasing size keeps every group aligned to its power-of-two size.
-    groups.sort(key=lambda x: (x[0], x[1]))
+    if len(groups) > 1:
+        groups.sort(key=_by_size)
     out: list = [None] * len(stages)
     off = 0
-    for neg_size, _, lay in groups:
-        for i, (dp, tp, pp) in lay:
+    use = cache is not None
+    for neg_size, _, g, lay in groups:
+        first = devs[off]
+        for i, (dp, tp, pp) in zip(g, lay):
             sw = stages[i]
             w = tp * pp
             n = dp * w
-            first, last = devs[off], devs[off + n - 1]
+            last = devs[off + n - 1]
             # Sorted distinct ids: the slice is a run of consecutive ids iff its ends
             # are n - 1 apart, and then (first, last) names it.
-            run = last - first == n - 1
+            run = use and last - first == n - 1
             key = (sw.stage, sw.model, sw.kind, dp, tp, pp, first, last)
-            sp = cache.get(key) if (cache is not None and run) else None
+            sp = cache.get(key) if run else None
             if sp is None:
                 # On a run, the units are fixed by (first, n, w): stages (and calls) that
-                # take the same slice and unit width share one tuple (it is immutable).
+                # take the same slice at the same width share one tuple (it is immutable).
                 ukey = ("units", first, n, w)
-                units = cache.get(ukey) if (cache is not None and run) else None
+                units = cache.get(ukey) if run else None
                 if units is None:
                     it = iter(devs[off : off + n])
                     units = tuple(zip(*([it] * w)))  # dp consecutive tuples of w devices
                 sp = _stage_plan(sw.stage, sw.model, sw.trains, dp, tp, pp, units)
-                if cache is not None and run:
+                if run:
                     if len(cache) > 4096:
                         cache.clear()
                     cache[key] = sp
                     cache[ukey] = units
             out[i] = sp
         off -= neg_size
-    return GlobalPlan(tuple(out))
+    # Stage names are the workload's, unique: skip __post_init__'s check.
+    gp = object.__new__(GlobalPlan)
+    gp.__dict__["stages"] = tuple(out)
+    return gp
 
 
 def infeasible(
@@ -96,9 +106,17 @@ def infeasible(
         need[sw.stage] = int(t.mem[i])
         dp, tp, pp = t.layouts[i]
         lines.append(f"{sw.stage}: {fmt_bytes(t.mem[i])}/device at best (dp{dp} tp{tp} pp{pp})")
+    rules = [r for r in (tp_rule(sw, N) for sw in stages) if r]
     msg = (
         f"no plan fits memory on {N} devices of {fmt_bytes(cap)} usable each; "
-        "least memory needed per device by stage: " + "; ".join(lines) + ". "
-        "Add devices, use devices with more memory, or shrink batch/sequence length."
+        "least memory needed per device by stage: "
+        + "; ".join(lines)
+        + ". "
+        + (
+            "Tensor parallelism is limited by the attention heads: " + "; ".join(rules) + ". "
+            if rules
+            else ""
+        )
+        + "Add devices, use devices with more memory, or shrink batch/sequence length."
     )
     return PlanInfeasibleError(msg, need, cap, N)

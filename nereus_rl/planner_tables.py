@@ -15,23 +15,73 @@ from nereus_rl.workload import StageWork
 
 
 def _layouts(max_d: int, sw: StageWork) -> tuple[tuple[int, int, int], ...]:
-    return _layouts_of(max_d, sw.model_spec.num_heads, sw.model_spec.num_layers)
+    m = sw.model_spec
+    return _layouts_of(
+        max_d, m.num_heads, m.num_layers, m.num_kv_heads, replicate_kv=sw.kind == "generate"
+    )
+
+
+def tp_allowed(tp: int, num_heads: int, num_kv_heads: int, replicate_kv: bool) -> bool:
+    """Whether tensor parallelism of degree ``tp`` splits the attention cleanly.
+
+    The rule real tensor-parallel implementations apply: the query heads split evenly
+    (``num_heads % tp == 0``), and so do the key/value heads (GQA query groups): Megatron
+    requires ``num_query_groups % tp == 0``, which the training and forward stages follow.
+    A generation engine (vLLM) also accepts ``tp`` a multiple of the KV heads, each rank
+    then keeping one whole KV head (replicated, as the cost model prices it:
+    ``costmodel_work._Shape.kv_dim_dev``); ``replicate_kv`` allows that for the rollout.
+    """
+    if num_heads % tp:
+        return False
+    return num_kv_heads % tp == 0 or (replicate_kv and tp % num_kv_heads == 0)
 
 
 @functools.lru_cache(maxsize=64)
-def _layouts_of(max_d: int, num_heads: int, num_layers: int) -> tuple[tuple[int, int, int], ...]:
+def _layouts_of(
+    max_d: int,
+    num_heads: int,
+    num_layers: int,
+    num_kv_heads: int | None = None,
+    replicate_kv: bool = True,
+) -> tuple[tuple[int, int, int], ...]:
+    """Every (dp, tp, pp) of powers of two with ``dp * tp * pp <= max_d``, ``pp`` at most
+    the layers and ``tp`` allowed by :func:`tp_allowed` (``num_kv_heads`` None: MHA)."""
+    kv = num_heads if num_kv_heads is None else num_kv_heads
     out = []
     d = 1
     while d <= max_d:
         tp = 1
         while tp <= d and tp <= num_heads:
-            pp = 1
-            while tp * pp <= d and pp <= num_layers:
-                out.append((d // (tp * pp), tp, pp))
-                pp *= 2
+            if tp_allowed(tp, num_heads, kv, replicate_kv):
+                pp = 1
+                while tp * pp <= d and pp <= num_layers:
+                    out.append((d // (tp * pp), tp, pp))
+                    pp *= 2
             tp *= 2
         d *= 2
     return tuple(out)
+
+
+def tp_rule(sw: StageWork, max_d: int) -> str | None:
+    """A sentence naming the tp degrees the head rule leaves ``sw`` (None when it removes
+    none up to ``max_d`` devices), for error messages."""
+    m = sw.model_spec
+    rep = sw.kind == "generate"
+    cut, ok = False, []
+    tp = 1
+    while tp <= min(max_d, m.num_heads):
+        if tp_allowed(tp, m.num_heads, m.num_kv_heads, rep):
+            ok.append(tp)
+        else:
+            cut = True
+        tp *= 2
+    if not cut:
+        return None
+    rule = "num_kv_heads % tp == 0 or tp % num_kv_heads == 0" if rep else "num_kv_heads % tp == 0"
+    return (
+        f"{sw.stage} may use tp in {ok} only ({m.name}: {m.num_heads} heads, "
+        f"{m.num_kv_heads} KV heads; tp must divide the heads and {rule})"
+    )
 
 
 @functools.lru_cache(maxsize=64)

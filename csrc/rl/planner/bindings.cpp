@@ -103,6 +103,7 @@ PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::ve
   }
   pb.begin.push_back(int64_t(pb.gj.size()));
   pb.masks = std::move(masks);
+  planner::index_prefixes(pb);
   return pb;
 }
 

@@ -169,4 +169,128 @@ const std::pair<std::vector<int64_t>, std::vector<double>>& Context::bounds(
   return bounds_.emplace(pb.N, std::make_pair(std::move(order), std::move(lbs))).first->second;
 }
 
+void index_prefixes(PartitionIndex& pb) {
+  const size_t P = pb.masks.size();
+  pb.row0.assign(P + 1, 0);
+  for (size_t o = 0; o < P; ++o) {
+    const int64_t k = int64_t(pb.masks[o].size());
+    pb.row0[o + 1] = pb.row0[o] + int32_t((pb.begin[o + 1] - pb.begin[o]) / k);
+  }
+  pb.skip.assign(pb.gj.size(), 0);
+  for (size_t o = 0; o < P; ++o) {
+    const int64_t k = int64_t(pb.masks[o].size());
+    const int32_t end = pb.row0[o + 1];
+    for (int32_t r = end - 1; r >= pb.row0[o]; --r) {
+      int32_t* sk = &pb.skip[pb.begin[o] + (r - pb.row0[o]) * k];
+      for (int64_t c = 0; c < k; ++c) {
+        // Row r + 1 shares row r's first c + 1 columns unless it differs at one of them.
+        sk[c] = r + 1 == end || pb.from[r + 1] <= c ? r + 1 : sk[k + c];
+      }
+    }
+  }
+}
+
+Context::Lazy& Context::lazy(const PartitionIndex& pb) {
+  auto it = lazy_.find(pb.N);
+  if (it != lazy_.end()) return it->second;
+  if (lazy_.size() > 16) lazy_.clear();
+  // First key of each partition: in a maximal assignment some group g is the largest,
+  // at 2^jg <= N - k + 1, and every other group is at most 2^jo (no larger than g, and
+  // the others need a device each). C only grows as sizes shrink, so g at jg and the
+  // others at jo bound every such row from below (the same sum as a row's, so bit for
+  // bit); the key is the least over g and jg. Below the first jg with jo == jg nothing
+  // is lower (both sizes only shrink).
+  const size_t P = pb.masks.size();
+  Lazy lz{std::vector<double>(P), std::vector<uint8_t>(P, 0)};
+  for (size_t o = 0; o < P; ++o) {
+    const auto& m = pb.masks[o];
+    const int64_t k = int64_t(m.size());
+    const int jt = log2_exact(pb.N - k + 2) - 1;  // floor(log2(N - k + 1))
+    double key = kInf;
+    for (int jg = jt; jg >= 0; --jg) {
+      const int64_t room = pb.N - (int64_t(1) << jg) - (k - 2);  // the largest other's
+      const int jo = k > 1 ? std::min(jg, log2_exact(room + 1) - 1) : jg;
+      // Per phase the two largest of the groups at jo, to leave one group out.
+      double top[3] = {0.0, 0.0, 0.0}, second[3] = {0.0, 0.0, 0.0};
+      int64_t arg[3] = {-1, -1, -1};
+      for (int64_t g = 0; g < k; ++g) {
+        const double* v = cheap_row(m[g], jo);
+        for (int p = 0; p < 3; ++p) {
+          if (v[p] > top[p]) {
+            second[p] = top[p];
+            top[p] = v[p];
+            arg[p] = g;
+          } else if (v[p] > second[p]) {
+            second[p] = v[p];
+          }
+        }
+      }
+      for (int64_t g = 0; g < k; ++g) {
+        const double* v = cheap_row(m[g], jg);
+        double q[3];
+        for (int p = 0; p < 3; ++p) q[p] = std::max(v[p], arg[p] == g ? second[p] : top[p]);
+        key = std::min(key, (q[0] + q[1]) + q[2]);
+      }
+      if (jo == jg) break;
+    }
+    lz.key[o] = key;
+  }
+  return lazy_.emplace(pb.N, std::move(lz)).first->second;
+}
+
+double Context::refine(const PartitionIndex& pb, size_t o, double cutoff, bool* exact) const {
+  // Branch and bound over partition o's rows (the maximal size assignments, sorted): a
+  // prefix of columns is bounded by its maxima and, for the columns after it, each
+  // group at the largest size it can get (suf); a prefix whose bound cannot beat the
+  // best row, or exceeds cutoff, is skipped with all the rows that share it. The best
+  // row's value is computed as in bounds(), so it is that function's value bit for bit.
+  const int64_t k = int64_t(pb.masks[o].size());
+  const int jt = log2_exact(pb.N - k + 2) - 1;
+  const double* base[17];
+  double suf[17][3];
+  suf[k][0] = suf[k][1] = suf[k][2] = 0.0;
+  for (int64_t c = k - 1; c >= 0; --c) {
+    base[c] = cheap_row(pb.masks[o][c], 0);
+    const double* v = cheap_row(pb.masks[o][c], jt);
+    for (int p = 0; p < 3; ++p) suf[c][p] = std::max(suf[c + 1][p], v[p]);
+  }
+  double pre[17][3];
+  pre[0][0] = pre[0][1] = pre[0][2] = 0.0;
+  double best = kInf, pruned = kInf;  // best row; least bound of a prefix over cutoff
+  const int32_t end = pb.row0[o + 1];
+  int32_t r = pb.row0[o];
+  int64_t c = 0;
+  while (r < end) {
+    const int64_t e = pb.begin[o] + int64_t(r - pb.row0[o]) * k;
+    bool cut = false;
+    for (; c < k - 1; ++c) {
+      const double* v = base[c] + 3 * pb.gj[e + c];
+      double* q = pre[c + 1];
+      q[0] = std::max(pre[c][0], v[0]);
+      q[1] = std::max(pre[c][1], v[1]);
+      q[2] = std::max(pre[c][2], v[2]);
+      const double lb = (std::max(q[0], suf[c + 1][0]) + std::max(q[1], suf[c + 1][1])) +
+                        std::max(q[2], suf[c + 1][2]);
+      if (lb >= best || lb > cutoff) {
+        if (lb < best && lb < pruned) pruned = lb;
+        r = pb.skip[e + c];
+        if (r < end) c = pb.from[r];
+        cut = true;
+        break;
+      }
+    }
+    if (cut) continue;
+    const double* v = base[k - 1] + 3 * pb.gj[e + k - 1];
+    const double* m = pre[k - 1];
+    const double s = (std::max(m[0], v[0]) + std::max(m[1], v[1])) + std::max(m[2], v[2]);
+    if (s < best) best = s;
+    ++r;
+    if (r < end) c = std::min<int64_t>(pb.from[r], k - 1);
+  }
+  // Rows skipped for the best row are no better than it; those skipped for the cutoff are
+  // at least `pruned`.
+  *exact = best <= pruned;
+  return *exact ? best : pruned;
+}
+
 }  // namespace nereus_rl::planner

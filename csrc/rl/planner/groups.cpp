@@ -27,27 +27,37 @@ Fronts build_fronts(const double* t, const int64_t* mem, const int64_t* d, int64
   };
   int L = 0;
   while ((int64_t(1) << L) <= max_n) ++L;
-  std::vector<List> added(L);
+  // The layouts that fit, bucketed by size in one buffer (counting sort: one allocation,
+  // table order kept within a size).
+  std::vector<int32_t> at(L + 1, 0);
   for (int64_t i = 0; i < num_layouts; ++i) {
     // d is a power of two (checked when the layouts were marshalled).
-    if (mem[i] <= cap && d[i] <= max_n) {
-      added[__builtin_ctzll(uint64_t(d[i]))].push_back({t[i], mem[i], int32_t(i), int32_t(d[i])});
+    if (mem[i] <= cap && d[i] <= max_n) ++at[__builtin_ctzll(uint64_t(d[i])) + 1];
+  }
+  for (int j = 0; j < L; ++j) at[j + 1] += at[j];
+  std::vector<Cand> added(at[L]);
+  {
+    std::vector<int32_t> put(at.begin(), at.end() - 1);
+    for (int64_t i = 0; i < num_layouts; ++i) {
+      if (mem[i] <= cap && d[i] <= max_n) {
+        added[put[__builtin_ctzll(uint64_t(d[i]))]++] = {t[i], mem[i], int32_t(i), int32_t(d[i])};
+      }
     }
   }
   Fronts f;
   f.by_j.resize(L);
   f.fast.resize(L);
   for (int j = 0; j < L; ++j) {
-    List& add = added[j];
-    std::sort(add.begin(), add.end(), before);
+    Cand* add = added.data() + at[j];
+    const size_t na = size_t(at[j + 1] - at[j]);
+    std::sort(add, add + na, before);
     const List* prev = j ? &f.by_j[j - 1] : nullptr;
     const size_t np = prev ? prev->size() : 0;
     List& front = f.by_j[j];
-    front.reserve(np + add.size());
+    front.reserve(np + na);
     size_t a = 0, b = 0;
-    while (a < np || b < add.size()) {
-      const Cand& c =
-          (b == add.size() || (a < np && before((*prev)[a], add[b]))) ? (*prev)[a++] : add[b++];
+    while (a < np || b < na) {
+      const Cand& c = (b == na || (a < np && before((*prev)[a], add[b]))) ? (*prev)[a++] : add[b++];
       if (front.empty() || c.mem < front.back().mem) front.push_back(c);
     }
     f.fast[j] = front.empty() ? kInf : front[0].t;

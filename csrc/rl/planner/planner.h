@@ -74,7 +74,15 @@ struct PartitionIndex {
   // partition are sorted, so maxima over the columns before it carry over); 0 for the
   // first row of each partition.
   std::vector<uint8_t> from;
+  // Per entry (row r, column c): the next row of the partition whose first c + 1
+  // columns differ from row r's (or the partition's end): the rows sharing a prefix are
+  // contiguous, so a prefix that cannot beat the bound is skipped whole.
+  std::vector<int32_t> skip;
+  std::vector<int32_t> row0;  // per partition, the index of its first row
 };
+
+// Fills pb.skip and pb.row0 from pb.masks, pb.begin and pb.from.
+void index_prefixes(PartitionIndex& pb);
 
 // A plan found by the search: objective and, per group in search order, its stage
 // bitmask and the layout index of each of its stages.
@@ -102,6 +110,16 @@ class Context {
   SearchOut search(const PartitionIndex& pb, int k);
   // (order of the partitions to search, every partition's bound) on pb.N devices.
   const std::pair<std::vector<int64_t>, std::vector<double>>& bounds(const PartitionIndex& pb);
+  // Lazily refined partition bounds on pb.N devices: key[o] <= partition o's bound,
+  // equal to it where exact[o] (see search.cpp). Kept across calls, like bounds().
+  struct Lazy {
+    std::vector<double> key;
+    std::vector<uint8_t> exact;
+  };
+  Lazy& lazy(const PartitionIndex& pb);
+  // Partition o's bound if it is at most `cutoff` (*exact = true); otherwise a lower
+  // bound of it above `cutoff` (*exact = false).
+  double refine(const PartitionIndex& pb, size_t o, double cutoff, bool* exact) const;
   const std::vector<double>& cheap() const { return C_; }
   int num_sizes() const { return L_; }
   int num_stages() const { return S_; }
@@ -132,6 +150,7 @@ class Context {
   std::map<std::pair<int, int64_t>, GroupTable> groups_;
   std::map<std::pair<int, int64_t>, LastInfo> lasts_;
   std::map<int, std::pair<std::vector<int64_t>, std::vector<double>>> bounds_;
+  std::map<int, Lazy> lazy_;
 };
 
 }  // namespace nereus_rl::planner

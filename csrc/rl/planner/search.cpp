@@ -246,14 +246,53 @@ SearchOut Context::search(const PartitionIndex& pb, int k) {
   using clk = std::chrono::steady_clock;
   SearchOut out;
   auto t0 = clk::now();
-  const auto& [order, lbs] = bounds(pb);
-  auto t1 = clk::now();
-  out.bounds_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  if (order.empty()) return out;
+  // Partitions are searched in the order of their bounds (stable: ties by index) until
+  // a bound reaches the incumbent, as in the reference; but a bound is only computed
+  // exactly when its partition may come next. A min-heap holds (key, exact, index):
+  // keys are lower bounds until refined, and at equal keys unrefined ones come first,
+  // so an exact entry on top is the next partition of the reference's order.
+  Lazy& lz = lazy(pb);
+  struct Item {
+    double key;
+    uint8_t exact;
+    int32_t o;
+  };
+  auto after = [](const Item& a, const Item& b) {
+    if (a.key != b.key) return a.key > b.key;
+    if (a.exact != b.exact) return a.exact > b.exact;
+    return a.o > b.o;
+  };
+  std::vector<Item> heap;
+  heap.reserve(lz.key.size());
+  for (size_t o = 0; o < lz.key.size(); ++o) {
+    if (lz.key[o] < kInf) heap.push_back({lz.key[o], lz.exact[o], int32_t(o)});
+  }
+  std::make_heap(heap.begin(), heap.end(), after);
+  double bounds_s = std::chrono::duration<double>(clk::now() - t0).count();
   Search search(*this, S_, k);
   const int jmax = pb.L - 1;
-  for (int64_t o : order) {
-    if (lbs[o] >= search.thr) break;
+  while (!heap.empty() && heap.front().key < search.thr) {
+    std::pop_heap(heap.begin(), heap.end(), after);
+    const Item it = heap.back();
+    heap.pop_back();
+    const int64_t o = it.o;
+    if (!it.exact) {
+      auto r0 = clk::now();
+      // Exact when it is at most what comes next (or the incumbent): then it can be
+      // placed in the order; otherwise a larger lower bound, and the next one is looked at.
+      double cutoff = heap.empty() ? kInf : heap.front().key;
+      if (search.thr < cutoff) cutoff = search.thr;
+      bool exact;
+      const double v = refine(pb, size_t(o), cutoff, &exact);
+      lz.key[o] = v;
+      lz.exact[o] = exact;
+      if (v < kInf) {
+        heap.push_back({v, uint8_t(exact), int32_t(o)});
+        std::push_heap(heap.begin(), heap.end(), after);
+      }
+      bounds_s += std::chrono::duration<double>(clk::now() - r0).count();
+      continue;
+    }
     ++out.partitions;
     // Heavy groups first (Python: sorted by -sum(Cl[mask][jmax]), stable).
     std::vector<std::pair<double, int>> gm;
@@ -273,7 +312,9 @@ SearchOut Context::search(const PartitionIndex& pb, int k) {
   std::stable_sort(best.begin(), best.end(),
                    [](const Entry& a, const Entry& b) { return -a.neg < -b.neg; });
   for (Entry& e : best) out.ranked.push_back({-e.neg, std::move(e.picks)});
-  out.search_ms = std::chrono::duration<double, std::milli>(clk::now() - t1).count();
+  out.bounds_ms = bounds_s * 1e3;
+  out.search_ms =
+      std::chrono::duration<double, std::milli>(clk::now() - t0).count() - out.bounds_ms;
   return out;
 }
 
