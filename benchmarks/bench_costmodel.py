@@ -46,7 +46,7 @@ the filter (22.4% vs 22.7%): the slow-downs that matter last longer than a
 repetition and leave no trace in these counters.
 The grid is measured in rounds (4 with --quick, 8 without), a plan at a time: a
 warm-up step, then as many repetitions as fit ``budget_s`` at its warm-up speed (2 to
-10 with --quick: cheap plans get many, the small preset 2). A plan's CPU figure is,
+8 with --quick: cheap plans get many, the small preset 2). A plan's CPU figure is,
 per process, the sum over the step's parts (each micro-batch's forward + backward,
 the optimizer step) of the part's fastest repetition, then the slower process
 (``--estimator step``: each process's fastest whole step). Per process, not the slower
@@ -322,7 +322,7 @@ def main() -> None:
         "tiny": ([1, 2, 4, 8], [32, 64, 128]),
         "small": ([2, 8], [32, 64]) if args.quick else ([1, 2, 4, 8], [32, 64, 128]),
     }
-    rounds, budget_s, max_reps = (4, 0.15, 10) if args.quick else (8, 0.4, 24)
+    rounds, budget_s, max_reps = (4, 0.1, 8) if args.quick else (8, 0.4, 24)
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     if args.measurements:
