@@ -76,6 +76,7 @@ DEFAULT_EFFICIENCY = {
     # 1 / INTERFERENCE_PER_CORUNNER = 10 is the most it may cost; fitted from 2p plans
     # it is about 4-7 (efficiency 0.15-0.25): start above that, i.e. conservative.
     "interference": 0.1,
+    "contention": 0.1,  # as interference: the same start, fitted apart
 }
 
 

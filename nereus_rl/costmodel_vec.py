@@ -122,9 +122,11 @@ def _share_cores_many(w: np.ndarray, busy: np.ndarray, cluster: LocalCpuClusterS
     w[:, _COMPUTE_IDX] *= factor[:, None]
     many = busy > 1
     il, im = CLASS_INDEX["launch"], CLASS_INDEX["mem"]
-    w[many, CLASS_INDEX["interference"]] = (
-        (busy[many] - 1) * INTERFERENCE_PER_CORUNNER * (w[many, il] + w[many, im])
-    )
+    # As costmodel_work._share_cores, operation for operation (bitwise equal).
+    at_once = np.minimum(busy[many], max(cluster.cores, 1.0))
+    base = w[many, il] + w[many, im]
+    w[many, CLASS_INDEX["interference"]] = (busy[many] - at_once) * INTERFERENCE_PER_CORUNNER * base
+    w[many, CLASS_INDEX["contention"]] = (at_once - 1) * INTERFERENCE_PER_CORUNNER * base
 
 
 def _add(w: np.ndarray, mask: np.ndarray, cols: np.ndarray, val: np.ndarray) -> None:

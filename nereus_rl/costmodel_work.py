@@ -37,9 +37,14 @@ Conventions (Llama-style decoder, untied embeddings, causal attention):
       of a core when every worker is busy; a stage on ``d`` workers keeps ``d`` busy
       (a lower bound: other groups may run in the same phase), so its compute classes
       scale by ``min(1, cores/d) / min(1, cores/N)`` (whole cores back when ``d`` is
-      at most the cores), and its ``d - 1`` co-running workers add ``interference``
-      work: ``INTERFERENCE_PER_CORUNNER x (launch + mem)`` each (the parts that need
-      code and weights in cache).
+      at most the cores), and each of its ``d - 1`` co-running workers adds
+      ``INTERFERENCE_PER_CORUNNER x (launch + mem)`` (the parts that need code and
+      weights in cache) to one of two classes: ``contention`` for the ``a - 1`` that run
+      at the same instant on other cores (``a = min(d, cores)``: shared L3 and memory
+      bandwidth), ``interference`` for the ``d - a`` that time-slice a core with another
+      (L1/L2 refilled after each switch). The two start equal and are fitted apart:
+      measured, two workers on two cores take more CPU time for the same work than two
+      time-slicing one core (bench_costmodel).
 Memory per device (bytes), the largest pipeline stage charged to every device:
     * weights (+ grads and optimizer state when training);
     * training activations after Korthikanti et al. 2022 (tensor parallel without
@@ -79,6 +84,7 @@ CLASSES = (
     "p2p:intra",
     "p2p:inter",
     "interference",
+    "contention",
 )
 CLASS_INDEX = {c: i for i, c in enumerate(CLASSES)}
 NUM_CLASSES = len(CLASSES)
@@ -104,10 +110,11 @@ WEIGHT_PASSES_TRAIN = 4
 ACT_ELEMS_PER_TOKEN_LAYER_FWD = 67
 ACT_ELEMS_PER_TOKEN_LAYER_TRAIN = 163
 OPT_KERNELS_PER_TENSOR = 11  # torch.optim.AdamW(foreach=False) step + zero_grad
-# Interference between local CPU workers that run at once (shared L2 when they
-# time-slice a core, shared L3 and memory bandwidth across cores): per co-running
-# worker, this fraction of a worker's dispatch and weight-streaming work at the peak
-# (the least it can cost: efficiency 1); the fitted efficiency scales it up.
+# Interference between local CPU workers that run at once (``interference``: L1/L2
+# refilled when they time-slice a core; ``contention``: shared L3 and memory bandwidth
+# across cores): per co-running worker, this fraction of a worker's dispatch and
+# weight-streaming work at the peak (the least it can cost: efficiency 1); the fitted
+# efficiency scales it up.
 INTERFERENCE_PER_CORUNNER = 0.1
 _COMPUTE = ("gemm", "attention", "mem", "elementwise", "launch")
 
@@ -185,11 +192,13 @@ def _share_cores(w: np.ndarray, busy: int, cluster: LocalCpuClusterSpec) -> None
     nominal = min(1.0, cluster.cores / cluster.num_devices)  # what the device spec holds
     w[_COMPUTE_IDX] *= nominal / min(1.0, cluster.cores / busy)
     if busy > 1:
-        w[CLASS_INDEX["interference"]] = (
-            (busy - 1)
-            * INTERFERENCE_PER_CORUNNER
-            * (w[CLASS_INDEX["launch"]] + w[CLASS_INDEX["mem"]])
-        )
+        # Workers that run at the same instant (one per core) contend for the shared L3
+        # and memory bandwidth; the rest time-slice a core with another and refill its
+        # L1/L2 after each switch. Two mechanisms, fitted apart; the same start.
+        at_once = min(busy, max(cluster.cores, 1.0))
+        base = w[CLASS_INDEX["launch"]] + w[CLASS_INDEX["mem"]]
+        w[CLASS_INDEX["interference"]] = (busy - at_once) * INTERFERENCE_PER_CORUNNER * base
+        w[CLASS_INDEX["contention"]] = (at_once - 1) * INTERFERENCE_PER_CORUNNER * base
 
 
 def _device_work(

@@ -11,6 +11,7 @@ from nereus_rl.workload import StageWork
 
 COMPUTE = [CLASS_INDEX[c] for c in ("gemm", "attention", "mem", "elementwise", "launch")]
 INTERF = CLASS_INDEX["interference"]
+CONTEND = CLASS_INDEX["contention"]
 TIERS = ("intra", "intra", "intra")
 
 
@@ -53,35 +54,49 @@ def test_interference_counts_co_running_workers():
     cl = local_cpu_cluster(4, 2.0)
     sw = _train()
     launch, mem = CLASS_INDEX["launch"], CLASS_INDEX["mem"]
-    assert stage_work(sw, 1, 1, 1, TIERS, cl, "fp32")[INTERF] == 0.0
-    for dp, tp in ((2, 1), (4, 1), (2, 2)):
+    w1 = stage_work(sw, 1, 1, 1, TIERS, cl, "fp32")
+    assert w1[INTERF] == w1[CONTEND] == 0.0
+    # (workers, those time-slicing a core with another, those at once on other cores):
+    # 4 workers on 2 cores: 2 wait for a core, 1 runs beside on the other core.
+    for dp, tp, sliced, beside in ((2, 1, 0, 1), (4, 1, 2, 1), (2, 2, 2, 1)):
         w = stage_work(sw, dp, tp, 1, TIERS, cl, "fp32")
-        want = (dp * tp - 1) * cw.INTERFERENCE_PER_CORUNNER * (w[launch] + w[mem])
-        assert w[INTERF] == pytest.approx(want)
+        unit = cw.INTERFERENCE_PER_CORUNNER * (w[launch] + w[mem])
+        assert w[INTERF] == pytest.approx(sliced * unit)
+        assert w[CONTEND] == pytest.approx(beside * unit)
+    # Two workers on one core only time-slice; one worker with half a core has no peer.
+    w = stage_work(sw, 2, 1, 1, TIERS, local_cpu_cluster(2, 2.0), "fp32")
+    assert w[CONTEND] == 0.0 and w[INTERF] > 0.0
+    w = stage_work(sw, 1, 1, 1, TIERS, local_cpu_cluster(1, 2.0), "fp32")
+    assert w[CONTEND] == w[INTERF] == 0.0
     # Devices that do not share a machine's cores and caches: no such term, no scaling.
     h200 = cluster_preset("h200x32")
     m8b = model_preset("llama-3.1-8b")
     big = StageWork("actor_train", "actor", "train", m8b, False, 64, 512, 0, 1)
-    assert stage_work(big, 4, 2, 1, TIERS, h200, "bf16")[INTERF] == 0.0
+    assert stage_work(big, 4, 2, 1, TIERS, h200, "bf16")[[INTERF, CONTEND]].tolist() == [0, 0]
 
 
 def test_interference_is_conservative_until_measured_then_fitted():
-    cl = local_cpu_cluster(2, 1.0)
+    one_per_core, two_on_one = local_cpu_cluster(2, 1.0), local_cpu_cluster(2, 2.0)
     true = {c: 0.5 for c in DEFAULT_EFFICIENCY}
-    true["interference"] = 0.2
+    true["interference"], true["contention"] = 0.3, 0.2
     x_true = np.array([1 / true[c] for c in cw.CLASSES])
-    cm = CostModel(cl)
+    cm = CostModel(one_per_core)
     for mb in (1, 2, 4, 8):
         for seq in (32, 64, 128):
-            cm.observe_work(stage_work(_train(mb=mb, seq=seq), 1, 1, 1, TIERS, cl, "fp32"), 1.0)
-    # One process never co-runs: the class keeps its conservative start.
-    assert cm.efficiency("interference") == DEFAULT_EFFICIENCY["interference"]
-    cm = CostModel(cl)
+            w = stage_work(_train(mb=mb, seq=seq), 1, 1, 1, TIERS, one_per_core, "fp32")
+            cm.observe_work(w, 1.0)
+    # One process never co-runs: the classes keep their conservative start.
+    for c in ("interference", "contention"):
+        assert cm.efficiency(c) == DEFAULT_EFFICIENCY[c]
+    cm = CostModel(one_per_core)
     for _ in range(3):
-        for dp in (1, 2):
+        for cl, dp in ((one_per_core, 1), (one_per_core, 2), (two_on_one, 2)):
             for mb in (1, 2, 4, 8):
                 for seq in (32, 64, 128):
                     w = stage_work(_train(mb=mb, seq=seq), dp, 1, 1, TIERS, cl, "fp32")
                     cm.observe_work(w, float(w @ x_true))
-    assert cm.efficiency("interference") == pytest.approx(0.2, rel=0.05)
-    assert DEFAULT_EFFICIENCY["interference"] < 0.2  # the start over-prices it
+    # Each mechanism is learnt from the layout that has it.
+    assert cm.efficiency("interference") == pytest.approx(0.3, rel=0.05)
+    assert cm.efficiency("contention") == pytest.approx(0.2, rel=0.05)
+    assert DEFAULT_EFFICIENCY["interference"] < 0.2  # the start over-prices both
+    assert DEFAULT_EFFICIENCY["contention"] < 0.2

@@ -1,0 +1,55 @@
+"""bench_costmodel's figures from repetitions: per-process minima, the cleanest set."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_costmodel.py"
+_spec = importlib.util.spec_from_file_location("bench_costmodel", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def _rep(each, rnd=0, clean=False, steal=0):
+    """One repetition of two processes with one part each (CPU seconds per process)."""
+    return {
+        "round": rnd,
+        "wall": max(each),
+        "cpu": max(each),
+        "parts": [max(each)],
+        "cpu_each": list(each),
+        "parts_each": [[c] for c in each],
+        "clean": clean,
+        "steal": steal,
+    }
+
+
+def test_cpu_figure_is_per_process_minimum_then_slower_process():
+    # Each process is slow in the other's fastest repetition: the slower process per
+    # repetition would give 2.0; each one's own fastest is 1.0 and 1.1.
+    reps = [_rep((1.0, 2.0)), _rep((2.0, 1.1))]
+    assert bench._cpu_estimate(reps, "step") == pytest.approx(1.1)
+    assert bench._cpu_estimate(reps, "parts") == pytest.approx(1.1)
+
+
+def test_parts_sum_each_parts_fastest_repetition():
+    reps = [_rep((1.0,)), _rep((1.0,))]
+    reps[0]["parts_each"] = [[0.3, 0.9]]  # (micro-batch, optimizer step)
+    reps[1]["parts_each"] = [[0.5, 0.6]]
+    assert bench._cpu_estimate(reps, "parts") == pytest.approx(0.9)
+    assert bench._cpu_estimate(reps, "step") == pytest.approx(1.0)
+
+
+def test_figure_from_cleanest_set_with_enough_repetitions():
+    fast_dirty = [_rep((1.0,), steal=1) for _ in range(3)]
+    steal_free = [_rep((2.0,)) for _ in range(3)]
+    clean = [_rep((3.0,), clean=True) for _ in range(2)]
+    plan = ("tiny", 1, 32, "1p")
+    (row,) = bench._rows([(plan, fast_dirty + steal_free + clean)], "step")
+    # Two clean repetitions are too few: the steal-free ones (clean among them) count.
+    assert row["figure_from"] == "steal-free"
+    assert row["cpu_measured_ms"] == pytest.approx(2000.0)
+    (row,) = bench._rows([(plan, fast_dirty + clean + [_rep((3.5,), clean=True)])], "step")
+    assert row["figure_from"] == "clean"
+    assert row["cpu_measured_ms"] == pytest.approx(3000.0)
