@@ -197,27 +197,26 @@ def _stage(nbytes: int, workspace: Workspace | None, kind: str, device) -> torch
 
 
 _SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CMA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _route_state(cache: weakref.WeakKeyDictionary, make, transport: Transport):
+    """The per-process-group state of a same-host route (one per transport connection)."""
+    key = transport.connection_key()
+    state = cache.get(key)
+    if state is None:
+        state = cache[key] = make(transport)
+    return state
 
 
 def _shm_for(transport: Transport) -> ShmTransport:
     """The ShmTransport of the transport's connections (one per process group)."""
-    key = transport.connection_key()
-    shm = _SHM.get(key)
-    if shm is None:
-        shm = _SHM[key] = ShmTransport(transport)
-    return shm
-
-
-_CMA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    return _route_state(_SHM, ShmTransport, transport)
 
 
 def _cma_for(transport: Transport) -> CmaRoute:
     """The CmaRoute of the transport's connections (one per process group)."""
-    key = transport.connection_key()
-    cma = _CMA.get(key)
-    if cma is None:
-        cma = _CMA[key] = CmaRoute(transport)
-    return cma
+    return _route_state(_CMA, CmaRoute, transport)
 
 
 def _by_peer(buffers, skip: frozenset[int]):

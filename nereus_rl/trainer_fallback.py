@@ -13,21 +13,27 @@ from nereus_rl.globalplan import GlobalPlan
 def stagewise_cost(cm: CostModel, mspec, old: GlobalPlan, new: GlobalPlan) -> float:
     """Predicted seconds of moving every changed stage by one Extend per new unit (the
     per-stage reshard a stage falls back to; also the price when no DAG compiles)."""
-    total = 0.0
+    return sum(pc.seconds for _, _, _, pc in _unit_extends(cm, mspec, old, new, None))
+
+
+def _unit_extends(cm: CostModel, mspec, old: GlobalPlan, new: GlobalPlan, stages):
+    """(new stage, its old stage, new unit, priced Extend) for every unit of every stage
+    that changed (of ``stages`` only, unless None): the Extend from the old stage's first
+    unit that the fallback's reshard is priced as."""
     for sp in new.stages:
         src = old.stage(sp.stage)
-        if sp == src:
+        if sp == src or (stages is not None and sp.stage not in stages):
             continue
         for u in sp.units:
-            total += cm.primitive_cost(
+            pc = cm.primitive_cost(
                 "extend",
                 mspec,
                 trains=sp.trains,
                 src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
                 dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
                 dtype="fp32",
-            ).seconds
-    return total
+            )
+            yield sp, src, u, pc
 
 
 def observe_fallback(
@@ -55,24 +61,12 @@ def observe_fallback(
     total = crit = 0.0
     units = ranks = 0
     devs: set[int] = set()
-    for sp in new.stages:
-        src = old.stage(sp.stage)
-        if sp == src or sp.stage not in stages:
-            continue
-        for u in sp.units:
-            pc = cm.primitive_cost(
-                "extend",
-                mspec,
-                trains=sp.trains,
-                src=(UnitLayout(src.tp, src.pp, tuple(src.units[0])),),
-                dst=(UnitLayout(sp.tp, sp.pp, tuple(u)),),
-                dtype="fp32",
-            )
-            total += pc.bytes_moved
-            crit += pc.max_bytes_per_device
-            units += 1
-            ranks += len(u)
-            devs |= set(u) | set(src.units[0])
+    for _, src, u, pc in _unit_extends(cm, mspec, old, new, stages):
+        total += pc.bytes_moved
+        crit += pc.max_bytes_per_device
+        units += 1
+        ranks += len(u)
+        devs |= set(u) | set(src.units[0])
     if units == 0 or not seconds > 0:
         return
     crit = min(float(moved), moved * crit / total) if total > 0 else 0.0

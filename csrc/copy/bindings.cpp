@@ -11,7 +11,8 @@ namespace py = pybind11;
 namespace nereus {
 namespace {
 
-int copy_regions_py(const py::array& table, int num_threads) {
+// The region table's rows, after checking its dtype, shape and layout.
+const CopyRegion* table_regions(const py::array& table) {
   NEREUS_CHECK(
       table.dtype().is(py::dtype::of<int64_t>()),
       "the region table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
@@ -20,22 +21,18 @@ int copy_regions_py(const py::array& table, int num_threads) {
                                                                  << "), got ndim " << table.ndim());
   NEREUS_CHECK(table.flags() & py::array::c_style,
                "the region table must be C-contiguous; pass numpy.ascontiguousarray(table)");
-  const auto* regions = static_cast<const CopyRegion*>(table.data());
+  return static_cast<const CopyRegion*>(table.data());
+}
+
+int copy_regions_py(const py::array& table, int num_threads) {
+  const auto* regions = table_regions(table);
   const int64_t num_regions = table.shape(0);
   py::gil_scoped_release release;
   return copy_regions(regions, num_regions, num_threads);
 }
 
 py::tuple cma_read_py(int pid, const py::array& table, int num_threads) {
-  NEREUS_CHECK(
-      table.dtype().is(py::dtype::of<int64_t>()),
-      "the region table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
-  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kCopyTableColumns,
-               "the region table must have shape (num_regions, " << kCopyTableColumns
-                                                                 << "), got ndim " << table.ndim());
-  NEREUS_CHECK(table.flags() & py::array::c_style,
-               "the region table must be C-contiguous; pass numpy.ascontiguousarray(table)");
-  const auto* regions = static_cast<const CopyRegion*>(table.data());
+  const auto* regions = table_regions(table);
   const int64_t num_regions = table.shape(0);
   CmaResult result;
   {

@@ -109,25 +109,8 @@ CmaResult read_range(int pid, const std::vector<CopyRegion>& regions,
 CmaResult cma_read(int pid, const CopyRegion* table, int64_t num_regions, int num_threads) {
   NEREUS_CHECK(pid > 0, "pid=" << pid << "; pass the peer process's id");
   if (num_threads <= 0) num_threads = copy_default_num_threads();
-  std::vector<CopyRegion> regions;
-  regions.reserve(num_regions);
-  for (int64_t i = 0; i < num_regions; ++i) {
-    CopyRegion r = table[i];
-    NEREUS_CHECK(r.num_rows >= 0 && r.row_bytes >= 0,
-                 "region " << i << " has num_rows=" << r.num_rows << ", row_bytes=" << r.row_bytes
-                           << "; both must be >= 0");
-    if (r.num_rows == 0 || r.row_bytes == 0) continue;
-    NEREUS_CHECK(r.src_addr != 0 && r.dst_addr != 0,
-                 "region " << i << " has a null address; pass data_ptr() of live tensors");
-    if (r.num_rows > 1 && r.src_stride_bytes == r.row_bytes && r.dst_stride_bytes == r.row_bytes) {
-      r.row_bytes *= r.num_rows;
-      r.num_rows = 1;
-    }
-    regions.push_back(r);
-  }
-  std::vector<int64_t> prefix(regions.size() + 1, 0);
-  for (size_t i = 0; i < regions.size(); ++i)
-    prefix[i + 1] = prefix[i] + regions[i].num_rows * regions[i].row_bytes;
+  std::vector<int64_t> prefix;
+  std::vector<CopyRegion> regions = normalize_regions(table, num_regions, &prefix);
   const int64_t total = prefix.back();
   int64_t by_size = total / kCopyMinBytesPerThread;
   int num_parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, by_size)));

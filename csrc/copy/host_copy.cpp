@@ -134,10 +134,8 @@ int copy_default_num_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-int copy_regions(const CopyRegion* table, int64_t num_regions, int num_threads) {
-  if (num_threads <= 0) num_threads = copy_default_num_threads();
-  // Regions whose rows follow each other on both sides become one row, so the
-  // byte split below cuts them anywhere and memcpy sees the longest runs.
+std::vector<CopyRegion> normalize_regions(const CopyRegion* table, int64_t num_regions,
+                                          std::vector<int64_t>* prefix) {
   std::vector<CopyRegion> regions;
   regions.reserve(num_regions);
   for (int64_t i = 0; i < num_regions; ++i) {
@@ -154,9 +152,16 @@ int copy_regions(const CopyRegion* table, int64_t num_regions, int num_threads) 
     }
     regions.push_back(r);
   }
-  std::vector<int64_t> prefix(regions.size() + 1, 0);
+  prefix->assign(regions.size() + 1, 0);
   for (size_t i = 0; i < regions.size(); ++i)
-    prefix[i + 1] = prefix[i] + regions[i].num_rows * regions[i].row_bytes;
+    (*prefix)[i + 1] = (*prefix)[i] + regions[i].num_rows * regions[i].row_bytes;
+  return regions;
+}
+
+int copy_regions(const CopyRegion* table, int64_t num_regions, int num_threads) {
+  if (num_threads <= 0) num_threads = copy_default_num_threads();
+  std::vector<int64_t> prefix;
+  std::vector<CopyRegion> regions = normalize_regions(table, num_regions, &prefix);
   const int64_t total = prefix.back();
 
   int64_t by_size = total / kCopyMinBytesPerThread;

@@ -26,6 +26,13 @@ constexpr int64_t kCopyMinBytesPerThread = 256 * 1024;
 // Number of CPUs this process may run on (affinity mask), at least 1.
 int copy_default_num_threads();
 
+// Checks every region of the table, drops empty ones and merges regions whose rows
+// follow each other on both sides into one row (so a byte split can cut them
+// anywhere and the copy sees the longest runs). prefix gets the running byte count
+// (size regions + 1). Shared by copy_regions and cma_read.
+std::vector<CopyRegion> normalize_regions(const CopyRegion* table, int64_t num_regions,
+                                          std::vector<int64_t>* prefix);
+
 // Copies every region of the table, splitting the bytes evenly over up to
 // num_threads threads (the caller is one of them; <= 0 means the default). Tables
 // under kCopyMinBytesPerThread * 2 bytes run on the calling thread alone. Regions must
