@@ -9,15 +9,15 @@ on half the ranks -> a rollout layout on the other half: nothing is local).
 Three reshard variants: "reshard" (route="transport": every byte through the
 GlooTransport, as before), "shm" (route="shm": the workers share this host, so
 every byte goes through shared-memory segments, packed straight into them; see
-nereus_comm.transport_shm) and "cma" (route="cma", what route="auto" picks here:
-each receiver reads the senders' shards straight into its own by cross-memory
-attach, one copy; see nereus_comm.transport_cma). A fourth, "auto" (route="auto",
+nereus_comm.transport_shm) and "cma" (route="cma": each receiver reads the
+senders' shards straight into its own by cross-memory attach, one copy; see
+nereus_comm.transport_cma; route="auto" picks it for long runs, here sync on 2
+workers only, the other rows' runs are short). A fourth, "auto" (route="auto",
 in a process group of its own so that no other variant's segments serve it),
-shows the default on a repeated reshard: the warm-up call goes by cross-memory
-attach, the first timed call repeats it and creates a shared-memory segment, the
-others reuse it warm. Baselines, run in the same worker pool and the
-same process group, interleaved with both round by round (the order rotates
-every round):
+shows which route the default takes on a repeated reshard (its MiB by cma and by
+shm, per call) and how it compares with the forced routes. Baselines, run in the
+same worker pool and the same process group, interleaved with both round by round
+(the order rotates every round):
 
 - raw: for every peer pair of the plan, its message's bytes as ONE contiguous
   preallocated buffer, plain dist.isend/irecv; no packing, no local copy.

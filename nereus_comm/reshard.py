@@ -24,16 +24,7 @@ transport. Where the kernel allows cross-memory attach between them and a messag
 contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average: whole shards, as in
 an Extend), the receiver reads the sender's shards straight into its own (one copy
 in all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes
-where its pieces are and waits until its receivers are done. A repeated message
-goes through shared memory instead: one that fits the segment kept for that
-direction (warm: packing into and out of touched pages, two memcpys, beats
-process_vm_readv, which pins every page it copies, by up to 1.6x), or one no larger
-than a message the direction already carried (its segment is created now, once:
-creation and first touch are what make a one-off move, such as an Extend, faster
-by cross-memory attach). Both ends of a direction decide alike from state they
-share: the plan's sizes, the largest size carried so far (updated on both ends in
-the same call) and the kept segment's size (installed on both ends in the same
-setup round). Otherwise (short
+where its pieces are and waits until its receivers are done. Otherwise (short
 runs, or the kernel refuses: probed once per peer pair and group, the reason kept
 in ``ReshardResult.fallback_reasons``), the sender packs a message straight into
 a shared-memory segment the receiver maps and the receiver unpacks straight out of
@@ -228,34 +219,6 @@ def _cma_for(transport: Transport) -> CmaRoute:
     return _route_state(_CMA, CmaRoute, transport)
 
 
-def _repeats(
-    peers: frozenset[int],
-    totals: Mapping[int, int],
-    largest: dict[int, int],
-    shm: ShmTransport | None,
-    *,
-    send: bool,
-) -> frozenset[int]:
-    """Of the peers route="auto" would use cross-memory attach with, the repeats.
-
-    A message is a repeat when a segment kept for that direction holds it (warm:
-    two memcpys into touched pages beat process_vm_readv pinning every page), or
-    when the direction already carried a message at least as large (a repeated
-    reshard, e.g. a per-step weight sync: its segment, created now, serves every
-    later step). ``largest`` is updated. Both ends decide alike: the sizes come
-    from the plan, ``largest`` changes only here with the same peers and sizes on
-    both ends, and :meth:`ShmTransport.segment_bytes` agrees across a direction.
-    """
-    out = frozenset(
-        p
-        for p in peers
-        if totals[p] <= max(largest.get(p, 0), shm.segment_bytes(p, send=send) if shm else 0)
-    )
-    for p in peers:
-        largest[p] = max(largest.get(p, 0), totals[p])
-    return out
-
-
 def _by_peer(buffers, skip: frozenset[int]):
     """(buffers through the transport, {shm peer: its slots in wire order})."""
     if not skip:
@@ -296,9 +259,7 @@ def reshard(
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
         route: "auto": peers on this host by cross-memory attach where the kernel
-            allows it, the message's runs are long (CMA_MIN_RUN_BYTES) and the
-            message is not a repeat (it fits neither the direction's kept segment
-            nor the largest message the direction carried before), else
+            allows it and the message's runs are long (CMA_MIN_RUN_BYTES), else
             through shared memory (host memory only), the others
             through ``transport``; "cma" / "shm": every peer by cross-memory attach /
             through shared memory; "transport": every peer through ``transport``.
@@ -364,7 +325,6 @@ def reshard(
     send_totals = {p: n for p, n in prog.send_totals.items() if n}
     recv_totals = {p: n for p, n in prog.recv_totals.items() if n}
     cma, cma_sends, cma_recvs, fallback = None, frozenset(), frozenset(), {}
-    warm_sends, warm_recvs = frozenset(), frozenset()
     if route in ("auto", "cma") and device_type == "cpu" and prog.peers:
         cma = _cma_for(transport)
         cma_sends, cma_recvs = cma.prepare(
@@ -380,11 +340,6 @@ def reshard(
             cma_recvs = frozenset(
                 p for p in cma_recvs if recv_totals[p] >= CMA_MIN_RUN_BYTES * prog.recv_runs[p]
             )
-            # Repeated messages go faster through a kept segment (see _repeats).
-            kept = _SHM.get(transport.connection_key())
-            warm_sends = _repeats(cma_sends, send_totals, cma.largest_sent, kept, send=True)
-            warm_recvs = _repeats(cma_recvs, recv_totals, cma.largest_read, kept, send=False)
-            cma_sends, cma_recvs = cma_sends - warm_sends, cma_recvs - warm_recvs
         missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
         if route == "cma" and missing:
             raise TransportArgumentError(
@@ -401,10 +356,6 @@ def reshard(
             shm_sends, shm_recvs = shm.prepare(
                 shm_send, shm_recv, timeout=timeout, require=route == "shm", control=transport
             )
-            # No room in /dev/shm for a repeat's segment: it stays on cross-memory
-            # attach (prepare's answer is the same on both ends of a direction).
-            cma_sends |= warm_sends - shm_sends
-            cma_recvs |= warm_recvs - shm_recvs
     sends, cma_send_slots = _by_peer(prog.sends, cma_sends)
     recvs, cma_recv_slots = _by_peer(prog.recvs, cma_recvs)
     sends, shm_send_slots = _by_peer(sends, shm_sends)

@@ -135,11 +135,6 @@ class CmaRoute:
         #: received through the control transport.
         self.control_bytes = [0, 0]
         self.threads = max(1, min(CMA_THREADS, _C.copy_default_num_threads()))
-        #: per peer, the largest message route="auto" found eligible for this route to
-        #: / from it (reshard keeps these; both ends of a direction update them alike,
-        #: from the plan, so a repeat is recognised on both).
-        self.largest_sent: dict[int, int] = {}
-        self.largest_read: dict[int, int] = {}
 
     def __repr__(self) -> str:
         ok_in = sorted(p for p, r in self.read_reasons.items() if r is None)

@@ -220,16 +220,6 @@ class ShmTransport(Transport):
         h = self._hosts.get(peer)
         return None if h is None else (h == self.host and h != _NO_HOST)
 
-    def segment_bytes(self, peer: int, *, send: bool) -> int:
-        """Bytes of the kept segment to (send=True) or from ``peer``; 0 when there is none.
-
-        Both ends of a direction see the same number: prepare installs a segment on
-        the sender and maps it on the receiver in the same setup round (a failure on
-        either end breaks this transport, and every later prepare raises).
-        """
-        seg = (self._out if send else self._in).get(peer)
-        return 0 if seg is None else seg.nbytes
-
     # -- setup -------------------------------------------------------------------
 
     def _swap(self, records: dict[int, torch.Tensor], control: Transport, timeout: float):
