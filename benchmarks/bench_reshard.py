@@ -9,11 +9,15 @@ on half the ranks -> a rollout layout on the other half: nothing is local).
 Three reshard variants: "reshard" (route="transport": every byte through the
 GlooTransport, as before), "shm" (route="shm": the workers share this host, so
 every byte goes through shared-memory segments, packed straight into them; see
-nereus_comm.transport_shm) and "cma" (route="cma", what route="auto" picks here:
-each receiver reads the senders' shards straight into its own by cross-memory
-attach, one copy; see nereus_comm.transport_cma). Baselines, run in the same worker pool and the
-same process group, interleaved with both round by round (the order rotates
-every round):
+nereus_comm.transport_shm) and "cma" (route="cma": each receiver reads the
+senders' shards straight into its own by cross-memory attach, one copy; see
+nereus_comm.transport_cma; route="auto" picks it for long runs, here sync on 2
+workers only, the other rows' runs are short). A fourth, "auto" (route="auto",
+in a process group of its own so that no other variant's segments serve it),
+shows which route the default takes on a repeated reshard (its MiB by cma and by
+shm, per call) and how it compares with the forced routes. Baselines, run in the
+same worker pool and the same process group, interleaved with both round by round
+(the order rotates every round):
 
 - raw: for every peer pair of the plan, its message's bytes as ONE contiguous
   preallocated buffer, plain dist.isend/irecv; no packing, no local copy.
@@ -68,7 +72,7 @@ def state_specs(target_bytes: int):
 
 
 SCENARIOS = ("resize", "sync")
-VARIANTS = ("reshard", "shm", "cma", "raw", "raw_copy", "raw_shm")
+VARIANTS = ("reshard", "shm", "cma", "auto", "raw", "raw_copy", "raw_shm")
 
 
 def layouts(num_workers: int, scenario: str = "resize") -> tuple[Layout, Layout]:
@@ -129,16 +133,25 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
     raw_shm = ShmTransport(transport)  # its own segments, set up in the warm-up round
 
     last = {}
+    # route="auto" over its own group: its own CmaRoute and segments.
+    auto_transport = GlooTransport(dist.new_group(ranks=list(range(ctx.world_size))))
+    auto_routes = []
 
     def resharded(route: str = "transport") -> None:
         last[route] = reshard(
             plan, rank, shards, transport, out=out, timeout=300, workspace=workspace, route=route
         )
 
+    def auto() -> None:
+        res = reshard(plan, rank, shards, auto_transport, out=out, timeout=300,
+                      workspace=workspace)  # fmt: skip
+        auto_routes.append((res.cma_bytes_sent, res.shm_bytes_sent))
+
     fns = [
         ("reshard", resharded),
         ("shm", lambda: resharded("shm")),
         ("cma", lambda: resharded("cma")),
+        ("auto", auto),
         ("raw", raw),
         ("raw_copy", lambda: raw(local_copy=True)),
         ("raw_shm", shm_copy),
@@ -164,6 +177,7 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             cma.cma_bytes_sent,
         )
     ]
+    times["auto_routes"] = auto_routes  # (cma, shm) bytes sent per call, warm-up first
     return times
 
 
@@ -206,6 +220,14 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # bytes the shm variant moved through shared memory (all of them here).
                     "shm_mib": round(sum(r["counts"][0][3] for r in per_rank) / MiB, 1),
                     "cma_mib": round(sum(r["counts"][0][4] for r in per_rank) / MiB, 1),
+                    # route="auto", per call (warm-up first): MiB by cma, MiB by shm.
+                    "auto_calls_mib": [
+                        [
+                            round(sum(r["auto_routes"][i][j] for r in per_rank) / MiB, 1)
+                            for j in (0, 1)
+                        ]
+                        for i in range(repeats + 1)
+                    ],
                     "repeats": repeats,
                 }
                 for k in VARIANTS:
@@ -234,6 +256,11 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # > 1: cross-memory attach faster than shared memory.
                     ("cma_vs_shm_x", "shm", wall, "cma"),
                     ("cma_vs_shm_cpu_x", "shm", cpu, "cma"),
+                    # > 1: route="auto" (repeated) faster than forced shm / cma.
+                    ("auto_vs_shm_x", "shm", wall, "auto"),
+                    ("auto_vs_shm_cpu_x", "shm", cpu, "auto"),
+                    ("auto_vs_cma_x", "cma", wall, "auto"),
+                    ("auto_vs_cma_cpu_x", "cma", cpu, "auto"),
                 ):
                     med, lo, hi = ratio(base, d, of)
                     row[name] = round(med, 3)
@@ -275,6 +302,16 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     f"{r['cma_cpu_ratio_x']:.2f} | cma vs shm wall {r['cma_vs_shm_x']:.2f} "
                     f"[{r['cma_vs_shm_x_min']:.2f}-{r['cma_vs_shm_x_max']:.2f}] cpu "
                     f"{r['cma_vs_shm_cpu_x']:.2f}",
+                    flush=True,
+                )
+                print(
+                    f"{'':6s} {w}w auto: [cma, shm] MiB per call {r['auto_calls_mib']} | wall ms "
+                    f"{r['auto_ms']:.0f} [{r['auto_ms_min']:.0f}-{r['auto_ms_max']:.0f}] cpu ms "
+                    f"{r['auto_cpu_ms']:.0f} | auto vs shm wall {r['auto_vs_shm_x']:.2f} "
+                    f"[{r['auto_vs_shm_x_min']:.2f}-{r['auto_vs_shm_x_max']:.2f}] cpu "
+                    f"{r['auto_vs_shm_cpu_x']:.2f} | auto vs cma wall {r['auto_vs_cma_x']:.2f} "
+                    f"[{r['auto_vs_cma_x_min']:.2f}-{r['auto_vs_cma_x_max']:.2f}] cpu "
+                    f"{r['auto_vs_cma_cpu_x']:.2f}",
                     flush=True,
                 )
     return rows
