@@ -94,7 +94,7 @@ from nereus_rl import planner_native, planner_reference
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
-from nereus_rl.planner_place import infeasible, place
+from nereus_rl.planner_place import SHARED_PLACED, infeasible, place
 from nereus_rl.planner_tables import _StageTable
 from nereus_rl.planner_tables import set_partitions as set_partitions  # public, re-exported
 from nereus_rl.planner_types import PlanInfeasibleError as PlanInfeasibleError
@@ -152,7 +152,7 @@ class Planner:
         self._groups: dict = {}  # (ids, group, n, width rule, cap, version) -> vectors
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
-        self._placed: dict = {}  # StagePlans by layout and device run
+        self._placed = SHARED_PLACED  # StagePlans by layout and device run (interned)
         self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
         self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._specs: dict = {}  # id(ModelSpec) -> (spec, token); equal specs, one token
