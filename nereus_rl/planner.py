@@ -94,7 +94,7 @@ from nereus_rl import planner_native, planner_reference
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
-from nereus_rl.planner_place import infeasible, place
+from nereus_rl.planner_place import SHARED_PLACED, infeasible, place
 from nereus_rl.planner_tables import _StageTable
 from nereus_rl.planner_tables import set_partitions as set_partitions  # public, re-exported
 from nereus_rl.planner_types import PlanInfeasibleError as PlanInfeasibleError
@@ -152,7 +152,7 @@ class Planner:
         self._groups: dict = {}  # (ids, group, n, width rule, cap, version) -> vectors
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
-        self._placed: dict = {}  # StagePlans by layout and device run
+        self._placed = SHARED_PLACED  # StagePlans by layout and device run (interned)
         self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
         self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._specs: dict = {}  # id(ModelSpec) -> (spec, token); equal specs, one token
@@ -194,7 +194,9 @@ class Planner:
 
         A job knows its response-length bucket edges in advance; preparing one workload
         per bucket at start-up moves the per-layout work pricing (the largest part of a
-        call after a bucket change) off the decision path. Results are unchanged.
+        call after a bucket change) off the decision path; with the compiled search, the
+        buckets' contexts (Pareto lists) at the current efficiencies are built too, so a
+        decision before the next refinement does not build them. Results are unchanged.
 
         Arguments:
             workloads: the workloads (e.g. one per response bucket) to prepare.
@@ -203,18 +205,49 @@ class Planner:
             The number of stage tables built (those not already cached).
         """
         before = len(self._tables)
+        self._check_version()
+        ver, cap = self.costmodel.version, self.costmodel.capacity_bytes
         for w in workloads:
+            stages = list(w.planned_stages)
             actor = w.stage("actor_train").model_spec
-            stages = w.planned_stages
-            tables = [
-                self._table(s, actor if s.stage == "rollout" else None, w.dtype) for s in stages
-            ]
-            names = [s.stage for s in stages]
-            r_i = names.index("rollout") if "rollout" in names else -1
-            self._stack(tuple(self._sid(s, actor, w.dtype) for s in stages), tables, r_i)
-            if self.native:  # the compiled copies of the layouts, off the decision path
+            sid = tuple(self._sid(s, actor, w.dtype) for s in stages)
+            phases, r_i, a_i, tables = self._shape(stages, sid, actor, w.dtype)
+            self._stack(sid, tables, r_i)
+            if self.native:
+                # The compiled layouts and the context (Pareto lists) at the current
+                # efficiencies: a decision before the next refinement finds them built.
                 planner_native.stage_layouts(tables)
+                self._context(sid, tables, phases, r_i, a_i, cap, ver)
         return len(self._tables) - before
+
+    def _check_version(self) -> None:
+        """Drop the caches of a superseded efficiency version: Pareto lists, group tables
+        and bounds are keyed by it, and it only grows, so older entries can never be hit
+        again (dropping them keeps a long job, a refinement every step, bounded). The
+        compiled contexts are left to ``_context``'s bound instead: freeing one costs about
+        as much as building it, so that is spread, one per new context."""
+        ver = self.costmodel.version
+        if ver != self._ver:
+            self._pareto.clear()
+            self._groups.clear()
+            self._ginfo.clear()
+            self._ver = ver
+
+    def _shape(self, stages, sid: tuple[int, ...], actor, dtype: str):
+        """What a call needs of its stages, kept per stage shapes: ``(phases, rollout
+        index, actor_train index, stage tables)`` (-1: no such stage)."""
+        shape = self._shapes.get(sid)
+        if shape is None:
+            if len(self._shapes) > 64:
+                self._shapes.clear()
+            names = [s.stage for s in stages]
+            shape = self._shapes[sid] = (
+                [s.phase for s in stages],
+                names.index("rollout") if "rollout" in names else -1,
+                names.index("actor_train") if "actor_train" in names else -1,
+                [self._table(s, actor, dtype) for s in stages],
+            )
+        return shape
 
     def _stack(self, sid: tuple[int, ...], tables: list[_StageTable], r_i: int):
         """The stages' work matrices stacked (the rollout's intra-node sync variant in its
@@ -262,34 +295,14 @@ class Planner:
                 f"device ids must be in 0..{self.cluster.num_devices - 1} for {self.cluster.name}"
             )
         N = len(devs)
-        ver = self.costmodel.version
-        if ver != self._ver:
-            # Pareto lists, group tables and bounds are keyed by the efficiency version,
-            # which only grows: entries of older versions can never be hit again.
-            # Dropping them keeps a long job (a refinement every step) bounded.
-            self._pareto.clear()
-            self._groups.clear()
-            self._ginfo.clear()
-            self._nctx.clear()
-            self._ver = ver
+        self._check_version()
+        ver = self._ver
         cap = self.costmodel.capacity_bytes
         stages = list(workload.planned_stages)
         actor = workload.stage("actor_train").model_spec
         dtype = workload.dtype
         sid = [self._sid(s, actor, dtype) for s in stages]
-        # What the call needs of its stages, kept per stage shapes.
-        shape = self._shapes.get(tuple(sid))
-        if shape is None:
-            if len(self._shapes) > 64:
-                self._shapes.clear()
-            names = [s.stage for s in stages]
-            shape = self._shapes[tuple(sid)] = (
-                [s.phase for s in stages],
-                names.index("rollout") if "rollout" in names else -1,
-                names.index("actor_train") if "actor_train" in names else -1,
-                [self._table(s, actor, dtype) for s in stages],
-            )
-        phases, r_i, a_i, tables = shape
+        phases, r_i, a_i, tables = self._shape(stages, tuple(sid), actor, dtype)
         args = (stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
         if self.native:
             ranked, timings = self._search_native(*args)
@@ -322,17 +335,16 @@ class Planner:
             got = self._plans[key] = place(stages, tables, picks, devs, self._placed)
         return got
 
-    def _search_native(self, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
-        """The compiled search (``planner_native``): ``([(objective, picks)] best first,
-        timings)``; its context is kept per (version, capacity, stage shapes)."""
-        t0 = time.perf_counter()
-        ckey = (ver, cap, tuple(sid))
+    def _context(self, sid: tuple[int, ...], tables, phases, r_i, a_i, cap, ver):
+        """The compiled search context of the stage shapes ``sid`` (their Pareto lists and
+        the caches of later searches), kept per (version, capacity, stage shapes)."""
+        ckey = (ver, cap, sid)
         ctx = self._nctx.get(ckey)
         if ctx is None:
-            if len(self._nctx) > 8:
-                self._nctx.clear()
+            if len(self._nctx) >= 8:  # the oldest first: a superseded version's, if any
+                del self._nctx[next(iter(self._nctx))]
             c = self.cluster
-            W, _ = self._stack(ckey[2], tables, r_i)
+            W, _ = self._stack(sid, tables, r_i)
             ctx = self._nctx[ckey] = planner_native.make_context(
                 W @ self.costmodel._x,
                 tables,
@@ -344,6 +356,13 @@ class Planner:
                 c.devices_per_node,
                 c.num_nodes == 1,
             )
+        return ctx
+
+    def _search_native(self, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
+        """The compiled search (``planner_native``): ``([(objective, picks)] best first,
+        timings)``; its context is kept per (version, capacity, stage shapes)."""
+        t0 = time.perf_counter()
+        ctx = self._context(tuple(sid), tables, phases, r_i, a_i, cap, ver)
         t_ctx = time.perf_counter()
         pidx = self._pidx.get((len(stages), N))
         if pidx is None:

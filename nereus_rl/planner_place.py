@@ -10,6 +10,12 @@ from nereus_rl.planner_tables import _StageTable, tp_rule
 from nereus_rl.planner_types import PlanInfeasibleError
 from nereus_rl.workload import StageWork
 
+#: StagePlans (and unit tuples) on runs of consecutive devices, shared by every Planner:
+#: each is a pure function of its key (stage, model, kind, layout, first and last device;
+#: units: first device, count, width) and immutable, so sharing them is interning, and a
+#: new Planner (e.g. for another job on the same cluster) places without rebuilding them.
+SHARED_PLACED: dict = {}
+
 
 def _stage_plan(
     stage: str, model: str, trains: bool, dp: int, tp: int, pp: int, units

@@ -200,7 +200,18 @@ def test_persistent_caches_and_prepare_match_fresh_planner():
     assert kept_py._ginfo and all(key[0] == cm.version for key in kept_py._ginfo)
     assert all(key[-1] == cm.version for key in kept_py._groups)
     if kept.native:
-        assert kept._nctx and all(key[0] == cm.version for key in kept._nctx)
+        # Compiled contexts: bounded (the oldest dropped first), the current version's kept;
+        # prepare built the buckets' contexts at the version it ran under.
+        assert any(key[0] == cm.version for key in kept._nctx) and len(kept._nctx) <= 8
+        p2 = Planner(c, cm)
+        p2.prepare(base.with_response_len(b) for b in buckets)
+        assert len(p2._nctx) == 3 and all(key[0] == cm.version for key in p2._nctx)
+        for _ in range(12):  # one new context per version: never more than 8 kept
+            cm.observe_work({"gemm": 1.0, "mem": 0.5, "allreduce:intra": 0.1}, 3.1)
+            p2.plan(base, devices=range(32))
+        assert len(p2._nctx) == 8 and (cm.version, cm.capacity_bytes) in {
+            key[:2] for key in p2._nctx
+        }
 
 
 @pytest.mark.parametrize("cluster,lost", [("a100x8", 0), ("h100x16", 3), ("h200x8", 2)])
