@@ -412,10 +412,16 @@ def plan(
     Raises:
         PlanInfeasibleError: nothing fits memory (message gives bytes needed vs capacity).
     """
+    return planner_for(cluster, costmodel).plan(workload, devices=devices, k=k)
+
+
+def planner_for(cluster: ClusterSpec, costmodel: CostModel) -> Planner:
+    """The :class:`Planner` that :func:`plan` uses for this cluster and cost model (one
+    per pair, caches kept), e.g. to :meth:`Planner.prepare` a job's buckets ahead."""
     key = (id(costmodel), cluster)
     p = _PLANNERS.get(key)
     if p is None or p.costmodel is not costmodel:
         if len(_PLANNERS) > 16:
             _PLANNERS.clear()
         p = _PLANNERS[key] = Planner(cluster, costmodel)
-    return p.plan(workload, devices=devices, k=k)
+    return p

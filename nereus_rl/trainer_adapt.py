@@ -59,7 +59,7 @@ from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadChoice, LookaheadError
 from nereus_rl.lookahead import choose as choose_lookahead
 from nereus_rl.model import check_tp_divisible
-from nereus_rl.planner import PlanInfeasibleError
+from nereus_rl.planner import PlanInfeasibleError, planner_for
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.trainer_calibrate import stage_seconds
@@ -317,6 +317,11 @@ class Adapter:
         if isinstance(self.cfg.plan, GlobalPlan):
             return self.cfg.plan
         if self.cfg.plan == "auto":
+            # The bucket edges are known now: price every bucket's stage tables once, so
+            # a later decision after a bucket change does not (results are unchanged).
+            planner_for(self.cluster, self.cm).prepare(
+                self.workload(b) for b in self.cfg.buckets if b >= bucket_of(rlen, self.cfg.buckets)
+            )
             return self.best_plan(rlen)[0]
         return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
 

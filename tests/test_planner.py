@@ -13,6 +13,7 @@ from nereus_rl.planner import (
     PlanSpaceError,
     check_plan_space,
     plan,
+    planner_for,
     set_partitions,
 )
 from nereus_rl.planner_place import place
@@ -295,3 +296,19 @@ def test_prepare_marshals_the_compiled_layouts():
     w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
     p.prepare([w])
     assert p._tables and all("_native" in t.__dict__ for t in p._tables.values())
+
+
+def test_planner_for_is_the_planner_plan_uses():
+    """The trainer prepares its buckets on ``planner_for``'s planner; ``plan`` must use that
+    same planner (else the preparation is lost), and a new cost model gets a new one."""
+    c = cluster_preset("h200x32")
+    cm = CostModel(c)
+    p = planner_for(c, cm)
+    assert planner_for(c, cm) is p
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    p.prepare([w])
+    built = len(p._tables)
+    res = plan(w, c, cm)
+    assert len(p._tables) == built  # served from the prepared tables, none built
+    assert res.plan == Planner(c, CostModel(c)).plan(w).plan
+    assert planner_for(c, CostModel(c)) is not p
