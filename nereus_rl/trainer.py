@@ -175,6 +175,9 @@ class Trainer:
         if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
             self._calibrate(full)
         t0 = time.perf_counter()
+        if cfg.adapt:
+            # After calibration: the model (and budget) the run's decisions start from.
+            self.adapter.prepare_buckets(self._response_len(0))
         self._set_plan(0, plan or self.first_plan)
         descs = [self._desc(sp) for sp in self.plan.stages]
         self._all("rl.setup", descs, self.mc, full, cfg.hyper())

@@ -317,13 +317,16 @@ class Adapter:
         if isinstance(self.cfg.plan, GlobalPlan):
             return self.cfg.plan
         if self.cfg.plan == "auto":
-            # The bucket edges are known now: price every bucket's stage tables once, so
-            # a later decision after a bucket change does not (results are unchanged).
-            planner_for(self.cluster, self.cm).prepare(
-                self.workload(b) for b in self.cfg.buckets if b >= bucket_of(rlen, self.cfg.buckets)
-            )
             return self.best_plan(rlen)[0]
         return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
+
+    def prepare_buckets(self, rlen: int) -> None:
+        """Price the stage tables of every response bucket from ``rlen``'s up once, on the
+        cost model the run starts with, so that a later decision after a bucket change
+        does not (decisions are unchanged)."""
+        planner_for(self.cluster, self.cm).prepare(
+            self.workload(b) for b in self.cfg.buckets if b >= bucket_of(rlen, self.cfg.buckets)
+        )
 
     def _primitive_cost(self, prim) -> float:
         return primitive_seconds(self.cm, self.mspec, prim)

@@ -108,12 +108,10 @@ CmaResult read_range(int pid, const std::vector<CopyRegion>& regions,
 
 CmaResult cma_read(int pid, const CopyRegion* table, int64_t num_regions, int num_threads) {
   NEREUS_CHECK(pid > 0, "pid=" << pid << "; pass the peer process's id");
-  if (num_threads <= 0) num_threads = copy_default_num_threads();
   std::vector<int64_t> prefix;
   std::vector<CopyRegion> regions = normalize_regions(table, num_regions, &prefix);
   const int64_t total = prefix.back();
-  int64_t by_size = total / kCopyMinBytesPerThread;
-  int num_parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, by_size)));
+  const int num_parts = copy_num_parts(total, num_threads);
   // Part boundaries on 4 KiB keep two threads off one page (each faults its own in).
   auto boundary = [&](int p) {
     if (p == num_parts) return total;

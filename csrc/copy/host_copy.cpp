@@ -158,14 +158,17 @@ std::vector<CopyRegion> normalize_regions(const CopyRegion* table, int64_t num_r
   return regions;
 }
 
-int copy_regions(const CopyRegion* table, int64_t num_regions, int num_threads) {
+int copy_num_parts(int64_t total, int num_threads) {
   if (num_threads <= 0) num_threads = copy_default_num_threads();
+  const int64_t by_size = total / kCopyMinBytesPerThread;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, by_size)));
+}
+
+int copy_regions(const CopyRegion* table, int64_t num_regions, int num_threads) {
   std::vector<int64_t> prefix;
   std::vector<CopyRegion> regions = normalize_regions(table, num_regions, &prefix);
   const int64_t total = prefix.back();
-
-  int64_t by_size = total / kCopyMinBytesPerThread;
-  int num_parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, by_size)));
+  const int num_parts = copy_num_parts(total, num_threads);
   if (num_parts == 1) {
     copy_range(regions.data(), prefix, 0, total);
     return 1;

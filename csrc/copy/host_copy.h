@@ -33,6 +33,10 @@ int copy_default_num_threads();
 std::vector<CopyRegion> normalize_regions(const CopyRegion* table, int64_t num_regions,
                                           std::vector<int64_t>* prefix);
 
+// How many parts a copy of total bytes splits into: at most num_threads (<= 0: the
+// default), at least kCopyMinBytesPerThread each, at least 1.
+int copy_num_parts(int64_t total, int num_threads);
+
 // Copies every region of the table, splitting the bytes evenly over up to
 // num_threads threads (the caller is one of them; <= 0 means the default). Tables
 // under kCopyMinBytesPerThread * 2 bytes run on the calling thread alone. Regions must
