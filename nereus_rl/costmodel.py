@@ -237,6 +237,12 @@ class CostModel(PrimitiveCostModel):
             ref = lambda: callback  # noqa: E731  (a plain function: kept)
         self._listeners.append(ref)
 
+    def __getstate__(self) -> dict:
+        # Listeners are who is watching, not the model: a copy or a pickle has none.
+        state = self.__dict__.copy()
+        state["_listeners"] = []
+        return state
+
     def _refined(self) -> None:
         self.version += 1
         alive = []
