@@ -22,6 +22,13 @@ gives the median CPU time of each call of the sequence and how many set partitio
 searched. SCIP and CP-SAT solve the first call's problem with a time limit; a solver
 that stops without proof is reported as such.
 
+A refinement now also rebuilds the persistent planner's latest context (the cost
+model's refine listener), so each refinement's CPU is timed and printed apart
+(``refine_cpu_ms``) beside the call right after it (``after_refine_prepared_cpu_ms``),
+and a loop of refine-then-decide on one bucket and device count (a job's steps) gives
+both medians (``refine_loop_plan_cpu_ms``, ``refine_loop_refine_cpu_ms``): the work a
+refinement moves out of the decision is not hidden from the total.
+
 Workload: PPO, Llama-3.1-8B actor, critic, reference and reward model, batch 2 x
 devices prompts of 1,024 tokens. All latencies are cost-model predictions.
 
