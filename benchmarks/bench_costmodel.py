@@ -30,21 +30,14 @@ Measures, each fitted and scored on its own:
           it had a core, one co-runner class for both 2-process layouts (an A/B on
           the same measurements).
 
-Measurement, and why (2026-12-01, this 2-vCPU KVM guest shared by ~5 engineers):
-identical work pinned to one core takes from 1x to 2x its fastest CPU time from one
-repetition to the next, and time.thread_time() includes hypervisor steal. Steal is
-only part of it: with zero steal ticks a loop of tiny adds took 0.9 or 2.0 ms, and
-other users' processes time-slicing our core refill its caches. So each repetition
-records the steal ticks of its pinned core(s) (/proc/stat ``cpuN``, 8th value), the
-involuntary context switches of its thread (getrusage RUSAGE_THREAD) and the runnable
-tasks at its start and end (/proc/loadavg); it is *clean* with no steal, no other
-runnable task, and (a worker per core) no preemption. A plan's figures come from its
-clean repetitions when it has ``MIN_CLEAN`` of them, else from its steal-free ones,
-else from all; the shares are printed. What it showed (load 3-8): flagged repetitions'
-median is ~10% slower (each flag alone), but no repetition is clean at such load (other
-tasks always runnable, every repetition preempted), 87% are steal-free, and taking the
-steal-free ones rather than all changed neither the round-to-round spread (22.4% vs
-22.7%) nor the held-out error (7.0% vs 6.5% mean): the slow-downs that matter last
+Measurement (a 2-vCPU KVM guest shared by ~5 engineers; identical work takes 1x-2x its
+fastest CPU time from one repetition to the next, steal included): each repetition
+records the steal ticks of its pinned core(s) (/proc/stat), its thread's involuntary
+context switches and the runnable tasks at its ends (/proc/loadavg); it is *clean* with
+no steal, no other runnable task and (a worker per core) no preemption. A plan's
+figures come from its clean repetitions when it has ``MIN_CLEAN``, else its steal-free
+ones, else all (the shares are printed). Filtering changed neither the spread nor the
+error (results/bench_costmodel_2026-12-01-steal.md): the slow-downs that matter last
 longer than a repetition and leave no trace in these counters.
 The grid is measured in rounds (4 with --quick, 16 without: the noise is per round), a
 plan at a time: a warm-up step, then as many repetitions as fit 0.1 s at its warm-up
