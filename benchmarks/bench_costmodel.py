@@ -30,25 +30,18 @@ Measures, each fitted and scored on its own:
           it had a core, one co-runner class for both 2-process layouts (an A/B on
           the same measurements).
 
-Measurement, and why (2026-12-01, this 2-vCPU KVM guest shared by ~5 engineers):
-identical work pinned to one core takes from 1x to 2x its fastest CPU time from one
-repetition to the next, and time.thread_time() includes hypervisor steal. Steal is
-only part of it: with zero steal ticks a loop of tiny adds took 0.9 or 2.0 ms, and
-other users' processes time-slicing our core refill its caches. So each repetition
-records the steal ticks of its pinned core(s) (/proc/stat ``cpuN``, 8th value), the
-involuntary context switches of its thread (getrusage RUSAGE_THREAD) and the runnable
-tasks at its start and end (/proc/loadavg); it is *clean* with no steal, no other
-runnable task, and (a worker per core) no preemption. A plan's figures come from its
-clean repetitions when it has ``MIN_CLEAN`` of them, else from its steal-free ones,
-else from all; the shares are printed. What it showed (load 3-8): flagged repetitions'
-median is ~10% slower (each flag alone), but no repetition is clean at such load (other
-tasks always runnable, every repetition preempted), 87% are steal-free, and taking the
-steal-free ones rather than all changed neither the round-to-round spread (22.4% vs
-22.7%) nor the held-out error (7.0% vs 6.5% mean): the slow-downs that matter last
+Measurement (a 2-vCPU KVM guest shared by ~5 engineers; identical work takes 1x-2x its
+fastest CPU time from one repetition to the next, steal included): each repetition
+records the steal ticks of its pinned core(s) (/proc/stat), its thread's involuntary
+context switches and the runnable tasks at its ends (/proc/loadavg); it is *clean* with
+no steal, no other runnable task and (a worker per core) no preemption. A plan's
+figures come from its clean repetitions when it has ``MIN_CLEAN``, else its steal-free
+ones, else all (the shares are printed). Filtering changed neither the spread nor the
+error (results/bench_costmodel_2026-12-01-steal.md): the slow-downs that matter last
 longer than a repetition and leave no trace in these counters.
-The grid is measured in rounds (4 with --quick, 8 without), a plan at a time: a
-warm-up step, then as many repetitions as fit ``budget_s`` at its warm-up speed (2 to
-8 with --quick: cheap plans get many, the small preset 2). A plan's CPU figure is,
+The grid is measured in rounds (4 with --quick, 16 without: the noise is per round), a
+plan at a time: a warm-up step, then as many repetitions as fit 0.1 s at its warm-up
+speed (2 to 8: cheap plans get many, the small preset 2). A plan's CPU figure is,
 per process, the sum over the step's parts (each micro-batch's forward + backward,
 the optimizer step) of the part's fastest repetition, then the slower process
 (``--estimator step``: each process's fastest whole step). Per process, not the slower
@@ -58,8 +51,14 @@ interference. Wall time is the slower process per repetition, then the fastest. 
 median and the spread between the rounds' figures are kept to show the noise, and the
 1-minute load average at the start and end.
 
+Beside the error it prints a noise floor that needs no model (costmodel_scoring.py):
+identical-work twins, even against odd rounds, and, given several runs' outputs, what
+persists across runs (the model's error) against what averages out (noise), and the
+error on each plan's least figure over the runs.
+
     python benchmarks/bench_costmodel.py --quick --json out.json
     python benchmarks/bench_costmodel.py --measurements out.json   # re-score, no measuring
+    python benchmarks/bench_costmodel.py --measurements run1.json run2.json run3.json
 """
 
 from __future__ import annotations
@@ -69,18 +68,23 @@ import functools
 import json
 import os
 import resource
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from nereus_rl.costmodel import CostModel
 from nereus_rl.costmodel_work import CLASS_INDEX, stage_work
 from nereus_rl.model import Decoder, get_preset
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.workload import StageWork
+
+# The scoring lives beside this script (benchmarks/costmodel_scoring.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import costmodel_scoring as scoring
 
 BATCH = 8
 MIN_REPS = 2  # timed repetitions of a plan per round, at least
@@ -253,7 +257,7 @@ def _cpu_estimate(reps, estimator: str) -> float:
     interference. Every repetition starts both processes at a barrier, so each one's
     fastest still ran beside the other.
     """
-    if "cpu_each" not in reps[0]:  # an older --json output: per-repetition slower process
+    if any("cpu_each" not in r for r in reps):  # older outputs: per-repetition slower process
         return min(r["cpu"] for r in reps)
     num = len(reps[0]["cpu_each"])
     if estimator == "step":
@@ -305,6 +309,53 @@ def _rows(measured, estimator: str) -> list[dict]:
     return rows
 
 
+def _works(rows: list[dict]) -> dict:
+    """Ideal work per class of each row, per metric (see the module docstring)."""
+    works: dict = {"wall": [], "cpu": [], "cpu1": []}
+    for r in rows:
+        dp, wpc, _ = LAYOUTS[r["layout"]]
+        w = _work(r["preset"], dp, wpc, r["micro_batch"], r["seq_len"])
+        works["wall"].append(w)
+        # CPU time: the same layout's work at the share of a core the worker gets
+        # (time-slicing adds wall time, not CPU time), so the model still knows which
+        # co-runners share a core and which run beside it on another.
+        works["cpu"].append(w / wpc)
+        # The earlier model, scored on the same figures: every worker priced as if it
+        # had a core, so both 2-process layouts alike and one co-runner class (all of
+        # it lands in ``contention``; ``interference`` stays at its start, unused).
+        works["cpu1"].append(_work(r["preset"], dp, 1.0, r["micro_batch"], r["seq_len"]))
+    return works
+
+
+def _scored(measured, estimator: str, fit: str, metrics=("wall", "cpu", "cpu1")):
+    """Rows of ``measured`` scored: (rows, summary, efficiencies)."""
+    rows = _rows(measured, estimator)
+    works = {m: w for m, w in _works(rows).items() if m in metrics}
+    summary, effs = scoring.score(rows, works, fit, LAYOUTS)
+    return rows, summary, effs
+
+
+def _load(path: str):
+    with open(path) as fh:
+        saved = json.load(fh)
+    measured = [(tuple(m["plan"]), m["reps"]) for m in saved["repetitions"]]
+    return measured, saved["loadavg_start"], saved["loadavg_end"]
+
+
+def _noise_floor(measured, rows, estimator: str, fit: str) -> dict:
+    """Model-free noise estimates beside the error (see costmodel_scoring)."""
+    out: dict = {"twins": scoring.twins(rows, BATCH, {k: v[0] for k, v in LAYOUTS.items()})}
+    halves = []
+    for parity in (0, 1) if measured else ():
+        part = [(p, [r for r in reps if r["round"] % 2 == parity]) for p, reps in measured]
+        if all(reps for _, reps in part):
+            halves.append(_scored(part, estimator, fit, ("cpu",)))
+    if len(halves) == 2:
+        out["halves_spread_pct"] = scoring.halves_spread(halves[0][0], halves[1][0])
+        out["halves_held_out_pct"] = [scoring.held_out(h[1]) for h in halves]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -312,7 +363,9 @@ def main() -> None:
     ap.add_argument(
         "--measurements",
         metavar="PATH",
-        help="re-score the measured rows of an earlier --json output instead of measuring",
+        nargs="+",
+        help="re-score the measured rows of earlier --json outputs instead of measuring; "
+        "with several, also each run alone, the runs pooled and what persists across them",
     )
     ap.add_argument(
         "--fit",
@@ -333,90 +386,33 @@ def main() -> None:
         "tiny": ([1, 2, 4, 8], [32, 64, 128]),
         "small": ([2, 8], [32, 64]) if args.quick else ([1, 2, 4, 8], [32, 64, 128]),
     }
-    rounds, budget_s, max_reps = (4, 0.1, 8) if args.quick else (8, 0.4, 24)
-    load_start = os.getloadavg()
+    # The noise is per round (slow phases of the VM last longer than a plan's
+    # repetitions), so the full run takes 4x the rounds of --quick, each as short.
+    rounds, budget_s, max_reps = (4, 0.1, 8) if args.quick else (16, 0.1, 8)
     t_start = time.perf_counter()
+    runs, per_run = [], []
     if args.measurements:
-        with open(args.measurements) as fh:
-            saved = json.load(fh)
-        measured = [(tuple(m["plan"]), m["reps"]) for m in saved["repetitions"]]
-        load_start = saved["loadavg_start"]  # the measuring run's, not this re-scoring's
+        runs = [_load(p) for p in args.measurements]
+        measured = runs[0][0]
+        load_start, load_end = runs[0][1], runs[-1][2]
     else:
+        load_start = os.getloadavg()
         measured = _measure(grid, rounds, budget_s, max_reps)
-    rows = _rows(measured, args.estimator)
-    for r in rows:
-        dp, wpc, _ = LAYOUTS[r["layout"]]
-        mbs = grid[r["preset"]][0]
-        seqs = grid[r["preset"]][1]
-        i, j = mbs.index(r["micro_batch"]), seqs.index(r["seq_len"])
-        # Fit set: half of the 1-process plans (a checkerboard over micro-batch x
-        # seq_len) and, with --fit mixed, a quarter of each 2-process layout's (every
-        # other cell of that checkerboard): interference between co-running workers
-        # cannot be learnt from one process. The rest is held out, never fitted on.
-        if r["layout"] == "1p":
-            fit = (i + j) % 2 == 0
-        else:
-            fit = args.fit == "mixed" and (i + j) % 4 == 0
-        r["role"] = "fit" if fit else "held_out"
-        r["_work_wall"] = _work(r["preset"], dp, wpc, r["micro_batch"], r["seq_len"])
-        # CPU time: the same layout's work at the share of a core the worker gets
-        # (time-slicing adds wall time, not CPU time), so the model still knows which
-        # co-runners share a core and which run beside it on another.
-        r["_work_cpu"] = r["_work_wall"] / wpc
-        # The earlier model, scored on the same figures: every worker priced as if it
-        # had a core, so both 2-process layouts alike and one co-runner class (all of
-        # it lands in ``contention``; ``interference`` stays at its start, unused).
-        r["_work_cpu1"] = _work(r["preset"], dp, 1.0, r["micro_batch"], r["seq_len"])
-    summary, effs = [], {}
-    for metric in ("wall", "cpu", "cpu1"):
-        mkey = metric.rstrip("1")
-        cm = CostModel(local_cpu_cluster(1, 1.0))
-        for _ in range(3):  # a few passes: the fit converges past the weak prior
-            for r in rows:
-                if r["role"] == "fit":
-                    cm.observe_work(r[f"_work_{metric}"], r[f"{mkey}_measured_ms"] / 1e3)
-        x = cm.inverse_efficiencies
-        for r in rows:
-            pred = float(r[f"_work_{metric}"] @ x) * 1e3
-            r[f"{metric}_predicted_ms"] = pred
-            meas = r[f"{mkey}_measured_ms"]
-            r[f"{metric}_error_pct"] = 100 * (pred - meas) / meas
-        effs[metric] = {
-            c: round(float(cm.efficiency(c)), 4)
-            for c in (
-                "gemm",
-                "attention",
-                "mem",
-                "elementwise",
-                "launch",
-                "interference",
-                "contention",
-            )
-            if c in CLASS_INDEX  # (so the script also re-scores with an older model)
-        }
-        for name, sel in (
-            ("fit", [r for r in rows if r["role"] == "fit"]),
-            ("held_out_all", [r for r in rows if r["role"] == "held_out"]),
-            *(
-                (
-                    f"held_out_{lay}",
-                    [r for r in rows if r["role"] == "held_out" and r["layout"] == lay],
-                )
-                for lay in LAYOUTS
-            ),
-        ):
-            errs = np.abs([r[f"{metric}_error_pct"] for r in sel])
-            summary.append(
-                {
-                    "metric": metric,
-                    "set": name,
-                    "num_plans": len(sel),
-                    "mean_abs_error_pct": float(errs.mean()),
-                    "max_abs_error_pct": float(errs.max()),
-                }
-            )
-    for r in rows:
-        del r["_work_wall"], r["_work_cpu"], r["_work_cpu1"]
+        load_end = os.getloadavg()
+    rows, summary, effs = _scored(measured, args.estimator, args.fit)
+    if len(runs) > 1:
+        # Several runs: each scored alone, and every plan's figure pooled as its least
+        # over the runs (each run's figure by its own rule: a minimum over more rounds).
+        per_run = [_scored(ms, args.estimator, args.fit)[0] for ms, _, _ in runs]
+        for k, r in enumerate(rows):
+            assert all(
+                (pr[k]["preset"], pr[k]["layout"], pr[k]["micro_batch"], pr[k]["seq_len"])
+                == (r["preset"], r["layout"], r["micro_batch"], r["seq_len"])
+                for pr in per_run
+            ), "the runs must have measured the same grid"
+            for m in ("wall", "cpu"):
+                r[f"{m}_measured_ms"] = min(pr[k][f"{m}_measured_ms"] for pr in per_run)
+        summary, effs = scoring.score(rows, _works(rows), args.fit, LAYOUTS)
     print(
         f"{'preset':>6} {'layout':>9} {'mb':>3} {'seq':>4} {'role':>8} {'wall_ms':>8} "
         f"{'pred_ms':>8} {'err_%':>6} {'cpu_ms':>8} {'pred_ms':>8} {'err_%':>6}"
@@ -428,6 +424,8 @@ def main() -> None:
             f"{r['wall_error_pct']:>6.1f} {r['cpu_measured_ms']:>8.2f} "
             f"{r['cpu_predicted_ms']:>8.2f} {r['cpu_error_pct']:>6.1f}"
         )
+    if len(runs) > 1:
+        print(f"\n(measured figures above: each plan's least over the {len(runs)} runs)")
     print(f"\n{'metric':>6} {'set':>18} {'plans':>5} {'mean_abs_err_%':>14} {'max_abs_err_%':>13}")
     for s in summary:
         print(
@@ -441,8 +439,37 @@ def main() -> None:
                 f"{m}: spread between rounds' fastest repetitions (noise): "
                 f"mean {np.mean(spread):.1f}%, max {np.max(spread):.1f}%"
             )
+    noise = _noise_floor(measured if len(runs) < 2 else [], rows, args.estimator, args.fit)
+    mean, mx = scoring.held_out(summary)
+    print(f"noise floor beside the held-out CPU error ({mean:.2f}% mean, {mx:.2f}% max):")
+    for m, tw in noise["twins"].items():
+        if tw:
+            print(
+                f"  {m}: identical-work twins measured {tw[0]:.1f}% apart on average "
+                f"(max {tw[1]:.1f}%, {tw[2]} pairs); a perfect model is off by ~0.7x that"
+            )
+    if "halves_spread_pct" in noise:
+        (a, b), (c, d) = noise["halves_held_out_pct"]
+        print(
+            "  cpu: even vs odd rounds' figures {:.1f}% apart (max {:.1f}%); held-out error "
+            "fitted within each half {:.2f}% / {:.2f}% mean, {:.2f}% / {:.2f}% max".format(
+                *noise["halves_spread_pct"], a, c, b, d
+            )
+        )
+    if len(runs) > 1:
+        noise["runs"] = scoring.across_runs(per_run)
+        nr = noise["runs"]
+        print(
+            f"  cpu over {nr['runs']} runs: held-out mean per run "
+            + " / ".join(f"{v:.1f}" for v in nr["per_run_held_out_mean_pct"])
+            + f"%; a plan's error moves {nr['noise_sd_pct']:.1f}% (sd) between runs; "
+            f"|mean over runs| {nr['systematic_pct']:.2f}% against "
+            f"{nr['expected_from_noise_pct']:.2f}% expected from noise alone; "
+            "persistent (|mean| > 2.5 s.e.): "
+            + (", ".join(f"{k} {m:+.1f}% (t {t})" for k, m, t in nr["persistent"]) or "none")
+        )
     every = [(LAYOUTS[plan[3]], r) for plan, reps in measured for r in reps]
-    if every and "steal" in every[0][1]:
+    if every and all("steal" in r for _, r in every):
         own = [r for (_, wpc, _), r in every if wpc == 1]
         print(
             f"repetitions steal-free {_pct(r['steal'] == 0 for _, r in every)}, "
@@ -459,7 +486,6 @@ def main() -> None:
         )
     )
     print("fitted efficiencies:", effs, f"; wall {time.perf_counter() - t_start:.0f} s")
-    load_end = saved["loadavg_end"] if args.measurements else os.getloadavg()
     print("load average (1 min) start/end of the measuring:", load_start[0], load_end[0])
     if args.json:
         with open(args.json, "w") as fh:
@@ -467,6 +493,7 @@ def main() -> None:
                 {
                     "benchmark": "bench_costmodel",
                     "rows": rows + summary,
+                    "noise_floor": noise,
                     "repetitions": [{"plan": list(p), "reps": r} for p, r in measured],
                     "efficiencies": effs,
                     "loadavg_start": load_start,

@@ -266,6 +266,10 @@ class PrimitiveCostModel:
             link = self.cluster.intra if tier == "intra" else self.cluster.inter
             xfer = seconds - setup - primitives * self.fixed_overhead_s - link.latency_s
             if xfer > 0:
-                self.observe_work({"p2p:" + tier: max_bytes_per_device / link.bandwidth_Bps}, xfer)
+                w = self._work_vector(
+                    {"p2p:" + tier: max_bytes_per_device / link.bandwidth_Bps}, xfer
+                )
+                self._add(w, xfer)
+                self._solve()
         self._observed_primitives += 1
-        self.version += 1
+        self._refined()  # one version bump per primitive measurement

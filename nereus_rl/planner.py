@@ -78,7 +78,10 @@ same run of devices. A call after a signal change rebuilds only what the change
 touched: a bucket change prices the new shapes' layouts (``costmodel_work.stage_work``,
 plain Python, by far the largest part of such a call; ``Planner.prepare`` does it ahead
 for known buckets), a refinement redoes the pricing, Pareto lists and bounds, a device
-loss only the partition bounds and the search.
+loss only the partition bounds and the search. A refinement (``CostModel`` calls
+``Planner._on_refine``) rebuilds the compiled context of the latest call's stage shapes
+at once, with its partition keys on that call's device count, so the decision that
+follows it on the same bucket and devices (a job's usual case) finds them built.
 """
 
 from __future__ import annotations
@@ -160,6 +163,10 @@ class Planner:
         self._shapes: dict = {}  # stage ids -> (phases, r_i, a_i, tables)
         self._pidx: dict = {}  # (stages, devices) -> compiled partition index
         self._ver = costmodel.version
+        # The latest compiled call's (stage ids, tables, phases, r_i, a_i, capacity,
+        # partition index): what _on_refine rebuilds ahead of the next call.
+        self._last: tuple | None = None
+        costmodel.add_refine_listener(self._on_refine)
 
     def _tok(self, spec) -> int:
         """Small int per ModelSpec value, found by identity first (specs are shared by a
@@ -232,6 +239,25 @@ class Planner:
             self._groups.clear()
             self._ginfo.clear()
             self._ver = ver
+
+    def _on_refine(self) -> None:
+        """The cost model was refined (a new ``version``): build the compiled context of
+        the latest call's stage shapes at the new efficiencies now, with its partition
+        keys on that call's device count, as part of the refinement. A job refines after
+        every step and then decides, most often on the same bucket and devices: that
+        decision finds them built. Same inputs as the call would use, so results are
+        unchanged; a call on other shapes or devices builds what it needs as before."""
+        last = self._last
+        if last is None or not self.native:
+            return
+        sid, tables, phases, r_i, a_i, cap, pidx = last
+        if cap != self.costmodel.capacity_bytes:
+            return
+        self._check_version()
+        ctx = self._context(sid, tables, phases, r_i, a_i, cap, self._ver)
+        warm = getattr(ctx, "warm", None)  # (a module built before it had none)
+        if warm is not None:
+            warm(pidx)
 
     def _shape(self, stages, sid: tuple[int, ...], actor, dtype: str):
         """What a call needs of its stages, kept per stage shapes: ``(phases, rollout
@@ -371,6 +397,7 @@ class Planner:
                 self._pidx.clear()
             self._pidx[(len(stages), N)] = pidx
         ranked, nodes, nparts, bounds_ms, search_ms = ctx.search(pidx, k)
+        self._last = (tuple(sid), tables, phases, r_i, a_i, cap, pidx)
         if not ranked:
             raise infeasible(stages, tables, N, cap)
         timings = {

@@ -1,5 +1,6 @@
 import dataclasses
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -119,6 +120,84 @@ def test_observe_from_plan_moves_prediction_to_measurement(cm):
         cm.observe(plan, w, {"actor_train": before * 0.5})
     after = cm.step_latency(plan, w).stages["actor_train"].seconds
     assert after == pytest.approx(before * 0.5, rel=0.02)
+
+
+def test_observe_of_a_step_solves_once_bit_for_bit(cm):
+    """observe() of several stages: the efficiencies a solve after each stage would end
+    with, bit for bit, with one version bump and one listener call; bad input moves
+    nothing."""
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64)
+    plan = GlobalPlan(tuple(_sp(s.stage, s.model, s.trains, 4, 2, 1) for s in w.planned_stages))
+    est = cm.step_latency(plan, w).stages
+    measured = {name: e.seconds * f for (name, e), f in zip(est.items(), (0.5, 0.7, 1.3, 2.0))}
+    assert len(measured) == 4
+    one_by_one = CostModel(cm.cluster, forgetting=0.9)
+    for name, t in measured.items():
+        one_by_one.observe_work(cm._stage_works(plan, w)[name], t)
+    step = CostModel(cm.cluster, forgetting=0.9)
+    calls = []
+    step.add_refine_listener(lambda: calls.append(step.version))
+    step.observe(plan, w, measured)
+    assert np.array_equal(step.inverse_efficiencies, one_by_one.inverse_efficiencies)
+    assert not np.array_equal(step.inverse_efficiencies, cm.inverse_efficiencies)
+    assert step.version == 1 and calls == [1]
+    x = step.inverse_efficiencies
+    for bad in ({**measured, "critic_train": 0.0}, {**measured, "nope": 1.0}):
+        with pytest.raises(CostModelError):
+            step.observe(plan, w, bad)
+        assert np.array_equal(step.inverse_efficiencies, x) and step.version == 1
+
+
+def _solve_reference(cm):
+    """The refinement's solve as first written (prior terms rebuilt every iteration)."""
+    lam = cm._prior / cm._x0**2
+    free = np.ones(NUM_CLASSES, dtype=bool)
+    x = cm._x0.copy()
+    for _ in range(NUM_CLASSES):
+        A = cm._A + np.diag(lam)
+        rhs = cm._b + lam * cm._x0
+        fixed = ~free
+        rhs_f = rhs[free] - A[np.ix_(free, fixed)] @ x[fixed]
+        x[free] = np.linalg.solve(A[np.ix_(free, free)], rhs_f)
+        low = free & (x < 1.0)
+        if not low.any():
+            break
+        x[low] = 1.0
+        free &= ~low
+    return x
+
+
+def test_solve_equals_its_first_form_bit_for_bit():
+    rng = np.random.default_rng(1)
+    bound = 0
+    for _ in range(200):
+        cm = CostModel(cluster_preset("h200x32"), forgetting=float(rng.choice([1.0, 0.9])))
+        for _ in range(int(rng.integers(1, 12))):
+            w = rng.uniform(0, 1, NUM_CLASSES) * (rng.uniform(0, 1, NUM_CLASSES) < 0.5)
+            cm.observe_work(w, float(rng.uniform(0.1, 10)))
+            assert np.array_equal(cm.inverse_efficiencies, _solve_reference(cm))
+        bound += bool((cm.inverse_efficiencies == 1.0).any())
+    assert bound > 50  # the active set (bound 1/e >= 1) was exercised
+
+
+def test_refine_listener_is_weak_for_bound_methods(cm):
+    class Holder:
+        def __init__(self):
+            self.n = 0
+
+        def hit(self):
+            self.n += 1
+
+    h = Holder()
+    cm.add_refine_listener(h.hit)
+    cm.observe_work({"gemm": 1.0}, 2.0)
+    assert h.n == 1
+    cm.add_refine_listener(lambda: None)
+    back = pickle.loads(pickle.dumps(cm))  # listeners are not pickled
+    assert back._listeners == [] and np.array_equal(back._x, cm._x)
+    del h  # the cost model does not keep it alive, and drops it
+    cm.observe_work({"gemm": 1.0}, 2.0)
+    assert len(cm._listeners) == 1  # the plain function only
 
 
 def test_sync_tier(cm):

@@ -9,6 +9,7 @@ _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_costmodel.py
 _spec = importlib.util.spec_from_file_location("bench_costmodel", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+scoring = bench.scoring
 
 
 def _rep(each, rnd=0, clean=False, steal=0):
@@ -53,3 +54,37 @@ def test_figure_from_cleanest_set_with_enough_repetitions():
     (row,) = bench._rows([(plan, fast_dirty + clean + [_rep((3.5,), clean=True)])], "step")
     assert row["figure_from"] == "clean"
     assert row["cpu_measured_ms"] == pytest.approx(3000.0)
+
+
+def _row(layout, mb, seq, cpu, role="held_out", err=0.0):
+    return {
+        "preset": "tiny",
+        "layout": layout,
+        "micro_batch": mb,
+        "seq_len": seq,
+        "cpu_measured_ms": cpu,
+        "wall_measured_ms": cpu,
+        "role": role,
+        "cpu_error_pct": err,
+    }
+
+
+def test_twins_pair_plans_of_identical_work_only():
+    # On 2 processes of 4 sequences each, micro-batch 8 runs as 4: those two are twins;
+    # on 1 process (8 sequences) they are different work.
+    rows = [_row("2p-2core", 4, 32, 10.0), _row("2p-2core", 8, 32, 11.0)]
+    rows += [_row("1p", 4, 32, 10.0), _row("1p", 8, 32, 30.0)]
+    tw = scoring.twins(rows, bench.BATCH, {k: v[0] for k, v in bench.LAYOUTS.items()})
+    assert tw["cpu"] == pytest.approx((10.0, 10.0, 1))
+
+
+def test_across_runs_separates_persistent_error_from_noise():
+    runs = []
+    for i, (a, b) in enumerate([(10, 10), (11, -10), (9, 10), (10, -10)]):
+        runs.append([_row("1p", 1, 32, 1.0, err=a), _row("1p", 2, 32, 1.0, err=b)])
+        runs[-1].append(_row("1p", 4, 32, 1.0, role="fit", err=50.0 * i))  # not scored
+    got = scoring.across_runs(runs)
+    # Plan 1 is off by +10% in every run (the model's), plan 2 by +-10% (noise).
+    assert got["systematic_pct"] == pytest.approx((10.0 + 0.0) / 2)
+    assert [k for k, _, _ in got["persistent"]] == [("tiny", "1p", 1, 32)]
+    assert got["per_run_held_out_mean_pct"] == pytest.approx([10.0, 10.5, 9.5, 10.0])

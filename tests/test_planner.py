@@ -215,6 +215,30 @@ def test_persistent_caches_and_prepare_match_fresh_planner():
         }
 
 
+def test_refinement_builds_the_latest_calls_context_ahead():
+    """A refinement builds the compiled context of the latest call's stage shapes at the
+    new efficiencies; the next call on them uses it and decides as the reference does."""
+    c = cluster_preset("h200x32")
+    cm = CostModel(c)
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    p, ref = Planner(c, cm), Planner(c, cm, native=False)
+    if not p.native:
+        pytest.skip("nereus_rl._native is not built")
+    for refine in (False, True, True):
+        if refine:
+            cm.observe_work({"gemm": 1.0, "mem": 0.5, "allreduce:intra": 0.1}, 3.1)
+            built = [key for key in p._nctx if key[0] == cm.version]
+            assert len(built) == 1  # by the refinement, before any call
+            ctx = p._nctx[built[0]]
+        got, want = p.plan(w, devices=range(24), k=3), ref.plan(w, devices=range(24), k=3)
+        if refine:
+            # the call used it, and built none: one context per version so far
+            assert p._nctx[built[0]] is ctx and len(p._nctx) == 1 + cm.version
+        assert got.plan == want.plan and got.latency_s == want.latency_s
+        assert [lat for lat, _ in got.k_best] == [lat for lat, _ in want.k_best]
+    assert not ref._nctx  # the Python reference builds no compiled context
+
+
 @pytest.mark.parametrize("cluster,lost", [("a100x8", 0), ("h100x16", 3), ("h200x8", 2)])
 def test_random_efficiencies_and_device_losses_equal_brute_force(cluster, lost):
     """Optima under random efficiencies on fewer devices (multi-group optima included)."""

@@ -156,6 +156,16 @@ void register_planner(py::module_& m) {
            "(ranked [(objective, [(group, choices)])] best first, nodes, partitions searched, "
            "bounds_ms, search_ms); ranked is empty when nothing fits")
       .def(
+          "warm",
+          [](Context& ctx, const PartitionIndex& pb) {
+            check(pb.S == ctx.num_stages() && pb.L <= ctx.num_sizes(),
+                  "the partition index must be for this context's stages and at most its devices");
+            ctx.lazy(pb);
+          },
+          py::arg("pidx"),
+          "Compute the lazy partition keys on pidx.N devices ahead of a search (the first "
+          "search on that device count would; results are unchanged)")
+      .def(
           "bounds",
           [](Context& ctx, const PartitionIndex& pb) {
             check(pb.S == ctx.num_stages() && pb.L <= ctx.num_sizes(),
