@@ -21,8 +21,23 @@ second tp=2 unit on ranks 2, 3 holding the same state. Ways:
 Also a tp change (tp=2 -> two tp=1 units on the same devices): EMU split vs DCP.
 Every way runs in the same workers, which start with THP_MEM_ALLOC_ENABLE=1 (as
 the runtime starts them, unless set), and so does this process (the tensor
-store). The first run of a way is cold (the EMU's first extend builds its gloo
-groups and probes cross-memory attach); every run is printed and kept in the rows.
+store).
+
+Destination memory (``--arena``, default ``prefault``): each worker reserves its
+memory budget when the EMU manager sets it up, before anything is timed, as a GPU
+worker reserves its device memory (:mod:`nereus_rl.emu_arena`; the budget is what
+the scenarios need at their peak, 1.6x one replica's state: a tp=1 unit beside the
+tp=2 one it splits from). Every way's new layout is built in that memory by the
+same code (``emu_worker.carve_shards``): the EMU units' blocks, and the tensors the
+DCP, UCP-style, tensor-store and restart loaders load into (DCP loads in place;
+checked). ``lazy``: the arena's blocks are made on first use and kept;
+``off``: plain allocations (the old behaviour) for every way. The restart path
+starts new worker processes, and a new process must reserve its device memory
+again, so checkpoint/restart's time includes the new workers' arena reservation
+(printed apart as ``reserve_s``).
+
+The first run of a way is cold (the EMU's first extend builds its gloo groups and
+probes cross-memory attach); every run is printed and kept in the rows.
 Every way's result is checked against the reference content. Then the cost
 model's predicted Extend of one 8B actor (training) and critic unit (tp=8,
 from the first node to the last) on the H200 preset at 48..3,264 devices,
@@ -66,6 +81,7 @@ from nereus_comm.layout import Layout  # noqa: E402
 from nereus_rl.emu import EMUManager  # noqa: E402
 from nereus_rl.emu_comm import box_slices  # noqa: E402
 from nereus_rl.emu_state import stage_state_specs, synthetic  # noqa: E402
+from nereus_rl.emu_worker import carve_shards, release  # noqa: E402
 from nereus_rl.runtime import Driver  # noqa: E402
 from nereus_rl.runtime.context import WorkerContext, register  # noqa: E402
 
@@ -93,11 +109,21 @@ def verify(ctx: WorkerContext, layout: Layout, key: str, seed: int) -> bool:
     """Whether the tensors stored under ctx.state[key] are this rank's exact shards."""
     specs, nl = _stage(ctx)
     got = ctx.state.pop(key)
+    ok = True
     for spec in specs:
         box = layout.box(spec, ctx.rank, nl)
         if box is not None and not torch.equal(got[spec.name], synthetic(spec, box, seed)):
-            return False
-    return True
+            ok = False
+    release(ctx.state.pop("bench.block", None))  # a loader's destination, back to the arena
+    return ok
+
+
+def _destination(ctx: WorkerContext, layout: Layout) -> dict[str, torch.Tensor]:
+    """This rank's empty shards of ``layout``, made as an EMU unit's are (the arena)."""
+    specs, nl = _stage(ctx)
+    block, tensors = carve_shards(ctx, specs, layout, nl, "a loaded layout")
+    ctx.state["bench.block"] = block
+    return tensors
 
 
 @register("bench.stash_unit")
@@ -120,7 +146,7 @@ def _mesh(ranks):
     return DeviceMesh("cpu", list(ranks))
 
 
-def _dtensors(specs, nl, layout: Layout, rank: int, mesh, tensors=None):
+def _dtensors(specs, nl, layout: Layout, rank: int, mesh, tensors):
     assert layout.pp == 1 and (layout.dp == 1 or layout.tp == 1), "1-D meshes only"
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -129,11 +155,7 @@ def _dtensors(specs, nl, layout: Layout, rank: int, mesh, tensors=None):
         box = layout.box(spec, rank, nl)
         if box is None:
             continue
-        local = (
-            tensors[spec.name]
-            if tensors is not None
-            else torch.empty(tuple(b - a for a, b in box), dtype=spec.dtype)
-        )
+        local = tensors[spec.name]
         # A 1-D mesh over the layout's ranks: tp shards, or dp replicas (tp = 1).
         split = spec.split_dim is not None and layout.tp > 1
         place = [Shard(spec.split_dim) if split else Replicate()]
@@ -170,9 +192,13 @@ def dcp_load(ctx: WorkerContext, dst: Layout, path: str) -> None:
         return
     specs, nl = _stage(ctx)
     mesh = ctx.state["bench.meshes"][tuple(dst.ranks)]
-    sd = _dtensors(specs, nl, dst, ctx.rank, mesh)
+    out = _destination(ctx, dst)
+    sd = _dtensors(specs, nl, dst, ctx.rank, mesh, out)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), process_group=mesh.get_group())
-    ctx.state["bench.loaded"] = {k: v.to_local() for k, v in sd.items()}
+    loaded = {k: v.to_local() for k, v in sd.items()}
+    if any(loaded[k].data_ptr() != out[k].data_ptr() for k in out):
+        raise RuntimeError("dcp.load replaced a destination tensor: it did not load in place")
+    ctx.state["bench.loaded"] = loaded
 
 
 @register("bench.save_rank")
@@ -206,12 +232,12 @@ def load_atomic(ctx: WorkerContext, dst: Layout, path: str) -> None:
     if ctx.rank not in dst:
         return
     specs, nl = _stage(ctx)
-    out = {}
+    out = _destination(ctx, dst)
     for spec in specs:
         box = dst.box(spec, ctx.rank, nl)
         if box is not None:
             full = torch.load(os.path.join(path, "atomic", spec.name + ".pt"), mmap=True)
-            out[spec.name] = full[box_slices(box, tuple((0, 0) for _ in box))].clone()
+            out[spec.name].copy_(full[box_slices(box, tuple((0, 0) for _ in box))])
     ctx.state["bench.loaded"] = out
 
 
@@ -224,12 +250,12 @@ def load_rank_files(ctx: WorkerContext, src: Layout, dst: Layout, path: str) -> 
     files = [
         torch.load(os.path.join(path, f"rank{i}.pt"), mmap=True) for i in range(len(src.ranks))
     ]
-    out = {}
+    out = _destination(ctx, dst)
     for spec in specs:
         want = dst.box(spec, ctx.rank, nl)
         if want is None:
             continue
-        t = torch.empty(tuple(b - a for a, b in want), dtype=spec.dtype)
+        t = out[spec.name]
         for i, r in enumerate(src.ranks):
             have = src.box(spec, r, nl)
             if have is None:
@@ -237,7 +263,6 @@ def load_rank_files(ctx: WorkerContext, src: Layout, dst: Layout, path: str) -> 
             inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, have))
             if all(a < b for a, b in inter) or not inter:
                 t[box_slices(inter, want)] = files[i][spec.name][box_slices(inter, have)]
-        out[spec.name] = t
     ctx.state["bench.loaded"] = out
 
 
@@ -264,16 +289,14 @@ def store_get(ctx: WorkerContext, dst: Layout, address: tuple[str, int]) -> None
     if ctx.rank not in dst:
         return
     specs, nl = _stage(ctx)
-    out = {}
+    out = _destination(ctx, dst)
     with Client(tuple(address), authkey=AUTHKEY) as conn:
         for spec in specs:
             box = dst.box(spec, ctx.rank, nl)
             if box is None:
                 continue
             conn.send(("get", spec.name, spec.shape, spec.dtype, box))
-            t = torch.empty(tuple(b - a for a, b in box), dtype=spec.dtype)
-            conn.recv_bytes_into(_raw(t))
-            out[spec.name] = t
+            conn.recv_bytes_into(_raw(out[spec.name]))
         conn.send(("bye",))
     ctx.state["bench.loaded"] = out
 
@@ -350,7 +373,14 @@ def run(args) -> list[dict]:
     dst = Layout(1, 2, 1, (2, 3), num_layers=sizes["num_layers"])
     nl = sizes["num_layers"]
     both = Layout(2, 1, 1, (0, 1), num_layers=nl)  # tp2 -> two tp1 units
-    print(f"state: {len(specs)} tensors, {state_bytes / 2**20:.0f} MiB per replica; dir {tmp}")
+    # Each worker's budget: its peak in these scenarios (a tp=1 replica beside the tp=2
+    # half it splits from: 1.5x), plus slack for alignment.
+    arena = dict(
+        arena_bytes=0 if args.arena == "off" else int(1.6 * state_bytes),
+        arena_prefault=args.arena == "prefault",
+    )
+    print(f"state: {len(specs)} tensors, {state_bytes / 2**20:.0f} MiB per replica; dir {tmp}; "
+          f"arena {args.arena} ({arena['arena_bytes'] / 2**20:.0f} MiB per worker)")  # fmt: skip
 
     def check(driver, layout, what) -> None:
         ok = driver.call(layout.ranks, "bench.verify", layout, "bench.loaded", seed)
@@ -361,7 +391,9 @@ def run(args) -> list[dict]:
     try:
         d.spawn_local(4, num_threads=1)
         d.import_module("benchmarks.bench_extend")
-        m = EMUManager(d, transfer_timeout=1800)
+        m = EMUManager(d, transfer_timeout=1800, **arena)  # each worker reserves its budget
+        reserve_s = max(a.get("reserve_s", 0.0) for a in m.arenas.values())
+        print(f"  workers' arena reservation: {reserve_s:.3f} s (slowest worker, untimed)")
         m.define_stage(STAGE, specs, seed=seed)
         a = m.create(STAGE, [0, 1], tp=2)
 
@@ -384,6 +416,7 @@ def run(args) -> list[dict]:
                 bytes_moved=rec.bytes_moved,
                 transfer_s=rec.extra["reshard_s"],
                 exchange_s=rec.extra["exchange_s"],
+                alloc_s=rec.extra["alloc_s"],
                 bytes_cma=rec.extra["bytes_cma"],
                 comm_setup_s=rec.comm_setup_s,
             )
@@ -454,13 +487,18 @@ def run(args) -> list[dict]:
         d = Driver(call_timeout=1800)
         d.spawn_local(4, num_threads=1)
         d.import_module("benchmarks.bench_extend")
-        m = EMUManager(d, transfer_timeout=1800)
+        # New processes reserve their device memory again (see the module docstring).
+        m = EMUManager(d, transfer_timeout=1800, **arena)
         m.define_stage(STAGE, specs, seed=seed)
         new = Layout(2, 2, 1, (0, 1, 2, 3), num_layers=sizes["num_layers"])
         d.call(d.workers, "bench.load_rank_files", src, new, path)
         t_cr = time.perf_counter() - t0
         check(d, new, "restart")
-        rows.append(dict(scenario="dp1_to_dp2", way="ckpt_restart", seconds=t_cr, repeats=1))
+        reserve_s = max(a.get("reserve_s", 0.0) for a in m.arenas.values())
+        print(f"  dp1_to_dp2 ckpt_restart: {t_cr:.3f} s (new workers' reservation "
+              f"{reserve_s:.3f} s)")  # fmt: skip
+        rows.append(dict(scenario="dp1_to_dp2", way="ckpt_restart", seconds=t_cr, repeats=1,
+                         reserve_s=reserve_s))  # fmt: skip
     finally:
         d.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -468,6 +506,7 @@ def run(args) -> list[dict]:
     for r in rows:
         emu = next(x for x in rows if x["scenario"] == r["scenario"] and x["way"].startswith("emu"))
         r["state_bytes"] = state_bytes
+        r["arena"] = args.arena
         r["ratio_to_emu_x"] = r["seconds"] / emu["seconds"]
     return rows
 
@@ -587,6 +626,12 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--tmp", default=None, help="directory for checkpoint files")
     ap.add_argument("--repeat", type=int, default=2, help="runs per way (the fastest counts)")
+    ap.add_argument(
+        "--arena",
+        choices=("prefault", "lazy", "off"),
+        default="prefault",
+        help="workers' destination memory for every way (see the module docstring)",
+    )
     ap.add_argument(
         "--concurrent",
         action="store_true",

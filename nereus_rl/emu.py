@@ -80,6 +80,7 @@ import torch
 
 from nereus_comm.pool import CommPool, Communicator, PoolStats
 from nereus_rl.costmodel import CostModel, CostModelError
+from nereus_rl.emu_arena import ArenaExhaustedError, configure_workers
 from nereus_rl.emu_comm import TensorSpec, box_slices
 from nereus_rl.emu_groups import DriverGroupBackend, PooledGroups
 from nereus_rl.emu_primitives import Primitives
@@ -89,7 +90,13 @@ from nereus_rl.emu_train import run_train_step
 from nereus_rl.emu_types import EMU, EMUError, EMUStateLostError, PrimitiveRecord, StageState
 from nereus_rl.runtime import Driver, WorkerLostError
 
-__all__ = ["DriverGroupBackend", "EMUError", "EMUManager", "EMUStateLostError"]
+__all__ = [
+    "ArenaExhaustedError",
+    "DriverGroupBackend",
+    "EMUError",
+    "EMUManager",
+    "EMUStateLostError",
+]
 
 # Unit ids are unique in this driver process, so managers that take turns on one
 # pool of workers (tests, one trainer after another) never reuse a worker's uid.
@@ -111,6 +118,12 @@ class EMUManager(Primitives, PooledGroups):
         shared_devices: let units share devices (see the module docstring).
         unit_groups: give each multi-rank unit its own pooled group. False where the
             units' owner runs their TP/PP traffic over its own groups (the trainer).
+        arena_bytes: each worker's memory budget for units' state (bytes or "2G"), its
+            arena (:mod:`nereus_rl.emu_arena`); 0: no arena. Default:
+            ``NEREUS_ARENA_BYTES``, else 0.9 of its share of its host's memory.
+        arena_prefault: reserve and touch the whole budget when a worker's arena is
+            set up (as a GPU worker reserves its memory); default
+            ``NEREUS_ARENA_PREFAULT``, else False (blocks made on first use and kept).
     """
 
     def __init__(
@@ -123,6 +136,8 @@ class EMUManager(Primitives, PooledGroups):
         rank_devices: Mapping[int, int] | None = None,
         shared_devices: bool = False,
         unit_groups: bool = True,
+        arena_bytes: int | str | None = None,
+        arena_prefault: bool | None = None,
     ) -> None:
         self.driver = driver
         self.costmodel = costmodel
@@ -146,6 +161,11 @@ class EMUManager(Primitives, PooledGroups):
         self._lock = threading.RLock()  # the bookkeeping above (see the module docstring)
         self._rank_locks: dict[int, threading.Lock] = {}
         driver.import_module("nereus_rl.emu_worker")
+        self._arena_config = (arena_bytes, arena_prefault)
+        #: per worker, its arena's stats when it was set up (budget 0: no arena).
+        self.arenas: dict[int, dict[str, float]] = configure_workers(
+            driver, driver.workers, arena_bytes, arena_prefault
+        )
 
     # ---------------------------------------------------------------- queries
 
@@ -267,6 +287,7 @@ class EMUManager(Primitives, PooledGroups):
                 comm = self._get_comm(unit.ranks) if self._needs_group(unit) else None
             gid = None if comm is None else comm.handle
             try:
+                self._reserve([unit])
                 self.driver.call(
                     unit.ranks, "emu.build", unit.uid, stage, unit.layout, st.seed, gid
                 )
@@ -274,6 +295,7 @@ class EMUManager(Primitives, PooledGroups):
             except Exception:
                 if comm is not None:
                     self._release(comm)
+                self._drop_new([unit])
                 raise
             self._commit([], [unit], [comm])
             self._record(
@@ -428,7 +450,11 @@ class EMUManager(Primitives, PooledGroups):
         return self.unit_groups and unit.degree > 1
 
     def _ensure_stage_on(self, ranks: Sequence[int]) -> None:
-        # A worker that joined after define_stage has not heard of the stages yet.
+        # A worker that joined after define_stage has not heard of the stages yet,
+        # nor set up its arena.
+        late = [r for r in ranks if r not in self.arenas]
+        if late:
+            self.arenas.update(configure_workers(self.driver, late, *self._arena_config))
         for rank in ranks:
             if rank not in self._informed:
                 for st in self.stages.values():

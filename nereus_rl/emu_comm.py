@@ -44,6 +44,7 @@ def move_state(
     *,
     timeout: float,
     workspace: Workspace | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[ReshardResult, dict[str, float]]:
     """This rank's part of moving a stage's state from layout src to layout dst.
 
@@ -60,6 +61,8 @@ def move_state(
         transport: a transport reaching every rank of src and dst.
         timeout: seconds the exchange may take.
         workspace: staging buffers to reuse across calls.
+        out: this rank's dst shards to write into (e.g. carved from the worker's
+            arena); default: allocated by reshard.
 
     Returns:
         (nereus_comm's ReshardResult, {"plan_s", "bytes_packed", "bytes_direct"}),
@@ -77,6 +80,7 @@ def move_state(
         timeout=timeout,
         direct_min_bytes=1 if same else DIRECT_MIN_BYTES,
         workspace=workspace,
+        out=out,
     )
     packed = result.staged_bytes_sent
     return result, {

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from nereus_comm.pool import Communicator
+from nereus_rl.emu_arena import reserve_units
 from nereus_rl.emu_comm import Layout
 from nereus_rl.emu_types import EMU, EMUError, StageState
 
@@ -224,6 +225,31 @@ class Primitives:
             unit = self._new_unit(st, ranks, tp, pp, replacing=[a, b])
         return self._transfer("merge", st, [a, b], [unit], keep_sources=False)
 
+    def _reserve(self, units: Sequence[EMU]) -> float:
+        """Carve the new units' arena blocks on their ranks before any byte moves.
+
+        Returns the slowest rank's seconds (0 where no rank has an arena).
+
+        Raises:
+            ArenaExhaustedError: a rank's arena cannot hold its shards.
+        """
+        new: dict[int, list] = {}
+        for u in units:
+            for r in u.ranks:
+                if self.arenas.get(r, {}).get("budget"):
+                    new.setdefault(r, []).append((u.uid, u.stage, u.layout))
+        return reserve_units(self.driver, new) if new else 0.0
+
+    def _drop_new(self, units: Sequence[EMU]) -> None:
+        """Forget what a failed primitive left of its new units (blocks, shards)."""
+        lost = set(self.driver.check_liveness())
+        live = sorted({r for u in units for r in u.ranks if r not in lost})
+        if live:
+            try:
+                self.driver.call(live, "emu.drop", tuple(u.uid for u in units), timeout=30)
+            except Exception:
+                pass  # the original error is the one worth reporting
+
     @contextlib.contextmanager
     def _busy(self, ranks: Sequence[int]) -> Iterator[None]:
         """Hold the named workers for one primitive (see the module docstring).
@@ -267,6 +293,8 @@ class Primitives:
                 if unit_comms[-1] is not None:
                     held.append(unit_comms[-1])
             unit_gids = tuple(None if c is None else c.handle for c in unit_comms)
+            # The new units' memory, before any byte moves (fails here when it does not fit).
+            alloc_s = self._reserve(targets)
             res = self.driver.call(
                 ranks, "emu.reshard", st.name,
                 tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
@@ -280,12 +308,7 @@ class Primitives:
             # stay in the pool, idle (a dead member's are marked broken by recover).
             for c in held:
                 self._release(c)
-            live = [r for r in dst.ranks if r not in set(self.driver.check_liveness())]
-            if live:
-                try:
-                    self.driver.call(live, "emu.drop", tuple(u.uid for u in targets), timeout=30)
-                except Exception:
-                    pass  # the original error is the one worth reporting
+            self._drop_new(targets)
             raise
         self._release(held[0])  # the transfer's group; the new units keep theirs
         self._commit([] if keep_sources else sources, targets, unit_comms)
@@ -303,6 +326,7 @@ class Primitives:
                    "bytes_cma": sum(r.get("bytes_cma", 0) for r in res.values()),
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
                    "plan_s": max(r["plan_s"] for r in res.values()),
+                   "alloc_s": alloc_s,
                    # the slowest rank's pack / exchange / unpack (profiling Extend)
                    **{k: max(r.get(k, 0.0) for r in res.values())
                       for k in ("pack_s", "exchange_s", "unpack_s")}},

@@ -12,18 +12,28 @@ primitive) or *bound* (:class:`BoundState`): the live tensors of another
 owner on this worker (the trainer's model and optimizer), read through a
 function registered with :func:`register_state_owner` each time a primitive
 copies from the unit, so the copy is of the state as it is at that moment.
+
+A unit's own tensors live in one block of the worker's arena
+(:mod:`nereus_rl.emu_arena`) when the manager configured one (``emu.arena``):
+``emu.reserve`` carves the new units' blocks before any byte moves (so a unit
+that does not fit fails there, on every rank, before a transfer starts), the
+build or the reshard writes into them, and ``emu.drop`` (or binding the unit to
+an owner's tensors) returns them, so the next unit reuses warm pages.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from nereus_comm.layout import box_shape
 from nereus_comm.reshard import Workspace
 from nereus_comm.transport import GlooTransport
 from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
+from nereus_rl.emu_arena import Arena, ArenaBlock, arena_config
 from nereus_rl.emu_comm import Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
@@ -69,8 +79,126 @@ def tensors_of(ctx: WorkerContext, uid: int) -> dict[str, torch.Tensor]:
 
 
 def bind(ctx: WorkerContext, uid: int, read: StateReader) -> None:
-    """Make unit ``uid``'s tensors an owner's live state (after the owner loaded them)."""
-    _units(ctx)[uid]["tensors"] = BoundState(read)
+    """Make unit ``uid``'s tensors an owner's live state (after the owner loaded them).
+
+    The unit's arena block (the tensors it received) goes back to the arena: the owner
+    copied what it needed.
+    """
+    unit = _units(ctx)[uid]
+    unit["tensors"] = BoundState(read)
+    release(unit.pop("block", None))
+
+
+# ---------------------------------------------------------------- arena
+
+
+def arena_of(ctx: WorkerContext) -> Arena | None:
+    """This worker's arena (None: not configured or off)."""
+    return ctx.state.get("emu.arena")
+
+
+@register("emu.arena")
+def configure_arena(
+    ctx: WorkerContext, budget: int | str | None, prefault: bool | None, num_local_workers: int
+) -> dict[str, float]:
+    """Set up this worker's arena (:func:`nereus_rl.emu_arena.arena_config`; budget 0:
+    none); kept when already so configured.
+
+    A different configuration replaces the arena; blocks of the old one stay valid
+    and go back to it when freed. Returns the arena's stats (``reserve_s``: the
+    seconds its reservation took).
+    """
+    budget, prefault = arena_config(budget, prefault, num_local_workers)
+    old = arena_of(ctx)
+    if budget <= 0:
+        ctx.state["emu.arena"] = None
+        return {"budget": 0}
+    if old is None or (old.budget, old.prefault) != (budget, prefault):
+        old = ctx.state["emu.arena"] = None  # let an unused old reservation go first
+        ctx.state["emu.arena"] = Arena(budget, prefault=prefault)
+    return arena_of(ctx).stats()
+
+
+@register("emu.arena_stats")
+def arena_stats(ctx: WorkerContext) -> dict[str, float] | None:
+    """This worker's arena stats, or None without an arena."""
+    arena = arena_of(ctx)
+    return None if arena is None else arena.stats()
+
+
+Block = tuple[Arena, ArenaBlock]
+
+
+def carve_shards(
+    ctx: WorkerContext, specs: tuple[TensorSpec, ...], layout: Layout, num_layers: int, what: str
+) -> tuple[Block | None, dict[str, torch.Tensor]]:
+    """Empty tensors for this rank's shards of ``specs`` in ``layout``, from the arena.
+
+    The same code gives every way of building a layout's state its destination (the
+    EMU primitives, and a benchmark's checkpoint loaders), so they all write into the
+    same kind of memory. Without an arena, plain ``torch.empty`` tensors.
+
+    Returns:
+        (the block to :func:`release` when the tensors die, or None; name -> tensor).
+
+    Raises:
+        ArenaExhaustedError: they do not fit (nothing allocated).
+    """
+    shapes = {}
+    for spec in specs:
+        box = layout.box(spec, ctx.rank, num_layers)
+        if box is not None:
+            shapes[spec.name] = (tuple(box_shape(box)), spec.dtype)
+    arena = arena_of(ctx)
+    if arena is None:
+        return None, {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in shapes.items()}
+    block, tensors = arena.carve(shapes, f"{what} on worker {ctx.rank}")
+    return (arena, block), tensors
+
+
+def release(block: Block | None) -> None:
+    """Give a block from :func:`carve_shards` back (None: nothing to do)."""
+    if block is not None:
+        block[0].free(block[1])
+
+
+def _pending(ctx: WorkerContext) -> dict[int, tuple[Block | None, dict[str, torch.Tensor]]]:
+    return ctx.state.setdefault("emu.pending", {})
+
+
+@register("emu.reserve")
+def reserve(ctx: WorkerContext, new: list[tuple[int, str, Layout]]) -> dict[str, float]:
+    """Carve the blocks of new units (uid, stage, unit layout) on this rank, all or none.
+
+    Runs before the build or transfer that fills them, so a unit that does not fit
+    fails here on every rank, before any byte moves.
+
+    Raises:
+        ArenaExhaustedError: one of them does not fit (none is kept).
+    """
+    t0 = time.perf_counter()
+    got = []
+    try:
+        for uid, stage, layout in new:
+            specs, num_layers = _stages(ctx)[stage]
+            what = f"unit {uid} of {stage!r}"
+            got.append((uid, carve_shards(ctx, specs, layout, num_layers, what)))
+    except BaseException:
+        for _, (block, _t) in got:
+            release(block)
+        raise
+    pending = _pending(ctx)
+    for uid, entry in got:
+        release(pending.pop(uid, (None, {}))[0])
+        pending[uid] = entry
+    return {
+        "alloc_s": time.perf_counter() - t0,
+        "bytes": sum(t.nbytes for _, (_, ts) in got for t in ts.values()),
+    }
+
+
+def _take_pending(ctx: WorkerContext, uid: int):
+    return _pending(ctx).pop(uid, (None, None))
 
 
 def _stages(ctx: WorkerContext) -> dict[str, tuple[tuple[TensorSpec, ...], int]]:
@@ -102,13 +230,15 @@ def build(
 ) -> dict[str, float]:
     """Make this rank's shards of a new unit from the synthetic state."""
     specs, num_layers = _stages(ctx)[stage]
-    tensors = {}
+    block, tensors = _take_pending(ctx, uid)
+    if tensors is None:
+        block, tensors = carve_shards(ctx, specs, layout, num_layers, f"unit {uid} of {stage!r}")
     for spec in specs:
         box = layout.box(spec, ctx.rank, num_layers)
         if box is not None:
-            tensors[spec.name] = synthetic(spec, box, seed)
+            tensors[spec.name].copy_(synthetic(spec, box, seed))
     setup = _unit_group(ctx, layout, group_id)
-    _units(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": tensors}
+    _units(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": tensors, "block": block}
     return {
         "comm_setup_s": setup,
         "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
@@ -163,18 +293,28 @@ def _reshard(
         # A source of another stage of the model (extend) may hold more (Adam moments).
         names = {s.name for s in specs}
         tensors = {k: v for k, v in tensors_of(ctx, src_uids[d]).items() if k in names}
+    block, out = None, None
+    if ctx.rank in dst_layout:
+        # The new unit's block, carved by emu.reserve (None without an arena).
+        block, out = _take_pending(ctx, dst_uids[dst_layout.coords(ctx.rank)[0]])
     pg, setup = ctx.group(group_id, tuple(group_ranks))
     transport = GlooTransport(pg, group_ranks, ctx.rank)
     workspace = ctx.state.setdefault("emu.workspace", Workspace("cpu"))
-    result, extra = move_state(
-        specs, src_layout, dst_layout, ctx.rank, tensors, transport,
-        timeout=timeout, workspace=workspace,
-    )  # fmt: skip
+    try:
+        result, extra = move_state(
+            specs, src_layout, dst_layout, ctx.rank, tensors, transport,
+            timeout=timeout, workspace=workspace, out=out,
+        )  # fmt: skip
+    except BaseException:
+        release(block)
+        raise
     if ctx.rank in dst_layout:
         d = dst_layout.coords(ctx.rank)[0]
         unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))
         setup += _unit_group(ctx, unit_layout, unit_group_ids[d])
-        units[dst_uids[d]] = {"stage": stage, "layout": unit_layout, "tensors": result.tensors}
+        units[dst_uids[d]] = {
+            "stage": stage, "layout": unit_layout, "tensors": result.tensors, "block": block,
+        }  # fmt: skip
     return {
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
@@ -203,9 +343,12 @@ def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] =
     """Forget the named units' shards and groups. Returns the bytes let go."""
     freed = 0
     for uid in uids:
+        release(_take_pending(ctx, uid)[0])  # a primitive that failed before its transfer
         unit = _units(ctx).pop(uid, None)
         if unit is not None and not isinstance(unit["tensors"], BoundState):
             freed += sum(t.numel() * t.element_size() for t in unit["tensors"].values())
+            # Back to the arena: nothing else holds these tensors (emu.shards copies).
+            release(unit.get("block"))
     ctx.release_groups(list(group_ids))
     return freed
 
