@@ -74,10 +74,11 @@ def recover(trainer, step: int, error: Exception) -> None:
     lost no shard, through the EMU runtime where it can
     (:meth:`TrainerUnits.recover <nereus_rl.trainer_units.TrainerUnits.recover>`:
     Destroy the broken units, keep the intact ones that fit the new plan, Extend
-    from them onto the remaining devices), else by the per-stage reshard from one
-    intact unit of the current plan (logged with the reason). A worker dying while
-    this runs starts the recovery over the survivors (see the module docstring).
-    Nothing is reloaded from disk.
+    from them onto the remaining devices and onto workers that joined the driver,
+    which take the lost device ids), else by the per-stage reshard from one intact
+    unit of the current plan (logged with the reason). A worker dying while this runs
+    starts the recovery over the survivors (see the module docstring). Nothing is
+    reloaded from disk.
 
     Raises:
         the original error: no worker was lost (it was something else).
@@ -89,21 +90,26 @@ def recover(trainer, step: int, error: Exception) -> None:
     if not _wait_lost(trainer, NOTICE_S):
         raise error
     t0 = time.perf_counter()
+    # The current plan's devices are these workers' (a round may give a lost device's
+    # id to a joiner, which holds none of the plan's state).
+    plan_workers = dict(trainer.device_worker)
     rounds: list[dict[str, Any]] = []
     lost_devices: list[int] = []
     while True:
         lost = set(lost_workers(trainer))
         dead = sorted(d for d, w in trainer.device_worker.items() if w in lost)
         lost_devices += dead
+        rounds.append({"lost_devices": dead, "joined": {}, "error": None})
         try:
-            new, run, why = _round(trainer, step, error, dead, len(rounds))
-            rounds.append({"lost_devices": dead, "error": None})
+            new, run, why = _round(
+                trainer, step, error, dead, plan_workers, rounds[-1], len(rounds) - 1
+            )
             break
         except _CUT as e:
             # Another worker died during this round (else it is not ours to handle).
             if isinstance(e, EMUStateLostError) or not _wait_lost(trainer, NOTICE_S):
                 raise
-            rounds.append({"lost_devices": dead, "error": f"{type(e).__name__}: {e}"})
+            rounds[-1]["error"] = f"{type(e).__name__}: {e}"
             _LOG.warning("a worker died during recovery (%s); starting over the survivors", e)
     old = trainer.plan
     trainer._set_plan(step, new)
@@ -129,8 +135,17 @@ def recover(trainer, step: int, error: Exception) -> None:
     trainer.adapter._log(row)
 
 
-def _round(trainer, step: int, error: Exception, dead: list[int], attempt: int):
-    """One recovery round over the devices whose workers are alive now.
+def _round(
+    trainer,
+    step: int,
+    error: Exception,
+    dead: list[int],
+    plan_workers: dict[int, int],
+    row: dict[str, Any],
+    attempt: int,
+):
+    """One recovery round over the devices whose workers are alive now (and workers
+    admitted in their place, noted in ``row["joined"]``).
 
     Returns:
         (the new plan, the EMU :class:`TransitionRun` or None, why the reshard was used).
@@ -148,16 +163,23 @@ def _round(trainer, step: int, error: Exception, dead: list[int], attempt: int):
             "cannot be rebuilt from memory; restart the run from a checkpoint"
         ) from error
     emu_path = units is not None and {"extend", "destroy"} <= units.live_kinds
-    sources = _sources(trainer, dead, emu_path, error)
-    alive = sorted(d for d in trainer.device_worker if d not in dead)
-    trainer.workers = [trainer.device_worker[d] for d in alive]
-    trainer.device_worker = {d: trainer.device_worker[d] for d in alive}
+    sources = _sources(trainer, plan_workers, emu_path, error)
+    device_worker = {d: w for d, w in trainer.device_worker.items() if d not in dead}
+    joined = row["joined"] = _admit(trainer, device_worker)
+    alive = sorted(device_worker)
+    trainer.device_worker = {d: device_worker[d] for d in alive}
+    trainer.workers = [device_worker[d] for d in alive]
     # plan device id -> rank in the new default group (the group is formed next)
     trainer.world_rank = {d: i for i, d in enumerate(alive)}
     _phase(trainer, "start", attempt)
     if lost_workers(trainer):  # one more died: form the group over fewer
         raise WorkerLostError("a worker died before the default group was formed", ())
     trainer._init_world()
+    if joined:
+        # A joiner holds no stage yet: it learns the model and the hyper-parameters (no
+        # stage is built, nothing is collective); its units come by Extend.
+        trainer.driver.call(list(joined.values()), "rl.setup", [], trainer.mc, {},
+                            trainer.cfg.hyper())  # fmt: skip
     _phase(trainer, "world", attempt)
     new, _ = trainer.adapter.best_plan(trainer._response_len(step), devices=alive)
     run, why = None, None
@@ -181,31 +203,56 @@ def _round(trainer, step: int, error: Exception, dead: list[int], attempt: int):
         missing = sorted(s for s, sp in sources.items() if sp is None)
         if missing:
             raise RecoveryStateLostError(
-                f"stage(s) {missing} keep no unit of the current plan without devices "
-                f"{sorted(dead)}, and the EMU recovery refused ({why}): the state cannot be "
-                "rebuilt by the per-stage reshard. Use a plan with dp >= 2 for every stage"
+                f"stage(s) {missing} keep no unit of the current plan that lost no device "
+                f"(lost now: {sorted(dead)}), and the EMU recovery refused ({why}): the "
+                "state cannot be rebuilt by the per-stage reshard. Use a plan with dp >= 2 "
+                "for every stage"
             ) from error
         _reshard(trainer, sources, new)
     return new, run, why
 
 
-def _sources(trainer, dead: list[int], emu_path: bool, error: Exception) -> dict[str, Any]:
+def _admit(trainer, device_worker: dict[int, int]) -> dict[int, int]:
+    """Give free device ids (lost ones, up to ``cfg.devices``) to workers of the driver
+    that the run does not use (joined with ``nereus-rl worker --store``, or idle), so
+    that recovery extends onto them. Updates ``device_worker``; returns device -> worker
+    of the admitted ones."""
+    used = set(device_worker.values())
+    spare = [w for w in trainer.driver.workers if w not in used]
+    free = [d for d in range(trainer.cfg.devices) if d not in device_worker]
+    joined = dict(zip(free, spare))
+    device_worker.update(joined)
+    if joined and trainer.units is not None:
+        # the cost model prices the joiners' primitives on their device ids
+        trainer.units.emus.rank_devices.update({w: d for d, w in joined.items()})
+    if joined:
+        _LOG.warning("recovery admits joined worker(s) %s", joined)
+    return joined
+
+
+def _sources(
+    trainer, plan_workers: dict[int, int], emu_path: bool, error: Exception
+) -> dict[str, Any]:
     """Per stage of the current plan, one intact unit as a single-unit StagePlan (None
     when the plan has none but a live EMU unit holds the state).
+
+    Every loss counts, this round's and the cut-short rounds' (whose broken units may
+    not have been destroyed yet).
 
     Raises:
         RecoveryStateLostError: a stage has no intact holder at all (nothing moved yet).
     """
-    lost_ranks = {trainer.device_worker[d] for d in dead}
+    lost = set(trainer.driver.check_liveness())
+    gone = sorted(d for d, w in plan_workers.items() if w in lost)
     live = {}
     if emu_path:
-        live = {u.stage: u for u in trainer.units.emus.units() if not lost_ranks & set(u.ranks)}
+        live = {u.stage: u for u in trainer.units.emus.units() if not lost & set(u.ranks)}
     out = {}
     for sp in trainer.plan.stages:
-        intact = [u for u in sp.units if not set(dead).intersection(u)]
+        intact = [u for u in sp.units if not set(gone).intersection(u)]
         if not intact and sp.stage not in live:
             raise RecoveryStateLostError(
-                f"worker(s) on devices {sorted(dead)} died and stage {sp.stage!r} "
+                f"worker(s) on devices {gone} died and stage {sp.stage!r} "
                 f"({sp!r}) has no unit left without them: its state is lost. Use a plan "
                 "with dp >= 2 for every stage to survive a device loss"
             ) from error

@@ -5,13 +5,19 @@ After every recovery each live unit's full state must equal, bitwise, the state 
 stage had when the worker died (nothing lost, nothing reloaded from disk), the units
 that lost no shard must still be live, and the run must go on to its last step.
 
-One pool of 10 local workers serves the file (each run takes the lowest live ranks,
-so a run's kills leave the next run its workers); tests run in file order.
+Each test has its own local workers (forked, so they start in seconds), exactly as
+many as its run's devices: a spare worker would be admitted in a lost one's place
+(the last test does that with a worker started by ``nereus-rl worker --store``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,12 +30,17 @@ from nereus_rl.trainer import TrainConfig, Trainer, train
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
 
-@pytest.fixture(scope="module")
-def driver():
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextmanager
+def _workers(n: int) -> Iterator[Driver]:
     d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
-    d.spawn_local(10, method="forkserver")
-    yield d
-    d.shutdown()
+    try:
+        d.spawn_local(n, method="forkserver")
+        yield d
+    finally:
+        d.shutdown()
 
 
 def _plan(rollout, reference, actor_train) -> GlobalPlan:
@@ -107,19 +118,20 @@ def _recoveries(res) -> list[dict]:
     return [x for x in res.decisions if "lost devices" in x["trigger"]]
 
 
-def test_two_deaths_in_sequence_recover_twice_from_the_intact_units(driver, tmp_path):
-    cfg = TrainConfig(steps=4, adapt=False, plan=P0, devices=6, seed=5, **FAST)
-    tr = Trainer(cfg, driver=driver, log=RunLog(tmp_path, cfg))
+def test_two_deaths_in_sequence_recover_twice_from_the_intact_units(tmp_path):
+    cfg = TrainConfig(steps=3, adapt=False, plan=P0, devices=6, seed=5, **FAST)
     tag: dict = {}
-    try:
-        tr.start()
-        _instrument(tr, driver, {0: 1, 1: 4}, tag)
-        res = tr.run()
-    finally:
-        tr.close()
+    with _workers(6) as driver:
+        tr = Trainer(cfg, driver=driver, log=RunLog(tmp_path, cfg))
+        try:
+            tr.start()
+            _instrument(tr, driver, {0: 1, 1: 4}, tag)
+            res = tr.run()
+        finally:
+            tr.close()
     res.run_dir = tr.log.finish(res)
     assert res.error is None, res.error
-    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    assert [m["step"] for m in res.metrics] == [0, 1, 2]
     rec = _recoveries(res)
     # The second death is told apart from the first (no stale device -> worker map).
     assert [r["trigger"].split(" (")[0] for r in rec] == ["lost devices [1]", "lost devices [4]"]
@@ -134,33 +146,34 @@ def test_two_deaths_in_sequence_recover_twice_from_the_intact_units(driver, tmp_
     assert tag["intact"][-1].keys() <= tag["live"]  # the units that lost no shard were kept
     # The run folder has every step and both recoveries.
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3]
+    assert steps == [0, 1, 2]
     assert (tmp_path / "decisions.jsonl").read_text().count("lost devices") == 2
 
 
 @pytest.mark.parametrize("phase", ["world", "extended"])
-def test_a_death_during_recovery_starts_it_over_the_survivors(driver, phase):
+def test_a_death_during_recovery_starts_it_over_the_survivors(phase):
     # Device 1 dies after step 0; device 4 dies while that recovery runs: after the new
     # default group formed ("world": the planned extends onto device 4 are refused), or
     # after the extends, before the rebind ("extended": the extended units are kept).
-    cfg = TrainConfig(steps=3, adapt=False, plan=P0, devices=6, seed=6, **FAST)
-    tr = Trainer(cfg, driver=driver)
+    cfg = TrainConfig(steps=2, adapt=False, plan=P0, devices=6, seed=5, **FAST)
     tag: dict = {}
-    try:
-        tr.start()
-        _instrument(tr, driver, {0: 1}, tag)
-        second = tr.device_worker[4]
+    with _workers(6) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            _instrument(tr, driver, {0: 1}, tag)
+            second = tr.device_worker[4]
 
-        def kill_second(at, attempt):
-            if at == phase and attempt == 0:
-                driver.kill(second)
+            def kill_second(at, attempt):
+                if at == phase and attempt == 0:
+                    driver.kill(second)
 
-        tr.on_recovery_phase = kill_second
-        res = tr.run()
-    finally:
-        tr.close()
+            tr.on_recovery_phase = kill_second
+            res = tr.run()
+        finally:
+            tr.close()
     assert res.error is None, res.error
-    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    assert [m["step"] for m in res.metrics] == [0, 1]
     (rec,) = _recoveries(res)
     assert rec["trigger"].startswith("lost devices [1, 4]"), rec
     rounds = rec["recovery_rounds"]
@@ -174,25 +187,77 @@ def test_a_death_during_recovery_starts_it_over_the_survivors(driver, phase):
     assert {uid for uid, ranks in tag["intact"][0].items() if second not in ranks} <= tag["live"]
 
 
-def test_a_stage_with_no_intact_unit_left_stops_the_run_with_a_clear_message(driver, tmp_path):
+def test_a_stage_with_no_intact_unit_left_stops_the_run_with_a_clear_message(tmp_path):
     # reference has one unit, on device 1: its death takes the reference model's state.
     plan = GlobalPlan((
         StagePlan("rollout", "actor", False, 2, 1, 1, ((0,), (1,))),
         StagePlan("reference", "reference", False, 1, 1, 1, ((1,),)),
         StagePlan("actor_train", "actor", True, 2, 1, 1, ((0,), (1,))),
     ))  # fmt: skip
-    victim = sorted(driver.workers)[1]
+    with _workers(2) as driver:
 
-    def kill_after_step_one(step, m):
-        if step == 1:
-            driver.kill(victim)
+        def kill_after_step_one(step, m):
+            if step == 1:
+                driver.kill(sorted(driver.workers)[1])
 
-    res = train(
-        steps=4, driver=driver, devices=2, plan=plan, adapt=False, run_dir=tmp_path,
-        progress=kill_after_step_one, **FAST,
-    )  # fmt: skip
+        res = train(
+            steps=3, driver=driver, devices=2, plan=plan, adapt=False, run_dir=tmp_path,
+            seed=5,
+            progress=kill_after_step_one, **FAST,
+        )  # fmt: skip
     assert res.error is not None and "'reference'" in res.error, res.error
     assert "no unit left" in res.error and "dp >= 2" in res.error, res.error
     assert [m["step"] for m in res.metrics] == [0, 1]
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+
+
+def test_a_worker_joining_after_a_death_takes_the_lost_device_by_extend():
+    # Device 1's worker dies after step 0 while a worker started by `nereus-rl worker
+    # --store` has joined: recovery gives it device 1 and extends the lost rollout unit
+    # onto it from an intact one; the plan keeps its four devices.
+    p0 = _plan((0, 1), (2, 3), (0, 2))
+    cfg = TrainConfig(steps=2, adapt=False, plan=p0, devices=4, seed=5, **FAST)
+    tag: dict = {}
+    joiner = None
+    with _workers(4) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            _instrument(tr, driver, {}, tag)
+            tr.adapter.best_plan = lambda rlen, devices=None: (p0, 0.0)
+            instrumented = tr.progress
+
+            def join_then_kill(step, m):
+                nonlocal joiner
+                if step == 0:
+                    joiner = subprocess.Popen(
+                        [sys.executable, "-m", "nereus_rl.cli", "worker", "--store",
+                         driver.address],
+                        cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                    )  # fmt: skip
+                    assert driver.wait_for_workers(5, timeout=60)[-1] == 4
+                    tag["before"].append(_stage_states(tr))
+                    driver.kill(tr.device_worker[1])
+                instrumented(step, m)
+
+            tr.progress = join_then_kill
+            res = tr.run()
+            assert tr.device_worker == {0: 0, 1: 4, 2: 2, 3: 3}
+        finally:
+            tr.close()
+            driver.shutdown()
+            if joiner is not None:
+                try:
+                    joiner.wait(10)
+                except subprocess.TimeoutExpired:
+                    joiner.kill()
+                    joiner.wait()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1]
+    (rec,) = _recoveries(res)
+    assert rec["recovery_rounds"] == [{"lost_devices": [1], "joined": {1: 4}, "error": None}]
+    assert rec["recovery"] == "emu" and "extend:rollout" in rec["executed_primitives"], rec
+    assert res.plans[-1][1] == p0
+    (before,), (after,) = tag["before"], tag["after"]
+    _assert_same(before, after)
