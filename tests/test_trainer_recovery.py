@@ -261,3 +261,34 @@ def test_a_worker_joining_after_a_death_takes_the_lost_device_by_extend():
     assert res.plans[-1][1] == p0
     (before,), (after,) = tag["before"], tag["after"]
     _assert_same(before, after)
+
+
+def test_a_death_at_a_step_boundary_does_not_train_the_step_twice():
+    # A worker dies at the safe boundary after step 0 (where a transition would run):
+    # step 0 trained already, so it is recorded once and the run goes on from step 1.
+    p0 = _plan((0, 1), (2, 3), (0, 2))
+    p1 = _plan((0, 2), (2, 3), (0, 2))
+    cfg = TrainConfig(steps=3, adapt=False, plan=p0, devices=4, seed=5, **FAST)
+    with _workers(4) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            tr.adapter.best_plan = lambda rlen, devices=None: (p1, 0.0)
+            boundary = tr.adapter.boundary
+
+            def kill_at_boundary(step, m):
+                if step == 0 and 1 in tr.device_worker:  # once (step 0 might run twice)
+                    driver.kill(tr.device_worker[1])
+                    tr._all("rl.held_bytes")  # the boundary's next call meets the death
+                return boundary(step, m)
+
+            tr.adapter.boundary = kill_at_boundary
+            res = tr.run()
+            adam_step = _stage_states(tr)["actor_train"]["adam_step"]
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    (rec,) = _recoveries(res)
+    assert rec["step"] == 1 and res.plans[-1] == (1, p1), rec
+    assert adam_step.tolist() == [3.0]  # three optimizer steps, not four
