@@ -457,6 +457,10 @@ class Trainer:
                 ahead = None  # the step is run again on the new plan
                 continue
             step += 1
+            lost, self._boundary_loss = getattr(self, "_boundary_loss", None), None
+            if lost is not None:  # the step finished; its boundary's transition did not
+                self.recover(step, lost)
+                ahead = None
         return self.result
 
     def _step(self, step: int, ahead):
@@ -490,7 +494,12 @@ class Trainer:
         m["step_s"] = time.perf_counter() - t_step
         m["transition_s"] = 0.0
         if step + 1 < cfg.steps:
-            m.update(self.adapter.boundary(step, m))
+            try:
+                m.update(self.adapter.boundary(step, m))
+            except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+                # The step trained already: it is recorded and recovered from after, not
+                # run again (its update would be applied twice).
+                self._boundary_loss = e
         self.result.metrics.append(m)
         if self.log is not None:
             self.log.metrics(m)

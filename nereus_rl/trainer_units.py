@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,6 +54,7 @@ from nereus_rl.emu import EMUManager
 from nereus_rl.emu_dag import run_primitive
 from nereus_rl.emu_types import EMU, EMUError
 from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.runtime import WorkerLostError
 from nereus_rl.trainer_worker import tensor_specs
 from nereus_rl.transition import KINDS, Primitive, TransitionDAG
 from nereus_rl.transition_exec import execute_dag
@@ -120,7 +121,14 @@ class TrainerUnits:
         )
         self.by_stage: dict[str, list[EMU]] = {}
         self._live_lock = threading.Lock()  # the transition's uid -> unit map
-        self._rebinding = False  # a rebind was sent and has not finished everywhere
+        # What a rebind that was sent and has not finished everywhere was for
+        # ("transition" or "recovery"; None: no rebind is cut short).
+        self._rebinding: str | None = None
+        # The stage a recovery's per-stage reshard is moving (None: none is under way).
+        self.moving: str | None = None
+        # Called with "destroyed" and "extended" as those steps of :meth:`recover` end
+        # (fault injection in tests; set by nereus_rl.trainer_recover).
+        self.on_recovery_phase: Callable[[str], None] | None = None
 
     # ---------------------------------------------------------------- adopting
 
@@ -193,7 +201,7 @@ class TrainerUnits:
             units = [self._target_unit(dag, live, sp, i) for i in range(sp.dp)]
             rebind.append((self.tr._desc(sp), units))
         if rebind:  # one call for every stage: a round trip, not one per stage
-            self._rebind(rebind)
+            self._rebind(rebind, "transition")
         for desc, units in rebind:  # only now: until the rebind the models are the old plan's
             self.by_stage[desc["stage"]] = units
         out.rebind_s = time.perf_counter() - t0
@@ -228,7 +236,11 @@ class TrainerUnits:
         all its ranks succeeded): the current plan's units read the models, which stay
         untouched until a rebind, and units made by a transition that a loss cut short
         hold received copies. So any intact live unit is a sound source, except after a
-        rebind that did not finish (some models may already be the new layout's).
+        transition's rebind that did not finish (some models may already be the new
+        layout's, read through the old units). A recovery's rebind cut short is sound to
+        start over: every unit not in its plan was destroyed before it, and each
+        member loads its own unit's bytes, so every live unit reads its own state
+        whether its worker got that far or not.
 
         Arguments:
             new: the plan over the surviving devices (its device ids are the trainer's).
@@ -237,18 +249,27 @@ class TrainerUnits:
             What ran (primitives, bytes, seconds; ``execution`` is None).
 
         Raises:
-            EMUError: a rebind was cut short, a stage has no intact unit, or a primitive
-                refused its input; the models are untouched, so the per-stage reshard
-                (the caller's fallback) can still run. EMUStateLostError: every unit of
-                a stage lost a shard.
+            EMUError: a stage has no intact unit, or a primitive refused its input (a
+                rank lost meanwhile, too); the models are untouched, so the per-stage
+                reshard (the caller's fallback) can still run. EMUStateLostError: every
+                unit of a stage lost a shard. WorkerLostError (and the driver's other
+                errors): a worker died meanwhile; the live units stay sound to start over.
+            RuntimeError: a transition's rebind was cut short (neither the units nor the
+                models can be trusted as one layout).
         """
         out = TransitionRun()
         m = self.emus
-        if self._rebinding:
-            raise EMUError("a rebind was cut short: the models may be on two layouts")
+        if self._rebinding == "transition":
+            raise RuntimeError(
+                "a worker died during a transition's rebind: some models may already be "
+                "on the new layout and are read through the old units, so the state cannot "
+                "be rebuilt from memory; restart the run from a checkpoint"
+            )
+        phase = self.on_recovery_phase or (lambda _: None)
         first_rec = len(m.records)
         broken = m.destroy_broken()
         out.primitives += [f"destroy:{u.stage}" for u in broken]
+        phase("destroyed")
         keep: dict[str, list[EMU | None]] = {}
         todo: list[tuple[int, EMU, StagePlan]] = []
         for sp in new.stages:
@@ -277,6 +298,7 @@ class TrainerUnits:
             for (i, _, sp), u in zip(todo, made):
                 keep[sp.stage][i] = u
                 out.primitives.append(f"extend:{sp.stage}")
+        phase("extended")
         kept = {u.uid for us in keep.values() for u in us if u is not None}
         for u in m.units():
             if u.uid not in kept:
@@ -288,18 +310,25 @@ class TrainerUnits:
         t0 = time.perf_counter()
         m.flush()
         self.by_stage = {s: [u for u in us if u is not None] for s, us in keep.items()}
-        self._rebind([(self.tr._desc(sp), self.by_stage[sp.stage]) for sp in new.stages])
+        self._rebind(
+            [(self.tr._desc(sp), self.by_stage[sp.stage]) for sp in new.stages], "recovery"
+        )
         out.rebind_s = time.perf_counter() - t0
         return out
 
-    def _rebind(self, stages: list[tuple[dict[str, Any], list[EMU]]]) -> None:
+    def _rebind(self, stages: list[tuple[dict[str, Any], list[EMU]]], why: str) -> None:
         """``rl.rebind`` on every worker (one round trip for every stage)."""
-        # A worker known lost fails the submit before anything is sent (the models stay
-        # as they are); once sent, the flag stays up unless every worker finished.
+        # A worker lost now fails before anything is sent (the models stay as they are):
+        # sent to a dead member, the survivors would wait in its group rendezvous for the
+        # whole group timeout. Once sent, the flag stays up unless every worker finished.
+        lost = set(self.tr.driver.check_liveness())
+        dead = [w for w in self.tr.workers if w in lost]
+        if dead:
+            raise WorkerLostError(f"worker(s) {dead} died before the rebind was sent", tuple(dead))
         pending = self.tr._submit("rl.rebind", [(d, [u.uid for u in us]) for d, us in stages])
-        self._rebinding = True
+        self._rebinding = why
         self.tr.driver.wait(pending)
-        self._rebinding = False
+        self._rebinding = None
 
     def _target_unit(self, dag, live: dict[str, EMU], sp: StagePlan, i: int) -> EMU:
         ranks = tuple(self._ranks(sp.units[i]))

@@ -111,3 +111,44 @@ def test_kill_during_transfers_leaves_the_intact_units_whole():
             _bitwise(m, u)
     finally:
         d.shutdown()
+
+
+def test_a_worker_joining_after_a_death_gets_the_lost_capacity_by_extend():
+    # A tp2 unit loses a worker; `nereus-rl worker --store` joins afterwards, and recovery
+    # extends the stage from the intact unit onto the joiner and the broken unit's
+    # surviving device, with the broken unit's layout (tp2).
+    d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
+    joiner = None
+    try:
+        d.spawn_local(3, num_threads=1, method="forkserver")
+        m = EMUManager(d, transfer_timeout=20.0)
+        m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=5)
+        a = m.create("actor", [0, 1], tp=2)
+        b = m.extend("actor", [2], tp=1)
+        d.kill(1)
+        assert d.wait_for_loss(timeout=10) == (1,)
+        held_before = d.call([2], "emu.units")
+        joiner = subprocess.Popen(
+            [sys.executable, "-m", "nereus_rl.cli", "worker", "--store", d.address],
+            cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+        )  # fmt: skip
+        assert d.wait_for_workers(4, timeout=60) == [0, 1, 2, 3]
+        assert d.workers == [0, 2, 3] and m.free_ranks() == [3]
+        new = m.recover(spare_ranks=[3])
+        assert len(new) == 1 and new[0].ranks == (3, 0) and (new[0].tp, new[0].pp) == (2, 1)
+        assert a not in m.units() and m.units() == [b, new[0]]
+        assert d.call([2], "emu.units") == held_before  # the intact unit was not touched
+        assert [(r.kind, r.inputs) for r in m.records[-2:]] == [
+            ("destroy", (a.uid,)),
+            ("extend", (b.uid,)),
+        ]
+        for u in m.units():
+            _bitwise(m, u)
+    finally:
+        d.shutdown()
+        if joiner is not None:
+            try:
+                joiner.wait(10)
+            except subprocess.TimeoutExpired:
+                joiner.kill()
+                joiner.wait()
