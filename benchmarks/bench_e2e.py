@@ -20,8 +20,15 @@ the warm-up runs' transition times are printed:
                      calibration in the warm-up run), never changed
     *_max            the same three chosen for the trace's longest responses instead
                      of its first ones: a static configuration sized for the whole run
-    best_fixed       the fastest fixed plan whose predicted peak stays within the
-                     budget at every step (the empirical best valid fixed plan)
+    enumNN           every other feasible fixed plan: the planner's k-best at the
+                     trace's longest responses under the budget (so each fits at every
+                     step), deduplicated up to a relabeling of the identical devices
+                     and against the plans above, ranked by predicted mean step latency
+                     over the trace (the model after the probe's startup calibration);
+                     --quick runs the top 6 (--fixed-top), a full run all of them
+    best_fixed       the fastest fixed plan (named or enumerated) whose predicted peak
+                     stays within the budget at every step: the empirical best fixed
+                     plan among every feasible one run
 
 A fixed plan whose predicted peak exceeds the per-worker memory budget at some step
 could not run on devices with that memory: its row says "NO" under "fits" and it is
@@ -57,6 +64,12 @@ from nereus_rl.trainer import TrainConfig, Trainer, train
 from nereus_rl.trainer_config import stage_names
 
 FIXED = ("colocated", "disaggregated", "planner_fixed")
+# Enumerated fixed plans --quick runs (the best by predicted mean latency over the trace):
+# each adds ~5 s (two repeats of 10 steps) to a run of ~60 s on an idle machine.
+QUICK_FIXED_TOP = 6
+# The planner's k for the enumeration: larger than the Pareto-pruned plan space at a few
+# devices (grpo / ppo / remax on 4 workers: 77 / 55 / 32 plans), so k-best is all of it.
+ENUM_K = 1000
 
 
 def _mean(xs):
@@ -121,6 +134,51 @@ def structured_plan(probe: Trainer, kind: str, rlen: int) -> tuple[GlobalPlan, b
     return best, not best_key[0]
 
 
+def canonical(plan: GlobalPlan, num_devices: int) -> tuple:
+    """``plan`` up to a relabeling of the devices (identical worker processes on one
+    host, so relabeled plans run the same work): the smallest key over all relabelings
+    (exact up to 6 devices; beyond, the plan as it is)."""
+
+    def key(perm) -> tuple:
+        def units(sp):
+            return tuple(sorted(tuple(perm[d] for d in u) for u in sp.units))
+
+        return tuple(sorted((sp.stage, sp.dp, sp.tp, sp.pp, units(sp)) for sp in plan.stages))
+
+    if num_devices > 6:
+        return key(range(num_devices))
+    return min(key(p) for p in itertools.permutations(range(num_devices)))
+
+
+def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[list, dict]:
+    """Every feasible fixed plan not among ``named``, best predicted first.
+
+    Feasible: among the planner's k-best (``ENUM_K``) for the longest response length of
+    ``lengths`` under ``ad``'s budget (peak memory grows with length, so such a plan fits
+    at every step) and runnable on the model. Deduplicated up to device relabeling (and
+    against ``named``); ranked by ``ad``'s model's mean predicted step latency over
+    ``lengths``. Returns [(predicted mean s, plan)] and counts for the printout.
+    """
+    n = ad.cfg.devices
+    ranked = [p for _, p in ad.ranked_plans(max(lengths), k=ENUM_K)]
+    named_keys = {canonical(p, n) for p in named}
+    seen = set(named_keys)
+    wls = {rl: ad.workload(rl) for rl in set(lengths)}
+    out = []
+    dup_named = dup = 0
+    for p in ranked:
+        c = canonical(p, n)
+        if c in seen:
+            dup_named += c in named_keys
+            dup += 1
+            continue
+        seen.add(c)
+        pred = _mean([ad.cm.step_latency(p, wls[rl]).total_s for rl in lengths])
+        out.append((pred, p))
+    out.sort(key=lambda x: x[0])
+    return out, {"k_best": len(ranked), "duplicates": dup, "same_as_named": dup_named}
+
+
 def _run_row(res) -> dict:
     m = res.metrics
     lat = [x["step_s"] + x.get("transition_s", 0.0) for x in m]
@@ -138,13 +196,16 @@ def _run_row(res) -> dict:
     }
 
 
-def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calibrated"):
+def run_setting(
+    driver, algo, mode, common, repeats, max_len, budget_rule="calibrated", fixed_top=None
+):
     """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
 
     ``budget_rule``: ``"calibrated"``, the rule a run without a budget uses (1.08x the
     predicted peak of the plan it starts on, after its startup calibration);
     ``"uncalibrated"``, the same rule on the plan the default cost model picks (what
-    the bench used before the startup calibration existed).
+    the bench used before the startup calibration existed). ``fixed_top``: how many
+    enumerated fixed plans to run (None: all).
     """
     # The memory budget follows the rule a run uses (just above the predicted peak of
     # the plan it starts on), after the same startup calibration an adaptive run does,
@@ -185,11 +246,30 @@ def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calib
     best_max, _ = ad.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
     ad.cm = calibrated
+    # Every other feasible fixed plan, ranked by the calibrated model where there is
+    # one (the probe's: measured on these workers) over the trace's lengths.
+    lengths = [probe._response_len(i) for i in range(common["steps"])]
+    enum, counts = enumerate_fixed(
+        probe.adapter if chooser is probe else chooser.adapter, lengths,
+        [p for p, _ in plans.values()],
+    )  # fmt: skip
+    top = len(enum) if fixed_top is None else min(fixed_top, len(enum))
+    print(
+        f"{algo} {mode}: {counts['k_best']} feasible fixed plans (planner k-best at "
+        f"{max_len} tokens under the budget), {counts['duplicates']} duplicates up to device "
+        f"relabeling ({counts['same_as_named']} of the named plans), {len(enum)} others; "
+        f"running the top {top} by predicted mean step latency over the trace"
+        + ("" if top == len(enum) else " (--fixed-top; a full run runs all)")
+    )
+    for i, (pred, p) in enumerate(enum[:top]):
+        plans[f"enum{i:02d}"] = (p, True)
+        print(f"  enum{i:02d} predicted {pred:.3f} s/step: {p!r}")
     if planner_only is not None:
         planner_only.driver.shutdown()  # it planned only; it started no workers
     probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
+    variants += [v for v in plans if v.startswith("enum")]
     runs = {v: [] for v in variants}
     # Not recorded: the first run on fresh workers pays one-off costs (allocator,
     # communicators) that would fall on whichever variant went first. A fixed plan
@@ -281,15 +361,23 @@ def main(argv=None) -> int:
         help="memory budget: 1.08x the peak of the start plan after (default) or before "
         "the startup calibration",
     )
+    ap.add_argument(
+        "--fixed-top",
+        type=int,
+        default=None,
+        help=f"enumerated fixed plans to run per setting (default: all; --quick {QUICK_FIXED_TOP})",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
     algos = (args.algos or ("grpo" if args.quick else "grpo,ppo,remax")).split(",")
     modes = (args.modes or ("sync" if args.quick else "sync,async")).split(",")
     steps, repeats = args.steps, args.repeats
     common = dict(devices=args.devices, warm_steps=60, batch=8, group_size=4, seed=0)
+    fixed_top = args.fixed_top
     if args.quick:
         steps, repeats = 10, 2
         common.update(warm_steps=20, batch=4)
+        fixed_top = QUICK_FIXED_TOP if fixed_top is None else fixed_top
     tmp = tempfile.TemporaryDirectory()
     trace = args.trace or str(write_trace(Path(tmp.name) / "trace.csv", steps))
     from nereus_rl.tasks import LengthTrace
@@ -305,7 +393,9 @@ def main(argv=None) -> int:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                rows += run_setting(driver, algo, mode, common, repeats, max_len, args.budget_rule)
+                rows += run_setting(
+                    driver, algo, mode, common, repeats, max_len, args.budget_rule, fixed_top
+                )
     finally:
         driver.shutdown()
         tmp.cleanup()
