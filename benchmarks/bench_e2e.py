@@ -42,8 +42,15 @@ The default trace (``--steps N``): response length rising 6 -> 20 tokens over th
 half, holding, then falling to 13 over the last quarter (the fall gives opportunistic,
 non-urgent moves where payback and replan-always differ).
 
-    python benchmarks/bench_e2e.py --quick --json out.json           # < 2 min
-    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --json out.json  # ~8 min
+    python benchmarks/bench_e2e.py --quick --json out.json    # GRPO sync; ~3 min at load 10
+    python benchmarks/bench_e2e.py --quick --algos ppo --modes async --json out.json
+    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --fixed-top 12 --json out.json
+    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --json out.json  # every plan: hours
+
+--quick runs 6 enumerated plans (about 5 s each at two repeats on an idle machine;
+192 s for the whole GRPO sync run at load 9-12, against 63 s idle for the run before
+the enumeration); a full run runs every one (32-77 per setting on 4 workers, ~12 s
+each at 20 steps and two repeats: 6-15 min per setting).
 """
 
 from __future__ import annotations
