@@ -64,6 +64,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from e2e_model_error import mean_phases, predicted_phases, print_table
+
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
@@ -200,6 +202,8 @@ def _run_row(res) -> dict:
         "calibration_s": res.timings.get("calibration_s", 0.0),
         # (step, plan) each time the plan was set or changed: which plans adaptive ran
         "plans": [(s, repr(p)) for s, p in res.plans],
+        # measured seconds per phase (fixed runs: the model check, e2e_model_error)
+        "phases": mean_phases(m) if m else None,
     }
 
 
@@ -256,10 +260,10 @@ def run_setting(
     # Every other feasible fixed plan, ranked by the calibrated model where there is
     # one (the probe's: measured on these workers) over the trace's lengths.
     lengths = [probe._response_len(i) for i in range(common["steps"])]
-    enum, counts = enumerate_fixed(
-        probe.adapter if chooser is probe else chooser.adapter, lengths,
-        [p for p, _ in plans.values()],
-    )  # fmt: skip
+    ranker = probe.adapter if chooser is probe else chooser.adapter
+    enum, counts = enumerate_fixed(ranker, lengths, [p for p, _ in plans.values()])
+    # The model that ranked them, and the trace's workloads, for the model check
+    rank_cm, rank_wls = ranker.cm, [ranker.workload(n) for n in lengths]
     top = len(enum) if fixed_top is None else min(fixed_top, len(enum))
     print(
         f"{algo} {mode}: {counts['k_best']} feasible fixed plans (planner k-best at "
@@ -339,12 +343,19 @@ def run_setting(
             # the unrecorded warm-up run's transitions (first use of layouts)
             "warmup_transition_s": warm_trans.get(v),
         }
+        if not adaptive:
+            ph = [r["phases"] for r in rs if r["phases"]]
+            row["predicted"] = predicted_phases(rank_cm, plans[v][0], rank_wls)
+            row["measured"] = {k: _mean([x[k] for x in ph]) for k in ph[0]}
         rows.append(row)
+    model_check = print_table(
+        algo, mode, [r for r in rows if "predicted" in r and r["fits_budget"]]
+    )
     fixed = [r for r in rows if r["plan"] is not None]
     fits = [r for r in fixed if r["fits_budget"]]
     best = min(fits or fixed, key=lambda r: r["step_latency_s"])
     label = best["variant"] if fits else f"{best['variant']}, NONE fits the budget"
-    rows.append({**best, "variant": f"best_fixed ({label})"})
+    rows.append({**best, "variant": f"best_fixed ({label})", "model_check": model_check})
     return rows
 
 
