@@ -37,6 +37,10 @@ the cost model's prediction only, so its time is shown). Reported per variant: m
 over repeats of the mean step latency (transitions included), its spread (min..max over
 repeats), the paired ratio to adaptive (each repeat's variant / adaptive: mean and
 range), transitions, reward and the largest peak/budget.
+Per setting also the model check (``e2e_model_error``): each fitting fixed plan's
+predicted step latency (the calibrated model and its fitted step overhead) beside the
+measured one, per phase, with the rank correlation and whether the model's pick
+measured within 5% of the empirical best.
 
 The default trace (``--steps N``): response length rising 6 -> 20 tokens over the first
 half, holding, then falling to 13 over the last quarter (the fall gives opportunistic,
