@@ -38,7 +38,7 @@ over repeats of the mean step latency (transitions included), its spread (min..m
 repeats), the paired ratio to adaptive (each repeat's variant / adaptive: mean and
 range), transitions, reward and the largest peak/budget.
 Per setting also the model check (``e2e_model_error``): each fitting fixed plan's
-predicted step latency (the calibrated model and its fitted step overhead) beside the
+predicted step latency (the calibrated model) beside the
 measured one, per phase, with the rank correlation and whether the model's pick
 measured within 5% of the empirical best.
 
