@@ -20,8 +20,15 @@ the warm-up runs' transition times are printed:
                      calibration in the warm-up run), never changed
     *_max            the same three chosen for the trace's longest responses instead
                      of its first ones: a static configuration sized for the whole run
-    best_fixed       the fastest fixed plan whose predicted peak stays within the
-                     budget at every step (the empirical best valid fixed plan)
+    enumNN           every other feasible fixed plan: the planner's k-best at the
+                     trace's longest responses under the budget (so each fits at every
+                     step), deduplicated up to a relabeling of the identical devices
+                     and against the plans above, ranked by predicted mean step latency
+                     over the trace (the model after the probe's startup calibration);
+                     --quick runs the top 6 (--fixed-top), a full run all of them
+    best_fixed       the fastest fixed plan (named or enumerated) whose predicted peak
+                     stays within the budget at every step: the empirical best fixed
+                     plan among every feasible one run
 
 A fixed plan whose predicted peak exceeds the per-worker memory budget at some step
 could not run on devices with that memory: its row says "NO" under "fits" and it is
@@ -30,13 +37,24 @@ the cost model's prediction only, so its time is shown). Reported per variant: m
 over repeats of the mean step latency (transitions included), its spread (min..max over
 repeats), the paired ratio to adaptive (each repeat's variant / adaptive: mean and
 range), transitions, reward and the largest peak/budget.
+Per setting also the model check (``e2e_model_error``): each fitting fixed plan's
+predicted step latency (the calibrated model) beside the
+measured one, per phase, with the rank correlation and whether the model's pick
+measured within 5% of the empirical best.
 
 The default trace (``--steps N``): response length rising 6 -> 20 tokens over the first
 half, holding, then falling to 13 over the last quarter (the fall gives opportunistic,
 non-urgent moves where payback and replan-always differ).
 
-    python benchmarks/bench_e2e.py --quick --json out.json           # < 2 min
-    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --json out.json  # ~8 min
+    python benchmarks/bench_e2e.py --quick --json out.json    # GRPO sync; ~3 min at load 10
+    python benchmarks/bench_e2e.py --quick --algos ppo --modes async --json out.json
+    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --fixed-top 12 --json out.json
+    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --json out.json  # every plan: hours
+
+--quick runs 6 enumerated plans (about 5 s each at two repeats on an idle machine;
+192 s for the whole GRPO sync run at load 9-12, against 63 s idle for the run before
+the enumeration); a full run runs every one (32-77 per setting on 4 workers, ~12 s
+each at 20 steps and two repeats: 6-15 min per setting).
 """
 
 from __future__ import annotations
@@ -50,6 +68,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from e2e_model_error import mean_phases, predicted_phases, print_table
+
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
@@ -57,6 +77,12 @@ from nereus_rl.trainer import TrainConfig, Trainer, train
 from nereus_rl.trainer_config import stage_names
 
 FIXED = ("colocated", "disaggregated", "planner_fixed")
+# Enumerated fixed plans --quick runs (the best by predicted mean latency over the trace):
+# each adds ~5 s (two repeats of 10 steps) to a run of ~60 s on an idle machine.
+QUICK_FIXED_TOP = 6
+# The planner's k for the enumeration: larger than the Pareto-pruned plan space at a few
+# devices (grpo / ppo / remax on 4 workers: 77 / 55 / 32 plans), so k-best is all of it.
+ENUM_K = 1000
 
 
 def _mean(xs):
@@ -121,6 +147,51 @@ def structured_plan(probe: Trainer, kind: str, rlen: int) -> tuple[GlobalPlan, b
     return best, not best_key[0]
 
 
+def canonical(plan: GlobalPlan, num_devices: int) -> tuple:
+    """``plan`` up to a relabeling of the devices (identical worker processes on one
+    host, so relabeled plans run the same work): the smallest key over all relabelings
+    (exact up to 6 devices; beyond, the plan as it is)."""
+
+    def key(perm) -> tuple:
+        def units(sp):
+            return tuple(sorted(tuple(perm[d] for d in u) for u in sp.units))
+
+        return tuple(sorted((sp.stage, sp.dp, sp.tp, sp.pp, units(sp)) for sp in plan.stages))
+
+    if num_devices > 6:
+        return key(range(num_devices))
+    return min(key(p) for p in itertools.permutations(range(num_devices)))
+
+
+def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[list, dict]:
+    """Every feasible fixed plan not among ``named``, best predicted first.
+
+    Feasible: among the planner's k-best (``ENUM_K``) for the longest response length of
+    ``lengths`` under ``ad``'s budget (peak memory grows with length, so such a plan fits
+    at every step) and runnable on the model. Deduplicated up to device relabeling (and
+    against ``named``); ranked by ``ad``'s model's mean predicted step latency over
+    ``lengths``. Returns [(predicted mean s, plan)] and counts for the printout.
+    """
+    n = ad.cfg.devices
+    ranked = [p for _, p in ad.ranked_plans(max(lengths), k=ENUM_K)]
+    named_keys = {canonical(p, n) for p in named}
+    seen = set(named_keys)
+    wls = {rl: ad.workload(rl) for rl in set(lengths)}
+    out = []
+    dup_named = dup = 0
+    for p in ranked:
+        c = canonical(p, n)
+        if c in seen:
+            dup_named += c in named_keys
+            dup += 1
+            continue
+        seen.add(c)
+        pred = _mean([ad.cm.step_latency(p, wls[rl]).total_s for rl in lengths])
+        out.append((pred, p))
+    out.sort(key=lambda x: x[0])
+    return out, {"k_best": len(ranked), "duplicates": dup, "same_as_named": dup_named}
+
+
 def _run_row(res) -> dict:
     m = res.metrics
     lat = [x["step_s"] + x.get("transition_s", 0.0) for x in m]
@@ -135,16 +206,21 @@ def _run_row(res) -> dict:
         "calibration_s": res.timings.get("calibration_s", 0.0),
         # (step, plan) each time the plan was set or changed: which plans adaptive ran
         "plans": [(s, repr(p)) for s, p in res.plans],
+        # measured seconds per phase (fixed runs: the model check, e2e_model_error)
+        "phases": mean_phases(m) if m else None,
     }
 
 
-def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calibrated"):
+def run_setting(
+    driver, algo, mode, common, repeats, max_len, budget_rule="calibrated", fixed_top=None
+):
     """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
 
     ``budget_rule``: ``"calibrated"``, the rule a run without a budget uses (1.08x the
     predicted peak of the plan it starts on, after its startup calibration);
     ``"uncalibrated"``, the same rule on the plan the default cost model picks (what
-    the bench used before the startup calibration existed).
+    the bench used before the startup calibration existed). ``fixed_top``: how many
+    enumerated fixed plans to run (None: all).
     """
     # The memory budget follows the rule a run uses (just above the predicted peak of
     # the plan it starts on), after the same startup calibration an adaptive run does,
@@ -185,11 +261,30 @@ def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calib
     best_max, _ = ad.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
     ad.cm = calibrated
+    # Every other feasible fixed plan, ranked by the calibrated model where there is
+    # one (the probe's: measured on these workers) over the trace's lengths.
+    lengths = [probe._response_len(i) for i in range(common["steps"])]
+    ranker = probe.adapter if chooser is probe else chooser.adapter
+    enum, counts = enumerate_fixed(ranker, lengths, [p for p, _ in plans.values()])
+    # The model that ranked them, and the trace's workloads, for the model check
+    rank_cm, rank_wls = ranker.cm, [ranker.workload(n) for n in lengths]
+    top = len(enum) if fixed_top is None else min(fixed_top, len(enum))
+    print(
+        f"{algo} {mode}: {counts['k_best']} feasible fixed plans (planner k-best at "
+        f"{max_len} tokens under the budget), {counts['duplicates']} duplicates up to device "
+        f"relabeling ({counts['same_as_named']} of the named plans), {len(enum)} others; "
+        f"running the top {top} by predicted mean step latency over the trace"
+        + ("" if top == len(enum) else " (--fixed-top; a full run runs all)")
+    )
+    for i, (pred, p) in enumerate(enum[:top]):
+        plans[f"enum{i:02d}"] = (p, True)
+        print(f"  enum{i:02d} predicted {pred:.3f} s/step: {p!r}")
     if planner_only is not None:
         planner_only.driver.shutdown()  # it planned only; it started no workers
     probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
+    variants += [v for v in plans if v.startswith("enum")]
     runs = {v: [] for v in variants}
     # Not recorded: the first run on fresh workers pays one-off costs (allocator,
     # communicators) that would fall on whichever variant went first. A fixed plan
@@ -252,12 +347,19 @@ def run_setting(driver, algo, mode, common, repeats, max_len, budget_rule="calib
             # the unrecorded warm-up run's transitions (first use of layouts)
             "warmup_transition_s": warm_trans.get(v),
         }
+        if not adaptive:
+            ph = [r["phases"] for r in rs if r["phases"]]
+            row["predicted"] = predicted_phases(rank_cm, plans[v][0], rank_wls)
+            row["measured"] = {k: _mean([x[k] for x in ph]) for k in ph[0]}
         rows.append(row)
+    model_check = print_table(
+        algo, mode, [r for r in rows if "predicted" in r and r["fits_budget"]]
+    )
     fixed = [r for r in rows if r["plan"] is not None]
     fits = [r for r in fixed if r["fits_budget"]]
     best = min(fits or fixed, key=lambda r: r["step_latency_s"])
     label = best["variant"] if fits else f"{best['variant']}, NONE fits the budget"
-    rows.append({**best, "variant": f"best_fixed ({label})"})
+    rows.append({**best, "variant": f"best_fixed ({label})", "model_check": model_check})
     return rows
 
 
@@ -281,15 +383,23 @@ def main(argv=None) -> int:
         help="memory budget: 1.08x the peak of the start plan after (default) or before "
         "the startup calibration",
     )
+    ap.add_argument(
+        "--fixed-top",
+        type=int,
+        default=None,
+        help=f"enumerated fixed plans to run per setting (default: all; --quick {QUICK_FIXED_TOP})",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
     algos = (args.algos or ("grpo" if args.quick else "grpo,ppo,remax")).split(",")
     modes = (args.modes or ("sync" if args.quick else "sync,async")).split(",")
     steps, repeats = args.steps, args.repeats
     common = dict(devices=args.devices, warm_steps=60, batch=8, group_size=4, seed=0)
+    fixed_top = args.fixed_top
     if args.quick:
         steps, repeats = 10, 2
         common.update(warm_steps=20, batch=4)
+        fixed_top = QUICK_FIXED_TOP if fixed_top is None else fixed_top
     tmp = tempfile.TemporaryDirectory()
     trace = args.trace or str(write_trace(Path(tmp.name) / "trace.csv", steps))
     from nereus_rl.tasks import LengthTrace
@@ -305,7 +415,9 @@ def main(argv=None) -> int:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                rows += run_setting(driver, algo, mode, common, repeats, max_len, args.budget_rule)
+                rows += run_setting(
+                    driver, algo, mode, common, repeats, max_len, args.budget_rule, fixed_top
+                )
     finally:
         driver.shutdown()
         tmp.cleanup()

@@ -234,9 +234,9 @@ class Adapter:
                 return False
         return True
 
-    def ranked_plans(self, rlen: int, devices=None) -> list[tuple[float, GlobalPlan]]:
-        """The planner's k-best runnable plans for the workload at ``rlen``, best first,
-        each with its predicted latency.
+    def ranked_plans(self, rlen: int, devices=None, k: int = 64) -> list[tuple[float, GlobalPlan]]:
+        """The planner's ``k`` best runnable plans for the workload at ``rlen``, best
+        first, each with its predicted latency (bench_e2e asks for all: a large ``k``).
 
         Raises:
             NotEnoughDevicesError: no plan fits the devices and the memory budget.
@@ -245,7 +245,7 @@ class Adapter:
 
         wl = self.workload(rlen)
         try:
-            res = plan_best(wl, self.cluster, self.cm, devices=devices, k=64)
+            res = plan_best(wl, self.cluster, self.cm, devices=devices, k=k)
         except PlanInfeasibleError as e:
             raise NotEnoughDevicesError(
                 f"{self.cfg.devices} devices with a {self.budget / 2**20:.2f} MiB budget each "

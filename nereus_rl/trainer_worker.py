@@ -130,6 +130,43 @@ def tensor_specs(config: ModelConfig, critic: bool, with_adam: bool) -> list[Ten
     return out
 
 
+def _release_groups(entry: dict[str, Any] | None) -> int:
+    """Destroy the process groups of a stage model that is being dropped or replaced.
+
+    Every setup, rebind or replacing move builds the stage's model with new groups
+    (``new_group`` is collective over the world, so they cannot be looked up and
+    reused by ranks alone); the old model's groups were kept until the next
+    ``rl.init``. Each gloo group holds a device thread, two worker threads and a
+    socket per peer: a bench_e2e adaptive run (3 calibration probes, two transitions)
+    ended with 46 threads and 86 descriptors on worker 0 against 7 and 15 after the
+    run. Destroying is local (no collective), so only the ranks that held the model
+    call it. Returns the number of groups destroyed.
+    """
+    if entry is None:
+        return 0
+    groups = getattr(entry.get("model"), "groups", None)
+    n = 0
+    for name in ("tp_group", "pp_group", "dp_group"):
+        g = getattr(groups, name, None)
+        if g is None:
+            continue
+        try:
+            dist.destroy_process_group(g)
+            n += 1
+        except Exception:  # a group whose peer died: it goes with the next rl.init
+            pass
+    return n
+
+
+def _replace_stage(rl: dict[str, Any], stage: str, entry: dict[str, Any] | None) -> None:
+    """Set (or, with None, drop) a stage's entry, releasing the old model's groups."""
+    old = rl["stages"].pop(stage, None)
+    if entry is not None:
+        rl["stages"][stage] = entry
+    if old is not None and old is not entry:
+        _release_groups(old)
+
+
 def _build_model(desc: dict[str, Any], config: ModelConfig, rank: int):
     ranks = [r for u in desc["units"] for r in u]
     groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks)
@@ -201,7 +238,7 @@ def setup(
         model = _build_model(desc, config, rank)
         if model is None:
             # not a member: drop what an earlier setup (a calibration probe) left here
-            rl["stages"].pop(desc["stage"], None)
+            _replace_stage(rl, desc["stage"], None)
             continue
         full = full_states[desc["model"]]
         shards = {}
@@ -211,7 +248,7 @@ def setup(
             ).clone()
         entry = {"model": model, "desc": desc, "trains": desc["trains"]}
         _load_state(entry, shards, hp)
-        rl["stages"][desc["stage"]] = entry
+        _replace_stage(rl, desc["stage"], entry)
         held[desc["stage"]] = sum(t.numel() * t.element_size() for t in _state_of(entry).values())
     return held
 
@@ -240,12 +277,12 @@ def rebind(ctx: WorkerContext, stages: list[tuple[dict[str, Any], list[int]]]) -
         stage = desc["stage"]
         model = _build_model(desc, rl["config"], rl["rank"])
         if model is None:
-            rl["stages"].pop(stage, None)
+            _replace_stage(rl, stage, None)
             continue
         uid = uids[model.groups.dp_rank]
         entry = {"model": model, "desc": desc, "trains": desc["trains"]}
         _load_state(entry, tensors_of(ctx, uid), rl["hp"])
-        rl["stages"][stage] = entry
+        _replace_stage(rl, stage, entry)
         bind(ctx, uid, _reader(ctx, stage))
         held += sum(t.numel() * t.element_size() for t in _state_of(entry).values())
     return held
@@ -302,9 +339,11 @@ def move(
         else:
             entry = rl["stages"][dst_desc["stage"]]
         _load_state(entry, result.tensors, rl["hp"])
-        rl["stages"][dst_desc["stage"]] = entry
+        _replace_stage(rl, dst_desc["stage"], entry)
     elif replace:
-        rl["stages"].pop(dst_desc["stage"], None)
+        _replace_stage(rl, dst_desc["stage"], None)
+    if replace and new_model is not None and not result.tensors:
+        _release_groups({"model": new_model})  # built (collectively) but never used
     return {
         "seconds": time.perf_counter() - t0,
         "bytes_sent": float(result.bytes_sent),
