@@ -8,8 +8,9 @@ Why
     OS on Destroy. A GPU worker does not pay this: its memory is reserved when the
     process starts (a CUDA caching allocator, vLLM's ``gpu_memory_utilization``).
     So a worker reserves its budget as one buffer, touched once (``prefault``), a
-    unit's state is one block of it (a flat buffer and a view per tensor, as
-    Megatron's contiguous parameter and gradient buffers), and Destroy returns the
+    unit's state is one block of it (contiguous tensors side by side, as Megatron's
+    parameter and gradient buffers; each tensor a storage of its own over its bytes,
+    see :meth:`Arena.carve`), and Destroy returns the
     block to the arena, so the next unit writes into warm pages.
 
 Layout
@@ -308,7 +309,7 @@ class Arena:
     def carve(
         self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], what: str = "a unit"
     ) -> tuple[ArenaBlock, dict[str, torch.Tensor]]:
-        """One block holding a contiguous tensor per name (views of the block).
+        """One block holding a contiguous tensor per name, side by side.
 
         Arguments:
             shapes: name -> (shape, dtype), in the order to lay them out.
