@@ -6,7 +6,11 @@ vocab-parallel argmax (the Gumbel-max trick draws exactly from
 softmax(logits / temperature)); ``temperature == 0`` is greedy. The noise for the
 whole vocabulary is drawn from the caller's generator on every tp rank and each
 keeps its slice, so a sharded run picks the same tokens as a single process
-with the same seed. The last pipeline stage picks the token and broadcasts it
+with the same seed. With one generator per row (:func:`make_row_generators`,
+keyed by the sample's index in the whole batch), a sample's noise does not depend
+on which rows share its batch either, so any split of a batch over data-parallel
+replicas draws the same samples (the trainer relies on this: its rollout layout
+changes with the plan). The last pipeline stage picks the token and broadcasts it
 to the other stages. Generation does not pipeline micro-batches: the whole batch
 walks the stages one step at a time (fine for the rollout sizes used here).
 
@@ -17,6 +21,7 @@ after their EOS token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +83,30 @@ def make_generator(
     seed: int, groups: ParallelGroups | None = None, device="cpu"
 ) -> torch.Generator:
     """A sampling generator for this rank: same stream on every tp/pp rank of a replica,
-    a different one per data-parallel replica (so replicas do not sample alike)."""
+    a different one per data-parallel replica (so replicas do not sample alike).
+
+    One stream serves the whole local batch, so what a row samples depends on the
+    replica and on its place in the replica's batch: use :func:`make_row_generators`
+    where the same samples must come out of any data-parallel split.
+    """
     groups = groups or ParallelGroups.single()
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + groups.dp_rank)
+
+
+def make_row_generators(seed: int, rows: Sequence[int], device="cpu") -> list[torch.Generator]:
+    """One sampling generator per row, seeded by (``seed``, the row's global index).
+
+    Arguments:
+        seed: the call's sampling seed (the same on every rank).
+        rows: global sample indices of this rank's batch rows, in order (for rows
+            ``first .. first + n - 1`` of the whole batch: ``range(first, first + n)``).
+        device: where the noise is drawn.
+
+    Every tp/pp rank of a replica must pass the same rows. Row ``i`` gets the same
+    stream whichever replica holds it and whatever its batch-mates are, which makes
+    sampling invariant to how the batch is split over data-parallel replicas.
+    """
+    return [torch.Generator(device=device).manual_seed(seed * 1_000_003 + r) for r in rows]
 
 
 def _stage_forward(model, x: torch.Tensor, batch: int, cache, groups: ParallelGroups):
@@ -99,10 +125,17 @@ def _stage_forward(model, x: torch.Tensor, batch: int, cache, groups: ParallelGr
     return y
 
 
+def _noise(generator, batch: int, vocab: int, device) -> torch.Tensor:
+    if isinstance(generator, torch.Generator):
+        return torch.rand((batch, vocab), generator=generator, device=device)
+    # one draw per row from the row's own stream (see make_row_generators)
+    return torch.stack([torch.rand(vocab, generator=g, device=device) for g in generator])
+
+
 def _pick(logits: torch.Tensor, temperature: float, generator, groups: ParallelGroups, vocab: int):
     scores = logits.float()
     if temperature > 0:
-        u = torch.rand((scores.shape[0], vocab), generator=generator, device=scores.device)
+        u = _noise(generator, scores.shape[0], vocab, scores.device)
         gumbel = -torch.log(-torch.log(u.clamp_(min=1e-20)))
         width = scores.shape[-1]
         scores = (
@@ -119,7 +152,7 @@ def generate(
     *,
     groups: ParallelGroups | None = None,
     temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     eos_id: int | None = None,
     pad_id: int = 0,
     use_cache: bool = True,
@@ -132,7 +165,8 @@ def generate(
         max_new_tokens: response length limit.
         groups: this rank's groups (default: single process).
         temperature: 0 for greedy, > 0 to sample from softmax(logits / temperature).
-        generator: sampling generator (see :func:`make_generator`); required if sampling.
+        generator: sampling generator (see :func:`make_generator`), or one per row of
+            ``prompts`` (see :func:`make_row_generators`); required if sampling.
         eos_id: stop a sequence after this token (all stop -> generation stops early).
         pad_id: written after a sequence's EOS.
         use_cache: keep a KV cache (otherwise recompute the whole prefix every step).
@@ -141,8 +175,8 @@ def generate(
         The same :class:`GenerationOutput` on every rank of the replica.
 
     Raises:
-        ValueError: the sequence would exceed ``max_seq_len``, a critic model, or sampling
-            without a generator.
+        ValueError: the sequence would exceed ``max_seq_len``, a critic model, sampling
+            without a generator, or per-row generators that do not match the rows.
     """
     groups = groups or model.groups
     if model.is_critic:
@@ -155,6 +189,13 @@ def generate(
         )
     if temperature > 0 and generator is None:
         raise ValueError("sampling (temperature > 0) needs a generator; see make_generator()")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        generator = list(generator)
+        if len(generator) != batch:
+            raise ValueError(
+                f"{len(generator)} per-row generators for {batch} prompt rows; pass one per "
+                "row (make_row_generators(seed, rows) with this batch's global row indices)"
+            )
     cache = KVCache(model, batch, prompt_len + max_new_tokens) if use_cache else None
     seq = prompts
     finished = torch.zeros(batch, dtype=torch.bool, device=prompts.device)

@@ -24,8 +24,10 @@ static one.
 State moves only through nereus_comm's reshard: the per-step weight sync
 (actor_train -> rollout, ``rl.move``), a transition's EMU primitives, or (the
 fallback for a stage whose primitives cannot run live) ``rl.move`` of the whole
-stage; never through a full gather on one rank. Sampling draws come from a
-generator seeded by (seed, step) at each call, so no RNG state lives in a unit.
+stage; never through a full gather on one rank. Sampling draws come from one
+generator per sample, seeded by (seed, step, the sample's index in the step's whole
+batch) at each call, so no RNG state lives in a unit and the samples do not depend
+on the rollout layout (dp split or tp/pp degrees; see nereus_rl.generate).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from nereus_rl.algos.grpo import grpo_loss
 from nereus_rl.algos.ppo import value_loss
 from nereus_rl.algos.remax import reinforce_loss
 from nereus_rl.emu_worker import bind, register_state_owner, tensors_of
-from nereus_rl.generate import generate, make_generator
+from nereus_rl.generate import generate, make_row_generators
 from nereus_rl.model import Decoder, ModelConfig, shard_tensor, state_specs
 from nereus_rl.model_parallel import (
     allreduce_gradients,
@@ -384,7 +386,11 @@ def rl_generate(
         return None
     t0 = time.perf_counter()
     model = entry["model"]
-    gen = make_generator(seed, g) if temperature > 0 else None
+    gen = None
+    if temperature > 0:
+        # keyed by global sample index, not by dp rank: any split draws the same samples
+        first = sum(int(p.shape[0]) for p in prompts[: g.dp_rank])
+        gen = make_row_generators(seed, range(first, first + mine.shape[0]), mine.device)
     out = generate(
         model, mine, max_new_tokens, groups=g, temperature=temperature, generator=gen,
         eos_id=eos_id,
