@@ -55,7 +55,8 @@ class ParallelGroups:
     """One rank's process groups and coordinates (a group of size 1 is None).
 
     ``pp_ranks`` are the global ranks of this rank's pipeline, in stage order, for
-    point-to-point sends; ``dp_rank`` seeds per-replica sampling.
+    point-to-point sends; ``dp_rank`` seeds ``generate.make_generator``'s per-replica
+    stream (the trainer samples per global row instead: ``make_row_generators``).
     """
 
     tp_group: object | None = None
