@@ -3,20 +3,16 @@ job rebuilds the lost capacity from the intact units, without reading anything f
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
+from joiner import reap, start_joiner
 
 from nereus_rl.emu import EMUError, EMUManager, EMUStateLostError
 from nereus_rl.emu_state import stage_state_specs
 from nereus_rl.runtime import Driver, WorkerLostError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bitwise(m: EMUManager, unit) -> None:
@@ -37,10 +33,7 @@ def test_join_then_kill_then_recover():
         b = m.extend("actor", [2], tp=1)
 
         # A worker started by hand joins the running job and gets a unit by Extend.
-        joiner = subprocess.Popen(
-            [sys.executable, "-m", "nereus_rl.runtime.worker", "--store", d.address],
-            cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
-        )  # fmt: skip
+        joiner = start_joiner(d.address, "nereus_rl.runtime.worker")
         assert d.wait_for_workers(4, timeout=60) == [0, 1, 2, 3]
         assert m.free_ranks() == [3]
         c = m.extend("actor", [3], tp=1, source=a)
@@ -78,12 +71,7 @@ def test_join_then_kill_then_recover():
             raise AssertionError("recover() must refuse when no intact unit is left")
     finally:
         d.shutdown()
-        if joiner is not None:
-            try:
-                joiner.wait(10)
-            except subprocess.TimeoutExpired:
-                joiner.kill()
-                joiner.wait()
+        reap(joiner)
 
 
 def test_kill_during_transfers_leaves_the_intact_units_whole():
@@ -128,10 +116,7 @@ def test_a_worker_joining_after_a_death_gets_the_lost_capacity_by_extend():
         d.kill(1)
         assert d.wait_for_loss(timeout=10) == (1,)
         held_before = d.call([2], "emu.units")
-        joiner = subprocess.Popen(
-            [sys.executable, "-m", "nereus_rl.cli", "worker", "--store", d.address],
-            cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
-        )  # fmt: skip
+        joiner = start_joiner(d.address)
         assert d.wait_for_workers(4, timeout=60) == [0, 1, 2, 3]
         assert d.workers == [0, 2, 3] and m.free_ranks() == [3]
         new = m.recover(spare_ranks=[3])
@@ -146,9 +131,4 @@ def test_a_worker_joining_after_a_death_gets_the_lost_capacity_by_extend():
             _bitwise(m, u)
     finally:
         d.shutdown()
-        if joiner is not None:
-            try:
-                joiner.wait(10)
-            except subprocess.TimeoutExpired:
-                joiner.kill()
-                joiner.wait()
+        reap(joiner)

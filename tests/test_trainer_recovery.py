@@ -13,14 +13,12 @@ many as its run's devices: a spare worker would be admitted in a lost one's plac
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
+from joiner import reap, start_joiner
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.report import RunLog
@@ -28,9 +26,6 @@ from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, Trainer, train
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextmanager
@@ -231,11 +226,7 @@ def test_a_worker_joining_after_a_death_takes_the_lost_device_by_extend():
             def join_then_kill(step, m):
                 nonlocal joiner
                 if step == 0:
-                    joiner = subprocess.Popen(
-                        [sys.executable, "-m", "nereus_rl.cli", "worker", "--store",
-                         driver.address],
-                        cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
-                    )  # fmt: skip
+                    joiner = start_joiner(driver.address)
                     assert driver.wait_for_workers(5, timeout=60)[-1] == 4
                     tag["before"].append(_stage_states(tr))
                     driver.kill(tr.device_worker[1])
@@ -247,12 +238,7 @@ def test_a_worker_joining_after_a_death_takes_the_lost_device_by_extend():
         finally:
             tr.close()
             driver.shutdown()
-            if joiner is not None:
-                try:
-                    joiner.wait(10)
-                except subprocess.TimeoutExpired:
-                    joiner.kill()
-                    joiner.wait()
+            reap(joiner)
     assert res.error is None, res.error
     assert [m["step"] for m in res.metrics] == [0, 1]
     (rec,) = _recoveries(res)
