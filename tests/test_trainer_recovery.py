@@ -381,6 +381,8 @@ def test_async_a_partial_weight_sync_then_a_death_leaves_every_rollout_unit_sync
     cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, mode="async", **FAST)
     tag: dict = {}
     with _workers(4) as driver:
+        ref = train(driver=driver, **{k: getattr(cfg, k) for k in ("steps", "plan", "devices",
+                    "seed", "mode", "adapt")}, **FAST)  # fmt: skip
         tr = Trainer(cfg, driver=driver)
         try:
             tr.start()
@@ -420,3 +422,7 @@ def test_async_a_partial_weight_sync_then_a_death_leaves_every_rollout_unit_sync
     for k, t in after["rollout"].items():
         assert torch.equal(t, after["actor_train"][k]), k
     assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
+    # The same samples and updates as the run without the death: the rollout made before
+    # it is kept, and the units after it compute as before (same layouts, same splits).
+    assert ref.error is None and res.rewards == ref.rewards
+    assert [m["loss"] for m in res.metrics] == [m["loss"] for m in ref.metrics]
