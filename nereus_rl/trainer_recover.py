@@ -27,8 +27,9 @@ So each round first asks the survivors which live units hold, on every rank, the
 shards they claim (:mod:`nereus_rl.trainer_recover_check`), forgets the others,
 and on the first round adopts the units of the layouts the models are on now
 (the finished part of a fallback reshard). The models may then be off the
-current plan, so the per-stage reshard, which reads them as that plan's, is
-refused (a clear error) and the EMU recovery rebuilds from the units kept. In
+current plan, so the per-stage reshard (``transitions="reshard"``, or the EMU
+recovery refused) reads them through the units found read through them
+(``_model_sources``), not as that plan's. In
 async mode a weight sync cut short leaves rollout units with different weights
 and the next rollout runs before any other sync, so a round ends with a weight
 sync on the new plan (``recovery_rounds[i]["weight_sync"]``). The decision log's
@@ -125,8 +126,9 @@ def recover(trainer, step: int, error: Exception) -> None:
     lost_devices: list[int] = []
     # off_plan: the stage models may not be the current plan's layout (a transition's
     # rebind or fallback reshard, or a recovery's rebind, was cut short), so the
-    # per-stage reshard, which reads them as that plan's, must not run.
+    # per-stage reshard must read them through the units found sound, not that plan's.
     ctx: dict[str, Any] = {"off_plan": False, "interrupted": None, "unsound": [], "adopted": []}
+    ctx["readable"] = []
     while True:
         lost = set(lost_workers(trainer))
         dead = sorted(d for d, w in trainer.device_worker.items() if w in lost)
@@ -210,7 +212,12 @@ def _round(
     emu_path = units is not None and {"extend", "destroy"} <= units.live_kinds
     if units is not None:
         _check(trainer, attempt, ctx)
-    sources = _sources(trainer, plan_workers, emu_path, error)
+    if ctx["off_plan"]:
+        # The models are not the current plan's: the reshard reads them through the
+        # units found read through them (``None``: the stage has none left).
+        sources = _model_sources(trainer, ctx["readable"])
+    else:
+        sources = _sources(trainer, plan_workers, emu_path, error)
     device_worker = {d: w for d, w in trainer.device_worker.items() if d not in dead}
     joined = row["joined"] = _admit(trainer, device_worker)
     alive = sorted(device_worker)
@@ -237,22 +244,9 @@ def _round(
         except (EMUError, EMUStateLostError) as e:
             if lost_workers(trainer):  # refused because one more died: a new round
                 raise
-            if ctx["off_plan"]:
-                raise RecoveryStateLostError(
-                    f"EMU recovery refused ({e}) after a worker died while the stage models "
-                    f"were changing layout ({ctx['interrupted'] or 'a recovery rebind'}): the "
-                    "per-stage reshard cannot read them as the current plan's, so the state "
-                    "cannot be rebuilt from memory; restart the run from a checkpoint"
-                ) from error
             why = f"EMU recovery refused: {e}"  # refused before the models changed
     else:
         why = f"transitions={trainer.cfg.transitions!r}: EMU primitives are not run live"
-        if ctx["off_plan"]:
-            raise RecoveryStateLostError(
-                f"a worker died while the stage models were changing layout "
-                f"({ctx['interrupted']}) and {why}: the per-stage reshard cannot read them as "
-                "the current plan's; restart the run from a checkpoint"
-            ) from error
     if run is None:
         _LOG.warning("recovery by per-stage reshard: %s", why)
         missing = sorted(s for s, sp in sources.items() if sp is None)
@@ -285,6 +279,7 @@ def _check(trainer, attempt: int, ctx: dict[str, Any]) -> None:
     res = check_units(trainer, adopt_layouts=attempt == 0)
     ctx["unsound"] += res["unsound"]
     ctx["adopted"] += res["adopted"]
+    ctx["readable"] = res["readable"]
     if attempt == 0:
         if rebinding == "transition":
             ctx["interrupted"] = "transition rebind"
@@ -343,6 +338,20 @@ def _sources(
             if intact
             else None
         )
+    return out
+
+
+def _model_sources(trainer, readable) -> dict[str, StagePlan | None]:
+    """Per stage of the current plan, a live unit read through the stage models on
+    every rank (after :func:`_check`), as a single-unit StagePlan of its devices."""
+    dev_of = {w: d for d, w in trainer.device_worker.items()}
+    out: dict[str, StagePlan | None] = {}
+    for sp in trainer.plan.stages:
+        us = [u for u in readable if u.stage == sp.stage and all(r in dev_of for r in u.ranks)]
+        out[sp.stage] = None
+        if us:
+            devs = tuple(dev_of[r] for r in us[0].ranks)
+            out[sp.stage] = StagePlan(sp.stage, sp.model, sp.trains, 1, us[0].tp, us[0].pp, (devs,))
     return out
 
 

@@ -59,13 +59,15 @@ def recovery_view(ctx: WorkerContext, uids_by_rank: dict[int, list[int]]) -> dic
             reads its own entry).
 
     Returns:
-        ``{"unsound": [uid, ...], "descs": {stage: desc}}``.
+        ``{"unsound": [uid, ...], "bound": [uid, ...], "descs": {stage: desc}}``: the
+        units whose piece here is wrong or missing; the sound ones read through the
+        stage model; the layout of each stage model held here.
     """
     from nereus_rl.emu_worker import BoundState, _units
 
     held = _units(ctx)
     stages = ctx.state.get("rl", {}).get("stages", {})
-    unsound = []
+    unsound, bound = [], []
     for uid in uids_by_rank.get(ctx.rank, []):
         u = held.get(uid)
         if u is None:  # never committed here: cannot be read
@@ -80,7 +82,10 @@ def recovery_view(ctx: WorkerContext, uids_by_rank: dict[int, list[int]]) -> dic
             or not _same_place(entry, u["layout"], ctx.rank)
         ):
             unsound.append(uid)
-    return {"unsound": unsound, "descs": {s: e["desc"] for s, e in stages.items()}}
+        else:
+            bound.append(uid)
+    descs = {s: e["desc"] for s, e in stages.items()}
+    return {"unsound": unsound, "bound": bound, "descs": descs}
 
 
 def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
@@ -94,7 +99,9 @@ def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
         adopt_layouts: map the models' layouts (default-group ranks) to workers.
 
     Returns:
-        ``{"unsound": [repr of each forgotten unit], "adopted": [repr of each adopted]}``.
+        ``{"unsound": [repr of each forgotten unit], "adopted": [repr of each adopted],
+        "readable": [the live units read through the stage models on every rank]}``
+        (the per-stage reshard, which reads the models, can start from those).
 
     Raises:
         WorkerLostError (and the driver's other errors): a worker died meanwhile.
@@ -118,7 +125,13 @@ def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
     adopted = []
     if adopt_layouts:
         adopted = _adopt_layouts(trainer, views, lost)
-    return {"unsound": [repr(u) for u in gone], "adopted": [repr(u) for u in adopted]}
+    bound = {(w, uid) for w, v in views.items() for uid in v["bound"]}
+    readable = [u for u in m.units() if all((r, u.uid) in bound for r in u.ranks)]
+    return {
+        "unsound": [repr(u) for u in gone],
+        "adopted": [repr(u) for u in adopted],
+        "readable": readable + adopted,
+    }
 
 
 def _adopt_layouts(trainer, views: dict[int, dict[str, Any]], lost: set[int]) -> list:

@@ -308,8 +308,10 @@ def _transition_at_step_0(tr: Trainer, target: GlobalPlan, arm, tag: dict):
     return boundary
 
 
-def _run_with_transition_death(target, after, fn, live_kinds=None, **match):
-    cfg = TrainConfig(steps=2, adapt=False, plan=P4, devices=4, seed=5, **FAST)
+def _run_with_transition_death(target, after, fn, live_kinds=None, transitions="emu", **match):
+    cfg = TrainConfig(
+        steps=2, adapt=False, plan=P4, devices=4, seed=5, transitions=transitions, **FAST
+    )
     tag: dict = {}
     with _workers(4) as driver:
         tr = Trainer(cfg, driver=driver)
@@ -331,7 +333,8 @@ def _run_with_transition_death(target, after, fn, live_kinds=None, **match):
     assert [m["step"] for m in res.metrics] == [0, 1]
     (rec,) = _recoveries(res)
     assert rec["trigger"].startswith("lost devices [3]") and rec["step"] == 1, rec
-    assert rec["recovery"] == "emu" and rec["recovery_fallback"] is None, rec
+    assert rec["recovery"] == transitions, rec
+    assert (rec["recovery_fallback"] is None) == (transitions == "emu"), rec
     assert res.plans[-1] == (1, after)
     (before,), (after_state,) = tag["before"], tag["after"]
     _assert_same(before, after_state)  # every stage's state as at the death, bitwise
@@ -355,19 +358,25 @@ def test_a_death_during_a_transitions_rebind_recovers_from_its_target_units():
     ], rec
 
 
-def test_a_death_during_a_transitions_fallback_reshard_recovers_from_the_new_layout():
+@pytest.mark.parametrize("transitions", ["emu", "reshard"])
+def test_a_death_during_a_transitions_fallback_reshard_recovers_from_the_new_layout(
+    transitions,
+):
     # rollout dp2 -> tp2 (a Merge, not run live here: the stage falls back to one
     # rl.move); device 3's worker dies right after that move, before replying. The
     # survivors' rollout models are tp2 now, so the two old tp1 units read tp2 shards:
-    # they are forgotten, and the tp2 unit the models form is adopted and kept.
+    # they are forgotten, and the tp2 unit the models form is adopted and kept (EMU
+    # recovery) or read by the per-stage reshard (transitions="reshard").
     target = GlobalPlan((
         StagePlan("rollout", "actor", False, 1, 2, 1, ((0, 1),)),
         *P4.stages[1:],
     ))  # fmt: skip
     after = GlobalPlan((target.stages[0], *P4_AFTER.stages[1:]))
     rec = _run_with_transition_death(
-        target, after, "rl.move", live_kinds={"extend", "destroy"}, replace=True
-    )
+        target, after, "rl.move", transitions=transitions, replace=True,
+        # (no Merge live; with transitions="reshard" none is)
+        live_kinds={"extend", "destroy"} if transitions == "emu" else None,
+    )  # fmt: skip
     assert rec["interrupted"] == "transition fallback reshard", rec
     assert len(rec["unsound_units"]) == 2 and all("rollout" in u for u in rec["unsound_units"])
     assert len(rec["adopted_units"]) == 1 and "rollout tp2" in rec["adopted_units"][0], rec
