@@ -110,8 +110,8 @@ def recover(trainer, step: int, error: Exception) -> None:
     Raises:
         the original error: no worker was lost (it was something else).
         RecoveryStateLostError: some stage has no intact unit left (its state is gone;
-            the message says which stage and what to do), raised before anything moves;
-            or the EMU recovery was refused while the models were off the current plan.
+            the message says which stage and what to do), raised before anything moves
+            (off the current plan: no unit read through the stage's models is left).
         RuntimeError: a worker died while the per-stage reshard was moving state (the
             survivors' models may be on two layouts).
     """
@@ -253,7 +253,13 @@ def _round(
         if missing:
             raise RecoveryStateLostError(
                 f"stage(s) {missing} keep no unit of the current plan that lost no device "
-                f"(lost now: {sorted(dead)}), and the EMU recovery refused ({why}): the "
+                + (
+                    "nor one read through their models, which a death left mid-change "
+                    f"({ctx['interrupted'] or 'a recovery rebind'}) "
+                    if ctx["off_plan"]
+                    else ""
+                )
+                + f"(lost now: {sorted(dead)}), and the EMU recovery refused ({why}): the "
                 "state cannot be rebuilt by the per-stage reshard. Use a plan with dp >= 2 "
                 "for every stage"
             ) from error
