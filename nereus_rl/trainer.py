@@ -459,8 +459,7 @@ class Trainer:
             step += 1
             lost, self._boundary_loss = getattr(self, "_boundary_loss", None), None
             if lost is not None:  # the step finished; its boundary's transition did not
-                self.recover(step, lost)
-                ahead = None
+                self.recover(step, lost)  # (an async rollout made before it stays valid)
         return self.result
 
     def _step(self, step: int, ahead):
@@ -477,13 +476,22 @@ class Trainer:
             # step trains (on disjoint devices the two overlap).
             nxt = self._rollout_submit(step + 1)
         m = self._train_on(job)
-        if nxt is not None:
-            nxt = self._rollout_wait(nxt)
-            sync = self.weight_sync()
+        # measured bytes of model state (weights, Adam moments) on the fullest worker
+        # (before the async weight sync, which loads in place: the same bytes)
+        m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
+        try:
+            if nxt is not None:
+                nxt = self._rollout_wait(nxt)
+                sync = self.weight_sync()
+        except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+            # The step trained already: as a loss at its boundary (below), recovered from
+            # after the step is recorded (recovery syncs the weights); a finished rollout
+            # stays valid.
+            self._boundary_loss = e
+            if nxt is not None and "sequences" not in nxt:
+                nxt = None
         ahead = nxt
         m.update(sync)
-        # measured bytes of model state (weights, Adam moments) on the fullest worker
-        m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
         m.update(
             step=step,
             response_len=job["rlen"],
@@ -493,7 +501,7 @@ class Trainer:
         )
         m["step_s"] = time.perf_counter() - t_step
         m["transition_s"] = 0.0
-        if step + 1 < cfg.steps:
+        if step + 1 < cfg.steps and getattr(self, "_boundary_loss", None) is None:
             try:
                 m.update(self.adapter.boundary(step, m))
             except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:

@@ -13,12 +13,38 @@ primitive commits only after all its ranks succeeded, and the recovery's rebind
 loads each unit's own bytes), so the next round extends from whatever is
 intact, including units the cut-short round made.
 
+A death may also cut a transition short (the boundary's, or an async weight sync):
+
+* during its live primitives: the models are untouched until the rebind, and
+  every live unit (the current plan's, or one a primitive made) holds the state;
+* during its rebind: the DAG ended, so every live unit is a target unit, each rank
+  of which reads its received tensors or a model loaded from them;
+* during its fallback reshard (``rl.move`` of a whole stage): the survivors that
+  finished swapped their stage model for the new layout's, so the stage's old
+  units read the wrong shards there.
+
+So each round first asks the survivors which live units hold, on every rank, the
+shards they claim (:mod:`nereus_rl.trainer_recover_check`), forgets the others,
+and on the first round adopts the units of the layouts the models are on now
+(the finished part of a fallback reshard). The models may then be off the
+current plan, so the per-stage reshard (``transitions="reshard"``, or the EMU
+recovery refused) reads them through the units found read through them
+(``_model_sources``), not as that plan's. In
+async mode a weight sync cut short leaves rollout units with different weights
+and the next rollout runs before any other sync, so a round ends with a weight
+sync on the new plan (``recovery_rounds[i]["weight_sync"]``). The decision log's
+recovery row says what was cut short (``interrupted``) and which units were
+forgotten (``unsound_units``) or adopted (``adopted_units``).
+
 Tests inject faults through ``trainer.on_recovery_phase`` (a callable, absent by
 default), called as ``hook(phase, attempt)`` at each phase of a round:
 ``"start"`` (devices dropped, group not re-formed), ``"world"`` (new group
 formed, nothing planned), and, on the EMU path, ``"destroyed"`` (broken units
 destroyed) and ``"extended"`` (extends done, rebind not sent), from
 :meth:`TrainerUnits.recover <nereus_rl.trainer_units.TrainerUnits.recover>`.
+Deaths inside a transition are injected on the worker side (a worker armed to
+die right after a command, ``tests/worker_faults.py``) or by the test's own
+boundary / weight sync (tests/test_trainer_recovery.py).
 """
 
 from __future__ import annotations
@@ -77,13 +103,15 @@ def recover(trainer, step: int, error: Exception) -> None:
     from them onto the remaining devices and onto workers that joined the driver,
     which take the lost device ids), else by the per-stage reshard from one intact
     unit of the current plan (logged with the reason). A worker dying while this runs
-    starts the recovery over the survivors (see the module docstring). Nothing is
-    reloaded from disk.
+    starts the recovery over the survivors, and a death that cut a transition or a
+    weight sync short is recovered from the units that still hold the state (see the
+    module docstring). Nothing is reloaded from disk.
 
     Raises:
         the original error: no worker was lost (it was something else).
         RecoveryStateLostError: some stage has no intact unit left (its state is gone;
-            the message says which stage and what to do), raised before anything moves.
+            the message says which stage and what to do), raised before anything moves
+            (off the current plan: no unit read through the stage's models is left).
         RuntimeError: a worker died while the per-stage reshard was moving state (the
             survivors' models may be on two layouts).
     """
@@ -93,8 +121,14 @@ def recover(trainer, step: int, error: Exception) -> None:
     # The current plan's devices are these workers' (a round may give a lost device's
     # id to a joiner, which holds none of the plan's state).
     plan_workers = dict(trainer.device_worker)
+    old = trainer.plan
     rounds: list[dict[str, Any]] = []
     lost_devices: list[int] = []
+    # off_plan: the stage models may not be the current plan's layout (a transition's
+    # rebind or fallback reshard, or a recovery's rebind, was cut short), so the
+    # per-stage reshard must read them through the units found sound, not that plan's.
+    ctx: dict[str, Any] = {"off_plan": False, "interrupted": None, "unsound": [], "adopted": []}
+    ctx["readable"] = []
     while True:
         lost = set(lost_workers(trainer))
         dead = sorted(d for d, w in trainer.device_worker.items() if w in lost)
@@ -102,8 +136,17 @@ def recover(trainer, step: int, error: Exception) -> None:
         rounds.append({"lost_devices": dead, "joined": {}, "error": None})
         try:
             new, run, why = _round(
-                trainer, step, error, dead, plan_workers, rounds[-1], len(rounds) - 1
+                trainer, step, error, dead, plan_workers, rounds[-1], len(rounds) - 1, ctx
             )
+            ctx["off_plan"] = False  # every stage model is now ``new``'s
+            if trainer.cfg.mode == "async":
+                # Rollout units rebuilt from survivors that a cut-short weight sync
+                # reached or not hold different weights; the next rollout is generated
+                # before any other sync, so every rollout unit gets actor_train's now.
+                trainer.plan = new  # (logged once, below)
+                plan_workers = dict(trainer.device_worker)
+                trainer.weight_sync()
+                rounds[-1]["weight_sync"] = True
             break
         except _CUT as e:
             # Another worker died during this round (else it is not ours to handle).
@@ -111,7 +154,6 @@ def recover(trainer, step: int, error: Exception) -> None:
                 raise
             rounds[-1]["error"] = f"{type(e).__name__}: {e}"
             _LOG.warning("a worker died during recovery (%s); starting over the survivors", e)
-    old = trainer.plan
     trainer._set_plan(step, new)
     row = {
         "step": step,
@@ -123,6 +165,10 @@ def recover(trainer, step: int, error: Exception) -> None:
         "taken": True,
         "path": "urgent",
         "reason": "recovery from the intact units after a worker died",
+        "cause": str(error),
+        "interrupted": ctx["interrupted"],
+        "unsound_units": ctx["unsound"],
+        "adopted_units": ctx["adopted"],
         "recovery": "emu" if run is not None else "reshard",
         "recovery_fallback": why,
         "recovery_rounds": rounds,
@@ -143,6 +189,7 @@ def _round(
     plan_workers: dict[int, int],
     row: dict[str, Any],
     attempt: int,
+    ctx: dict[str, Any],
 ):
     """One recovery round over the devices whose workers are alive now (and workers
     admitted in their place, noted in ``row["joined"]``).
@@ -163,7 +210,14 @@ def _round(
             "cannot be rebuilt from memory; restart the run from a checkpoint"
         ) from error
     emu_path = units is not None and {"extend", "destroy"} <= units.live_kinds
-    sources = _sources(trainer, plan_workers, emu_path, error)
+    if units is not None:
+        _check(trainer, attempt, ctx)
+    if ctx["off_plan"]:
+        # The models are not the current plan's: the reshard reads them through the
+        # units found read through them (``None``: the stage has none left).
+        sources = _model_sources(trainer, ctx["readable"])
+    else:
+        sources = _sources(trainer, plan_workers, emu_path, error)
     device_worker = {d: w for d, w in trainer.device_worker.items() if d not in dead}
     joined = row["joined"] = _admit(trainer, device_worker)
     alive = sorted(device_worker)
@@ -190,11 +244,6 @@ def _round(
         except (EMUError, EMUStateLostError) as e:
             if lost_workers(trainer):  # refused because one more died: a new round
                 raise
-            if units._rebinding is not None:
-                raise RuntimeError(
-                    f"EMU recovery refused ({e}) after a rebind was cut short: the models "
-                    "may be on two layouts, so the per-stage reshard cannot read them"
-                ) from error
             why = f"EMU recovery refused: {e}"  # refused before the models changed
     else:
         why = f"transitions={trainer.cfg.transitions!r}: EMU primitives are not run live"
@@ -204,12 +253,46 @@ def _round(
         if missing:
             raise RecoveryStateLostError(
                 f"stage(s) {missing} keep no unit of the current plan that lost no device "
-                f"(lost now: {sorted(dead)}), and the EMU recovery refused ({why}): the "
+                + (
+                    "nor one read through their models, which a death left mid-change "
+                    f"({ctx['interrupted'] or 'a recovery rebind'}) "
+                    if ctx["off_plan"]
+                    else ""
+                )
+                + f"(lost now: {sorted(dead)}), and the EMU recovery refused ({why}): the "
                 "state cannot be rebuilt by the per-stage reshard. Use a plan with dp >= 2 "
                 "for every stage"
             ) from error
         _reshard(trainer, sources, new)
     return new, run, why
+
+
+def _check(trainer, attempt: int, ctx: dict[str, Any]) -> None:
+    """Keep only the live units that hold their stage's state on every surviving rank
+    (:func:`nereus_rl.trainer_recover_check.check_units`), and note in ``ctx`` what the
+    death cut short and which units were forgotten or adopted.
+
+    A transition's rebind cut short leaves its target units sound (the DAG ended
+    before it), so the rebind flag is lowered here for the EMU recovery to start from
+    them; the models are then off the current plan (``ctx["off_plan"]``).
+    """
+    from nereus_rl.trainer_recover_check import check_units
+
+    units = trainer.units
+    rebinding, units._rebinding = units._rebinding, None
+    # The models' group numbering is the current default group's only before any
+    # recovery round re-formed it.
+    res = check_units(trainer, adopt_layouts=attempt == 0)
+    ctx["unsound"] += res["unsound"]
+    ctx["adopted"] += res["adopted"]
+    ctx["readable"] = res["readable"]
+    if attempt == 0:
+        if rebinding == "transition":
+            ctx["interrupted"] = "transition rebind"
+        elif res["unsound"] or res["adopted"]:
+            ctx["interrupted"] = "transition fallback reshard"
+    if rebinding is not None or res["unsound"] or res["adopted"]:
+        ctx["off_plan"] = True
 
 
 def _admit(trainer, device_worker: dict[int, int]) -> dict[int, int]:
@@ -261,6 +344,20 @@ def _sources(
             if intact
             else None
         )
+    return out
+
+
+def _model_sources(trainer, readable) -> dict[str, StagePlan | None]:
+    """Per stage of the current plan, a live unit read through the stage models on
+    every rank (after :func:`_check`), as a single-unit StagePlan of its devices."""
+    dev_of = {w: d for d, w in trainer.device_worker.items()}
+    out: dict[str, StagePlan | None] = {}
+    for sp in trainer.plan.stages:
+        us = [u for u in readable if u.stage == sp.stage and all(r in dev_of for r in u.ranks)]
+        out[sp.stage] = None
+        if us:
+            devs = tuple(dev_of[r] for r in us[0].ranks)
+            out[sp.stage] = StagePlan(sp.stage, sp.model, sp.trains, 1, us[0].tp, us[0].pp, (devs,))
     return out
 
 

@@ -22,7 +22,7 @@ from joiner import reap, start_joiner
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.report import RunLog
-from nereus_rl.runtime import Driver
+from nereus_rl.runtime import Driver, WorkerLostError
 from nereus_rl.trainer import TrainConfig, Trainer, train
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
@@ -278,3 +278,160 @@ def test_a_death_at_a_step_boundary_does_not_train_the_step_twice():
     (rec,) = _recoveries(res)
     assert rec["step"] == 1 and res.plans[-1] == (1, p1), rec
     assert adam_step.tolist() == [3.0]  # three optimizer steps, not four
+
+
+# ---------------------------------------------------------------- deaths mid-transition
+
+P4 = _plan((0, 1), (2, 3), (0, 2))
+# after device 3's loss: the reference unit it held is rebuilt on device 1
+P4_AFTER = _plan((0, 1), (2, 1), (0, 2))
+
+
+def _arm(driver: Driver, victim: int, fn: str, **match) -> None:
+    """The victim worker SIGKILLs itself after its next ``fn`` (tests/worker_faults.py)."""
+    driver.call([victim], "import", "worker_faults")
+    driver.call([victim], "faults.die_after", fn, match)
+
+
+def _transition_at_step_0(tr: Trainer, target: GlobalPlan, arm, tag: dict):
+    """A boundary that, after step 0, notes the state, arms a death and runs the
+    transition to ``target`` (the real one, DAG and all)."""
+
+    def boundary(step, m):
+        if step == 0:
+            tag["before"].append(_stage_states(tr))
+            arm()
+            dag, _ = tr.adapter.compile(tr.plan, target)
+            tr.transition(target, dag, step + 1)
+        return {}
+
+    return boundary
+
+
+def _run_with_transition_death(target, after, fn, live_kinds=None, transitions="emu", **match):
+    cfg = TrainConfig(
+        steps=2, adapt=False, plan=P4, devices=4, seed=5, transitions=transitions, **FAST
+    )
+    tag: dict = {}
+    with _workers(4) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            if live_kinds is not None:
+                tr.units.live_kinds = frozenset(live_kinds)
+            _instrument(tr, driver, {}, tag)
+            tr.adapter.best_plan = lambda rlen, devices=None: (after, 0.0)
+            victim = tr.device_worker[3]
+            tr.adapter.boundary = _transition_at_step_0(
+                tr, target, lambda: _arm(driver, victim, fn, **match), tag
+            )
+            res = tr.run()
+            final = _stage_states(tr)
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1]
+    (rec,) = _recoveries(res)
+    assert rec["trigger"].startswith("lost devices [3]") and rec["step"] == 1, rec
+    assert rec["recovery"] == transitions, rec
+    assert (rec["recovery_fallback"] is None) == (transitions == "emu"), rec
+    assert res.plans[-1] == (1, after)
+    (before,), (after_state,) = tag["before"], tag["after"]
+    _assert_same(before, after_state)  # every stage's state as at the death, bitwise
+    assert final["actor_train"]["adam_step"].tolist() == [2.0]  # two steps, each once
+    return rec
+
+
+def test_a_death_during_a_transitions_rebind_recovers_from_its_target_units():
+    # rollout dp2 -> dp3 (an Extend onto device 2, then the rebind); device 3's worker
+    # dies right after its rl.rebind, before replying: the survivors' rollout models are
+    # the new layout's, and the driver never learned that the rebind ended. The units
+    # the DAG left all hold the state, so recovery starts from them.
+    target = _plan((0, 1, 2), (2, 3), (0, 2))
+    after = _plan((0, 1, 2), (2, 1), (0, 2))
+    rec = _run_with_transition_death(target, after, "rl.rebind")
+    assert rec["interrupted"] == "transition rebind", rec
+    assert rec["unsound_units"] == [] and rec["adopted_units"] == [], rec
+    # the three rollout units of the target were kept: only the reference extends
+    assert [p for p in rec["executed_primitives"] if p.startswith("extend")] == [
+        "extend:reference"
+    ], rec
+
+
+@pytest.mark.parametrize("transitions", ["emu", "reshard"])
+def test_a_death_during_a_transitions_fallback_reshard_recovers_from_the_new_layout(
+    transitions,
+):
+    # rollout dp2 -> tp2 (a Merge, not run live here: the stage falls back to one
+    # rl.move); device 3's worker dies right after that move, before replying. The
+    # survivors' rollout models are tp2 now, so the two old tp1 units read tp2 shards:
+    # they are forgotten, and the tp2 unit the models form is adopted and kept (EMU
+    # recovery) or read by the per-stage reshard (transitions="reshard").
+    target = GlobalPlan((
+        StagePlan("rollout", "actor", False, 1, 2, 1, ((0, 1),)),
+        *P4.stages[1:],
+    ))  # fmt: skip
+    after = GlobalPlan((target.stages[0], *P4_AFTER.stages[1:]))
+    rec = _run_with_transition_death(
+        target, after, "rl.move", transitions=transitions, replace=True,
+        # (no Merge live; with transitions="reshard" none is)
+        live_kinds={"extend", "destroy"} if transitions == "emu" else None,
+    )  # fmt: skip
+    assert rec["interrupted"] == "transition fallback reshard", rec
+    assert len(rec["unsound_units"]) == 2 and all("rollout" in u for u in rec["unsound_units"])
+    assert len(rec["adopted_units"]) == 1 and "rollout tp2" in rec["adopted_units"][0], rec
+
+
+def test_async_a_partial_weight_sync_then_a_death_leaves_every_rollout_unit_synced():
+    # Async: the weight sync after step 0 reaches the rollout unit on device 1 only, then
+    # device 3's worker dies. Step 0 trained already (recorded once, not run again); the
+    # rollout units survive holding different weights, and recovery gives each of them
+    # actor_train's before the next rollout is generated.
+    cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, mode="async", **FAST)
+    tag: dict = {}
+    with _workers(4) as driver:
+        ref = train(driver=driver, **{k: getattr(cfg, k) for k in ("steps", "plan", "devices",
+                    "seed", "mode", "adapt")}, **FAST)  # fmt: skip
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            _instrument(tr, driver, {}, tag)
+            tr.adapter.best_plan = lambda rlen, devices=None: (P4_AFTER, 0.0)
+            real_sync, calls = tr.weight_sync, []
+
+            def partial_sync():
+                calls.append(len(calls))
+                if len(calls) != 2:  # the 1st: before step 0; the 2nd: after it
+                    return real_sync()
+                one = StagePlan("rollout", "actor", False, 1, 1, 1, ((1,),))
+                src = tr._desc(tr.plan.stage("actor_train"))
+                tr._all("rl.move", src, tr._desc(one), params_only=True, replace=False)
+                w0, w1 = (
+                    driver.call([tr.device_worker[d]], "rl.shards", "rollout")[tr.device_worker[d]]
+                    for d in (0, 1)
+                )
+                tag["mixed"] = any(not torch.equal(w0[k], w1[k]) for k in w0)
+                victim = tr.device_worker[3]
+                driver.kill(victim)
+                raise WorkerLostError("killed during the weight sync", (victim,))
+
+            tr.weight_sync = partial_sync
+            res = tr.run()
+            final = _stage_states(tr)
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert tag["mixed"], "the partial sync must leave the rollout units different"
+    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    (rec,) = _recoveries(res)
+    assert rec["step"] == 1 and rec["recovery_rounds"][-1].get("weight_sync"), rec
+    assert res.plans[-1] == (1, P4_AFTER)
+    # _stage_states checked every rollout unit equal; they hold actor_train's weights
+    (after,) = tag["after"]
+    for k, t in after["rollout"].items():
+        assert torch.equal(t, after["actor_train"][k]), k
+    assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
+    # The same samples and updates as the run without the death: the rollout made before
+    # it is kept, and the units after it compute as before (same layouts, same splits).
+    assert ref.error is None and res.rewards == ref.rewards
+    assert [m["loss"] for m in res.metrics] == [m["loss"] for m in ref.metrics]
