@@ -187,6 +187,7 @@ def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[li
             continue
         seen.add(c)
         pred = _mean([ad.cm.step_latency(p, wls[rl]).total_s for rl in lengths])
+        pred += ad.overhead.predict(p)  # the measured unpriced rest (step_overhead)
         out.append((pred, p))
     out.sort(key=lambda x: x[0])
     return out, {"k_best": len(ranked), "duplicates": dup, "same_as_named": dup_named}
@@ -268,6 +269,7 @@ def run_setting(
     enum, counts = enumerate_fixed(ranker, lengths, [p for p, _ in plans.values()])
     # The model that ranked them, and the trace's workloads, for the model check
     rank_cm, rank_wls = ranker.cm, [ranker.workload(n) for n in lengths]
+    rank_ovh = ranker.overhead
     top = len(enum) if fixed_top is None else min(fixed_top, len(enum))
     print(
         f"{algo} {mode}: {counts['k_best']} feasible fixed plans (planner k-best at "
@@ -349,7 +351,7 @@ def run_setting(
         }
         if not adaptive:
             ph = [r["phases"] for r in rs if r["phases"]]
-            row["predicted"] = predicted_phases(rank_cm, plans[v][0], rank_wls)
+            row["predicted"] = predicted_phases(rank_cm, plans[v][0], rank_wls, rank_ovh)
             row["measured"] = {k: _mean([x[k] for x in ph]) for k in ph[0]}
         rows.append(row)
     model_check = print_table(

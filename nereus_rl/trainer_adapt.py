@@ -28,6 +28,9 @@ asynchronous one) the trainer hands the step's measurements to
    at the model's price plus the measured excess); each step's time against its
    prediction goes to :class:`~nereus_rl.calibration.ModelTolerance`, the error
    below which lookahead calls scores tied (capped: :meth:`Adapter.tie_margin`).
+   The step's residual (measured minus the model's price) goes to
+   :class:`~nereus_rl.step_overhead.StepOverhead`, the unpriced rest per worker call,
+   which ranks the planner's candidates and completes the efficiency signal's price.
 
 Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken, the measured transition time, the
@@ -62,6 +65,7 @@ from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError, planner_for
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.spec import local_cpu_cluster, model_preset
+from nereus_rl.step_overhead import PricedModel, StepOverhead
 from nereus_rl.trainer_calibrate import stage_seconds
 from nereus_rl.trainer_fallback import observe_fallback, stagewise_cost
 from nereus_rl.transition import TransitionError
@@ -151,8 +155,11 @@ class Adapter:
         )
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
-        self.admission = Admission(self.cm)
         self.calibration = TransitionCalibration()
+        # What a step costs beyond the model's price, per worker call (step_overhead);
+        # admission and lookahead compare plans with it, as the candidates are ranked
+        self.overhead = StepOverhead()
+        self.admission = Admission(PricedModel(self.cm, self.overhead))
         # The model's error before any refined prediction: the error the controller's
         # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
         band = self.controller.model_tolerance
@@ -176,7 +183,7 @@ class Adapter:
             self.cm = CostModel(self.cluster)
             for plan, wl, measured in observed:
                 self.cm.observe(plan, wl, measured)
-            self.admission = Admission(self.cm)
+            self.admission = Admission(PricedModel(self.cm, self.overhead))
 
     # -------------------------------------------------------------- workload
 
@@ -252,7 +259,11 @@ class Adapter:
                 f"cannot hold {self.cfg.algo} on {self.cfg.model} at {rlen}-token responses: "
                 f"{e}"
             ) from None
-        out = [(lat, p) for lat, p in res.k_best if self._runnable(p)]
+        # Ranked with the measured per-call overhead the model does not price
+        # (step_overhead): only its plan-dependent part, so the order is the model's
+        # when nothing has been measured yet.
+        out = [(lat + self.overhead.spread(p), p) for lat, p in res.k_best if self._runnable(p)]
+        out.sort(key=lambda x: x[0])
         if not out:
             raise NotEnoughDevicesError(
                 f"no plan among the planner's best {len(res.k_best)} fits the model's head "
@@ -290,7 +301,7 @@ class Adapter:
             return self.calibration.price(raw)
 
         return choose_lookahead(
-            current, ranked, wls, lengths, self.cm, tcost,
+            current, ranked, wls, lengths, PricedModel(self.cm, self.overhead), tcost,
             tie_margin=self.tie_margin(),
         )  # fmt: skip
 
@@ -348,10 +359,14 @@ class Adapter:
         wl_now = self.workload(m["response_len"])
         measured = stage_seconds(self.cfg.algo, m)
         predicted = self.cm.step_latency(plan, wl_now).total_s
+        # the step as a whole: the stages' price and the measured unpriced rest
+        ovh = self.overhead.predict(plan)
+        whole = predicted + ovh
         if self._refined:
             # A prediction from the model refined on earlier steps (the first step's is
             # the unrefined model's, which says nothing about the refined one's error).
-            self.tolerance.observe(predicted, m["step_s"])
+            self.tolerance.observe(whole, m["step_s"])
+        self.overhead.observe(plan, predicted, m["step_s"])
         try:
             self.cm.observe(plan, wl_now, measured)
             self._refined = True
@@ -361,9 +376,10 @@ class Adapter:
         wl = self.workload(nxt)
         peak = max(self.cm.peak_memory(plan, wl).values())
         frac = peak / self.budget
-        eff = m["step_s"] / predicted if predicted > 0 else None
+        eff = m["step_s"] / whole if whole > 0 else None
         out = {
             "predicted_step_s": predicted,
+            "predicted_overhead_s": ovh,
             "peak_memory_fraction": frac,
             "memory_budget_bytes": self.budget,
         }
@@ -416,6 +432,8 @@ class Adapter:
             "current": repr(plan),
             "candidate": repr(cand),
             "measured_transition_s": None,
+            # the measured unpriced rest that ranked the candidates with the model
+            **self.overhead.record(),
         }
         if la is not None:
             row.update(la.record())

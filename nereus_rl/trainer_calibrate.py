@@ -86,17 +86,26 @@ def next_probe(
     ``ranked`` holds the model's ranking at each length. Going down the ranks (the best
     of every length first, shorter lengths first within a rank, to depth ``pool``), the
     first plan with a stage layout not in ``covered`` (see :func:`layouts`); None when
-    there is none.
+    there is none. A plan with a new stage shape (stage, dp, tp, pp) goes before one
+    whose layouts differ only in which stages share devices.
 
     Raises:
         ValueError: ``pool`` is not positive.
     """
     if pool < 1:
         raise ValueError(f"pool={pool} must be >= 1")
-    for r in range(pool):
-        for n in sorted(ranked):
-            if r < len(ranked[n]) and layouts(ranked[n][r]) - covered:
-                return ranked[n][r], n
+    # First a plan with a stage shape (stage, dp, tp, pp) no probe has run, then one
+    # that only shares devices differently: bench_e2e's model check (GRPO sync quick)
+    # had all three probes train on dp 2 (the reference and rollout placements told
+    # them apart), and the model, fitted on that shape alone, priced a dp 1 training
+    # at 0.14 s and a pp 2 one at 0.12 s where they measured 0.03-0.04 s: the planner
+    # ranked the plans the bench then measured fastest 4th to 6th.
+    shapes = {lay[:4] for lay in covered}
+    for new in (lambda p: {lay[:4] for lay in layouts(p)} - shapes, lambda p: layouts(p) - covered):
+        for r in range(pool):
+            for n in sorted(ranked):
+                if r < len(ranked[n]) and new(ranked[n][r]):
+                    return ranked[n][r], n
     return None
 
 
@@ -133,7 +142,7 @@ def calibrate(
     saved = trainer.rng, trainer.plan
     # Its own prompts: the run's prompt stream must not depend on calibration.
     trainer.rng = random.Random(trainer.cfg.seed * 7919 + 1)
-    runs, setups, observed = [], {}, []
+    runs, setups, observed, steps = [], {}, [], []
     try:
         while len(probes) < num_probes:
             # Ranked by the model as refined so far: each probe measures a layout the
@@ -167,6 +176,7 @@ def calibrate(
                 if rep > 0:  # the first run pays the layout's one-off costs
                     ad.cm.observe(p, wl, secs)
                     observed.append((p, wl, secs))
+                    steps.append((p, wl, time.perf_counter() - t_step))
                 runs.append(
                     {"plan": repr(p), "response_len": n, "repeat": rep,
                      "step_s": time.perf_counter() - t_step, "stage_s": secs,
@@ -175,6 +185,10 @@ def calibrate(
     finally:
         trainer.rng, trainer.plan = saved
     after = {repr(p): ad.cm.step_latency(p, w).total_s for p, w, _ in observed}
+    # Each probe's whole step against the refined model's price: the unpriced rest per
+    # worker call (nereus_rl.step_overhead), fitted over plans with different call counts
+    for p, w, step_s in steps:
+        ad.overhead.observe(p, ad.cm.step_latency(p, w).total_s, step_s)
     rec = {
         "probes": [repr(p) for p in probes],
         "response_lens": lengths,
@@ -182,6 +196,7 @@ def calibrate(
         "setup_s": setups,
         "predicted_before_s": before,
         "predicted_after_s": after,
+        "overhead": ad.overhead.record(),
         "seconds": time.perf_counter() - t0,
     }
     return rec, observed
