@@ -146,6 +146,10 @@ class Adapter:
         self.mspec = model_preset(cfg.model)
         cores = os.cpu_count() or 1
         self.workers_per_core = max(1.0, cfg.devices / cores)
+        # What a step costs beyond the model's price, per worker call (step_overhead);
+        # the start plan, admission and lookahead compare plans with it, as the
+        # candidates are ranked (empty until the startup probes or a step measure it)
+        self.overhead = StepOverhead()
         budget = cfg.memory_budget
         if budget is None:
             budget = self._auto_budget()
@@ -156,9 +160,6 @@ class Adapter:
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.calibration = TransitionCalibration()
-        # What a step costs beyond the model's price, per worker call (step_overhead);
-        # admission and lookahead compare plans with it, as the candidates are ranked
-        self.overhead = StepOverhead()
         self.admission = Admission(PricedModel(self.cm, self.overhead))
         # The model's error before any refined prediction: the error the controller's
         # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
@@ -221,8 +222,19 @@ class Adapter:
         wl = self.workload(self.trainer._response_len(0))
         try:
             res = plan_best(wl, cl, cm, k=64)
-            first = next(p for _, p in res.k_best if self._runnable(p))
-        except (PlanInfeasibleError, StopIteration):
+            # ranked as best_plan ranks the start plan (with the measured per-call
+            # overhead): sized on another plan, the budget can sit above the peak of
+            # the plan the run starts on, and the default run then never meets memory
+            # pressure (nereus-rl train --quick made no transition)
+            first = min(
+                (
+                    (lat + self.overhead.spread(p), i, p)
+                    for i, (lat, p) in enumerate(res.k_best)
+                    if self._runnable(p)
+                ),
+                key=lambda x: x[:2],
+            )[2]
+        except (PlanInfeasibleError, ValueError):
             return cl.device.memory_bytes
         return int(max(cm.peak_memory(first, wl).values()) * AUTO_BUDGET_HEADROOM)
 
