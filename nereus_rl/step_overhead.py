@@ -91,20 +91,30 @@ class StepOverhead:
 
 
 class PricedModel:
-    """``costmodel`` with :meth:`StepOverhead.spread` added to each step latency's total.
+    """``costmodel`` with measured stage shapes at their measured price (``shapes``, a
+    :class:`~nereus_rl.shape_correction.ShapeCorrection`, optional) and
+    :meth:`StepOverhead.spread` added to each step latency's total.
 
-    What the decisions compare plans with (lookahead's scores, admission's saving), so
-    that they rank plans as the candidates were ranked; everything else (memory,
-    primitives, observe) is the cost model's own.
+    What the decisions compare plans with (the planner's candidates, lookahead's
+    scores, admission's saving), so that they rank plans alike; everything else
+    (memory, primitives, observe) is the cost model's own.
     """
 
-    def __init__(self, costmodel, overhead: StepOverhead) -> None:
+    def __init__(self, costmodel, overhead: StepOverhead, shapes=None) -> None:
         self._cm = costmodel
         self._overhead = overhead
+        self._shapes = shapes
+
+    def stage_price(self, plan: GlobalPlan, workload):
+        """The model's estimate with measured shapes corrected, without the overhead."""
+        est = self._cm.step_latency(plan, workload)
+        if self._shapes is not None:
+            est = self._shapes.correct(self._cm, plan, workload, est)
+        return est
 
     def step_latency(self, plan: GlobalPlan, workload):
-        """The model's estimate with the measured per-call overhead in ``total_s``."""
-        est = self._cm.step_latency(plan, workload)
+        """The corrected estimate with the measured per-call overhead in ``total_s``."""
+        est = self.stage_price(plan, workload)
         return replace(est, total_s=est.total_s + self._overhead.spread(plan))
 
     def __getattr__(self, name: str):

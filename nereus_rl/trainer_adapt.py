@@ -64,6 +64,7 @@ from nereus_rl.lookahead import choose as choose_lookahead
 from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError, planner_for
 from nereus_rl.planner import plan as plan_best
+from nereus_rl.shape_correction import ShapeCorrection
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.step_overhead import PricedModel, StepOverhead
 from nereus_rl.trainer_calibrate import stage_seconds
@@ -150,6 +151,9 @@ class Adapter:
         # the start plan, admission and lookahead compare plans with it, as the
         # candidates are ranked (empty until the startup probes or a step measure it)
         self.overhead = StepOverhead()
+        # Stage shapes that ran, priced at their measured ratio to the model
+        # (shape_correction): the model misprices some shapes 2-4x on these workers
+        self.shapes = ShapeCorrection()
         budget = cfg.memory_budget
         if budget is None:
             budget = self._auto_budget()
@@ -160,7 +164,7 @@ class Adapter:
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.calibration = TransitionCalibration()
-        self.admission = Admission(PricedModel(self.cm, self.overhead))
+        self.admission = Admission(self.priced())
         # The model's error before any refined prediction: the error the controller's
         # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
         band = self.controller.model_tolerance
@@ -184,7 +188,12 @@ class Adapter:
             self.cm = CostModel(self.cluster)
             for plan, wl, measured in observed:
                 self.cm.observe(plan, wl, measured)
-            self.admission = Admission(PricedModel(self.cm, self.overhead))
+            self.admission = Admission(self.priced())
+
+    def priced(self, cm: CostModel | None = None) -> PricedModel:
+        """``cm`` (the adapter's model by default) as the decisions price plans: measured
+        stage shapes at their measured ratio, plus the per-call overhead's spread."""
+        return PricedModel(self.cm if cm is None else cm, self.overhead, self.shapes)
 
     # -------------------------------------------------------------- workload
 
@@ -226,10 +235,11 @@ class Adapter:
             # overhead): sized on another plan, the budget can sit above the peak of
             # the plan the run starts on, and the default run then never meets memory
             # pressure (nereus-rl train --quick made no transition)
+            pm = self.priced(cm)
             first = min(
                 (
-                    (lat + self.overhead.spread(p), i, p)
-                    for i, (lat, p) in enumerate(res.k_best)
+                    (pm.step_latency(p, wl).total_s, i, p)
+                    for i, (_, p) in enumerate(res.k_best)
                     if self._runnable(p)
                 ),
                 key=lambda x: x[:2],
@@ -271,10 +281,12 @@ class Adapter:
                 f"cannot hold {self.cfg.algo} on {self.cfg.model} at {rlen}-token responses: "
                 f"{e}"
             ) from None
-        # Ranked with the measured per-call overhead the model does not price
-        # (step_overhead): only its plan-dependent part, so the order is the model's
-        # when nothing has been measured yet.
-        out = [(lat + self.overhead.spread(p), p) for lat, p in res.k_best if self._runnable(p)]
+        # Ranked as the decisions price plans (priced): measured stage shapes at their
+        # measured ratio to the model (shape_correction) and the measured per-call
+        # overhead the model does not price (step_overhead; only its plan-dependent
+        # part), so the order is the model's when nothing has been measured yet.
+        pm = self.priced()
+        out = [(pm.step_latency(p, wl).total_s, p) for _, p in res.k_best if self._runnable(p)]
         out.sort(key=lambda x: x[0])
         if not out:
             raise NotEnoughDevicesError(
@@ -313,7 +325,7 @@ class Adapter:
             return self.calibration.price(raw)
 
         return choose_lookahead(
-            current, ranked, wls, lengths, PricedModel(self.cm, self.overhead), tcost,
+            current, ranked, wls, lengths, self.priced(), tcost,
             tie_margin=self.tie_margin(),
         )  # fmt: skip
 
@@ -370,7 +382,8 @@ class Adapter:
         plan = tr.plan
         wl_now = self.workload(m["response_len"])
         measured = stage_seconds(self.cfg.algo, m)
-        predicted = self.cm.step_latency(plan, wl_now).total_s
+        # the stages' price with the measured shapes' ratios (as plans are ranked)
+        predicted = self.priced().stage_price(plan, wl_now).total_s
         # the step as a whole: the stages' price and the measured unpriced rest
         ovh = self.overhead.predict(plan)
         whole = predicted + ovh
@@ -379,6 +392,7 @@ class Adapter:
             # the unrefined model's, which says nothing about the refined one's error).
             self.tolerance.observe(whole, m["step_s"])
         self.overhead.observe(plan, predicted, m["step_s"])
+        self.shapes.observe(plan, wl_now, measured)
         try:
             self.cm.observe(plan, wl_now, measured)
             self._refined = True
@@ -446,6 +460,7 @@ class Adapter:
             "measured_transition_s": None,
             # the measured unpriced rest that ranked the candidates with the model
             **self.overhead.record(),
+            **self.shapes.record(self.cm),
         }
         if la is not None:
             row.update(la.record())

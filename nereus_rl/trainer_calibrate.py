@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nereus_rl.globalplan import GlobalPlan
@@ -79,7 +80,10 @@ def layouts(plan: GlobalPlan) -> set[tuple]:
 
 
 def next_probe(
-    ranked: dict[int, list[GlobalPlan]], covered: set[tuple], pool: int
+    ranked: dict[int, list[GlobalPlan]],
+    covered: set[tuple],
+    pool: int,
+    stage_s: Callable[[GlobalPlan, int], dict[str, float]] | None = None,
 ) -> tuple[GlobalPlan, int] | None:
     """The next probe and the response length to run it at.
 
@@ -100,12 +104,29 @@ def next_probe(
     # them apart), and the model, fitted on that shape alone, priced a dp 1 training
     # at 0.14 s and a pp 2 one at 0.12 s where they measured 0.03-0.04 s: the planner
     # ranked the plans the bench then measured fastest 4th to 6th.
+    #   With ``stage_s`` (predicted seconds per stage of a plan at a length), the plan
+    # whose new shapes hold the most predicted seconds goes first: the next GRPO run
+    # probed a dp 1 and a pp 2 reference (0.02-0.03 s) before the training shapes it
+    # still priced at 0.13-0.15 s and measured at 0.03-0.04 s.
     shapes = {lay[:4] for lay in covered}
-    for new in (lambda p: {lay[:4] for lay in layouts(p)} - shapes, lambda p: layouts(p) - covered):
-        for r in range(pool):
-            for n in sorted(ranked):
-                if r < len(ranked[n]) and new(ranked[n][r]):
-                    return ranked[n][r], n
+    order = [(r, n) for r in range(pool) for n in sorted(ranked) if r < len(ranked[n])]
+    new_shapes = [{lay[:4] for lay in layouts(ranked[n][r])} - shapes for r, n in order]
+    if stage_s is not None:
+        best, best_w = None, 0.0
+        for (r, n), new in zip(order, new_shapes):
+            if new:
+                secs = stage_s(ranked[n][r], n)
+                w = sum(secs.get(s[0], 0.0) for s in new)
+                if best is None or w > best_w:
+                    best, best_w = (ranked[n][r], n), w
+        if best is not None:
+            return best
+    for (r, n), new in zip(order, new_shapes):
+        if new:
+            return ranked[n][r], n
+    for r, n in order:
+        if layouts(ranked[n][r]) - covered:
+            return ranked[n][r], n
     return None
 
 
@@ -143,6 +164,12 @@ def calibrate(
     # Its own prompts: the run's prompt stream must not depend on calibration.
     trainer.rng = random.Random(trainer.cfg.seed * 7919 + 1)
     runs, setups, observed, steps = [], {}, [], []
+
+    def stage_s(p: GlobalPlan, n: int) -> dict[str, float]:
+        # the model's price per stage (a shape no probe ran has no measured ratio)
+        est = ad.cm.step_latency(p, ad.workload(n))
+        return {k: v.seconds for k, v in est.stages.items()}
+
     try:
         while len(probes) < num_probes:
             # Ranked by the model as refined so far: each probe measures a layout the
@@ -153,7 +180,7 @@ def calibrate(
                     ranked[n] = [q for _, q in ad.ranked_plans(n)]
                 except ValueError:  # nothing fits at n: the run will stop before it
                     pass
-            nxt = next_probe(ranked, covered, PROBE_POOL)
+            nxt = next_probe(ranked, covered, PROBE_POOL, stage_s=stage_s)
             if nxt is None:
                 break
             p, n = nxt
@@ -175,6 +202,7 @@ def calibrate(
                 secs = stage_seconds(trainer.cfg.algo, m)
                 if rep > 0:  # the first run pays the layout's one-off costs
                     ad.cm.observe(p, wl, secs)
+                    ad.shapes.observe(p, wl, secs)
                     observed.append((p, wl, secs))
                     steps.append((p, wl, time.perf_counter() - t_step))
                 runs.append(
@@ -187,8 +215,11 @@ def calibrate(
     after = {repr(p): ad.cm.step_latency(p, w).total_s for p, w, _ in observed}
     # Each probe's whole step against the refined model's price: the unpriced rest per
     # worker call (nereus_rl.step_overhead), fitted over plans with different call counts
+    # (priced with the measured shapes' ratios, so the residual is the rest no stage
+    # time holds, not the model's error on a stage)
+    pm = ad.priced()
     for p, w, step_s in steps:
-        ad.overhead.observe(p, ad.cm.step_latency(p, w).total_s, step_s)
+        ad.overhead.observe(p, pm.stage_price(p, w).total_s, step_s)
     rec = {
         "probes": [repr(p) for p in probes],
         "response_lens": lengths,
@@ -197,6 +228,7 @@ def calibrate(
         "predicted_before_s": before,
         "predicted_after_s": after,
         "overhead": ad.overhead.record(),
+        **ad.shapes.record(ad.cm),
         "seconds": time.perf_counter() - t0,
     }
     return rec, observed
