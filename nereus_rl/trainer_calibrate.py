@@ -91,7 +91,9 @@ def next_probe(
     of every length first, shorter lengths first within a rank, to depth ``pool``), the
     first plan with a stage layout not in ``covered`` (see :func:`layouts`); None when
     there is none. A plan with a new stage shape (stage, dp, tp, pp) goes before one
-    whose layouts differ only in which stages share devices.
+    whose layouts differ only in which stages share devices; with ``stage_s`` (the
+    model's seconds per stage of a plan at a length) a new shape of the stage that
+    weighs most in the best-ranked plan goes first.
 
     Raises:
         ValueError: ``pool`` is not positive.
@@ -104,23 +106,25 @@ def next_probe(
     # them apart), and the model, fitted on that shape alone, priced a dp 1 training
     # at 0.14 s and a pp 2 one at 0.12 s where they measured 0.03-0.04 s: the planner
     # ranked the plans the bench then measured fastest 4th to 6th.
-    #   With ``stage_s`` (predicted seconds per stage of a plan at a length), the plan
-    # whose new shapes hold the most predicted seconds goes first: the next GRPO run
-    # probed a dp 1 and a pp 2 reference (0.02-0.03 s) before the training shapes it
-    # still priced at 0.13-0.15 s and measured at 0.03-0.04 s.
+    #   With ``stage_s`` (predicted seconds per stage of a plan at a length), the
+    # best-ranked plan with a new shape of the stage that weighs most in the model's
+    # best plan goes first: the next GRPO run probed a dp 1 and a pp 2 reference
+    # (0.02-0.03 s) before the training shapes it still priced at 0.10-0.15 s and
+    # measured at 0.03-0.04 s. (Weighing each plan by its own new stages' seconds
+    # probed an expensive dp 2 x tp 2 reference instead: 6.7 s of calibration.)
     shapes = {lay[:4] for lay in covered}
     order = [(r, n) for r in range(pool) for n in sorted(ranked) if r < len(ranked[n])]
     new_shapes = [{lay[:4] for lay in layouts(ranked[n][r])} - shapes for r, n in order]
-    if stage_s is not None:
-        best, best_w = None, 0.0
-        for (r, n), new in zip(order, new_shapes):
-            if new:
-                secs = stage_s(ranked[n][r], n)
-                w = sum(secs.get(s[0], 0.0) for s in new)
-                if best is None or w > best_w:
-                    best, best_w = (ranked[n][r], n), w
-        if best is not None:
-            return best
+    if stage_s is not None and order:
+        r0, n0 = order[0]
+        weight = stage_s(ranked[n0][r0], n0)
+        scored = [
+            (max(weight.get(s[0], 0.0) for s in new), -i) for i, new in enumerate(new_shapes) if new
+        ]
+        if scored:
+            i = -max(scored)[1]
+            r, n = order[i]
+            return ranked[n][r], n
     for (r, n), new in zip(order, new_shapes):
         if new:
             return ranked[n][r], n
