@@ -30,7 +30,10 @@ asynchronous one) the trainer hands the step's measurements to
    below which lookahead calls scores tied (capped: :meth:`Adapter.tie_margin`).
    The step's residual (measured minus the model's price) goes to
    :class:`~nereus_rl.step_overhead.StepOverhead`, the unpriced rest per worker call,
-   which ranks the planner's candidates and completes the efficiency signal's price.
+   which ranks the planner's candidates and completes the efficiency signal's price;
+   its stage seconds go to :class:`~nereus_rl.shape_correction.ShapeCorrection`, so
+   that a stage shape that ran (a probe's or the run's) is priced at its measured
+   ratio to the model in every comparison of plans (``Adapter.priced``).
 
 Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken, the measured transition time, the
