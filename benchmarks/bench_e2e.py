@@ -177,6 +177,7 @@ def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[li
     named_keys = {canonical(p, n) for p in named}
     seen = set(named_keys)
     wls = {rl: ad.workload(rl) for rl in set(lengths)}
+    pm = ad.priced()
     out = []
     dup_named = dup = 0
     for p in ranked:
@@ -186,7 +187,9 @@ def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[li
             dup += 1
             continue
         seen.add(c)
-        pred = _mean([ad.cm.step_latency(p, wls[rl]).total_s for rl in lengths])
+        # as the decisions price it: measured shapes at their ratio (shape_correction)
+        pred = _mean([pm.stage_price(p, wls[rl]).total_s for rl in lengths])
+        pred += ad.overhead.predict(p)  # the measured unpriced rest (step_overhead)
         out.append((pred, p))
     out.sort(key=lambda x: x[0])
     return out, {"k_best": len(ranked), "duplicates": dup, "same_as_named": dup_named}
@@ -268,6 +271,7 @@ def run_setting(
     enum, counts = enumerate_fixed(ranker, lengths, [p for p, _ in plans.values()])
     # The model that ranked them, and the trace's workloads, for the model check
     rank_cm, rank_wls = ranker.cm, [ranker.workload(n) for n in lengths]
+    rank_ovh, rank_shapes = ranker.overhead, ranker.shapes
     top = len(enum) if fixed_top is None else min(fixed_top, len(enum))
     print(
         f"{algo} {mode}: {counts['k_best']} feasible fixed plans (planner k-best at "
@@ -349,7 +353,9 @@ def run_setting(
         }
         if not adaptive:
             ph = [r["phases"] for r in rs if r["phases"]]
-            row["predicted"] = predicted_phases(rank_cm, plans[v][0], rank_wls)
+            row["predicted"] = predicted_phases(
+                rank_cm, plans[v][0], rank_wls, rank_ovh, rank_shapes
+            )
             row["measured"] = {k: _mean([x[k] for x in ph]) for k in ph[0]}
         rows.append(row)
     model_check = print_table(

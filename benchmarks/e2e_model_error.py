@@ -29,12 +29,19 @@ def measured_phases(m: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def predicted_phases(cm, plan, workloads: list) -> dict[str, float]:
-    """The model's mean predicted seconds per phase and in total over ``workloads``."""
+def predicted_phases(cm, plan, workloads: list, overhead=None, shapes=None) -> dict[str, float]:
+    """The model's mean predicted seconds per phase and in total over ``workloads``;
+    with ``overhead`` (a fitted :class:`~nereus_rl.step_overhead.StepOverhead`) the
+    total includes its measured unpriced rest for the plan (``ovh``); with ``shapes``
+    (a :class:`~nereus_rl.shape_correction.ShapeCorrection`) measured stage shapes are
+    priced at their measured ratio, as the run's decisions price them."""
     ests = [cm.step_latency(plan, wl) for wl in workloads]
+    if shapes is not None:
+        ests = [shapes.correct(cm, plan, wl, e) for wl, e in zip(workloads, ests)]
     n = len(ests)
     out = {ph: sum(e.phase_s[i] for e in ests) / n for i, ph in enumerate(PHASES)}
-    out["total"] = sum(e.total_s for e in ests) / n
+    out["ovh"] = 0.0 if overhead is None else overhead.predict(plan)
+    out["total"] = sum(e.total_s for e in ests) / n + out["ovh"]
     return out
 
 
@@ -92,18 +99,20 @@ def print_table(algo: str, mode: str, rows: list[dict[str, Any]]) -> dict[str, A
     """Print predicted vs measured per plan and phase, and the summary; return it."""
     print(
         f"{algo} {mode}: calibrated model vs measured, per fixed plan (s/step; "
-        "pred/meas per phase gen|infer|train; rest = step - phases, unmodelled)"
+        "pred/meas per phase gen|infer|train; pred prices measured stage shapes at their "
+        "measured ratio (shape_correction) and includes ovh, the measured unpriced rest the "
+        "run fitted (step_overhead); rest = step - phases)"
     )
     print(
         f"  {'variant':20} {'pred':>6} {'meas':>6} {'m/p':>5}  "
-        f"{'gen p/m':>11} {'infer p/m':>11} {'train p/m':>11} {'rest':>6}"
+        f"{'gen p/m':>11} {'infer p/m':>11} {'train p/m':>11} {'ovh/rest':>11}"
     )
     for r in sorted(rows, key=lambda r: r["measured"]["total"]):
         p, m = r["predicted"], r["measured"]
         cells = " ".join(f"{p[ph]:5.3f}/{m[ph]:5.3f}" for ph in PHASES)
         print(
             f"  {r['variant']:20} {p['total']:6.3f} {m['total']:6.3f} "
-            f"{m['total'] / p['total']:5.2f}  {cells} {m['rest']:6.3f}"
+            f"{m['total'] / p['total']:5.2f}  {cells} {p.get('ovh', 0.0):5.3f}/{m['rest']:5.3f}"
         )
     s = summarize(rows)
     print(

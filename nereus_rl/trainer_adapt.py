@@ -28,6 +28,12 @@ asynchronous one) the trainer hands the step's measurements to
    at the model's price plus the measured excess); each step's time against its
    prediction goes to :class:`~nereus_rl.calibration.ModelTolerance`, the error
    below which lookahead calls scores tied (capped: :meth:`Adapter.tie_margin`).
+   The step's residual (measured minus the model's price) goes to
+   :class:`~nereus_rl.step_overhead.StepOverhead`, the unpriced rest per worker call,
+   which ranks the planner's candidates and completes the efficiency signal's price;
+   its stage seconds go to :class:`~nereus_rl.shape_correction.ShapeCorrection`, so
+   that a stage shape that ran (a probe's or the run's) is priced at its measured
+   ratio to the model in every comparison of plans (``Adapter.priced``).
 
 Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken, the measured transition time, the
@@ -61,7 +67,9 @@ from nereus_rl.lookahead import choose as choose_lookahead
 from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError, planner_for
 from nereus_rl.planner import plan as plan_best
+from nereus_rl.shape_correction import ShapeCorrection
 from nereus_rl.spec import local_cpu_cluster, model_preset
+from nereus_rl.step_overhead import PricedModel, StepOverhead
 from nereus_rl.trainer_calibrate import stage_seconds
 from nereus_rl.trainer_fallback import observe_fallback, stagewise_cost
 from nereus_rl.transition import TransitionError
@@ -142,6 +150,13 @@ class Adapter:
         self.mspec = model_preset(cfg.model)
         cores = os.cpu_count() or 1
         self.workers_per_core = max(1.0, cfg.devices / cores)
+        # What a step costs beyond the model's price, per worker call (step_overhead);
+        # the start plan, admission and lookahead compare plans with it, as the
+        # candidates are ranked (empty until the startup probes or a step measure it)
+        self.overhead = StepOverhead()
+        # Stage shapes that ran, priced at their measured ratio to the model
+        # (shape_correction): the model misprices some shapes 2-4x on these workers
+        self.shapes = ShapeCorrection()
         budget = cfg.memory_budget
         if budget is None:
             budget = self._auto_budget()
@@ -151,8 +166,8 @@ class Adapter:
         )
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
-        self.admission = Admission(self.cm)
         self.calibration = TransitionCalibration()
+        self.admission = Admission(self.priced())
         # The model's error before any refined prediction: the error the controller's
         # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
         band = self.controller.model_tolerance
@@ -176,7 +191,12 @@ class Adapter:
             self.cm = CostModel(self.cluster)
             for plan, wl, measured in observed:
                 self.cm.observe(plan, wl, measured)
-            self.admission = Admission(self.cm)
+            self.admission = Admission(self.priced())
+
+    def priced(self, cm: CostModel | None = None) -> PricedModel:
+        """``cm`` (the adapter's model by default) as the decisions price plans: measured
+        stage shapes at their measured ratio, plus the per-call overhead's spread."""
+        return PricedModel(self.cm if cm is None else cm, self.overhead, self.shapes)
 
     # -------------------------------------------------------------- workload
 
@@ -214,8 +234,20 @@ class Adapter:
         wl = self.workload(self.trainer._response_len(0))
         try:
             res = plan_best(wl, cl, cm, k=64)
-            first = next(p for _, p in res.k_best if self._runnable(p))
-        except (PlanInfeasibleError, StopIteration):
+            # ranked as best_plan ranks the start plan (with the measured per-call
+            # overhead): sized on another plan, the budget can sit above the peak of
+            # the plan the run starts on, and the default run then never meets memory
+            # pressure (nereus-rl train --quick made no transition)
+            pm = self.priced(cm)
+            first = min(
+                (
+                    (pm.step_latency(p, wl).total_s, i, p)
+                    for i, (_, p) in enumerate(res.k_best)
+                    if self._runnable(p)
+                ),
+                key=lambda x: x[:2],
+            )[2]
+        except (PlanInfeasibleError, ValueError):
             return cl.device.memory_bytes
         return int(max(cm.peak_memory(first, wl).values()) * AUTO_BUDGET_HEADROOM)
 
@@ -252,7 +284,13 @@ class Adapter:
                 f"cannot hold {self.cfg.algo} on {self.cfg.model} at {rlen}-token responses: "
                 f"{e}"
             ) from None
-        out = [(lat, p) for lat, p in res.k_best if self._runnable(p)]
+        # Ranked as the decisions price plans (priced): measured stage shapes at their
+        # measured ratio to the model (shape_correction) and the measured per-call
+        # overhead the model does not price (step_overhead; only its plan-dependent
+        # part), so the order is the model's when nothing has been measured yet.
+        pm = self.priced()
+        out = [(pm.step_latency(p, wl).total_s, p) for _, p in res.k_best if self._runnable(p)]
+        out.sort(key=lambda x: x[0])
         if not out:
             raise NotEnoughDevicesError(
                 f"no plan among the planner's best {len(res.k_best)} fits the model's head "
@@ -290,7 +328,7 @@ class Adapter:
             return self.calibration.price(raw)
 
         return choose_lookahead(
-            current, ranked, wls, lengths, self.cm, tcost,
+            current, ranked, wls, lengths, self.priced(), tcost,
             tie_margin=self.tie_margin(),
         )  # fmt: skip
 
@@ -347,11 +385,17 @@ class Adapter:
         plan = tr.plan
         wl_now = self.workload(m["response_len"])
         measured = stage_seconds(self.cfg.algo, m)
-        predicted = self.cm.step_latency(plan, wl_now).total_s
+        # the stages' price with the measured shapes' ratios (as plans are ranked)
+        predicted = self.priced().stage_price(plan, wl_now).total_s
+        # the step as a whole: the stages' price and the measured unpriced rest
+        ovh = self.overhead.predict(plan)
+        whole = predicted + ovh
         if self._refined:
             # A prediction from the model refined on earlier steps (the first step's is
             # the unrefined model's, which says nothing about the refined one's error).
-            self.tolerance.observe(predicted, m["step_s"])
+            self.tolerance.observe(whole, m["step_s"])
+        self.overhead.observe(plan, predicted, m["step_s"])
+        self.shapes.observe(plan, wl_now, measured)
         try:
             self.cm.observe(plan, wl_now, measured)
             self._refined = True
@@ -361,9 +405,10 @@ class Adapter:
         wl = self.workload(nxt)
         peak = max(self.cm.peak_memory(plan, wl).values())
         frac = peak / self.budget
-        eff = m["step_s"] / predicted if predicted > 0 else None
+        eff = m["step_s"] / whole if whole > 0 else None
         out = {
             "predicted_step_s": predicted,
+            "predicted_overhead_s": ovh,
             "peak_memory_fraction": frac,
             "memory_budget_bytes": self.budget,
         }
@@ -416,6 +461,9 @@ class Adapter:
             "current": repr(plan),
             "candidate": repr(cand),
             "measured_transition_s": None,
+            # the measured unpriced rest that ranked the candidates with the model
+            **self.overhead.record(),
+            **self.shapes.record(self.cm),
         }
         if la is not None:
             row.update(la.record())

@@ -147,6 +147,24 @@ def test_near_tie_prefers_fewer_moves():
         choose(*args, tie_margin=-0.1)
 
 
+def test_opportunistic_near_tie_keeps_the_current_plan():
+    # The planner's best A and the current plan C both hold the horizon (4 steps).
+    # A: 0.1 + 4 x 1.00 = 4.1; staying on C: 4 x 1.02 = 4.08 -> kept, no move.
+    cm = TableCM({"C": 1.02, "A": 1.0}, {"C": 9, "A": 9})
+    args = ("C", ["A", "C"], [0, 1, 2, 3], (8, 8, 8, 8), cm, move(0.1))
+    ch = choose(*args, tie_margin=0.05)
+    assert ch.plan == "C" and ch.rank == 1 and ch.score_s == pytest.approx(4.08)
+    assert "near tie" in ch.reason and ch.old_score_s == pytest.approx(4.1)
+    # C 10% slower (4.4 > 4.1 x 1.05): the move stands; so without a band
+    cm.lat["C"] = 1.1
+    assert choose(*args, tie_margin=0.05).plan == "A"
+    cm.lat["C"] = 1.02
+    assert choose(*args).plan == "A"
+    # a current plan that goes over within the horizon is no tie to keep
+    cm.cap["C"] = 2
+    assert choose(*args, tie_margin=0.05).plan == "A"
+
+
 def test_horizon_ends_before_a_length_no_plan_holds():
     # Nothing holds step 3. Before, lookahead then kept the old choice A, which goes
     # over at step 2; now steps 0-2 are scored: A 0.5 + 2 x 1.0 + 0.5 + 1.1 = 4.1,

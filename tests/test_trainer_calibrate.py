@@ -95,3 +95,25 @@ def test_calibration_feeds_the_model_and_leaves_the_run_unchanged(driver):
     a = torch.tensor([m["loss"] for m in cal.metrics])
     b = torch.tensor([m["loss"] for m in plain.metrics])
     assert torch.equal(a, b)
+
+
+def test_next_probe_prefers_a_new_stage_shape_over_new_sharing():
+    a = _plan((1, (0,)), (2, (0, 1)), (2, (0, 1)))
+    f = _plan((1, (2,)), (2, (0, 1)), (2, (0, 1)))  # a's shapes, the rollout alone on 2
+    e = _plan((1, (2,)), (1, (3,)), (1, (0,)))  # trains on dp 1: a shape a never ran
+    assert next_probe({6: [a, f, e]}, layouts(a), pool=8) == (e, 6)
+    # with no new shape among them, a new sharing is still probed
+    assert next_probe({6: [a, f]}, layouts(a), pool=8) == (f, 6)
+
+
+def test_next_probe_weighs_new_shapes_by_their_predicted_seconds():
+    a = _plan((1, (0,)), (2, (0, 1)), (2, (0, 1)))
+    r = _plan((1, (0,)), (1, (3,)), (2, (0, 1)))  # a new reference shape (dp 1), ranked first
+    t = _plan((1, (2,)), (2, (0, 1)), (1, (3,)))  # a new training shape (dp 1)
+    secs = {"rollout": 0.05, "reference": 0.02, "actor_train": 0.15}
+    # without prices, rank order; with them, the shape holding more predicted seconds
+    assert next_probe({6: [r, t]}, layouts(a), pool=8) == (r, 6)
+    assert next_probe({6: [r, t]}, layouts(a), pool=8, stage_s=lambda p, n: secs) == (t, 6)
+    # nothing new in shape: back to new sharing, weights or not
+    f = _plan((1, (2,)), (2, (0, 1)), (2, (0, 1)))
+    assert next_probe({6: [a, f]}, layouts(a), pool=8, stage_s=lambda p, n: secs) == (f, 6)

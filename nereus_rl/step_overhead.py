@@ -1,0 +1,121 @@
+"""The part of a step's time the cost model does not price, measured on the job.
+
+The cost model is fitted to the stages' own seconds (rollout and training as the
+workers time them, inference as the driver does) and sums them by phase. A step also
+holds what no stage time holds: the driver's RPC to every worker of every stage, the
+split of the batch over a stage's units and the gather of their replies, the reward
+scoring, the memory query. bench_e2e's model check (benchmarks/e2e_model_error.py,
+ReMax sync quick at load 11-19) measured that rest at 0.04-0.13 s per step against
+predicted steps of 0.14-0.45 s, and the inference phase of a dp 2 reference at
+0.04-0.07 s against 0.02-0.05 s for dp 1 where the model priced both at 0.008 s: a
+cost that grows with the number of worker calls a step makes, so the model ranked a
+plan with more calls (a dp 2 reference) level with one with fewer, and adaptive
+moved to it.
+
+:class:`StepOverhead` fits the whole step's residual (measured step seconds minus the
+model's prediction for the plan that ran) as ``a + b * calls`` over the recent steps
+and startup probes, ``calls`` being the worker calls one step makes (each stage calls
+each of its workers). ``b`` (never below 0) separates plans; ``a`` is common to all
+of them and only moves the efficiency signal's ratio to where the unpriced rest is
+counted. Nothing is tuned to a trace: with no observation, or a model that prices
+everything, both are 0.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+
+from nereus_rl.globalplan import GlobalPlan
+
+
+def worker_calls(plan: GlobalPlan) -> int:
+    """Worker calls one step makes under ``plan``: each stage's workers, summed."""
+    return sum(len(sp.devices) for sp in plan.stages)
+
+
+class StepOverhead:
+    """Least-squares fit of step residual = ``a + b * worker_calls(plan)``.
+
+    Arguments:
+        window: how many recent (plan, residual) observations the fit uses.
+
+    Raises:
+        ValueError: ``window`` below 2.
+    """
+
+    def __init__(self, window: int = 20) -> None:
+        if window < 2:
+            raise ValueError(f"window={window} must be >= 2 (a line needs two points)")
+        self.window = window
+        self.obs: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, plan: GlobalPlan, predicted_s: float, measured_s: float) -> None:
+        """Record one step of ``plan``: measured minus predicted (ignored when either is
+        not positive)."""
+        if predicted_s > 0 and measured_s > 0:
+            self.obs.append((worker_calls(plan), measured_s - predicted_s))
+
+    @property
+    def coef(self) -> tuple[float, float]:
+        """(a, b): the fit; b is 0 when every observation has one call count or the
+        slope comes out negative (then a is the mean residual)."""
+        if not self.obs:
+            return 0.0, 0.0
+        xs = [float(x) for x, _ in self.obs]
+        ys = [y for _, y in self.obs]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx == 0:
+            return my, 0.0
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        if b <= 0:
+            return my, 0.0
+        return my - b * mx, b
+
+    def predict(self, plan: GlobalPlan) -> float:
+        """The fitted residual for one step of ``plan`` (seconds; may be negative when the
+        model over-prices every plan)."""
+        a, b = self.coef
+        return a + b * worker_calls(plan)
+
+    def spread(self, plan: GlobalPlan) -> float:
+        """The plan-dependent part only, ``b * calls`` (what ranking plans uses)."""
+        return self.coef[1] * worker_calls(plan)
+
+    def record(self) -> dict:
+        """The fit for a decision log: a, b and the observations it rests on."""
+        a, b = self.coef
+        return {"overhead_a_s": a, "overhead_b_s_per_call": b, "overhead_obs": len(self.obs)}
+
+
+class PricedModel:
+    """``costmodel`` with measured stage shapes at their measured price (``shapes``, a
+    :class:`~nereus_rl.shape_correction.ShapeCorrection`, optional) and
+    :meth:`StepOverhead.spread` added to each step latency's total.
+
+    What the decisions compare plans with (the planner's candidates, lookahead's
+    scores, admission's saving), so that they rank plans alike; everything else
+    (memory, primitives, observe) is the cost model's own.
+    """
+
+    def __init__(self, costmodel, overhead: StepOverhead, shapes=None) -> None:
+        self._cm = costmodel
+        self._overhead = overhead
+        self._shapes = shapes
+
+    def stage_price(self, plan: GlobalPlan, workload):
+        """The model's estimate with measured shapes corrected, without the overhead."""
+        est = self._cm.step_latency(plan, workload)
+        if self._shapes is not None:
+            est = self._shapes.correct(self._cm, plan, workload, est)
+        return est
+
+    def step_latency(self, plan: GlobalPlan, workload):
+        """The corrected estimate with the measured per-call overhead in ``total_s``."""
+        est = self.stage_price(plan, workload)
+        return replace(est, total_s=est.total_s + self._overhead.spread(plan))
+
+    def __getattr__(self, name: str):
+        return getattr(self._cm, name)

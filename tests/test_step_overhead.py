@@ -1,0 +1,73 @@
+"""StepOverhead: the measured unpriced rest of a step, per worker call."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.step_overhead import StepOverhead, worker_calls
+
+
+def _plan(ref_dp: int) -> GlobalPlan:
+    return GlobalPlan(
+        (
+            StagePlan("rollout", "actor", False, 1, 1, 1, ((0,),)),
+            StagePlan("reference", "reference", False, ref_dp, 1, 1,
+                      tuple((d,) for d in range(1, 1 + ref_dp))),
+            StagePlan("actor_train", "actor", True, 1, 1, 2, ((0, 3),)),
+        )
+    )  # fmt: skip
+
+
+def test_worker_calls_counts_each_stage_worker():
+    assert worker_calls(_plan(1)) == 4 and worker_calls(_plan(2)) == 5
+
+
+def test_fit_separates_plans_by_calls_and_starts_at_zero():
+    ov = StepOverhead()
+    assert ov.coef == (0.0, 0.0) and ov.spread(_plan(2)) == 0.0
+    for _ in range(3):
+        ov.observe(_plan(1), 0.10, 0.10 + 0.01 + 0.02 * 4)
+        ov.observe(_plan(2), 0.10, 0.10 + 0.01 + 0.02 * 5)
+    a, b = ov.coef
+    assert math.isclose(a, 0.01, abs_tol=1e-9) and math.isclose(b, 0.02)
+    assert math.isclose(ov.spread(_plan(2)) - ov.spread(_plan(1)), 0.02)
+    assert math.isclose(ov.predict(_plan(1)), 0.09)
+
+
+def test_one_call_count_or_negative_slope_gives_no_spread():
+    ov = StepOverhead()
+    ov.observe(_plan(1), 0.1, 0.3)
+    ov.observe(_plan(1), 0.1, 0.1)
+    assert ov.coef == (pytest.approx(0.1), 0.0)
+    ov.observe(_plan(2), 0.1, 0.1)  # more calls, smaller residual
+    assert ov.coef[1] == 0.0
+    ov.observe(_plan(2), -1.0, 0.1)  # ignored
+    assert len(ov.obs) == 3
+
+
+def test_window_must_hold_a_line():
+    with pytest.raises(ValueError, match="window"):
+        StepOverhead(window=1)
+
+
+def test_priced_model_adds_the_spread_only_to_the_total():
+    from nereus_rl.step_overhead import PricedModel
+    from nereus_rl.trainer import TrainConfig, Trainer
+
+    tr = Trainer(TrainConfig(algo="remax", devices=4, steps=2, calibration_probes=0))
+    try:
+        ad = tr.adapter
+        wl = ad.workload(8)
+        ov = StepOverhead()
+        ov.observe(_plan(1), 0.1, 0.2)
+        ov.observe(_plan(2), 0.1, 0.3)
+        pm = PricedModel(ad.cm, ov)
+        raw, priced = ad.cm.step_latency(_plan(2), wl), pm.step_latency(_plan(2), wl)
+        assert math.isclose(priced.total_s - raw.total_s, 0.1 * 5)
+        assert priced.phase_s == raw.phase_s
+        assert pm.peak_memory(_plan(2), wl) == ad.cm.peak_memory(_plan(2), wl)
+    finally:
+        tr.driver.shutdown()
