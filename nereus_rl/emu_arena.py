@@ -58,6 +58,10 @@ ARENA_PREFAULT_ENV = "NEREUS_ARENA_PREFAULT"
 #: keep two units off one page).
 ALIGN = 64
 _BLOCK_ALIGN = 4096
+#: Tensors of at least this many bytes start on a page (segments start on one too),
+#: so that a Split or Merge can move the pages of what a rank keeps from the old
+#: unit's block into the new one's instead of copying them (nereus_comm.remap).
+PAGE_ALIGN_MIN = 64 << 10
 #: Fraction of its share of host memory a worker takes by default (vLLM's default
 #: gpu_memory_utilization is 0.9).
 DEFAULT_FRACTION = 0.9
@@ -145,7 +149,10 @@ class ArenaBlock:
 
 class _Segment:
     def __init__(self, nbytes: int, touch: bool) -> None:
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        # One page more than asked, so the segment can start on a page boundary.
+        raw = torch.empty(nbytes + _BLOCK_ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _BLOCK_ALIGN
+        self.buf = raw[skip : skip + nbytes]
         if touch:
             self.buf.fill_(0)  # the first touch: every page faulted in now, once
         self.np = self.buf.numpy()  # shares the memory; tensors are carved through it
@@ -324,8 +331,8 @@ class Arena:
         """
         spans, at = {}, 0
         for name, (shape, dtype) in shapes.items():
-            at = _round(at, ALIGN)
             nbytes = math.prod(shape) * dtype.itemsize
+            at = _round(at, _BLOCK_ALIGN if nbytes >= PAGE_ALIGN_MIN else ALIGN)
             spans[name] = (at, nbytes)
             at += nbytes
         block = self.alloc(at, what)

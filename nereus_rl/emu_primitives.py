@@ -298,7 +298,7 @@ class Primitives:
             res = self.driver.call(
                 ranks, "emu.reshard", st.name,
                 tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
-                gid, ranks, unit_gids, self.transfer_timeout,
+                gid, ranks, unit_gids, self.transfer_timeout, not keep_sources,
                 timeout=self.transfer_timeout + 30,
             )  # fmt: skip
             # the builds ran before the transfer on every member: their replies are in
@@ -329,6 +329,8 @@ class Primitives:
                    "alloc_s": alloc_s,
                    # the slowest rank's pack / exchange / unpack (profiling Extend)
                    **{k: max(r.get(k, 0.0) for r in res.values())
-                      for k in ("pack_s", "exchange_s", "unpack_s")}},
+                      for k in ("pack_s", "exchange_s", "unpack_s", "read_s", "local_s",
+                                "remap_s")},
+                   "bytes_remapped": sum(r.get("bytes_remapped", 0) for r in res.values())},
         )  # fmt: skip
         return targets[0]

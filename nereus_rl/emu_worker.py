@@ -271,6 +271,7 @@ def _reshard(
     group_ranks: tuple[int, ...],
     unit_group_ids: tuple[int | None, ...],
     timeout: float,
+    consume: bool = False,
 ) -> dict[str, Any]:
     """Move a stage's state from src units (one layout, dp = number of units) to new ones.
 
@@ -281,6 +282,9 @@ def _reshard(
         group_id / group_ranks: the gloo group over every participating rank.
         unit_group_ids: the id of each new unit's own group (None: no group).
         timeout: seconds the transfer may wait for a peer.
+        consume: the source units are dropped after (Split, Merge): the bytes this rank
+            keeps move from a source unit's arena block into the new unit's by page
+            remapping where they can (moved back if the transfer fails).
 
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
@@ -288,11 +292,13 @@ def _reshard(
     specs, _ = _stages(ctx)[stage]
     units = _units(ctx)
     tensors: dict[str, torch.Tensor] = {}
+    own = False  # the source shards are the unit's own arena block (not an owner's tensors)
     if ctx.rank in src_layout:
         d = src_layout.coords(ctx.rank)[0]
         # A source of another stage of the model (extend) may hold more (Adam moments).
         names = {s.name for s in specs}
         tensors = {k: v for k, v in tensors_of(ctx, src_uids[d]).items() if k in names}
+        own = units[src_uids[d]].get("block") is not None
     block, out = None, None
     if ctx.rank in dst_layout:
         # The new unit's block, carved by emu.reserve (None without an arena).
@@ -304,6 +310,7 @@ def _reshard(
         result, extra = move_state(
             specs, src_layout, dst_layout, ctx.rank, tensors, transport,
             timeout=timeout, workspace=workspace, out=out,
+            consume_sources=consume and own and block is not None,
         )  # fmt: skip
     except BaseException:
         release(block)
@@ -328,6 +335,9 @@ def _reshard(
         "pack_s": result.pack_seconds,
         "exchange_s": result.exchange_seconds,
         "unpack_s": result.unpack_seconds,
+        # of exchange_s: the cross-memory-attach reads (and shm sends), the local copies
+        "read_s": result.read_seconds,
+        "local_s": result.local_seconds,
         "comm_setup_s": setup,
         **extra,
     }

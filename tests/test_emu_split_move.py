@@ -1,0 +1,117 @@
+"""Split and Merge move the bytes a rank keeps by page remapping: exact, and undone on failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nereus_comm.layout import Layout
+from nereus_comm.remap import MIN_MOVE_BYTES, PAGE_BYTES, move_ranges
+from nereus_comm.reshard import shards_from_full
+from nereus_rl.emu import EMUManager
+from nereus_rl.emu_comm import move_state
+from nereus_rl.emu_state import stage_state_specs, synthetic
+from nereus_rl.runtime import Driver
+
+# Big enough that most kept halves span whole pages; vocab 1001 splits unevenly (501 /
+# 500 rows), so its halves do not start on a page: partial pages, or no move at all.
+SPECS = stage_state_specs(2, hidden=256, ffn=512, vocab=1001)
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE_BYTES
+    return raw[skip : skip + nbytes]
+
+
+def test_move_ranges_moves_whole_pages_copies_the_rest_and_undoes():
+    n = 1 << 20
+    src, dst = _page_aligned(4 * n), _page_aligned(4 * n)
+    src.copy_(torch.randint(0, 256, (4 * n,), dtype=torch.uint8))
+    dst.fill_(7)
+    before = src.clone()
+    pairs = [
+        (0, 0, n),  # page-aligned both sides: moved
+        (n + 100, n + 100, n - 300),  # same offset in a page: partial pages copied
+        (2 * n + 8, 2 * n + 16, n // 2),  # offsets differ within a page: copied
+        (3 * n, 3 * n, MIN_MOVE_BYTES - PAGE_BYTES),  # short: copied
+    ]
+    moves = move_ranges([(src.data_ptr() + s, dst.data_ptr() + d, k) for s, d, k in pairs])
+    for s, d, k in pairs:
+        assert torch.equal(dst[d : d + k], before[s : s + k])
+    assert moves.bytes_moved == n + (n - 2 * PAGE_BYTES)  # pages strictly inside the second
+    edges = (PAGE_BYTES - 100) + (PAGE_BYTES - 200)
+    assert moves.bytes_copied == edges + n // 2 + MIN_MOVE_BYTES - PAGE_BYTES
+    assert not torch.equal(src[:n], before[:n])  # the source gave its pages away
+    moves.undo()
+    assert torch.equal(src, before)
+
+
+class _NoTransport:
+    """Enough of a transport for reshard to reach its checks (it fails in them)."""
+
+    rank, ranks, device_type = 0, (0, 1), "cpu"
+
+
+def test_a_failed_move_state_gives_the_sources_their_bytes_back():
+    nl = 2
+    src = Layout(1, 2, 1, (0, 1), num_layers=nl)
+    dst = Layout(2, 1, 1, (0, 1), num_layers=nl)
+    full = {s.name: synthetic(s, tuple((0, n) for n in s.shape), 3) for s in SPECS}
+    mine = shards_from_full(full, SPECS, src, 0)
+    tensors = {}
+    for name, t in mine.items():  # page-aligned, as a unit's arena block lays them out
+        tensors[name] = _page_aligned(t.nbytes).view(t.dtype).view(t.shape)
+        tensors[name].copy_(t)
+    out = {
+        name: _page_aligned(t.nbytes).view(t.dtype).view(t.shape)
+        for name, t in shards_from_full(full, SPECS, dst, 0).items()
+    }
+    assert any(s.split_dim == 0 for s in SPECS)
+    bad = dict(out, stray=torch.zeros(3))  # reshard refuses it after the pages moved
+    with pytest.raises(Exception, match="stray"):
+        move_state(SPECS, src, dst, 0, tensors, _NoTransport(), timeout=5, out=bad,
+                   consume_sources=True)  # fmt: skip
+    for name, t in mine.items():
+        assert torch.equal(tensors[name], t), name
+
+
+@pytest.fixture(scope="module")
+def emus():
+    d = Driver(call_timeout=60.0)
+    try:
+        d.spawn_local(2, num_threads=1, method="forkserver")
+        m = EMUManager(d, transfer_timeout=30.0, arena_bytes=4 * sum(s.nbytes for s in SPECS))
+        m.define_stage("actor", SPECS, seed=5)
+        yield m
+    finally:
+        d.shutdown()
+
+
+def _bitwise(m: EMUManager, unit) -> None:
+    ref, got = m.reference(unit.stage), m.full_state(unit)
+    assert got.keys() == ref.keys()
+    for name, t in ref.items():
+        assert torch.equal(got[name], t), f"{unit!r}: {name} differs"
+
+
+def test_split_and_merge_move_the_kept_bytes_and_stay_exact(emus):
+    m = emus
+    kinds = {s.split_dim for s in SPECS}
+    assert kinds == {0, 1, None}  # column-, row-parallel and replicated (Adam, step, RNG)
+    assert any(s.name == "rng" for s in SPECS) and any("exp_avg_sq" in s.name for s in SPECS)
+    a = m.create("actor", [0, 1], tp=2)
+    for _ in range(2):  # the second round moves pages that were moved before
+        x, y = m.split(a)
+        rec = m.records[-1]
+        _bitwise(m, x)
+        _bitwise(m, y)
+        # Each rank kept half of every dim-0 tensor: most of it moved, not copied.
+        dim0 = sum(s.nbytes for s in SPECS if s.split_dim == 0)
+        assert 0.8 * dim0 < rec.extra["bytes_remapped"] <= dim0
+        assert rec.bytes_moved == sum(s.nbytes for s in SPECS if s.split_dim is not None)
+        a = m.merge(x, y)
+        rec = m.records[-1]
+        _bitwise(m, a)
+        assert rec.extra["bytes_remapped"] > 0.4 * dim0
+    m.forget(m.units())
