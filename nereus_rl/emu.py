@@ -124,6 +124,9 @@ class EMUManager(Primitives, PooledGroups):
         arena_prefault: reserve and touch the whole budget when a worker's arena is
             set up (as a GPU worker reserves its memory); default
             ``NEREUS_ARENA_PREFAULT``, else False (blocks made on first use and kept).
+        remap_pages: Split and Merge move the bytes a rank keeps from the old unit's
+            arena block into the new one's by page remapping where whole pages allow
+            it (:mod:`nereus_comm.remap`); False: they copy them (to compare).
     """
 
     def __init__(
@@ -138,8 +141,10 @@ class EMUManager(Primitives, PooledGroups):
         unit_groups: bool = True,
         arena_bytes: int | str | None = None,
         arena_prefault: bool | None = None,
+        remap_pages: bool = True,
     ) -> None:
         self.driver = driver
+        self.remap_pages = remap_pages
         self.costmodel = costmodel
         self.rank_devices = dict(rank_devices) if rank_devices is not None else None
         self.shared_devices = shared_devices

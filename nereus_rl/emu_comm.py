@@ -69,8 +69,9 @@ def move_state(
         consume_sources: ``tensors`` are this rank's to give up (a Split or Merge drops
             them after): with ``out`` in host memory, the bytes this rank keeps are
             moved into ``out`` by page remapping instead of copied where whole pages
-            allow it (:func:`local_moves`). On failure they are moved back, so the
-            sources are intact.
+            allow it (:func:`local_moves`), once the exchange is over (the peers
+            have read the sources where they were, and a failed exchange leaves
+            them intact).
 
     Returns:
         (nereus_comm's ReshardResult, {"plan_s", "bytes_packed", "bytes_direct",
@@ -81,35 +82,31 @@ def move_state(
     plan_s = time.perf_counter() - t0
     same = (src.tp, src.pp) == (dst.tp, dst.pp)
     direct_min_bytes = 1 if same else DIRECT_MIN_BYTES
-    t1 = time.perf_counter()
-    moves, done = None, frozenset()
+    pairs, done = [], frozenset()
     if consume_sources and out:
-        pairs, done, tensors = local_moves(plan, rank, tensors, out, direct_min_bytes)
-        moves = move_ranges(pairs) if pairs else None
-    remap_s = time.perf_counter() - t1
-    try:
-        result = reshard(
-            plan,
-            rank,
-            tensors,
-            transport,
-            timeout=timeout,
-            direct_min_bytes=direct_min_bytes,
-            workspace=workspace,
-            out=out,
-            local_done=done,
-        )
-    except BaseException:
-        if moves is not None:
-            moves.undo()  # the sources hold their bytes again
-        raise
+        pairs, done = local_moves(plan, rank, tensors, out, direct_min_bytes)
+    result = reshard(
+        plan,
+        rank,
+        tensors,
+        transport,
+        timeout=timeout,
+        direct_min_bytes=direct_min_bytes,
+        workspace=workspace,
+        out=out,
+        local_done=done,
+    )
+    # After the exchange: the sources' pages were read where they were (huge pages
+    # read faster than the small ones a move leaves), and nothing reads them now.
+    t1 = time.perf_counter()
+    moved = move_ranges(pairs).bytes_moved if pairs else 0
     packed = result.staged_bytes_sent
     return result, {
         "plan_s": plan_s,
         "bytes_packed": packed,
         "bytes_direct": result.bytes_sent - packed,
-        "bytes_remapped": 0 if moves is None else moves.bytes_moved,
-        "remap_s": remap_s,
+        "bytes_remapped": moved,
+        "remap_s": time.perf_counter() - t1,
     }
 
 
@@ -124,46 +121,37 @@ def local_moves(
     tensors: Mapping[str, torch.Tensor],
     out: Mapping[str, torch.Tensor],
     direct_min_bytes: int,
-) -> tuple[list[tuple[int, int, int]], frozenset[int], dict[str, torch.Tensor]]:
-    """The plan's local copies on ``rank`` that can be moved instead (sources consumed).
+) -> tuple[list[tuple[int, int, int]], frozenset[int]]:
+    """The plan's local copies on ``rank`` that can be page moves once the exchange is over.
 
     A local copy can be a move when it is one contiguous run on both sides (a dim-0
     shard inside its full tensor, a replicated tensor, half of a full tensor that
-    becomes a dim-0 shard) and either covers its whole source tensor (which is then
-    replaced by a view of its new place, so that peers reading it during the
-    exchange read it there) or is the only read of its source tensor on this rank
-    (no other local copy of it, nothing sent from it). A row-parallel (dim-1) piece
-    is strided in the full tensor and stays a copy.
+    becomes a dim-0 shard), at least :data:`~nereus_comm.remap.MIN_MOVE_BYTES`, and
+    the only local copy of its source tensor (a second one would find the bytes
+    gone). A row-parallel (dim-1) piece is strided in the full tensor and stays a copy.
 
     Returns:
         ((source address, destination address, bytes) per move, the indices of the
-        plan's local copies they make, the source tensors to reshard from).
+        plan's local copies they make, to pass to reshard as ``local_done``).
     """
     prog = program(plan, rank, direct_min_bytes)
-    sent = {sl[0] for b in prog.sends for sl in b.slots}
     reads: dict[str, int] = {}
     for sl in prog.local_src:
         reads[sl[0]] = reads.get(sl[0], 0) + 1
-    sources = dict(tensors)
     pairs, done = [], set()
     for i, (s, d) in enumerate(zip(prog.local_src, prog.local_dst)):
-        if not (_contiguous(s) and _contiguous(d)):
+        if not (_contiguous(s) and _contiguous(d)) or reads[s[0]] != 1:
             continue
         src_t, dst_t = tensors[s[0]], out[d[0]]
-        if src_t.device.type != "cpu" or dst_t.device.type != "cpu":
+        nbytes = s[2] * s[3] * src_t.element_size()
+        if src_t.device.type != "cpu" or dst_t.device.type != "cpu" or nbytes < MIN_MOVE_BYTES:
             continue
-        numel = s[2] * s[3]
-        nbytes = numel * src_t.element_size()
-        whole = s[1] == 0 and numel == src_t.numel()
-        # One read of the source on this rank: a second one would find the bytes gone.
-        if nbytes < MIN_MOVE_BYTES or reads[s[0]] != 1 or not (whole or s[0] not in sent):
-            continue
-        dst_at = dst_t.data_ptr() + d[1] * dst_t.element_size()
-        pairs.append((src_t.data_ptr() + s[1] * src_t.element_size(), dst_at, nbytes))
+        pairs.append(
+            (
+                src_t.data_ptr() + s[1] * src_t.element_size(),
+                dst_t.data_ptr() + d[1] * dst_t.element_size(),
+                nbytes,
+            )
+        )
         done.add(i)
-        if whole:
-            # Where its bytes will be: the sends and the other local copies read them there.
-            flat = dst_t.view(-1).view(src_t.dtype)
-            at = d[1] * dst_t.element_size() // src_t.element_size()
-            sources[s[0]] = flat[at : at + numel].view(src_t.shape)
-    return pairs, frozenset(done), sources
+    return pairs, frozenset(done)

@@ -298,7 +298,8 @@ class Primitives:
             res = self.driver.call(
                 ranks, "emu.reshard", st.name,
                 tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
-                gid, ranks, unit_gids, self.transfer_timeout, not keep_sources,
+                gid, ranks, unit_gids, self.transfer_timeout,
+                not keep_sources and self.remap_pages,
                 timeout=self.transfer_timeout + 30,
             )  # fmt: skip
             # the builds ran before the transfer on every member: their replies are in
@@ -331,6 +332,8 @@ class Primitives:
                    **{k: max(r.get(k, 0.0) for r in res.values())
                       for k in ("pack_s", "exchange_s", "unpack_s", "read_s", "local_s",
                                 "remap_s")},
-                   "bytes_remapped": sum(r.get("bytes_remapped", 0) for r in res.values())},
+                   "bytes_remapped": sum(r.get("bytes_remapped", 0) for r in res.values()),
+                   # CPU seconds of every rank's process (all its threads) in the transfer
+                   "cpu_s": sum(r.get("cpu_s", 0.0) for r in res.values())},
         )  # fmt: skip
         return targets[0]

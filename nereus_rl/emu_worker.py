@@ -289,6 +289,7 @@ def _reshard(
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
     """
+    cpu0 = time.process_time()
     specs, _ = _stages(ctx)[stage]
     units = _units(ctx)
     tensors: dict[str, torch.Tensor] = {}
@@ -339,6 +340,7 @@ def _reshard(
         "read_s": result.read_seconds,
         "local_s": result.local_seconds,
         "comm_setup_s": setup,
+        "cpu_s": time.process_time() - cpu0,
         **extra,
     }
 
