@@ -331,7 +331,7 @@ class Primitives:
                    # the slowest rank's pack / exchange / unpack (profiling Extend)
                    **{k: max(r.get(k, 0.0) for r in res.values())
                       for k in ("pack_s", "exchange_s", "unpack_s", "read_s", "local_s",
-                                "remap_s")},
+                                "remap_s", "call_s")},
                    "bytes_remapped": sum(r.get("bytes_remapped", 0) for r in res.values()),
                    # CPU seconds of every rank's process (all its threads) in the transfer
                    "cpu_s": sum(r.get("cpu_s", 0.0) for r in res.values())},

@@ -289,7 +289,7 @@ def _reshard(
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
     """
-    cpu0 = time.process_time()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     specs, _ = _stages(ctx)[stage]
     units = _units(ctx)
     tensors: dict[str, torch.Tensor] = {}
@@ -341,6 +341,8 @@ def _reshard(
         "local_s": result.local_seconds,
         "comm_setup_s": setup,
         "cpu_s": time.process_time() - cpu0,
+        # the whole command on this rank (reshard_s plus planning, groups, page moves)
+        "call_s": time.perf_counter() - wall0,
         **extra,
     }
 
