@@ -19,7 +19,11 @@ Layout
     on demand (first touch then) and kept after their blocks are freed, up to the
     budget; entirely free segments are let go only when a request would not fit
     otherwise. Inside a segment, blocks are first-fit ranges aligned to
-    :data:`ALIGN` bytes; free neighbours merge.
+    :data:`ALIGN` bytes; free neighbours merge. Segments, and tensors of at least
+    :data:`PAGE_ALIGN_MIN` bytes, start on a page: a Split or Merge then moves the
+    pages of the bytes a rank keeps from the old unit's block into the new one's
+    (:mod:`nereus_comm.remap`) instead of copying them, and the old block goes back
+    holding the new block's former pages (still touched).
 
 Configuration (per worker process; :func:`arena_config`)
     ``NEREUS_ARENA_BYTES``: the budget (bytes; suffixes K, M, G allowed; ``0``
@@ -45,6 +49,7 @@ __all__ = [
     "ALIGN",
     "ARENA_BYTES_ENV",
     "ARENA_PREFAULT_ENV",
+    "PAGE_ALIGN_MIN",
     "Arena",
     "ArenaBlock",
     "ArenaExhaustedError",

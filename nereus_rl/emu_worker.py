@@ -18,7 +18,9 @@ A unit's own tensors live in one block of the worker's arena
 ``emu.reserve`` carves the new units' blocks before any byte moves (so a unit
 that does not fit fails there, on every rank, before a transfer starts), the
 build or the reshard writes into them, and ``emu.drop`` (or binding the unit to
-an owner's tensors) returns them, so the next unit reuses warm pages.
+an owner's tensors) returns them, so the next unit reuses warm pages. A Split or
+Merge (``consume``) moves the pages of what a rank keeps from the old unit's
+block into the new unit's instead of copying them, once the exchange is over.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from nereus_comm.layout import Layout
 from nereus_comm.remap import MIN_MOVE_BYTES, PAGE_BYTES, move_ranges
 from nereus_comm.reshard import shards_from_full
 from nereus_rl.emu import EMUManager
+from nereus_rl.emu_arena import PAGE_ALIGN_MIN, Arena
 from nereus_rl.emu_comm import move_state
 from nereus_rl.emu_state import stage_state_specs, synthetic
 from nereus_rl.runtime import Driver
@@ -45,6 +46,16 @@ def test_move_ranges_moves_whole_pages_copies_the_rest_and_undoes():
     assert not torch.equal(src[:n], before[:n])  # the source gave its pages away
     moves.undo()
     assert torch.equal(src, before)
+
+
+def test_the_arena_starts_large_tensors_on_a_page():
+    arena = Arena(8 << 20)  # lazy: a segment from torch.empty, aligned by the arena
+    _, t = arena.carve(
+        {"small": ((5,), torch.float32), "big": ((PAGE_ALIGN_MIN + 8,), torch.uint8),
+         "odd": ((3,), torch.float16), "big2": ((PAGE_ALIGN_MIN // 4,), torch.float32)}
+    )  # fmt: skip
+    assert t["big"].data_ptr() % PAGE_BYTES == 0 and t["big2"].data_ptr() % PAGE_BYTES == 0
+    assert t["small"].data_ptr() % 64 == 0 and t["odd"].data_ptr() % 64 == 0
 
 
 class _NoTransport:
@@ -114,4 +125,18 @@ def test_split_and_merge_move_the_kept_bytes_and_stay_exact(emus):
         rec = m.records[-1]
         _bitwise(m, a)
         assert rec.extra["bytes_remapped"] > 0.4 * dim0
+    m.forget(m.units())
+
+
+def test_pipeline_split_and_merge_move_whole_stage_tensors(emus):
+    m = emus
+    a = m.create("actor", [0, 1], tp=1, pp=2)  # each rank holds one layer's tensors whole
+    x, y = m.split(a)
+    assert (x.tp, x.pp) == (1, 1)
+    assert m.records[-1].extra["bytes_remapped"] > 0
+    _bitwise(m, x)
+    _bitwise(m, y)
+    a = m.merge(x, y, tp=1, pp=2)
+    assert m.records[-1].extra["bytes_remapped"] > 0
+    _bitwise(m, a)
     m.forget(m.units())
