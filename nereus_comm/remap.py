@@ -102,7 +102,8 @@ def move_ranges(pairs: Sequence[tuple[int, int, int]]) -> PageMoves:
     Returns:
         The swaps made (for :meth:`PageMoves.undo`) and the bytes moved and copied.
     """
-    bounds = _mapping_bounds()
+    # A _C built before swap_pages existed (a stale build) copies everything.
+    bounds = _mapping_bounds() if hasattr(_C, "swap_pages") else None
     swaps: list[tuple[int, int, int]] = []
     copies: list[tuple[int, int, int]] = []
     if bounds is None or len(bounds) + 4 * len(pairs) > _max_map_count():
