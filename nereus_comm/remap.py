@@ -60,21 +60,17 @@ def _mapping_bounds() -> list[int] | None:
 
 @dataclass
 class PageMoves:
-    """What :func:`move_ranges` did: its swaps (to undo them) and its byte counts."""
+    """What :func:`move_ranges` did: its swaps and its byte counts.
+
+    Swapping a row of ``swaps`` again (``_C.swap_pages``) would give both ranges their
+    own pages back.
+    """
 
     swaps: np.ndarray
     bytes_moved: int
     bytes_copied: int
     #: errno of a swap the kernel refused (it and the ones after it were copied), or 0.
     error: int = 0
-
-    def undo(self) -> None:
-        """Swap every moved range back: each source holds its own bytes again."""
-        if len(self.swaps):
-            done, err = _C.swap_pages(np.ascontiguousarray(self.swaps[::-1]))
-            if err:
-                raise OSError(err, f"swapping {len(self.swaps) - done} page ranges back failed")
-            self.swaps = self.swaps[:0]
 
 
 def _cut(a: int, b: int, n: int, bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -92,15 +88,15 @@ def _cut(a: int, b: int, n: int, bounds: list[int]) -> list[tuple[int, int, int]
 def move_ranges(pairs: Sequence[tuple[int, int, int]]) -> PageMoves:
     """Put the bytes of each (src, dst, nbytes) range at dst: whole pages moved, the rest copied.
 
-    The sources' moved pages then hold what the destinations held (the source ranges
-    must not be read again, until :meth:`PageMoves.undo`). Ranges must not overlap.
+    The sources' moved pages then hold what the destinations held: the source ranges
+    must not be read again. Ranges must not overlap.
 
     Arguments:
         pairs: (source address, destination address, bytes), host memory of this
             process that the caller keeps alive.
 
     Returns:
-        The swaps made (for :meth:`PageMoves.undo`) and the bytes moved and copied.
+        The swaps made and the bytes moved and copied.
     """
     # A _C built before swap_pages existed (a stale build) copies everything.
     bounds = _mapping_bounds() if hasattr(_C, "swap_pages") else None

@@ -468,13 +468,15 @@ class EMUManager(Primitives, PooledGroups):
 
     def _commit(
         self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
-    ) -> None:
+    ) -> list[Any]:
         with self._lock:
-            self._commit_locked(gone, new, new_comms)
+            return self._commit_locked(gone, new, new_comms)
 
     def _commit_locked(
         self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
-    ) -> None:
+    ) -> list[Any]:
+        """Drop ``gone``, add ``new``. Returns the drop calls sent (also kept for flush)."""
+        sent = []
         for u in gone:
             self._unit_gid.pop(u.uid, None)
             del self._units[u.uid]
@@ -488,12 +490,14 @@ class EMUManager(Primitives, PooledGroups):
                 # Not waited for here: a worker runs its commands in order, so every later
                 # command sees the shards gone, and the reply carries nothing needed
                 # (reaped by flush). This keeps a round trip off every destroy, split, merge.
-                self._drops.append(self.driver.submit(live, "emu.drop", (u.uid,)))
+                sent.append(self.driver.submit(live, "emu.drop", (u.uid,)))
+                self._drops.append(sent[-1])
         for u, comm in zip(new, new_comms):
             self._units[u.uid] = u
             self._unit_gid[u.uid] = None if comm is None else comm.handle
             if comm is not None:
                 self._unit_comm[u.uid] = comm
+        return sent
 
     def _record(
         self,

@@ -16,7 +16,7 @@ import torch
 
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
-from nereus_comm.remap import MIN_MOVE_BYTES, move_ranges
+from nereus_comm.remap import MIN_MOVE_BYTES
 from nereus_comm.reshard import DIRECT_MIN_BYTES, ReshardResult, Workspace, reshard
 from nereus_comm.reshard_program import program
 from nereus_comm.transport import Transport
@@ -67,15 +67,18 @@ def move_state(
         out: this rank's dst shards to write into (e.g. carved from the worker's
             arena); default: allocated by reshard.
         consume_sources: ``tensors`` are this rank's to give up (a Split or Merge drops
-            them after): with ``out`` in host memory, the bytes this rank keeps are
-            moved into ``out`` by page remapping instead of copied where whole pages
-            allow it (:func:`local_moves`), once the exchange is over (the peers
-            have read the sources where they were, and a failed exchange leaves
-            them intact).
+            them after): with ``out`` in host memory, the local copies that can be page
+            moves instead (:func:`local_moves`) are left out of the exchange and
+            returned as ``"moves"``; the caller makes them
+            (:func:`nereus_comm.remap.move_ranges`) once the primitive has committed,
+            before anything reads ``out`` (until then a failed primitive leaves the
+            sources intact).
 
     Returns:
         (nereus_comm's ReshardResult, {"plan_s", "bytes_packed", "bytes_direct",
-        "bytes_remapped", "remap_s"}), bytes counted on the sending side.
+        "moves", "bytes_remapped"}), bytes counted on the sending side; "moves" the
+        (source address, destination address, bytes) still to move, "bytes_remapped"
+        their bytes.
     """
     t0 = time.perf_counter()
     plan = plan_reshard(specs, src, dst)
@@ -96,17 +99,13 @@ def move_state(
         out=out,
         local_done=done,
     )
-    # After the exchange: the sources' pages were read where they were (huge pages
-    # read faster than the small ones a move leaves), and nothing reads them now.
-    t1 = time.perf_counter()
-    moved = move_ranges(pairs).bytes_moved if pairs else 0
     packed = result.staged_bytes_sent
     return result, {
         "plan_s": plan_s,
         "bytes_packed": packed,
         "bytes_direct": result.bytes_sent - packed,
-        "bytes_remapped": moved,
-        "remap_s": time.perf_counter() - t1,
+        "moves": pairs,
+        "bytes_remapped": sum(n for _, _, n in pairs),
     }
 
 
@@ -122,7 +121,7 @@ def local_moves(
     out: Mapping[str, torch.Tensor],
     direct_min_bytes: int,
 ) -> tuple[list[tuple[int, int, int]], frozenset[int]]:
-    """The plan's local copies on ``rank`` that can be page moves once the exchange is over.
+    """The plan's local copies on ``rank`` that can be page moves after the exchange.
 
     A local copy can be a move when it is one contiguous run on both sides (a dim-0
     shard inside its full tensor, a replicated tensor, half of a full tensor that

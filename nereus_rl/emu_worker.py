@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from nereus_comm.layout import box_shape
+from nereus_comm.remap import move_ranges
 from nereus_comm.reshard import Workspace
 from nereus_comm.transport import GlooTransport
 from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
@@ -285,8 +286,10 @@ def _reshard(
         unit_group_ids: the id of each new unit's own group (None: no group).
         timeout: seconds the transfer may wait for a peer.
         consume: the source units are dropped after (Split, Merge): the bytes this rank
-            keeps move from a source unit's arena block into the new unit's by page
-            remapping where they can (moved back if the transfer fails).
+            keeps are moved from a source unit's arena block into the new unit's by
+            page remapping where they can, when the source is dropped (``emu.drop``,
+            sent by the driver's commit, before any later command reads the new
+            unit); a failed primitive, whose sources stay, moves nothing.
 
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
@@ -318,8 +321,12 @@ def _reshard(
     except BaseException:
         release(block)
         raise
+    moves = extra.pop("moves")
     if ctx.rank in dst_layout:
         d = dst_layout.coords(ctx.rank)[0]
+        if moves:  # made by emu.drop of the source (the commit), see _apply_moves
+            src_uid = src_uids[src_layout.coords(ctx.rank)[0]]
+            _moves(ctx)[src_uid] = (dst_uids[d], moves)
         unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))
         setup += _unit_group(ctx, unit_layout, unit_group_ids[d])
         units[dst_uids[d]] = {
@@ -343,7 +350,7 @@ def _reshard(
         "local_s": result.local_seconds,
         "comm_setup_s": setup,
         "cpu_s": time.process_time() - cpu0,
-        # the whole command on this rank (reshard_s plus planning, groups, page moves)
+        # the whole command on this rank (reshard_s plus planning and groups)
         "call_s": time.perf_counter() - wall0,
         **extra,
     }
@@ -354,9 +361,30 @@ def _replica(layout: Layout, d: int) -> tuple[int, ...]:
     return tuple(layout.ranks[d * n : (d + 1) * n])
 
 
+def _moves(ctx: WorkerContext) -> dict[int, tuple[int, list[tuple[int, int, int]]]]:
+    """Page moves owed by a consumed source unit: source uid -> (new unit's uid, moves)."""
+    return ctx.state.setdefault("emu.moves", {})
+
+
+def _apply_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
+    """Before units are dropped: forget moves into any of them (a failed primitive's new
+    units), then make the moves each of them owes a new unit (a committed Split or Merge)."""
+    moves = _moves(ctx)
+    for src in [s for s, (dst, _) in moves.items() if dst in uids]:
+        del moves[src]
+    for uid in uids:
+        owed = moves.pop(uid, None)
+        if owed is not None and owed[0] in _units(ctx):
+            move_ranges(owed[1])
+
+
 @register("emu.drop")
 def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] = ()) -> int:
-    """Forget the named units' shards and groups. Returns the bytes let go."""
+    """Forget the named units' shards and groups. Returns the bytes let go.
+
+    A consumed source of a Split or Merge first moves the pages it owes its new unit.
+    """
+    _apply_moves(ctx, uids)
     freed = 0
     for uid in uids:
         release(_take_pending(ctx, uid)[0])  # a primitive that failed before its transfer

@@ -1,13 +1,18 @@
-"""Split and Merge move the bytes a rank keeps by page remapping: exact, and undone on failure."""
+"""Split and Merge move the bytes a rank keeps by page remapping: exact, and only once committed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
+from nereus_comm import _C
 from nereus_comm.layout import Layout
 from nereus_comm.remap import MIN_MOVE_BYTES, PAGE_BYTES, move_ranges
 from nereus_comm.reshard import shards_from_full
+from nereus_rl import emu_worker
 from nereus_rl.emu import EMUManager
 from nereus_rl.emu_arena import PAGE_ALIGN_MIN, Arena
 from nereus_rl.emu_comm import move_state
@@ -25,7 +30,7 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
-def test_move_ranges_moves_whole_pages_copies_the_rest_and_undoes():
+def test_move_ranges_moves_whole_pages_and_copies_the_rest():
     n = 1 << 20
     src, dst = _page_aligned(4 * n), _page_aligned(4 * n)
     src.copy_(torch.randint(0, 256, (4 * n,), dtype=torch.uint8))
@@ -43,9 +48,9 @@ def test_move_ranges_moves_whole_pages_copies_the_rest_and_undoes():
     assert moves.bytes_moved == n + (n - 2 * PAGE_BYTES)  # pages strictly inside the second
     edges = (PAGE_BYTES - 100) + (PAGE_BYTES - 200)
     assert moves.bytes_copied == edges + n // 2 + MIN_MOVE_BYTES - PAGE_BYTES
-    assert not torch.equal(src[:n], before[:n])  # the source gave its pages away
-    moves.undo()
-    assert torch.equal(src, before)
+    assert torch.equal(src[:n], torch.full((n,), 7, dtype=torch.uint8))  # dst's old pages
+    done, err = _C.swap_pages(np.ascontiguousarray(moves.swaps[::-1]))  # swapped back
+    assert (done, err) == (len(moves.swaps), 0) and torch.equal(src, before)
 
 
 def test_the_arena_starts_large_tensors_on_a_page():
@@ -58,33 +63,59 @@ def test_the_arena_starts_large_tensors_on_a_page():
     assert t["small"].data_ptr() % 64 == 0 and t["odd"].data_ptr() % 64 == 0
 
 
-class _NoTransport:
-    """Enough of a transport for reshard to reach its checks (it fails in them)."""
+class _LocalOnly:
+    """Enough of a transport for a reshard with no peers (every byte stays on rank 0)."""
 
-    rank, ranks, device_type = 0, (0, 1), "cpu"
+    rank, ranks, device_type = 0, (0,), "cpu"
+
+    def start(self, sends, recvs, timeout):
+        assert not sends and not recvs
+        return SimpleNamespace(wait=lambda: None)
 
 
-def test_a_failed_move_state_gives_the_sources_their_bytes_back():
-    nl = 2
-    src = Layout(1, 2, 1, (0, 1), num_layers=nl)
-    dst = Layout(2, 1, 1, (0, 1), num_layers=nl)
+def _aligned_like(shards):
+    out = {}
+    for name, t in shards.items():  # page-aligned, as a unit's arena block lays them out
+        out[name] = _page_aligned(t.nbytes).view(t.dtype).view(t.shape)
+        out[name].copy_(t)
+    return out
+
+
+def test_move_state_leaves_the_moves_to_its_caller_and_the_sources_intact():
+    dst = Layout(1, 1, 1, (0,), num_layers=2)  # from and to rank 0: every copy is local
     full = {s.name: synthetic(s, tuple((0, n) for n in s.shape), 3) for s in SPECS}
-    mine = shards_from_full(full, SPECS, src, 0)
-    tensors = {}
-    for name, t in mine.items():  # page-aligned, as a unit's arena block lays them out
-        tensors[name] = _page_aligned(t.nbytes).view(t.dtype).view(t.shape)
-        tensors[name].copy_(t)
-    out = {
-        name: _page_aligned(t.nbytes).view(t.dtype).view(t.shape)
-        for name, t in shards_from_full(full, SPECS, dst, 0).items()
-    }
-    assert any(s.split_dim == 0 for s in SPECS)
-    bad = dict(out, stray=torch.zeros(3))  # reshard refuses it after the pages moved
-    with pytest.raises(Exception, match="stray"):
-        move_state(SPECS, src, dst, 0, tensors, _NoTransport(), timeout=5, out=bad,
-                   consume_sources=True)  # fmt: skip
+    mine = shards_from_full(full, SPECS, dst, 0)
+    tensors = _aligned_like(mine)
+    out = _aligned_like({n: torch.zeros_like(t) for n, t in mine.items()})
+    result, extra = move_state(SPECS, dst, dst, 0, tensors, _LocalOnly(), timeout=5, out=out,
+                               consume_sources=True)  # fmt: skip
+    moves = extra["moves"]
+    assert moves and extra["bytes_remapped"] == sum(n for _, _, n in moves)
     for name, t in mine.items():
-        assert torch.equal(tensors[name], t), name
+        assert torch.equal(tensors[name], t), name  # nothing moved out of a source yet
+    move_ranges(moves)  # what emu.drop of the consumed source does after the commit
+    for name, t in mine.items():
+        assert torch.equal(result.tensors[name], t), name
+
+
+def test_a_dropped_new_unit_cancels_the_moves_owed_to_it():
+    ctx = SimpleNamespace(state={}, release_groups=lambda ids: None)
+    a, b = _page_aligned(1 << 20), _page_aligned(1 << 20)
+    a.fill_(1)
+    b.fill_(2)
+    units = ctx.state.setdefault("emu.units", {})
+    for uid in (1, 2, 3):
+        units[uid] = {"stage": "s", "layout": None, "tensors": {}, "block": None}
+    moves = [(a.data_ptr(), b.data_ptr(), 1 << 20)]
+    emu_worker._moves(ctx)[1] = (2, moves)  # source 1 owes new unit 2
+    emu_worker.drop(ctx, (2,))  # the primitive failed: its new unit goes
+    emu_worker.drop(ctx, (1,))  # the source, later: nothing moves out of it
+    assert bool((a == 1).all()) and bool((b == 2).all())
+    emu_worker._moves(ctx)[3] = (2, moves)
+    units[2] = units[1] = {"stage": "s", "layout": None, "tensors": {}, "block": None}
+    emu_worker._moves(ctx)[1] = (2, moves)
+    emu_worker.drop(ctx, (1,))  # committed: the source's drop makes the move
+    assert bool((b == 1).all())
 
 
 @pytest.fixture(scope="module")
