@@ -19,6 +19,9 @@ second tp=2 unit on ranks 2, 3 holding the same state. Ways:
   rebuild the runtime, load.
 
 Also a tp change (tp=2 -> two tp=1 units on the same devices): EMU split vs DCP.
+Split moves the pages of the half each rank keeps into its new unit
+(:mod:`nereus_comm.remap`); ``emu_split_copy`` is the same Split copying them
+(``EMUManager(remap_pages=False)``), printed beside it with Split's breakdown.
 Every way runs in the same workers, which start with THP_MEM_ALLOC_ENABLE=1 (as
 the runtime starts them, unless set), and so does this process (the tensor
 store).
@@ -449,8 +452,9 @@ def run(args) -> list[dict]:
             check(d, dst, "tensor store")
             return dict(seconds=t_put + t_get, put_s=t_put, get_s=t_get)
 
-        def emu_split():
+        def emu_split(remap: bool = True):
             nonlocal a
+            m.remap_pages = remap
             x, y = m.split(a)
             rec = m.records[-1]
             for u, lay in (
@@ -460,13 +464,34 @@ def run(args) -> list[dict]:
                 d.call(u.ranks, "bench.stash_unit", u.uid)
                 check(d, lay, "EMU split")
             a = m.merge(x, y, tp=2)  # back to tp=2 for the next way
-            return dict(seconds=rec.seconds, bytes_moved=rec.bytes_moved)
+            merge = m.records[-1]
+            m.remap_pages = True
+            # Where Split's seconds go (slowest rank of each; cpu_s summed over both
+            # ranks' processes): the cma reads of the peer's half, the local copies
+            # (row-parallel halves, and every kept byte with remap off), the page moves.
+            keys = ("reshard_s", "read_s", "local_s", "remap_s", "alloc_s", "plan_s",
+                    "call_s", "cpu_s", "bytes_remapped", "bytes_cma")  # fmt: skip
+            out = dict(seconds=rec.seconds, bytes_moved=rec.bytes_moved,
+                       bytes_local=rec.bytes_local, merge_s=merge.seconds,
+                       merge_cpu_s=merge.extra["cpu_s"],
+                       **{k: rec.extra[k] for k in keys})  # fmt: skip
+            print(
+                f"    split{'' if remap else ' (remap off)'} {rec.seconds:.3f} s: "
+                + " ".join(f"{k} {out[k]:.3f}" for k in keys[:-2])
+                + f"; {out['bytes_remapped'] / 2**20:.0f} MiB moved by page remap of "
+                f"{rec.bytes_local / 2**20:.0f} MiB kept, {out['bytes_cma'] / 2**20:.0f} MiB "
+                f"by cma; merge {merge.seconds:.3f} s (cpu {out['merge_cpu_s']:.3f})"
+            )
+            return out
 
         ways = [
             ("dp1_to_dp2", "emu_extend", emu_extend),
             ("dp1_to_dp2", "dcp_reshard", dcp_reshard),
             ("dp1_to_dp2", "ucp_files", ucp_files),
             ("dp1_to_dp2", "tensor_store", tensor_store),
+            # The copying Split first, on pages no page move has split into small ones
+            # yet (moves leave 4 KiB pages behind; reads of them are slower).
+            ("tp2_to_2x_tp1", "emu_split_copy", lambda: emu_split(remap=False)),
             ("tp2_to_2x_tp1", "emu_split", emu_split),
             ("tp2_to_2x_tp1", "dcp_reshard", lambda: dcp_reshard(both)),
         ]
@@ -505,7 +530,8 @@ def run(args) -> list[dict]:
         shutil.rmtree(tmp, ignore_errors=True)
 
     for r in rows:
-        emu = next(x for x in rows if x["scenario"] == r["scenario"] and x["way"].startswith("emu"))
+        base = {"dp1_to_dp2": "emu_extend", "tp2_to_2x_tp1": "emu_split"}[r["scenario"]]
+        emu = next(x for x in rows if x["scenario"] == r["scenario"] and x["way"] == base)
         r["state_bytes"] = state_bytes
         r["arena"] = args.arena
         r["ratio_to_emu_x"] = r["seconds"] / emu["seconds"]

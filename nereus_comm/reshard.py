@@ -124,6 +124,10 @@ class ReshardResult:
     #: posting, local copies and waiting for the transfers.
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
+    #: of exchange_seconds: posting and the cross-memory-attach reads (and shared-memory
+    #: sends), then the local copies.
+    read_seconds: float = 0.0
+    local_seconds: float = 0.0
     #: of bytes_sent / bytes_received, those that went through shared memory and
     #: those read by cross-memory attach (the rest went through the transport).
     shm_bytes_sent: int = 0
@@ -243,6 +247,7 @@ def reshard(
     direct_min_bytes: int = DIRECT_MIN_BYTES,
     workspace: Workspace | None = None,
     route: str = "auto",
+    local_done: frozenset[int] = frozenset(),
 ) -> ReshardResult:
     """Move this rank's part of a reshard: local copies, pack, one batched exchange, unpack.
 
@@ -267,6 +272,8 @@ def reshard(
             ``transport`` on first use (collective with the peers) and reused by
             later calls over the same process group. Every rank must pass the same
             route (and direct_min_bytes), as with the plan.
+        local_done: indices into the plan's local copies on this rank that the caller
+            made already (e.g. by moving pages, see :mod:`nereus_comm.remap`); skipped.
 
     Returns:
         The destination shards and what was measured.
@@ -395,11 +402,14 @@ def reshard(
         # The read is the whole transfer: from the peer's shards into ours.
         regions = [_region(sl, dst_tensors) for sl in slots]
         read[peer] = cma.read(peer, tables[peer], regions, prog.recv_totals[peer])
-    if prog.local_src:
+    read_at = time.perf_counter()
+    local = [i for i in range(len(prog.local_src)) if i not in local_done]
+    if local:
         copy_regions(
-            [_region(sl, tensors) for sl in prog.local_src],
-            [_region(sl, dst_tensors) for sl in prog.local_dst],
+            [_region(prog.local_src[i], tensors) for i in local],
+            [_region(prog.local_dst[i], dst_tensors) for i in local],
         )
+    copied_at = time.perf_counter()
     if shm_recv_slots:
         shm.receive(
             {p: prog.recv_totals[p] for p in shm_recv_slots},
@@ -443,6 +453,8 @@ def reshard(
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,
+        read_seconds=read_at - packed_at,
+        local_seconds=copied_at - read_at,
     )
 
 

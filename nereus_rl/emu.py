@@ -124,6 +124,9 @@ class EMUManager(Primitives, PooledGroups):
         arena_prefault: reserve and touch the whole budget when a worker's arena is
             set up (as a GPU worker reserves its memory); default
             ``NEREUS_ARENA_PREFAULT``, else False (blocks made on first use and kept).
+        remap_pages: Split and Merge move the bytes a rank keeps from the old unit's
+            arena block into the new one's by page remapping where whole pages allow
+            it (:mod:`nereus_comm.remap`); False: they copy them (to compare).
     """
 
     def __init__(
@@ -138,8 +141,10 @@ class EMUManager(Primitives, PooledGroups):
         unit_groups: bool = True,
         arena_bytes: int | str | None = None,
         arena_prefault: bool | None = None,
+        remap_pages: bool = True,
     ) -> None:
         self.driver = driver
+        self.remap_pages = remap_pages
         self.costmodel = costmodel
         self.rank_devices = dict(rank_devices) if rank_devices is not None else None
         self.shared_devices = shared_devices
@@ -463,13 +468,15 @@ class EMUManager(Primitives, PooledGroups):
 
     def _commit(
         self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
-    ) -> None:
+    ) -> list[Any]:
         with self._lock:
-            self._commit_locked(gone, new, new_comms)
+            return self._commit_locked(gone, new, new_comms)
 
     def _commit_locked(
         self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
-    ) -> None:
+    ) -> list[Any]:
+        """Drop ``gone``, add ``new``. Returns the drop calls sent (also kept for flush)."""
+        sent = []
         for u in gone:
             self._unit_gid.pop(u.uid, None)
             del self._units[u.uid]
@@ -483,12 +490,14 @@ class EMUManager(Primitives, PooledGroups):
                 # Not waited for here: a worker runs its commands in order, so every later
                 # command sees the shards gone, and the reply carries nothing needed
                 # (reaped by flush). This keeps a round trip off every destroy, split, merge.
-                self._drops.append(self.driver.submit(live, "emu.drop", (u.uid,)))
+                sent.append(self.driver.submit(live, "emu.drop", (u.uid,)))
+                self._drops.append(sent[-1])
         for u, comm in zip(new, new_comms):
             self._units[u.uid] = u
             self._unit_gid[u.uid] = None if comm is None else comm.handle
             if comm is not None:
                 self._unit_comm[u.uid] = comm
+        return sent
 
     def _record(
         self,

@@ -19,7 +19,11 @@ Layout
     on demand (first touch then) and kept after their blocks are freed, up to the
     budget; entirely free segments are let go only when a request would not fit
     otherwise. Inside a segment, blocks are first-fit ranges aligned to
-    :data:`ALIGN` bytes; free neighbours merge.
+    :data:`ALIGN` bytes; free neighbours merge. Segments, and tensors of at least
+    :data:`PAGE_ALIGN_MIN` bytes, start on a page: a Split or Merge then moves the
+    pages of the bytes a rank keeps from the old unit's block into the new one's
+    (:mod:`nereus_comm.remap`) instead of copying them, and the old block goes back
+    holding the new block's former pages (still touched).
 
 Configuration (per worker process; :func:`arena_config`)
     ``NEREUS_ARENA_BYTES``: the budget (bytes; suffixes K, M, G allowed; ``0``
@@ -45,6 +49,7 @@ __all__ = [
     "ALIGN",
     "ARENA_BYTES_ENV",
     "ARENA_PREFAULT_ENV",
+    "PAGE_ALIGN_MIN",
     "Arena",
     "ArenaBlock",
     "ArenaExhaustedError",
@@ -58,6 +63,10 @@ ARENA_PREFAULT_ENV = "NEREUS_ARENA_PREFAULT"
 #: keep two units off one page).
 ALIGN = 64
 _BLOCK_ALIGN = 4096
+#: Tensors of at least this many bytes start on a page (segments start on one too),
+#: so that a Split or Merge can move the pages of what a rank keeps from the old
+#: unit's block into the new one's instead of copying them (nereus_comm.remap).
+PAGE_ALIGN_MIN = 64 << 10
 #: Fraction of its share of host memory a worker takes by default (vLLM's default
 #: gpu_memory_utilization is 0.9).
 DEFAULT_FRACTION = 0.9
@@ -145,7 +154,10 @@ class ArenaBlock:
 
 class _Segment:
     def __init__(self, nbytes: int, touch: bool) -> None:
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        # One page more than asked, so the segment can start on a page boundary.
+        raw = torch.empty(nbytes + _BLOCK_ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _BLOCK_ALIGN
+        self.buf = raw[skip : skip + nbytes]
         if touch:
             self.buf.fill_(0)  # the first touch: every page faulted in now, once
         self.np = self.buf.numpy()  # shares the memory; tensors are carved through it
@@ -324,8 +336,8 @@ class Arena:
         """
         spans, at = {}, 0
         for name, (shape, dtype) in shapes.items():
-            at = _round(at, ALIGN)
             nbytes = math.prod(shape) * dtype.itemsize
+            at = _round(at, _BLOCK_ALIGN if nbytes >= PAGE_ALIGN_MIN else ALIGN)
             spans[name] = (at, nbytes)
             at += nbytes
         block = self.alloc(at, what)

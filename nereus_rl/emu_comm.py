@@ -16,7 +16,9 @@ import torch
 
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
+from nereus_comm.remap import MIN_MOVE_BYTES
 from nereus_comm.reshard import DIRECT_MIN_BYTES, ReshardResult, Workspace, reshard
+from nereus_comm.reshard_program import program
 from nereus_comm.transport import Transport
 
 __all__ = [
@@ -45,6 +47,7 @@ def move_state(
     timeout: float,
     workspace: Workspace | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
+    consume_sources: bool = False,
 ) -> tuple[ReshardResult, dict[str, float]]:
     """This rank's part of moving a stage's state from layout src to layout dst.
 
@@ -63,28 +66,91 @@ def move_state(
         workspace: staging buffers to reuse across calls.
         out: this rank's dst shards to write into (e.g. carved from the worker's
             arena); default: allocated by reshard.
+        consume_sources: ``tensors`` are this rank's to give up (a Split or Merge drops
+            them after): with ``out`` in host memory, the local copies that can be page
+            moves instead (:func:`local_moves`) are left out of the exchange and
+            returned as ``"moves"``; the caller makes them
+            (:func:`nereus_comm.remap.move_ranges`) once the primitive has committed,
+            before anything reads ``out`` (until then a failed primitive leaves the
+            sources intact).
 
     Returns:
-        (nereus_comm's ReshardResult, {"plan_s", "bytes_packed", "bytes_direct"}),
-        bytes counted on the sending side.
+        (nereus_comm's ReshardResult, {"plan_s", "bytes_packed", "bytes_direct",
+        "moves", "bytes_remapped"}), bytes counted on the sending side; "moves" the
+        (source address, destination address, bytes) still to move, "bytes_remapped"
+        their bytes.
     """
     t0 = time.perf_counter()
     plan = plan_reshard(specs, src, dst)
     plan_s = time.perf_counter() - t0
     same = (src.tp, src.pp) == (dst.tp, dst.pp)
+    direct_min_bytes = 1 if same else DIRECT_MIN_BYTES
+    pairs, done = [], frozenset()
+    if consume_sources and out:
+        pairs, done = local_moves(plan, rank, tensors, out, direct_min_bytes)
     result = reshard(
         plan,
         rank,
         tensors,
         transport,
         timeout=timeout,
-        direct_min_bytes=1 if same else DIRECT_MIN_BYTES,
+        direct_min_bytes=direct_min_bytes,
         workspace=workspace,
         out=out,
+        local_done=done,
     )
     packed = result.staged_bytes_sent
     return result, {
         "plan_s": plan_s,
         "bytes_packed": packed,
         "bytes_direct": result.bytes_sent - packed,
+        "moves": pairs,
+        "bytes_remapped": sum(n for _, _, n in pairs),
     }
+
+
+def _contiguous(slot) -> bool:
+    _, _, rows, row, stride = slot
+    return rows <= 1 or row == 0 or stride == row
+
+
+def local_moves(
+    plan,
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor],
+    direct_min_bytes: int,
+) -> tuple[list[tuple[int, int, int]], frozenset[int]]:
+    """The plan's local copies on ``rank`` that can be page moves after the exchange.
+
+    A local copy can be a move when it is one contiguous run on both sides (a dim-0
+    shard inside its full tensor, a replicated tensor, half of a full tensor that
+    becomes a dim-0 shard), at least :data:`~nereus_comm.remap.MIN_MOVE_BYTES`, and
+    the only local copy of its source tensor (a second one would find the bytes
+    gone). A row-parallel (dim-1) piece is strided in the full tensor and stays a copy.
+
+    Returns:
+        ((source address, destination address, bytes) per move, the indices of the
+        plan's local copies they make, to pass to reshard as ``local_done``).
+    """
+    prog = program(plan, rank, direct_min_bytes)
+    reads: dict[str, int] = {}
+    for sl in prog.local_src:
+        reads[sl[0]] = reads.get(sl[0], 0) + 1
+    pairs, done = [], set()
+    for i, (s, d) in enumerate(zip(prog.local_src, prog.local_dst)):
+        if not (_contiguous(s) and _contiguous(d)) or reads[s[0]] != 1:
+            continue
+        src_t, dst_t = tensors[s[0]], out[d[0]]
+        nbytes = s[2] * s[3] * src_t.element_size()
+        if src_t.device.type != "cpu" or dst_t.device.type != "cpu" or nbytes < MIN_MOVE_BYTES:
+            continue
+        pairs.append(
+            (
+                src_t.data_ptr() + s[1] * src_t.element_size(),
+                dst_t.data_ptr() + d[1] * dst_t.element_size(),
+                nbytes,
+            )
+        )
+        done.add(i)
+    return pairs, frozenset(done)

@@ -24,6 +24,7 @@ from nereus_comm.pool import Communicator
 from nereus_rl.emu_arena import reserve_units
 from nereus_rl.emu_comm import Layout
 from nereus_rl.emu_types import EMU, EMUError, StageState
+from nereus_rl.runtime import WorkerLostError
 
 _SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
            "buffers_sent")  # fmt: skip
@@ -299,6 +300,7 @@ class Primitives:
                 ranks, "emu.reshard", st.name,
                 tuple(u.uid for u in sources), src, tuple(u.uid for u in targets), dst,
                 gid, ranks, unit_gids, self.transfer_timeout,
+                not keep_sources and self.remap_pages,
                 timeout=self.transfer_timeout + 30,
             )  # fmt: skip
             # the builds ran before the transfer on every member: their replies are in
@@ -311,7 +313,18 @@ class Primitives:
             self._drop_new(targets)
             raise
         self._release(held[0])  # the transfer's group; the new units keep theirs
-        self._commit([] if keep_sources else sources, targets, unit_comms)
+        drops = self._commit([] if keep_sources else sources, targets, unit_comms)
+        remap_s = 0.0
+        if any(r.get("bytes_remapped") for r in res.values()):
+            # The sources' drops make the page moves the new units still owe (after the
+            # commit, so a failed primitive moves nothing): part of this primitive.
+            t1 = time.perf_counter()
+            with self._lock:
+                self._drops = [p for p in self._drops if p not in drops]
+            for p in drops:
+                with contextlib.suppress(WorkerLostError):  # its shards went with it
+                    self.driver.wait(p, timeout=self.transfer_timeout + 30)
+            remap_s = time.perf_counter() - t1
         total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
         self._record(
             kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
@@ -329,6 +342,12 @@ class Primitives:
                    "alloc_s": alloc_s,
                    # the slowest rank's pack / exchange / unpack (profiling Extend)
                    **{k: max(r.get(k, 0.0) for r in res.values())
-                      for k in ("pack_s", "exchange_s", "unpack_s")}},
+                      for k in ("pack_s", "exchange_s", "unpack_s", "read_s", "local_s",
+                                "call_s")},
+                   # the commit's drops, which made the page moves (a round trip included)
+                   "remap_s": remap_s,
+                   "bytes_remapped": sum(r.get("bytes_remapped", 0) for r in res.values()),
+                   # CPU seconds of every rank's process (all its threads) in the transfer
+                   "cpu_s": sum(r.get("cpu_s", 0.0) for r in res.values())},
         )  # fmt: skip
         return targets[0]

@@ -18,7 +18,9 @@ A unit's own tensors live in one block of the worker's arena
 ``emu.reserve`` carves the new units' blocks before any byte moves (so a unit
 that does not fit fails there, on every rank, before a transfer starts), the
 build or the reshard writes into them, and ``emu.drop`` (or binding the unit to
-an owner's tensors) returns them, so the next unit reuses warm pages.
+an owner's tensors) returns them, so the next unit reuses warm pages. A Split or
+Merge (``consume``) moves the pages of what a rank keeps from the old unit's
+block into the new unit's instead of copying them, once the exchange is over.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from nereus_comm.layout import box_shape
+from nereus_comm.remap import move_ranges
 from nereus_comm.reshard import Workspace
 from nereus_comm.transport import GlooTransport
 from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
@@ -271,6 +274,7 @@ def _reshard(
     group_ranks: tuple[int, ...],
     unit_group_ids: tuple[int | None, ...],
     timeout: float,
+    consume: bool = False,
 ) -> dict[str, Any]:
     """Move a stage's state from src units (one layout, dp = number of units) to new ones.
 
@@ -281,18 +285,26 @@ def _reshard(
         group_id / group_ranks: the gloo group over every participating rank.
         unit_group_ids: the id of each new unit's own group (None: no group).
         timeout: seconds the transfer may wait for a peer.
+        consume: the source units are dropped after (Split, Merge): the bytes this rank
+            keeps are moved from a source unit's arena block into the new unit's by
+            page remapping where they can, when the source is dropped (``emu.drop``,
+            sent by the driver's commit, before any later command reads the new
+            unit); a failed primitive, whose sources stay, moves nothing.
 
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
     """
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     specs, _ = _stages(ctx)[stage]
     units = _units(ctx)
     tensors: dict[str, torch.Tensor] = {}
+    own = False  # the source shards are the unit's own arena block (not an owner's tensors)
     if ctx.rank in src_layout:
         d = src_layout.coords(ctx.rank)[0]
         # A source of another stage of the model (extend) may hold more (Adam moments).
         names = {s.name for s in specs}
         tensors = {k: v for k, v in tensors_of(ctx, src_uids[d]).items() if k in names}
+        own = units[src_uids[d]].get("block") is not None
     block, out = None, None
     if ctx.rank in dst_layout:
         # The new unit's block, carved by emu.reserve (None without an arena).
@@ -304,12 +316,17 @@ def _reshard(
         result, extra = move_state(
             specs, src_layout, dst_layout, ctx.rank, tensors, transport,
             timeout=timeout, workspace=workspace, out=out,
+            consume_sources=consume and own and block is not None,
         )  # fmt: skip
     except BaseException:
         release(block)
         raise
+    moves = extra.pop("moves")
     if ctx.rank in dst_layout:
         d = dst_layout.coords(ctx.rank)[0]
+        if moves:  # made by emu.drop of the source (the commit), see _apply_moves
+            src_uid = src_uids[src_layout.coords(ctx.rank)[0]]
+            _moves(ctx)[src_uid] = (dst_uids[d], moves)
         unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))
         setup += _unit_group(ctx, unit_layout, unit_group_ids[d])
         units[dst_uids[d]] = {
@@ -328,7 +345,13 @@ def _reshard(
         "pack_s": result.pack_seconds,
         "exchange_s": result.exchange_seconds,
         "unpack_s": result.unpack_seconds,
+        # of exchange_s: the cross-memory-attach reads (and shm sends), the local copies
+        "read_s": result.read_seconds,
+        "local_s": result.local_seconds,
         "comm_setup_s": setup,
+        "cpu_s": time.process_time() - cpu0,
+        # the whole command on this rank (reshard_s plus planning and groups)
+        "call_s": time.perf_counter() - wall0,
         **extra,
     }
 
@@ -338,9 +361,30 @@ def _replica(layout: Layout, d: int) -> tuple[int, ...]:
     return tuple(layout.ranks[d * n : (d + 1) * n])
 
 
+def _moves(ctx: WorkerContext) -> dict[int, tuple[int, list[tuple[int, int, int]]]]:
+    """Page moves owed by a consumed source unit: source uid -> (new unit's uid, moves)."""
+    return ctx.state.setdefault("emu.moves", {})
+
+
+def _apply_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
+    """Before units are dropped: forget moves into any of them (a failed primitive's new
+    units), then make the moves each of them owes a new unit (a committed Split or Merge)."""
+    moves = _moves(ctx)
+    for src in [s for s, (dst, _) in moves.items() if dst in uids]:
+        del moves[src]
+    for uid in uids:
+        owed = moves.pop(uid, None)
+        if owed is not None and owed[0] in _units(ctx):
+            move_ranges(owed[1])
+
+
 @register("emu.drop")
 def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] = ()) -> int:
-    """Forget the named units' shards and groups. Returns the bytes let go."""
+    """Forget the named units' shards and groups. Returns the bytes let go.
+
+    A consumed source of a Split or Merge first moves the pages it owes its new unit.
+    """
+    _apply_moves(ctx, uids)
     freed = 0
     for uid in uids:
         release(_take_pending(ctx, uid)[0])  # a primitive that failed before its transfer

@@ -5,6 +5,7 @@
 #include "common.h"
 #include "copy/cma.h"
 #include "copy/host_copy.h"
+#include "copy/remap.h"
 
 namespace py = pybind11;
 
@@ -42,6 +43,28 @@ py::tuple cma_read_py(int pid, const py::array& table, int num_threads) {
   return py::make_tuple(result.bytes, result.error);
 }
 
+py::tuple swap_pages_py(const py::array& table) {
+  NEREUS_CHECK(
+      table.dtype().is(py::dtype::of<int64_t>()),
+      "the swap table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
+  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kSwapTableColumns,
+               "the swap table must have shape (num_rows, " << kSwapTableColumns << "), got ndim "
+                                                            << table.ndim());
+  NEREUS_CHECK(table.flags() & py::array::c_style,
+               "the swap table must be C-contiguous; pass numpy.ascontiguousarray(table)");
+  const auto* rows = static_cast<const SwapRow*>(table.data());
+  for (int64_t i = 0; i < table.shape(0); ++i) {
+    NEREUS_CHECK(rows[i].nbytes >= 0 && rows[i].a != 0 && rows[i].b != 0,
+                 "swap row " << i << " needs two addresses and nbytes >= 0");
+  }
+  SwapResult result;
+  {
+    py::gil_scoped_release release;
+    result = swap_pages(rows, table.shape(0));
+  }
+  return py::make_tuple(result.rows, result.error);
+}
+
 }  // namespace
 
 void register_copy(py::module_& m) {
@@ -75,6 +98,20 @@ Returns:
     (bytes read, errno of the first failed call or 0). EPERM/ENOSYS mean the kernel
     forbids cross-memory attach here (Yama, seccomp, credentials), ESRCH that pid is
     gone, EFAULT that a range is not mapped in pid or here.
+
+Raises:
+    ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
+  static_assert(sizeof(SwapRow) == kSwapTableColumns * sizeof(int64_t), "swap row layout");
+  m.def("swap_pages", &swap_pages_py, py::arg("table"),
+        R"doc(Swap the pages of pairs of page-aligned ranges of this process (mremap), GIL released.
+
+Arguments:
+    table: int64 array of shape (num_rows, 3): a, b, nbytes. Both ranges of a row
+        must be page-aligned, inside one private anonymous mapping each, disjoint.
+
+Returns:
+    (rows swapped, errno of the first row that failed or 0). The rows before it are
+    swapped, that row and the ones after it are as they were.
 
 Raises:
     ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
