@@ -83,7 +83,7 @@ PartitionIndex build_index(int S, int64_t N) {
   pb.S = S;
   pb.N = int(N);
   pb.L = 0;
-  while ((int64_t(1) << pb.L) <= N) ++pb.L;  // N.bit_length()
+  while ((int64_t(1) << pb.L) <= N) ++pb.L;        // N.bit_length()
   std::vector<std::vector<uint64_t>> by_k(S + 1);  // assignments per group count
   for (const Partition& part : set_partitions(0, S)) {
     const int k = int(part.size());
