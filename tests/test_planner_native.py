@@ -121,6 +121,24 @@ def test_index_built_natively_equals_the_marshalled_one(S):
         planner_native._native.PartitionIndex.build(3, 0)
 
 
+def test_native_decision_at_a_new_device_count_builds_no_python_bounds(monkeypatch):
+    """The compiled search's index comes from C++: PartitionBounds (7-14 ms in Python) is
+    not built on the decision path, and the plan is the reference's."""
+    from nereus_rl import planner_bounds
+
+    c = cluster_preset("h200x32")
+    cm = CostModel(c)
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    ref = Planner(c, cm, native=False).plan(w, devices=range(29))
+
+    def no_python_bounds(*_):
+        raise AssertionError("PartitionBounds built on the compiled decision path")
+
+    monkeypatch.setattr(planner_bounds.PartitionBounds, "__init__", no_python_bounds)
+    planner_native.partition_index_of.cache_clear()
+    _same(Planner(c, cm, native=True).plan(w, devices=range(29)), ref)
+
+
 def test_native_k_best_ties_keep_python_order():
     """Equal objectives (two identical reward and reference stages) rank as in Python."""
     c = cluster_preset("h100x8")
