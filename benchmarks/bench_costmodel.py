@@ -72,7 +72,7 @@ error on each plan's least figure over the runs.
     python benchmarks/bench_costmodel.py --quick --json out.json
     python benchmarks/bench_costmodel.py --measurements out.json   # re-score, no measuring
     python benchmarks/bench_costmodel.py --measurements run1.json run2.json run3.json
-    python benchmarks/bench_costmodel.py --json full.json     # 32 rounds, ~10 min idle
+    python benchmarks/bench_costmodel.py --json full.json     # 32 rounds (8x --quick)
 """
 
 from __future__ import annotations
