@@ -136,6 +136,24 @@ def twins(rows: list[dict], batch: int, procs: dict) -> dict:
     return out
 
 
+def pooled(runs: list) -> list:
+    """Several runs' measurements (each ``[(plan, repetitions)]``, the same plans in the
+    same order) as one: each plan's repetitions taken together, each run's rounds
+    numbered after the previous run's, so a figure over rounds is over every run's."""
+    out = [(plan, []) for plan, _ in runs[0]]
+    offset = 0
+    for k, measured in enumerate(runs):
+        if [p for p, _ in measured] != [p for p, _ in out]:
+            raise ValueError(
+                f"run {k} measured another grid than run 0: pool only runs of the same grid "
+                "(the same --quick/--wide settings)"
+            )
+        for (_, into), (_, reps) in zip(out, measured):
+            into.extend(dict(r, round=r["round"] + offset) for r in reps)
+        offset += 1 + max(r["round"] for _, reps in measured for r in reps)
+    return out
+
+
 def halves_spread(even: list[dict], odd: list[dict], metric: str = "cpu") -> tuple[float, float]:
     """Mean and max ``max/min - 1`` (%) of each plan's figures from the two halves."""
     d = [_apart(a[f"{metric}_measured_ms"], b[f"{metric}_measured_ms"]) for a, b in zip(even, odd)]

@@ -96,7 +96,6 @@ import numpy as np
 from nereus_rl import planner_native, planner_reference
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
-from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
 from nereus_rl.planner_place import SHARED_PLACED, infeasible, place
 from nereus_rl.planner_tables import _StageTable
 from nereus_rl.planner_tables import set_partitions as set_partitions  # public, re-exported
@@ -392,7 +391,7 @@ class Planner:
         t_ctx = time.perf_counter()
         pidx = self._pidx.get((len(stages), N))
         if pidx is None:
-            pidx = planner_native.partition_index(_partition_bounds(len(stages), N), N)
+            pidx = planner_native.partition_index_of(len(stages), N)
             if len(self._pidx) > 32:
                 self._pidx.clear()
             self._pidx[(len(stages), N)] = pidx

@@ -8,8 +8,9 @@ plans, objectives (bit for bit), k-best order and tie-breaks. What stays here:
 * pricing the stage tables: one numpy product of their stacked work matrices with the
   inverse efficiencies (``Planner._stack``; the Python search prices from the same
   product), once per (stage shapes, efficiency version, capacity);
-* the index arrays of the set partitions and their maximal size assignments, built by
-  ``planner_bounds`` once per (stages, devices) and marshalled once.
+* nothing else: the index of the set partitions and their maximal size assignments per
+  (stages, devices) is built in C++ (``partition_index_of``; ``partition_index``
+  marshals the Python ``planner_bounds`` one, which the reference search uses).
 
 A :class:`NativeContext` holds one compiled context; its caches (group tables,
 partition bounds per device count) survive across calls, like the Python planner's.
@@ -37,6 +38,21 @@ AVAILABLE = _native is not None and hasattr(_native, "PlanContext")
 def partition_index(pb: PartitionBounds, N: int):
     """The compiled copy of ``pb``'s index arrays (``pb`` is itself cached per (S, N))."""
     return _native.PartitionIndex(pb.idx, pb.starts, [list(m) for m in pb.masks], N)
+
+
+@functools.lru_cache(maxsize=32)
+def partition_index_of(S: int, N: int):
+    """The compiled index of ``S`` stages on ``N`` devices, built in C++: the same as
+    ``partition_index(PartitionBounds(S, N), N)`` (tests check every array), in tens of
+    microseconds where building ``PartitionBounds`` took 7-14 ms, on the first decision
+    at each new device count (e.g. the first one after a loss). Built modules without
+    it fall back to that."""
+    build = getattr(_native.PartitionIndex, "build", None)
+    if build is None:
+        from nereus_rl.planner_bounds import partition_bounds_of
+
+        return partition_index(partition_bounds_of(S, N), N)
+    return build(S, N)
 
 
 def make_context(

@@ -47,13 +47,37 @@ def test_figure_from_cleanest_set_with_enough_repetitions():
     steal_free = [_rep((2.0,)) for _ in range(3)]
     clean = [_rep((3.0,), clean=True) for _ in range(2)]
     plan = ("tiny", 1, 32, "1p")
-    (row,) = bench._rows([(plan, fast_dirty + steal_free + clean)], "step")
+    (row,) = bench._rows([(plan, fast_dirty + steal_free + clean)], "step", "min")
     # Two clean repetitions are too few: the steal-free ones (clean among them) count.
     assert row["figure_from"] == "steal-free"
     assert row["cpu_measured_ms"] == pytest.approx(2000.0)
-    (row,) = bench._rows([(plan, fast_dirty + clean + [_rep((3.5,), clean=True)])], "step")
+    (row,) = bench._rows([(plan, fast_dirty + clean + [_rep((3.5,), clean=True)])], "step", "min")
     assert row["figure_from"] == "clean"
     assert row["cpu_measured_ms"] == pytest.approx(3000.0)
+
+
+def test_median_over_rounds_of_each_rounds_figure():
+    # Round 1 is fast in one repetition only (a minimum over all rounds would take 1.0);
+    # per round the fastest is 3.0, 1.0, 2.0, 2.5 (round 2's dirty repetition counts:
+    # every round's repetitions do), and the median of those is 2.25.
+    reps = [_rep((3.0,), rnd=0), _rep((4.0,), rnd=0), _rep((1.0,), rnd=1), _rep((9.0,), rnd=1)]
+    reps += [_rep((2.0,), rnd=2, steal=3), _rep((2.5,), rnd=3, clean=True)]
+    plan = ("tiny", 1, 32, "1p")
+    (row,) = bench._rows([(plan, reps)], "step")
+    assert row["cpu_measured_ms"] == pytest.approx(2250.0)
+    assert row["rounds"] == 4
+    (row,) = bench._rows([(plan, reps)], "step", "min")
+    assert row["cpu_measured_ms"] == pytest.approx(1000.0)
+
+
+def test_pooled_runs_number_rounds_after_each_other():
+    plan = ("tiny", 1, 32, "1p")
+    a = [(plan, [_rep((1.0,), rnd=0), _rep((2.0,), rnd=1)])]
+    b = [(plan, [_rep((3.0,), rnd=0)])]
+    ((p, reps),) = scoring.pooled([a, b])
+    assert p == plan and [r["round"] for r in reps] == [0, 1, 2]
+    with pytest.raises(ValueError, match="another grid"):
+        scoring.pooled([a, [(("tiny", 2, 32, "1p"), [_rep((1.0,))])]])
 
 
 def _row(layout, mb, seq, cpu, role="held_out", err=0.0):

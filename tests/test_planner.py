@@ -261,7 +261,7 @@ def test_random_efficiencies_and_device_losses_equal_brute_force(cluster, lost):
 
 def test_partition_bounds_never_exceed_the_partitions_best():
     """The cheap bound of every partition is at most its best plan (brute force)."""
-    from nereus_rl.planner import _partition_bounds
+    from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
 
     c = cluster_preset("a100x8")  # memory-bound: the bound must ignore memory soundly
     cm = CostModel(c, efficiencies={"gemm": 0.4, "mem": 0.7})

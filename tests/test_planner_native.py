@@ -6,7 +6,8 @@ import pytest
 
 from nereus_rl import planner_native
 from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import PlanInfeasibleError, Planner, _partition_bounds
+from nereus_rl.planner import PlanInfeasibleError, Planner
+from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
 from nereus_rl.spec import cluster_preset
 from nereus_rl.workload import make_workload
 
@@ -100,6 +101,42 @@ def test_native_bounds_equal_python_bit_for_bit():
         assert np.array_equal(ctx.cheap_table(), bounds["rows"].C)
         pidx = planner_native.partition_index(_partition_bounds(6, N), N)
         assert ctx.bounds(pidx) == tuple(bounds[N])
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 5, 6])
+def test_index_built_natively_equals_the_marshalled_one(S):
+    """The C++-built partition index (set partitions, maximal size assignments, prefix
+    skips) is array for array the one marshalled from planner_bounds.PartitionBounds."""
+    for N in (1, 2, 3, 5, 6, 8, 13, 24, 31, 32, 56, 1016, 4080, 4096):
+        built = planner_native.partition_index_of(S, N)
+        marshalled = planner_native.partition_index(_partition_bounds(S, N), N)
+        assert built.N == marshalled.N == N
+        got, want = built.arrays(), marshalled.arrays()
+        assert len(got[1]) > 0
+        for a, b in zip(got, want):
+            assert a == b, (S, N)
+    with pytest.raises(ValueError, match="between 1 and 10 stages"):
+        planner_native._native.PartitionIndex.build(11, 8)
+    with pytest.raises(ValueError, match="N must be"):
+        planner_native._native.PartitionIndex.build(3, 0)
+
+
+def test_native_decision_at_a_new_device_count_builds_no_python_bounds(monkeypatch):
+    """The compiled search's index comes from C++: PartitionBounds (7-14 ms in Python) is
+    not built on the decision path, and the plan is the reference's."""
+    from nereus_rl import planner_bounds
+
+    c = cluster_preset("h200x32")
+    cm = CostModel(c)
+    w = make_workload("ppo", reward="llama-3.1-8b", batch=64, response_len=2048)
+    ref = Planner(c, cm, native=False).plan(w, devices=range(29))
+
+    def no_python_bounds(*_):
+        raise AssertionError("PartitionBounds built on the compiled decision path")
+
+    monkeypatch.setattr(planner_bounds.PartitionBounds, "__init__", no_python_bounds)
+    planner_native.partition_index_of.cache_clear()
+    _same(Planner(c, cm, native=True).plan(w, devices=range(29)), ref)
 
 
 def test_native_k_best_ties_keep_python_order():

@@ -142,7 +142,24 @@ void register_planner(py::module_& m) {
                              "Set partitions of S stages with their maximal power-of-two size "
                              "assignments on N devices (planner_bounds.PartitionBounds)")
       .def(py::init(&make_index), py::arg("idx"), py::arg("starts"), py::arg("masks"), py::arg("N"))
-      .def_readonly("N", &PartitionIndex::N);
+      .def_static(
+          "build",
+          [](int S, int64_t N) {
+            // Bell(10) = 115,975 partitions: enough for any RL step's stages.
+            check(S >= 1 && S <= 10, "between 1 and 10 stages");
+            check(N >= 1 && N <= (int64_t(1) << 30), "N must be in 1..2^30 devices");
+            return planner::build_index(S, N);
+          },
+          py::arg("S"), py::arg("N"),
+          "The index of S stages on N devices built here (the same as from "
+          "planner_bounds.PartitionBounds(S, N), without building that)")
+      .def_readonly("N", &PartitionIndex::N)
+      .def(
+          "arrays",
+          [](const PartitionIndex& pb) {
+            return py::make_tuple(pb.masks, pb.gj, pb.begin, pb.from, pb.skip, pb.row0);
+          },
+          "(masks, gj, begin, from, skip, row0): the index's arrays, for tests");
   py::class_<StageLayouts>(m, "StageLayouts",
                            "Memory and devices of a stage table's layouts (int64 arrays)")
       .def(py::init(&make_layouts), py::arg("mem"), py::arg("d"));

@@ -202,14 +202,24 @@ Context::Lazy& Context::lazy(const PartitionIndex& pb) {
   // is lower (both sizes only shrink).
   const size_t P = pb.masks.size();
   Lazy lz{std::vector<double>(P), std::vector<uint8_t>(P, 0)};
-  for (size_t o = 0; o < P; ++o) {
-    const auto& m = pb.masks[o];
-    const int64_t k = int64_t(m.size());
+  // The (jg, jo) pairs visited depend only on N and the number of groups k: listed once
+  // per k (this function runs on every new context and device count, and the exponent
+  // loops were a large part of it).
+  std::vector<std::vector<std::pair<int, int>>> steps(S_ + 1);
+  for (int64_t k = 1; k <= S_ && k <= pb.N; ++k) {
     const int jt = log2_exact(pb.N - k + 2) - 1;  // floor(log2(N - k + 1))
-    double key = kInf;
     for (int jg = jt; jg >= 0; --jg) {
       const int64_t room = pb.N - (int64_t(1) << jg) - (k - 2);  // the largest other's
       const int jo = k > 1 ? std::min(jg, log2_exact(room + 1) - 1) : jg;
+      steps[k].emplace_back(jg, jo);
+      if (jo == jg) break;
+    }
+  }
+  for (size_t o = 0; o < P; ++o) {
+    const auto& m = pb.masks[o];
+    const int64_t k = int64_t(m.size());
+    double key = kInf;
+    for (const auto& [jg, jo] : steps[k]) {
       // Per phase the two largest of the groups at jo, to leave one group out.
       double top[3] = {0.0, 0.0, 0.0}, second[3] = {0.0, 0.0, 0.0};
       int64_t arg[3] = {-1, -1, -1};
@@ -225,13 +235,17 @@ Context::Lazy& Context::lazy(const PartitionIndex& pb) {
           }
         }
       }
+      if (jo == jg) {
+        // Every group at the same size: each q is the maximum over all groups, top.
+        key = std::min(key, (top[0] + top[1]) + top[2]);
+        continue;
+      }
       for (int64_t g = 0; g < k; ++g) {
         const double* v = cheap_row(m[g], jg);
         double q[3];
         for (int p = 0; p < 3; ++p) q[p] = std::max(v[p], arg[p] == g ? second[p] : top[p]);
         key = std::min(key, (q[0] + q[1]) + q[2]);
       }
-      if (jo == jg) break;
     }
     lz.key[o] = key;
   }

@@ -84,6 +84,11 @@ struct PartitionIndex {
 // Fills pb.skip and pb.row0 from pb.masks, pb.begin and pb.from.
 void index_prefixes(PartitionIndex& pb);
 
+// The index of every set partition of S stages (at most N groups) with its maximal
+// power-of-two size assignments on N devices, built directly (index.cpp): the same as
+// marshalling planner_bounds.PartitionBounds(S, N).
+PartitionIndex build_index(int S, int64_t N);
+
 // A plan found by the search: objective and, per group in search order, its stage
 // bitmask and the layout index of each of its stages.
 struct Found {
