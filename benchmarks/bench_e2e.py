@@ -261,6 +261,12 @@ def run_setting(
     for kind in ("colocated", "disaggregated"):
         plans[kind] = structured_plan(chooser, kind, first_len)
         plans[kind + "_max"] = structured_plan(chooser, kind, max_len)
+        for v, n in ((kind, first_len), (kind + "_max", max_len)):
+            if not plans[v][1]:  # its row then says NO under fits: say why here
+                print(
+                    f"{algo} {mode}: no {kind} layout fits the budget at {n} tokens; "
+                    f"{v} is the one with the smallest predicted peak"
+                )
     best_max, _ = ad.best_plan(max_len)
     plans["planner_fixed_max"] = (best_max, True)
     ad.cm = calibrated
