@@ -127,6 +127,25 @@ def stage_tiers(cluster: ClusterSpec, sp: StagePlan) -> tuple[str, str, str]:
     return tp_t, pp_t, name(sp.devices)
 
 
+def compose_phases(
+    plan: GlobalPlan, workload: Workload, seconds: Mapping[str, float]
+) -> tuple[float, ...]:
+    """Each phase's seconds from its stages' (``seconds``: stage name -> seconds).
+
+    Stages that share devices (a colocation group) run one after another within a
+    phase; groups on disjoint devices overlap, so a phase lasts as long as its slowest
+    group. Stages missing from ``seconds`` count 0.
+    """
+    phases = [0.0, 0.0, 0.0]
+    for grp in plan.colocation_groups():
+        per = [0.0, 0.0, 0.0]
+        for s in grp:
+            if s in seconds:
+                per[workload.stage(s).phase] += seconds[s]
+        phases = [max(a, b) for a, b in zip(phases, per)]
+    return tuple(phases)
+
+
 class CostModel(PrimitiveCostModel):
     """Predicts step latency, peak memory and primitive costs on one cluster.
 
@@ -353,14 +372,8 @@ class CostModel(PrimitiveCostModel):
             stages[name] = StageEstimate(
                 name, float(w @ self._x), {c: float(parts[i]) for i, c in enumerate(CLASSES)}
             )
-        phases = [0.0, 0.0, 0.0]
-        for grp in plan.colocation_groups():
-            per = [0.0, 0.0, 0.0]
-            for s in grp:
-                if s in stages:
-                    per[workload.stage(s).phase] += stages[s].seconds
-            phases = [max(a, b) for a, b in zip(phases, per)]
-        return StepEstimate(sum(phases), tuple(phases), stages, sync)
+        phases = compose_phases(plan, workload, {n: e.seconds for n, e in stages.items()})
+        return StepEstimate(sum(phases), phases, stages, sync)
 
     # ----- memory ---------------------------------------------------------------------
     @property

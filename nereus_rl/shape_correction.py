@@ -24,6 +24,7 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import replace
 
+from nereus_rl.costmodel import compose_phases
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 
 
@@ -98,11 +99,5 @@ class ShapeCorrection:
             st = est.stages.get(sp.stage)
             if st is not None:
                 secs[sp.stage] = st.seconds * rs.get(shape(sp), 1.0)
-        phases = [0.0, 0.0, 0.0]
-        for grp in plan.colocation_groups():
-            per = [0.0, 0.0, 0.0]
-            for s in grp:
-                if s in secs:
-                    per[workload.stage(s).phase] += secs[s]
-            phases = [max(a, b) for a, b in zip(phases, per)]
-        return replace(est, total_s=sum(phases), phase_s=tuple(phases))
+        phases = compose_phases(plan, workload, secs)
+        return replace(est, total_s=sum(phases), phase_s=phases)
