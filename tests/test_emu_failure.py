@@ -22,15 +22,20 @@ def _bitwise(m: EMUManager, unit) -> None:
         assert torch.equal(got[name], t), f"{unit!r}: {name}"
 
 
+def _tp2_and_tp1(d: Driver, seed: int):
+    """3 local workers; the actor as a tp2 unit on workers 0-1 and a tp1 one on 2."""
+    d.spawn_local(3, num_threads=1, method="forkserver")
+    m = EMUManager(d, transfer_timeout=20.0)
+    m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=seed)
+    a = m.create("actor", [0, 1], tp=2)
+    return m, a, m.extend("actor", [2], tp=1)
+
+
 def test_join_then_kill_then_recover():
     d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
     joiner = None
     try:
-        d.spawn_local(3, num_threads=1, method="forkserver")
-        m = EMUManager(d, transfer_timeout=20.0)
-        m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=3)
-        a = m.create("actor", [0, 1], tp=2)
-        b = m.extend("actor", [2], tp=1)
+        m, a, b = _tp2_and_tp1(d, seed=3)
 
         # A worker started by hand joins the running job and gets a unit by Extend.
         joiner = start_joiner(d.address, "nereus_rl.runtime.worker")
@@ -108,11 +113,7 @@ def test_a_worker_joining_after_a_death_gets_the_lost_capacity_by_extend():
     d = Driver(heartbeat_timeout=2.0, call_timeout=60.0)
     joiner = None
     try:
-        d.spawn_local(3, num_threads=1, method="forkserver")
-        m = EMUManager(d, transfer_timeout=20.0)
-        m.define_stage("actor", stage_state_specs(2, hidden=8, ffn=20, vocab=13), seed=5)
-        a = m.create("actor", [0, 1], tp=2)
-        b = m.extend("actor", [2], tp=1)
+        m, a, b = _tp2_and_tp1(d, seed=5)
         d.kill(1)
         assert d.wait_for_loss(timeout=10) == (1,)
         held_before = d.call([2], "emu.units")
