@@ -41,13 +41,8 @@ MODULE = "nereus_rl.trainer_recover_check"
 def _same_place(entry: dict[str, Any], layout, rank: int) -> bool:
     """Does this rank's stage model hold the shard ``layout`` puts on ``rank``?"""
     g = entry["model"].groups
-    i = layout.ranks.index(rank)  # Layout order: pp-major, then tp
-    return (g.tp_size, g.pp_size, g.tp_rank, g.pp_rank) == (
-        layout.tp,
-        layout.pp,
-        i % layout.tp,
-        i // layout.tp,
-    )
+    _, p, t = layout.coords(rank)
+    return (g.tp_size, g.pp_size, g.tp_rank, g.pp_rank) == (layout.tp, layout.pp, t, p)
 
 
 @register("rl.recovery_view")
