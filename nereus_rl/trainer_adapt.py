@@ -238,17 +238,12 @@ class Adapter:
             # overhead): sized on another plan, the budget can sit above the peak of
             # the plan the run starts on, and the default run then never meets memory
             # pressure (nereus-rl train --quick made no transition)
-            pm = self.priced(cm)
-            first = min(
-                (
-                    (pm.step_latency(p, wl).total_s, i, p)
-                    for i, (_, p) in enumerate(res.k_best)
-                    if self._runnable(p)
-                ),
-                key=lambda x: x[:2],
-            )[2]
+            ranked = self._rank(res.k_best, wl, self.priced(cm))
         except (PlanInfeasibleError, ValueError):
             return cl.device.memory_bytes
+        if not ranked:
+            return cl.device.memory_bytes
+        first = ranked[0][1]
         return int(max(cm.peak_memory(first, wl).values()) * AUTO_BUDGET_HEADROOM)
 
     # -------------------------------------------------------------- planning
@@ -265,6 +260,13 @@ class Adapter:
             if sp.pp > mc.num_layers or sp.dp > self.cfg.batch:
                 return False
         return True
+
+    def _rank(self, k_best, wl, pm: PricedModel) -> list[tuple[float, GlobalPlan]]:
+        """The runnable plans of ``k_best`` with ``pm``'s latency, fastest first (a
+        stable sort: ties keep the planner's order)."""
+        out = [(pm.step_latency(p, wl).total_s, p) for _, p in k_best if self._runnable(p)]
+        out.sort(key=lambda x: x[0])
+        return out
 
     def ranked_plans(self, rlen: int, devices=None, k: int = 64) -> list[tuple[float, GlobalPlan]]:
         """The planner's ``k`` best runnable plans for the workload at ``rlen``, best
@@ -288,9 +290,7 @@ class Adapter:
         # measured ratio to the model (shape_correction) and the measured per-call
         # overhead the model does not price (step_overhead; only its plan-dependent
         # part), so the order is the model's when nothing has been measured yet.
-        pm = self.priced()
-        out = [(pm.step_latency(p, wl).total_s, p) for _, p in res.k_best if self._runnable(p)]
-        out.sort(key=lambda x: x[0])
+        out = self._rank(res.k_best, wl, self.priced())
         if not out:
             raise NotEnoughDevicesError(
                 f"no plan among the planner's best {len(res.k_best)} fits the model's head "
