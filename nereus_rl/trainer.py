@@ -146,6 +146,9 @@ class Trainer:
         self.first_plan = self.adapter.initial_plan(self._response_len(0))
         self.plan: GlobalPlan | None = None
         self.units = None  # TrainerUnits, once the workers hold the state
+        # a worker loss at a step's end (its boundary, or the async weight sync): the
+        # step is recorded, then recovered from (run)
+        self._boundary_loss: Exception | None = None
         self.own_driver = driver is None
         self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
 
@@ -457,7 +460,7 @@ class Trainer:
                 ahead = None  # the step is run again on the new plan
                 continue
             step += 1
-            lost, self._boundary_loss = getattr(self, "_boundary_loss", None), None
+            lost, self._boundary_loss = self._boundary_loss, None
             if lost is not None:  # the step finished; its boundary's transition did not
                 self.recover(step, lost)  # (an async rollout made before it stays valid)
         return self.result
@@ -501,7 +504,7 @@ class Trainer:
         )
         m["step_s"] = time.perf_counter() - t_step
         m["transition_s"] = 0.0
-        if step + 1 < cfg.steps and getattr(self, "_boundary_loss", None) is None:
+        if step + 1 < cfg.steps and self._boundary_loss is None:
             try:
                 m.update(self.adapter.boundary(step, m))
             except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
