@@ -24,7 +24,7 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import replace
 
-from nereus_rl.costmodel import compose_phases
+from nereus_rl.costmodel import StageEstimate, compose_phases
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 
 
@@ -90,14 +90,17 @@ class ShapeCorrection:
 
     def correct(self, cm, plan: GlobalPlan, workload, est):
         """``est`` (``cm.step_latency(plan, workload)``) with each measured shape's stage
-        at its measured ratio, phases and total recomposed as the cost model does."""
+        at its measured ratio (its ``stages`` entry too), phases and total recomposed
+        as the cost model does."""
         rs = self.ratios(cm)
         if not rs:
             return est
-        secs = {}
+        stages = dict(est.stages)
         for sp in plan.stages:
-            st = est.stages.get(sp.stage)
-            if st is not None:
-                secs[sp.stage] = st.seconds * rs.get(shape(sp), 1.0)
-        phases = compose_phases(plan, workload, secs)
-        return replace(est, total_s=sum(phases), phase_s=phases)
+            st, r = est.stages.get(sp.stage), rs.get(shape(sp))
+            if st is not None and r is not None:  # each class scaled alike
+                stages[sp.stage] = StageEstimate(
+                    st.stage, st.seconds * r, {c: v * r for c, v in st.by_class.items()}
+                )
+        phases = compose_phases(plan, workload, {n: e.seconds for n, e in stages.items()})
+        return replace(est, total_s=sum(phases), phase_s=phases, stages=stages)

@@ -58,6 +58,12 @@ def test_a_measured_shape_is_priced_at_its_median_ratio(cm_wl):
     assert math.isclose(got.phase_s[2], raw.phase_s[2] - 0.7 * t)
     assert math.isclose(got.total_s, raw.total_s - 0.7 * t)
     assert got.phase_s[:2] == raw.phase_s[:2]
+    # the estimate's stage entry says the corrected price too, each class scaled alike
+    st = got.stages["actor_train"]
+    assert math.isclose(st.seconds, 0.3 * t)
+    raw_parts = raw.stages["actor_train"].by_class
+    assert all(math.isclose(v, 0.3 * raw_parts[c]) for c, v in st.by_class.items())
+    assert got.stages["rollout"] == raw.stages["rollout"]
     # another shape of the same stage (dp 2) keeps the model's price
     raw2 = cm.step_latency(p2, wl)
     assert sc.correct(cm, p2, wl, raw2).total_s == raw2.total_s
