@@ -1,0 +1,88 @@
+"""A worker that dies inside a collective: its peers are left waiting on it.
+
+tests/test_trainer_recovery.py kills a worker after a command ended (or between
+commands), so no survivor is ever blocked on the dead one. Here the victim dies as
+a command starts (``faults.die_before``), so a survivor is inside that command's
+gloo collective with it: the gradient all-reduce of a dp=2 training stage. The
+survivor's op fails when the dead peer's connection closes, or at the latest when
+the group timeout (short here) runs out; either way the job must notice within a
+bounded time, keep every intact unit's state, and go on without training a step
+twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from test_trainer_recovery import FAST, P4, _assert_same, _plan, _recoveries, _stage_states
+
+from nereus_rl.runtime import Driver
+from nereus_rl.trainer import TrainConfig, Trainer
+
+GROUP_TIMEOUT_S = 10.0
+# Long enough that a loaded machine's busy worker never looks dead (a 3 s timeout did
+# at load 20, during rl.init); the death here is seen from the process's exit.
+HEARTBEAT_S = 30.0
+
+
+@contextmanager
+def _workers(n: int) -> Iterator[Driver]:
+    d = Driver(heartbeat_timeout=HEARTBEAT_S, call_timeout=300.0)
+    try:
+        d.spawn_local(n, method="forkserver", group_timeout=GROUP_TIMEOUT_S)
+        yield d
+    finally:
+        d.shutdown()
+
+
+def test_a_death_inside_the_gradient_allreduce_is_noticed_at_once_and_recovered():
+    # actor_train is dp2 on devices 0 and 2. Device 2's worker dies as step 1's rl.train
+    # starts, so device 0 runs its forward/backward and then waits in the gradient
+    # all-reduce for a peer that is gone. Nothing was stepped (the optimizer runs after
+    # the all-reduce), so step 1 is trained again on the plan recovery builds from the
+    # intact units (device 0's actor_train, device 3's reference).
+    after = _plan((0, 1), (3, 1), (0, 3))
+    cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, **FAST)
+    tag: dict = {"before": [], "after": []}
+    with _workers(4) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            tr.adapter.best_plan = lambda rlen, devices=None: (after, 0.0)
+            victim = tr.device_worker[2]
+
+            def progress(step, m):
+                if step == 0:
+                    tag["before"].append(_stage_states(tr))
+                    driver.call([victim], "import", "worker_faults")
+                    driver.call([victim], "faults.die_before", "rl.train")
+                    tag["armed"] = time.monotonic()
+
+            recover = tr.recover
+
+            def recover_and_note(step, error):
+                tag["noticed"] = time.monotonic()
+                recover(step, error)
+                tag["after"].append(_stage_states(tr))
+
+            tr.progress = progress
+            tr.recover = recover_and_note
+            res = tr.run()
+            final = _stage_states(tr)
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    (rec,) = _recoveries(res)
+    assert rec["trigger"].startswith("lost devices [2]") and rec["step"] == 1, rec
+    assert res.plans[-1] == (1, after)
+    # Noticed within the bound: the dead peer's closed connection fails the survivor's
+    # all-reduce at once (0.3 s measured from arming, step 1's rollout included), the
+    # group timeout bounds it otherwise; room is left for a loaded machine's rollout.
+    waited = tag["noticed"] - tag["armed"]
+    assert waited < GROUP_TIMEOUT_S + 20.0, waited
+    (before,), (after_state,) = tag["before"], tag["after"]
+    _assert_same(before, after_state)  # the state at the death, bitwise
+    assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
