@@ -197,6 +197,7 @@ def run_setting(
     # measurement (a run of the calibrated model's choices measured 1.5-2x slower: it
     # priced tp 2 layouts it never ran too well), so they are the same baselines as
     # before, not weaker ones.
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
     trace = LengthTrace.from_file(common["trace"])
     lengths = [int(trace.response_len(i)) for i in range(common["steps"])]
     probe, chooser, note = _choose_budget(driver, algo, mode, common, budget_rule, max_len, lengths)
@@ -350,6 +351,9 @@ def run_setting(
     info = {
         "algo": algo,
         "mode": mode,
+        "seconds": time.perf_counter() - t0,
+        # load average (1 min) at the setting's start and end: the shared machine's
+        "loadavg": (load0, os.getloadavg()[0]),
         "budget_rule": rule,
         "memory_budget_bytes": budget,
         "budget_note": note,
@@ -459,7 +463,9 @@ def main(argv=None) -> int:
     for info in infos:
         print_verdicts(info["algo"], info["mode"], info["verdicts"])
         print(
-            f"  budget {info['budget_rule']} {info['memory_budget_bytes'] / 2**20:.3f} MiB; "
+            f"  {info['seconds']:.0f} s, load average start/end {info['loadavg'][0]:.1f} / "
+            f"{info['loadavg'][1]:.1f}; budget {info['budget_rule']} "
+            f"{info['memory_budget_bytes'] / 2**20:.3f} MiB; "
             "memory constrains adaptive: "
             + ("yes" if info["memory_constrains_adaptive"] else "NO")
             + " (start plan need / budget per repeat: "
