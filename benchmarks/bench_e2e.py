@@ -31,12 +31,13 @@ the warm-up runs' transition times are printed:
                      plan among every feasible one run
 
 Memory budget per worker (``--budget-rule``, printed with the figures it came from):
-by default (``startup``) the least at which each startup configuration sized for the
-trace's longest responses (colocated_max, disaggregated_max, planner_fixed_max) has a
-layout that fits at every step, and never less than a run's own rule (1.08x the
-predicted peak of its calibrated start plan, ``calibrated``; ``uncalibrated``: the same
-before the calibration, the bench's rule before it existed). So the comparison is at
-equal memory on devices where every startup configuration runs. The bench then says
+by default (``startup``) the least at which each startup structure (colocated,
+disaggregated; planner_fixed_max then fits too) has a layout that fits at every step of
+the trace: the comparison is at equal memory on devices where every startup
+configuration runs, and the budget depends on the model, batch and trace only, not on
+a run's calibration. ``calibrated``: a run's own rule (1.08x the predicted peak of its
+calibrated start plan); ``uncalibrated``: the same before the calibration (the bench's
+rule before the calibration existed). The bench then says
 whether memory still constrains adaptive: whether its start plan's predicted peak over
 the trace exceeds the budget (it must then change plan as responses grow).
 
@@ -70,8 +71,9 @@ non-urgent moves where payback and replan-always differ).
 Three interleaved repeats by default (two were too few: two PPO runs disagreed more than
 the variants within one). --quick runs 10 steps and the top 2 enumerated plans, so 10
 variants of ~3 s per run each (under two minutes per setting idle); a full run runs every
-enumerated plan (32-77 per setting on 4 workers, ~18 s each at 20 steps and three
-repeats: 10-25 min per setting).
+enumerated plan (on 4 workers under the startup budget: ~30 for GRPO and ReMax, ~500
+for PPO, whose disaggregated layouts need a large budget; ~18 s each at 20 steps and
+three repeats: 10 min per GRPO setting, hours for PPO).
 """
 
 from __future__ import annotations
@@ -133,32 +135,32 @@ def _run_row(res) -> dict:
 
 
 def _choose_budget(driver, algo, mode, common, rule, max_len, lengths):
-    """The setting's memory budget per worker by ``rule`` (see :func:`run_setting`), and
-    the probe: a started trainer after its startup calibration, whose adapter holds that
-    budget (the ranker of the enumerated plans), plus the adapter that chooses the fixed
-    layouts and a note on how the budget was found."""
-    probe = Trainer(TrainConfig(algo=algo, mode=mode, **common), driver=driver)
+    """The setting's memory budget per worker by ``rule`` (see :func:`run_setting`):
+    returns the probe (a started trainer after its startup calibration, whose adapter
+    holds that budget: the ranker of the enumerated plans), the trainer whose adapter
+    chooses the fixed layouts, and a note on how the budget was found."""
+    fixed_budget = None
+    note = ""
+    if rule == "startup":
+        planner = Trainer(TrainConfig(algo=algo, mode=mode, **common))  # plans only
+        fixed_budget, least = startup_budget(planner.adapter, lengths)
+        planner.driver.shutdown()
+        note = "least predicted peak over the trace: " + ", ".join(
+            f"{k} {v / 2**20:.3f} MiB" for k, v in least.items()
+        )
+    # with the startup rule, the probe's calibration and start plan are the ones the
+    # adaptive runs will have under that budget
+    probe = Trainer(
+        TrainConfig(algo=algo, mode=mode, memory_budget=fixed_budget, **common), driver=driver
+    )
     probe.start()
     print(
         f"{algo} {mode}: startup calibration {probe.result.timings['calibration_s']:.2f} s, "
         f"probes {probe.result.calibration['probes']}"
     )
-    calibrated = probe.adapter.budget
-    note = f"calibrated rule {calibrated / 2**20:.3f} MiB"
     if rule == "startup":
-        budget, least = startup_budget(probe.adapter, lengths, calibrated)
-        note += "; least peak over the trace: " + ", ".join(
-            f"{k} {v / 2**20:.3f} MiB" for k, v in least.items()
-        )
-        if budget != calibrated:
-            # a probe started with that budget: its calibration and start plan are the
-            # ones the adaptive runs will have
-            probe.close()
-            probe = Trainer(
-                TrainConfig(algo=algo, mode=mode, memory_budget=budget, **common), driver=driver
-            )
-            probe.start()
         return probe, probe, note
+    note = f"1.08x the calibrated start plan's peak, {probe.adapter.budget / 2**20:.3f} MiB"
     if rule == "calibrated":
         try:
             probe.adapter.ranked_plans(max_len)
@@ -179,11 +181,11 @@ def run_setting(
     """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
 
     ``budget_rule`` (memory per worker, the same for every variant):
-    ``"startup"`` (default): the smallest budget, at least the ``"calibrated"`` one, at
-    which each startup configuration sized for the trace's longest responses
-    (colocated_max, disaggregated_max, planner_fixed_max) has a layout that fits at every
-    step (:func:`e2e_plans.startup_budget`): the comparison is at equal memory on devices
-    where each of them runs. ``"calibrated"``: the rule a run without a budget uses
+    ``"startup"`` (default): the smallest budget at which each startup configuration
+    (colocated, disaggregated, planner_fixed_max) has a layout that fits at every step
+    (:func:`e2e_plans.startup_budget`): the comparison is at equal memory on devices
+    where each of them runs, with as much memory pressure on adaptive as that allows.
+    ``"calibrated"``: the rule a run without a budget uses
     (1.08x the predicted peak of the plan it starts on, after its startup calibration);
     it falls back to ``"uncalibrated"`` when nothing fits the longest responses.
     ``"uncalibrated"``: the same rule on the plan the default cost model picks (what the
@@ -383,9 +385,9 @@ def main(argv=None) -> int:
         choices=BUDGET_RULES,
         default="startup",
         help="memory budget per worker: startup (default): the least at which every "
-        "startup configuration sized for the longest responses has a fitting layout, and at "
-        "least calibrated's; calibrated: 1.08x the predicted peak of the start plan after "
-        "the startup calibration (a run's own rule); uncalibrated: the same before it",
+        "startup structure has a layout that fits the whole trace; calibrated: 1.08x the "
+        "predicted peak of the start plan after the startup calibration (a run's own "
+        "rule); uncalibrated: the same before it",
     )
     ap.add_argument(
         "--fixed-top",

@@ -7,7 +7,6 @@ feasible fixed plan (each once up to a relabeling of the identical worker proces
 from __future__ import annotations
 
 import itertools
-import math
 from pathlib import Path
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan
@@ -91,16 +90,17 @@ def structured_plan(ad, kind: str, rlen: int, fit_lengths=None) -> tuple[GlobalP
     return best, not best_key[0]
 
 
-def startup_budget(ad, lengths: list[int], floor: int) -> tuple[int, dict[str, int]]:
+def startup_budget(ad, lengths: list[int]) -> tuple[int, dict[str, int]]:
     """The bench's default memory budget per worker (rule ``"startup"``).
 
-    The largest of ``floor`` (the run's own rule: 1.08x the predicted peak of its
-    calibrated start plan) and, for each fixed structure (colocated, disaggregated), the
-    smallest predicted peak over its runnable layouts across the whole trace
-    (``lengths``): so every startup configuration sized for the longest responses has a
-    layout that runs on devices with this memory, and the planner's own best plan for
-    them fits too (a colocated layout is one of the planner's plans). Predicted peaks
-    are the cost model's memory model, which calibration does not change.
+    For each fixed structure (colocated, disaggregated), the smallest predicted peak over
+    its runnable layouts across the whole trace (``lengths``); the budget is the larger:
+    the least memory at which every startup configuration has a layout that runs the
+    whole trace (and the planner's own best plan for the longest responses fits too: a
+    colocated layout is one of the planner's plans), so the comparison is at equal memory
+    with as much memory pressure on adaptive as that allows. Predicted peaks are the cost
+    model's memory model, which calibration does not change: the budget is the same in
+    every run of a setting.
 
     Returns the budget and the least peak of each structure (bytes).
     """
@@ -108,8 +108,7 @@ def startup_budget(ad, lengths: list[int], floor: int) -> tuple[int, dict[str, i
         k: min(peak_over(ad, p, lengths) for p in structured_layouts(ad, k)) for k in STRUCTURES
     }
     # the planner's feasibility is peak <= capacity = memory - reserve
-    reserve = ad.cm.memory_reserve_bytes
-    return math.ceil(max(floor, *(v + reserve for v in least.values()))), least
+    return max(least.values()) + ad.cm.memory_reserve_bytes, least
 
 
 def canonical(plan: GlobalPlan, num_devices: int) -> tuple:
