@@ -12,31 +12,47 @@ the warm-up runs' transition times are printed:
     replan_always    adaptation that executes every candidate (replan on each trigger)
     colocated        verl-like: every stage on every device, fixed; each stage's
                      (dp, tp, pp) chosen at startup by the planner's cost model (before
-                     any measurement) under the same memory budget (the fastest
-                     predicted colocated layout)
+                     any measurement): the fastest predicted colocated layout at the
+                     first responses among those that fit the budget at every step
     disaggregated    OpenRLHF-like: rollout on the first half of the devices, every
                      other stage on the second half, fixed, chosen the same way
     planner_fixed    the planner's first plan (adaptive's start, after its startup
                      calibration in the warm-up run), never changed
     *_max            the same three chosen for the trace's longest responses instead
-                     of its first ones: a static configuration sized for the whole run
+                     of its first ones (planner_fixed_max: the planner's best there)
     enumNN           every other feasible fixed plan: the planner's k-best at the
                      trace's longest responses under the budget (so each fits at every
                      step), deduplicated up to a relabeling of the identical devices
                      and against the plans above, ranked by predicted mean step latency
                      over the trace (the model after the probe's startup calibration);
-                     --quick runs the top 6 (--fixed-top), a full run all of them
+                     --quick runs the top 2 (--fixed-top), a full run all of them
     best_fixed       the fastest fixed plan (named or enumerated) whose predicted peak
                      stays within the budget at every step: the empirical best fixed
                      plan among every feasible one run
 
-A fixed plan whose predicted peak exceeds the per-worker memory budget at some step
-could not run on devices with that memory: its row says "NO" under "fits" and it is
-never best_fixed (on this CPU machine it still runs, since the budget is enforced on
-the cost model's prediction only, so its time is shown). Reported per variant: mean
-over repeats of the mean step latency (transitions included), its spread (min..max over
-repeats), the paired ratio to adaptive (each repeat's variant / adaptive: mean and
-range), transitions, reward and the largest peak/budget.
+Memory budget per worker (``--budget-rule``, printed with the figures it came from):
+by default (``startup``) the least at which each startup structure (colocated,
+disaggregated; planner_fixed_max then fits too) has a layout that fits at every step of
+the trace: the comparison is at equal memory on devices where every startup
+configuration runs, and the budget depends on the model, batch and trace only, not on
+a run's calibration. ``calibrated``: a run's own rule (1.08x the predicted peak of its
+calibrated start plan); ``uncalibrated``: the same before the calibration (the bench's
+rule before the calibration existed). The bench then says
+whether memory still constrains adaptive: whether its start plan's predicted peak over
+the trace exceeds the budget (it must then change plan as responses grow).
+
+A fixed plan whose predicted peak exceeds the budget at some step could not run on
+devices with that memory: its row says "NO" under "fits" and it is never best_fixed and
+never judged (on this CPU machine it still runs, since the budget is enforced on the
+cost model's prediction only, so its time is shown). Under the default rule that can
+only be planner_fixed, adaptive's start plan kept: when it does not fit, memory is what
+makes adaptive move.
+Reported per variant: mean over repeats of the mean step latency (transitions
+included), its spread (min..max over repeats), the ratio of means to adaptive, the
+paired ratio (each repeat's variant / adaptive) as a geometric mean with its 90% range,
+transitions, reward and the largest peak/budget. Per setting, each goal's verdict from
+those ranges (``e2e_verdict``): met, missed, or within noise when the range straddles
+the goal.
 Per setting also the model check (``e2e_model_error``): each fitting fixed plan's
 predicted step latency (the calibrated model) beside the
 measured one, per phase, with the rank correlation and whether the model's pick
@@ -46,21 +62,23 @@ The default trace (``--steps N``): response length rising 6 -> 20 tokens over th
 half, holding, then falling to 13 over the last quarter (the fall gives opportunistic,
 non-urgent moves where payback and replan-always differ).
 
-    python benchmarks/bench_e2e.py --quick --json out.json    # GRPO sync; ~3 min at load 10
+    python benchmarks/bench_e2e.py --quick --json out.json    # GRPO sync
     python benchmarks/bench_e2e.py --quick --algos ppo --modes async --json out.json
-    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --fixed-top 12 --json out.json
-    python benchmarks/bench_e2e.py --steps 20 --repeats 2 --json out.json  # every plan: hours
+    python benchmarks/bench_e2e.py --quick --algos grpo,ppo,remax --modes sync,async --json o.json
+    python benchmarks/bench_e2e.py --steps 20 --fixed-top 12 --json out.json
+    python benchmarks/bench_e2e.py --steps 20 --json out.json  # every plan: hours
 
---quick runs 6 enumerated plans (about 5 s each at two repeats on an idle machine;
-192 s for the whole GRPO sync run at load 9-12, against 63 s idle for the run before
-the enumeration); a full run runs every one (32-77 per setting on 4 workers, ~12 s
-each at 20 steps and two repeats: 6-15 min per setting).
+Three interleaved repeats by default (two were too few: two PPO runs disagreed more than
+the variants within one). --quick runs 10 steps and the top 2 enumerated plans, so 10
+variants of ~3 s per run each (under two minutes per setting idle); a full run runs every
+enumerated plan (on 4 workers under the startup budget: ~30 for GRPO and ReMax, ~500
+for PPO, whose disaggregated layouts need a large budget; ~18 s each at 20 steps and
+three repeats: 10 min per GRPO setting, hours for PPO).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -69,130 +87,32 @@ import time
 from pathlib import Path
 
 from e2e_model_error import mean_phases, predicted_phases, print_table
+from e2e_plans import (
+    STRUCTURES,
+    enumerate_fixed,
+    peak_over,
+    startup_budget,
+    structured_plan,
+    write_trace,
+)
+from e2e_verdict import goal_verdicts, paired_range, print_verdicts
 
 from nereus_rl.costmodel import CostModel
-from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
+from nereus_rl.tasks import LengthTrace
 from nereus_rl.trainer import TrainConfig, Trainer, train
-from nereus_rl.trainer_config import stage_names
 
 FIXED = ("colocated", "disaggregated", "planner_fixed")
 # Enumerated fixed plans --quick runs (the best by predicted mean latency over the trace):
-# each adds ~5 s (two repeats of 10 steps) to a run of ~60 s on an idle machine.
-QUICK_FIXED_TOP = 6
-# The planner's k for the enumeration: larger than the Pareto-pruned plan space at a few
-# devices (grpo / ppo / remax on 4 workers: 77 / 55 / 32 plans), so k-best is all of it.
-ENUM_K = 1000
+# each adds ~8 s (three repeats of 10 steps) on an idle machine; two keep a setting near
+# 100 s idle with three repeats of all 10 variants.
+QUICK_FIXED_TOP = 2
+REPEATS = 3
+BUDGET_RULES = ("startup", "calibrated", "uncalibrated")
 
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
-
-
-def write_trace(path: Path, steps: int, lo: int = 6, hi: int = 20) -> Path:
-    """Rise lo -> hi over the first half, hold a quarter, fall to (lo+hi)/2."""
-    rise, hold = max(2, steps // 2), max(1, steps // 4)
-    fall = max(1, steps - rise - hold)
-    mid = (lo + hi) // 2
-    lens = [round(lo + (hi - lo) * i / (rise - 1)) for i in range(rise)]
-    lens += [hi] * hold
-    lens += [round(hi + (mid - hi) * (i + 1) / fall) for i in range(fall)]
-    lines = ["step,response_len"] + [f"{i},{n}" for i, n in enumerate(lens[:steps])]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def structured_plan(probe: Trainer, kind: str, rlen: int) -> tuple[GlobalPlan, bool]:
-    """The fastest predicted plan of a fixed structure, and whether it fits the budget.
-
-    ``kind``: ``"colocated"`` (every stage on all devices) or ``"disaggregated"``
-    (rollout on the first half, the rest on the second half). Each stage's (dp, tp,
-    pp) is free (powers of two, runnable on the model), priced by the probe's cost
-    model (the planner's, before any measurement) under the workload at ``rlen``.
-    When no layout fits the budget, the one with the smallest peak is returned.
-    """
-    ad = probe.adapter
-    n = probe.cfg.devices
-    wl = ad.workload(rlen)
-    planned = {s.stage for s in wl.planned_stages}
-    names = [x for x in stage_names(probe.cfg.algo) if x[0] in planned]
-    half = n // 2
-    options = []
-    for name, model, trains in names:
-        devs = list(range(half)) if kind == "disaggregated" and name == "rollout" else None
-        if devs is None:
-            devs = list(range(half, n)) if kind == "disaggregated" else list(range(n))
-        opts = []
-        d = len(devs)
-        for tp, pp in itertools.product([1, 2, 4, 8], repeat=2):
-            if d % (tp * pp):
-                continue
-            dp = d // (tp * pp)
-            units = tuple(tuple(devs[u * tp * pp : (u + 1) * tp * pp]) for u in range(dp))
-            opts.append(StagePlan(name, model, trains, dp, tp, pp, units))
-        options.append(opts)
-    best, best_key = None, None
-    for combo in itertools.product(*options):
-        plan = GlobalPlan(tuple(combo))
-        if not ad._runnable(plan):
-            continue
-        peak = max(ad.cm.peak_memory(plan, wl).values())
-        fits = peak <= ad.budget
-        lat = ad.cm.step_latency(plan, wl).total_s
-        key = (not fits, lat if fits else peak)
-        if best_key is None or key < best_key:
-            best, best_key = plan, key
-    if best is None:
-        raise RuntimeError(f"no runnable {kind} plan for {probe.cfg.algo} on {n} devices")
-    return best, not best_key[0]
-
-
-def canonical(plan: GlobalPlan, num_devices: int) -> tuple:
-    """``plan`` up to a relabeling of the devices (identical worker processes on one
-    host, so relabeled plans run the same work): the smallest key over all relabelings
-    (exact up to 6 devices; beyond, the plan as it is)."""
-
-    def key(perm) -> tuple:
-        def units(sp):
-            return tuple(sorted(tuple(perm[d] for d in u) for u in sp.units))
-
-        return tuple(sorted((sp.stage, sp.dp, sp.tp, sp.pp, units(sp)) for sp in plan.stages))
-
-    if num_devices > 6:
-        return key(range(num_devices))
-    return min(key(p) for p in itertools.permutations(range(num_devices)))
-
-
-def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[list, dict]:
-    """Every feasible fixed plan not among ``named``, best predicted first.
-
-    Feasible: among the planner's k-best (``ENUM_K``) for the longest response length of
-    ``lengths`` under ``ad``'s budget (peak memory grows with length, so such a plan fits
-    at every step) and runnable on the model. Deduplicated up to device relabeling (and
-    against ``named``); ranked by ``ad``'s model's mean predicted step latency over
-    ``lengths``. Returns [(predicted mean s, plan)] and counts for the printout.
-    """
-    n = ad.cfg.devices
-    ranked = [p for _, p in ad.ranked_plans(max(lengths), k=ENUM_K)]
-    named_keys = {canonical(p, n) for p in named}
-    seen = set(named_keys)
-    wls = {rl: ad.workload(rl) for rl in set(lengths)}
-    pm = ad.priced()
-    out = []
-    dup_named = dup = 0
-    for p in ranked:
-        c = canonical(p, n)
-        if c in seen:
-            dup_named += c in named_keys
-            dup += 1
-            continue
-        seen.add(c)
-        # as the decisions price it: measured shapes at their ratio (shape_correction)
-        pred = _mean([pm.stage_price(p, wls[rl]).total_s for rl in lengths])
-        pred += ad.overhead.predict(p)  # the measured unpriced rest (step_overhead)
-        out.append((pred, p))
-    out.sort(key=lambda x: x[0])
-    return out, {"k_best": len(ranked), "duplicates": dup, "same_as_named": dup_named}
 
 
 def _run_row(res) -> dict:
@@ -214,57 +134,91 @@ def _run_row(res) -> dict:
     }
 
 
-def run_setting(
-    driver, algo, mode, common, repeats, max_len, budget_rule="calibrated", fixed_top=None
-):
-    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
-
-    ``budget_rule``: ``"calibrated"``, the rule a run without a budget uses (1.08x the
-    predicted peak of the plan it starts on, after its startup calibration);
-    ``"uncalibrated"``, the same rule on the plan the default cost model picks (what
-    the bench used before the startup calibration existed). ``fixed_top``: how many
-    enumerated fixed plans to run (None: all).
-    """
-    # The memory budget follows the rule a run uses (just above the predicted peak of
-    # the plan it starts on), after the same startup calibration an adaptive run does,
-    # on these workers. The fixed layouts are chosen as on main: by the planner's cost
-    # model before any measurement (a run of the calibrated model's choices measured
-    # 1.5-2x slower: it priced tp 2 layouts it never ran too well), so they are the same
-    # baselines as before, not weaker ones.
-    probe = Trainer(TrainConfig(algo=algo, mode=mode, **common), driver=driver)
+def _choose_budget(driver, algo, mode, common, rule, max_len, lengths):
+    """The setting's memory budget per worker by ``rule`` (see :func:`run_setting`):
+    returns the probe (a started trainer after its startup calibration, whose adapter
+    holds that budget: the ranker of the enumerated plans), the trainer whose adapter
+    chooses the fixed layouts, and a note on how the budget was found."""
+    fixed_budget = None
+    note = ""
+    if rule == "startup":
+        planner = Trainer(TrainConfig(algo=algo, mode=mode, **common))  # plans only
+        fixed_budget, least = startup_budget(planner.adapter, lengths)
+        planner.driver.shutdown()
+        note = "least predicted peak over the trace: " + ", ".join(
+            f"{k} {v / 2**20:.3f} MiB" for k, v in least.items()
+        )
+    # with the startup rule, the probe's calibration and start plan are the ones the
+    # adaptive runs will have under that budget
+    probe = Trainer(
+        TrainConfig(algo=algo, mode=mode, memory_budget=fixed_budget, **common), driver=driver
+    )
     probe.start()
     print(
         f"{algo} {mode}: startup calibration {probe.result.timings['calibration_s']:.2f} s, "
         f"probes {probe.result.calibration['probes']}"
     )
-    # The budget and the fixed layouts come from one planner: the probe's (calibrated
-    # budget) or, by the uncalibrated rule, a planner-only trainer's (main's budget);
-    # the calibrated rule falls back to the latter when no plan fits the longest
-    # responses under it (PPO at batch 4: the calibrated start spreads every stage
-    # over its own device, and 1.08x its peak holds nothing at 20 tokens).
-    rule, chooser, planner_only = budget_rule, probe, None
+    if rule == "startup":
+        return probe, probe, note
+    note = f"1.08x the calibrated start plan's peak, {probe.adapter.budget / 2**20:.3f} MiB"
     if rule == "calibrated":
         try:
             probe.adapter.ranked_plans(max_len)
+            return probe, probe, note
         except ValueError:
-            rule = "uncalibrated"
+            # PPO at batch 4: the calibrated start spreads every stage over its own
+            # device, and 1.08x its peak held nothing at 20 tokens
             print(f"{algo} {mode}: nothing fits {max_len} tokens under the calibrated budget")
-    if rule == "uncalibrated":
-        planner_only = Trainer(TrainConfig(algo=algo, mode=mode, **common))
-        chooser = planner_only
-    print(f"{algo} {mode}: budget rule {rule}")
+            note += "; nothing fits the longest length, so the uncalibrated rule"
+    # uncalibrated: the same rule on the plan the default cost model picks (main's budget
+    # before the startup calibration); a planner-only trainer chooses the fixed layouts
+    return probe, Trainer(TrainConfig(algo=algo, mode=mode, **common)), note
+
+
+def run_setting(
+    driver, algo, mode, common, repeats, max_len, budget_rule="startup", fixed_top=None
+):
+    """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
+
+    ``budget_rule`` (memory per worker, the same for every variant):
+    ``"startup"`` (default): the smallest budget at which each startup configuration
+    (colocated, disaggregated, planner_fixed_max) has a layout that fits at every step
+    (:func:`e2e_plans.startup_budget`): the comparison is at equal memory on devices
+    where each of them runs, with as much memory pressure on adaptive as that allows.
+    ``"calibrated"``: the rule a run without a budget uses
+    (1.08x the predicted peak of the plan it starts on, after its startup calibration);
+    it falls back to ``"uncalibrated"`` when nothing fits the longest responses.
+    ``"uncalibrated"``: the same rule on the plan the default cost model picks (what the
+    bench used before the startup calibration existed). ``fixed_top``: how many
+    enumerated fixed plans to run (None: all).
+
+    Returns the rows (one per variant, then best_fixed) and the setting's info (budget,
+    whether memory constrains adaptive, goal verdicts).
+    """
+    # The fixed layouts are chosen as on main: by the planner's cost model before any
+    # measurement (a run of the calibrated model's choices measured 1.5-2x slower: it
+    # priced tp 2 layouts it never ran too well), so they are the same baselines as
+    # before, not weaker ones.
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    trace = LengthTrace.from_file(common["trace"])
+    lengths = [int(trace.response_len(i)) for i in range(common["steps"])]
+    probe, chooser, note = _choose_budget(driver, algo, mode, common, budget_rule, max_len, lengths)
+    rule = budget_rule if chooser is probe else "uncalibrated"
     ad = chooser.adapter
     budget = ad.budget
-    first_len = probe._response_len(0)
+    print(f"{algo} {mode}: budget rule {rule}: {budget / 2**20:.3f} MiB per worker ({note})")
+    first_len = lengths[0]
     plans = {"planner_fixed": (probe.first_plan, True)}
     calibrated, ad.cm = ad.cm, CostModel(ad.cluster)
-    for kind in ("colocated", "disaggregated"):
-        plans[kind] = structured_plan(chooser, kind, first_len)
-        plans[kind + "_max"] = structured_plan(chooser, kind, max_len)
-        for v, n in ((kind, first_len), (kind + "_max", max_len)):
+    for kind in STRUCTURES:
+        # the fastest at the first responses and at the longest, each among the layouts
+        # that fit at every step: a startup configuration must run the whole trace
+        plans[kind] = structured_plan(ad, kind, first_len, lengths)
+        plans[kind + "_max"] = structured_plan(ad, kind, max_len, lengths)
+        for v in (kind, kind + "_max"):
             if not plans[v][1]:  # its row then says NO under fits: say why here
                 print(
-                    f"{algo} {mode}: no {kind} layout fits the budget at {n} tokens; "
+                    f"{algo} {mode}: no {kind} layout fits the budget over the trace; "
                     f"{v} is the one with the smallest predicted peak"
                 )
     best_max, _ = ad.best_plan(max_len)
@@ -272,7 +226,6 @@ def run_setting(
     ad.cm = calibrated
     # Every other feasible fixed plan, ranked by the calibrated model where there is
     # one (the probe's: measured on these workers) over the trace's lengths.
-    lengths = [probe._response_len(i) for i in range(common["steps"])]
     ranker = probe.adapter if chooser is probe else chooser.adapter
     enum, counts = enumerate_fixed(ranker, lengths, [p for p, _ in plans.values()])
     # The model that ranked them, and the trace's workloads, for the model check
@@ -289,8 +242,8 @@ def run_setting(
     for i, (pred, p) in enumerate(enum[:top]):
         plans[f"enum{i:02d}"] = (p, True)
         print(f"  enum{i:02d} predicted {pred:.3f} s/step: {p!r}")
-    if planner_only is not None:
-        planner_only.driver.shutdown()  # it planned only; it started no workers
+    if chooser is not probe:
+        chooser.driver.shutdown()  # it planned only; it started no workers
     probe.close()  # the workers are the bench's driver's: they keep running
     kw = dict(algo=algo, mode=mode, driver=driver, memory_budget=budget, **common)
     variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
@@ -313,6 +266,7 @@ def run_setting(
             # adaptive's start is chosen after its startup calibration (measured on
             # these workers), so planner_fixed is the plan the warm-up run started on
             plans["planner_fixed"] = (warm.plans[0][1], True)
+    starts: list[float] = []
     for rep in range(repeats):
         # Each repeat starts one variant later, so no variant always runs first.
         for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
@@ -323,12 +277,16 @@ def run_setting(
             else:
                 res = train(adapt=False, plan=plans[v][0], **kw)
             runs[v].append(_run_row(res))
+            if v == "adaptive" and res.plans:
+                # its start plan's need over the trace: > 1 means memory makes it move
+                starts.append(peak_over(ad, res.plans[0][1], lengths) / budget)
     rows = []
     base = [r["step_latency_s"] for r in runs["adaptive"]]
     for v in variants:
         rs = runs[v]
         lat = [r["step_latency_s"] for r in rs]
         ratios = [a / b for a, b in zip(lat, base)]
+        geo, lo, hi = paired_range(ratios)
         frac = max(r["peak_memory_fraction"] for r in rs)
         adaptive = v in ("adaptive", "replan_always")
         row = {
@@ -345,6 +303,10 @@ def run_setting(
             "paired_ratio_mean_x": _mean(ratios),
             "paired_ratio_min_x": min(ratios),
             "paired_ratio_max_x": max(ratios),
+            # geometric mean of the paired ratios and its 90% range (e2e_verdict)
+            "paired_geomean_x": geo,
+            "ci_lo_x": lo,
+            "ci_hi_x": hi,
             "transitions": _mean([r["transitions"] for r in rs]),
             "calibration_s": _mean([r["calibration_s"] for r in rs]),
             "reward_mean": _mean([r["reward_mean"] for r in rs]),
@@ -372,7 +334,30 @@ def run_setting(
     best = min(fits or fixed, key=lambda r: r["step_latency_s"])
     label = best["variant"] if fits else f"{best['variant']}, NONE fits the budget"
     rows.append({**best, "variant": f"best_fixed ({label})", "model_check": model_check})
-    return rows
+    verdicts = goal_verdicts(rows)
+    print_verdicts(algo, mode, verdicts)
+    over = sum(x > 1.0 for x in starts)
+    constrained = bool(starts) and over == len(starts)
+    need = f"{min(starts, default=float('nan')):.2f}-{max(starts, default=float('nan')):.2f}x"
+    print(
+        f"{algo} {mode}: memory constrains adaptive in {over} of {len(starts)} repeats: its "
+        f"start plan's predicted peak over the trace is {need} the budget (over 1: it must "
+        "change plan as responses grow; else its moves are for speed only)"
+    )
+    info = {
+        "algo": algo,
+        "mode": mode,
+        "seconds": time.perf_counter() - t0,
+        # load average (1 min) at the setting's start and end: the shared machine's
+        "loadavg": (load0, os.getloadavg()[0]),
+        "budget_rule": rule,
+        "memory_budget_bytes": budget,
+        "budget_note": note,
+        "adaptive_start_peak_over_budget_x": starts,
+        "memory_constrains_adaptive": constrained,  # in every repeat
+        "verdicts": verdicts,
+    }
+    return rows, info
 
 
 def main(argv=None) -> int:
@@ -380,20 +365,23 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="10 steps, 2 repeats, batch 4; GRPO sync unless --algos/--modes are given",
+        help=f"10 steps, {REPEATS} repeats, batch 4, the top {QUICK_FIXED_TOP} enumerated "
+        "plans; GRPO sync unless --algos/--modes are given",
     )
     ap.add_argument("--algos", default=None, help="default grpo,ppo,remax (quick: grpo)")
     ap.add_argument("--modes", default=None, help="default sync,async (quick: sync)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds per setting")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="interleaved rounds per setting")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--trace", default=None, help="response-length trace (CSV or JSON)")
     ap.add_argument(
         "--budget-rule",
-        choices=("calibrated", "uncalibrated"),
-        default="calibrated",
-        help="memory budget: 1.08x the peak of the start plan after (default) or before "
-        "the startup calibration",
+        choices=BUDGET_RULES,
+        default="startup",
+        help="memory budget per worker: startup (default): the least at which every "
+        "startup structure has a layout that fits the whole trace; calibrated: 1.08x the "
+        "predicted peak of the start plan after the startup calibration (a run's own "
+        "rule); uncalibrated: the same before it",
     )
     ap.add_argument(
         "--fixed-top",
@@ -409,34 +397,34 @@ def main(argv=None) -> int:
     common = dict(devices=args.devices, warm_steps=60, batch=8, group_size=4, seed=0)
     fixed_top = args.fixed_top
     if args.quick:
-        steps, repeats = 10, 2
+        steps = 10
         common.update(warm_steps=20, batch=4)
         fixed_top = QUICK_FIXED_TOP if fixed_top is None else fixed_top
     tmp = tempfile.TemporaryDirectory()
     trace = args.trace or str(write_trace(Path(tmp.name) / "trace.csv", steps))
-    from nereus_rl.tasks import LengthTrace
-
     lt = LengthTrace.from_file(trace)
     max_len = max(lt.response_len(i) for i in range(steps))
     common.update(steps=steps, trace=trace)
     load_start = os.getloadavg()
     t0 = time.perf_counter()
     driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
-    rows = []
+    rows, infos = [], []
     try:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                rows += run_setting(
+                r, info = run_setting(
                     driver, algo, mode, common, repeats, max_len, args.budget_rule, fixed_top
                 )
+                rows += r
+                infos.append(info)
     finally:
         driver.shutdown()
         tmp.cleanup()
     print(f"trace {lt!r}, {steps} steps, {repeats} interleaved repeats per variant")
     head = (
         f"{'algo':5} {'mode':5} {'variant':42} {'step_s':>6} {'min..max':>11} "
-        f"{'vs_adapt':>8} {'paired range':>12} {'trans':>5} {'reward':>6} {'mem/bud':>7} fits"
+        f"{'vs_adapt':>8} {'paired, 90% range':>19} {'trans':>5} {'reward':>6} {'mem/bud':>7} fits"
     )
     print(head)
     for r in rows:
@@ -445,7 +433,7 @@ def main(argv=None) -> int:
             f"{r['algo']:5} {r['mode']:5} {r['variant']:42} {r['step_latency_s']:6.3f} "
             f"{r['step_latency_min_s']:5.3f}..{r['step_latency_max_s']:5.3f} "
             f"{r['latency_vs_adaptive_x']:7.2f}x "
-            f"{r['paired_ratio_min_x']:5.2f}..{r['paired_ratio_max_x']:4.2f}x "
+            f"{r['paired_geomean_x']:5.2f} [{r['ci_lo_x']:4.2f}..{r['ci_hi_x']:4.2f}]x "
             f"{r['transitions']:5.1f} {r['reward_mean']:6.3f} "
             f"{r['peak_memory_fraction']:7.2f} {fits}"
             + (f"  ERRORS {r['errors']}" if r["errors"] else "")
@@ -468,6 +456,18 @@ def main(argv=None) -> int:
     for r in rows:
         if r["plan"] is not None and not r["variant"].startswith("best_fixed"):
             print(f"  {r['algo']} {r['mode']} {r['variant']}: {r['plan']}")
+    for info in infos:
+        print_verdicts(info["algo"], info["mode"], info["verdicts"])
+        starts = info["adaptive_start_peak_over_budget_x"]
+        print(
+            f"  {info['seconds']:.0f} s, load average start/end {info['loadavg'][0]:.1f} / "
+            f"{info['loadavg'][1]:.1f}; budget {info['budget_rule']} "
+            f"{info['memory_budget_bytes'] / 2**20:.3f} MiB; "
+            f"memory constrains adaptive in {sum(x > 1 for x in starts)} of {len(starts)} "
+            "repeats (start plan need / budget per repeat: "
+            + ", ".join(f"{x:.2f}" for x in info["adaptive_start_peak_over_budget_x"])
+            + ")"
+        )
     load_end = os.getloadavg()
     print(
         f"bench_e2e: {time.perf_counter() - t0:.0f} s; load average (1 min) start/end: "
@@ -480,6 +480,8 @@ def main(argv=None) -> int:
             "trace": repr(lt),
             "steps": steps,
             "budget_rule": args.budget_rule,
+            "repeats": repeats,
+            "settings": infos,
             "loadavg_start": load_start,
             "loadavg_end": load_end,
             "rows": rows,

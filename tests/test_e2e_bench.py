@@ -1,8 +1,11 @@
-"""bench_e2e's enumeration of fixed plans: every feasible plan, each once up to device
-relabeling (the worker processes are identical), none of the named baselines again."""
+"""bench_e2e's fixed plans and verdicts: the enumeration of fixed plans (every feasible
+plan, each once up to device relabeling, none of the named baselines again), the default
+budget rule (every startup structure has a layout for the whole trace), and the
+noise-aware goal verdicts."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -10,7 +13,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_e2e import canonical, enumerate_fixed, write_trace
+from e2e_plans import (
+    STRUCTURES,
+    canonical,
+    enumerate_fixed,
+    peak_over,
+    startup_budget,
+    structured_plan,
+    write_trace,
+)
+from e2e_verdict import T95, goal_verdicts, paired_range, verdict
 
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.trainer import TrainConfig, Trainer
@@ -73,3 +85,68 @@ def test_enumerate_fixed_every_feasible_plan_once(trainer):
     )  # fmt: skip
     out2, _ = enumerate_fixed(ad, lengths, [relabeled])
     assert [p for _, p in out2] == plans
+
+
+def test_startup_budget_leaves_every_startup_structure_a_layout(trainer):
+    ad = trainer.adapter
+    lengths = [trainer._response_len(i) for i in range(10)]
+    budget, least = startup_budget(ad, lengths)
+    assert budget == max(least.values())  # the least at which both structures fit
+    cfg = trainer.cfg
+    sized = Trainer(
+        TrainConfig(algo="grpo", devices=4, warm_steps=20, batch=4, group_size=4, seed=0,
+                    steps=10, trace=cfg.trace, memory_budget=budget)
+    )  # fmt: skip
+    try:
+        sa = sized.adapter
+        for kind in STRUCTURES:  # sized for the first and for the longest responses
+            for n in (lengths[0], max(lengths)):
+                plan, fits = structured_plan(sa, kind, n, lengths)
+                assert fits and peak_over(sa, plan, lengths) <= budget
+        sa.best_plan(max(lengths))  # the planner's best for the longest length exists
+        # one byte less and the tighter structure has no layout for the whole trace
+        tight = max(least, key=least.get)
+        sa.budget = budget - 1
+        assert not structured_plan(sa, tight, max(lengths), lengths)[1]
+    finally:
+        sized.driver.shutdown()
+
+
+def test_paired_range_is_a_t_interval_of_the_log_ratios():
+    geo, lo, hi = paired_range([1.0, 1.0, 1.0])
+    assert (geo, lo, hi) == (1.0, 1.0, 1.0)
+    geo, lo, hi = paired_range([1.1, 1.2, 1.3])
+    logs = [math.log(x) for x in (1.1, 1.2, 1.3)]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    assert geo == pytest.approx(math.exp(m))
+    assert lo == pytest.approx(math.exp(m - T95[1] * sd / math.sqrt(3)))
+    assert hi == pytest.approx(math.exp(m + T95[1] * sd / math.sqrt(3)))
+    assert lo < 1.1 and hi > 1.3  # three repeats: wider than their spread
+    assert math.isnan(paired_range([1.2])[1])
+
+
+def test_verdicts_say_within_noise_when_the_range_straddles():
+    assert verdict(1.40, 1.60, 1 / 0.75) == "met"
+    assert verdict(1.10, 1.30, 1 / 0.75) == "missed"
+    assert verdict(1.20, 1.40, 1 / 0.75) == "within noise"
+    assert verdict(float("nan"), float("nan"), 1.0) == "one repeat"
+
+    def row(v, lo, hi, fits=True):
+        return {"variant": v, "ci_lo_x": lo, "ci_hi_x": hi, "paired_geomean_x": (lo + hi) / 2,
+                "fits_budget": fits}  # fmt: skip
+
+    rows = [
+        row("adaptive", 1.0, 1.0),
+        row("replan_always", 0.9, 1.1),
+        row("colocated_max", 1.5, 2.0),
+        row("disaggregated_max", 1.5, 2.0, fits=False),
+        row("best_fixed (enum00)", 0.80, 0.90),
+    ]
+    got = {(v["goal"], v["variant"]): v["verdict"] for v in goal_verdicts(rows)}
+    assert got == {
+        ("startup", "colocated_max"): "met",
+        ("startup", "disaggregated_max"): "not judged: does not fit the budget",
+        ("replan", "replan_always"): "within noise",
+        ("best_fixed", "best_fixed (enum00)"): "missed",
+    }

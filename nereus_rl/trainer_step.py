@@ -1,0 +1,161 @@
+"""One RL step's data work on the workers, for :class:`nereus_rl.trainer.Trainer`.
+
+Sampling the prompts and sending them to the rollout units, gathering the responses,
+scoring them, the reference (and PPO critic) inference, the advantages (GRPO group
+normalized, PPO GAE, ReMax greedy baseline) and the training stages' optimizer steps.
+The trainer's loop (:meth:`Trainer._step`) decides when each runs (sync or async)
+and where (its current plan); this module is what each does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from nereus_rl.algos.grpo import group_advantages
+from nereus_rl.algos.ppo import gae, kl_penalized_rewards
+from nereus_rl.algos.remax import remax_advantages
+from nereus_rl.tasks import TOKENIZER, encode_prompts, score_responses
+
+
+def _split(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Split rows evenly over units (sizes differ by at most one; rows stay in order)."""
+    n = t.shape[0]
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    return list(t.split(sizes))
+
+
+def _gather(replies: dict[int, Any], key: str) -> torch.Tensor:
+    outs = sorted((r for r in replies.values() if r is not None), key=lambda r: r["unit"])
+    return torch.cat([r[key] for r in outs])
+
+
+def _stage_seconds(replies: dict[int, Any]) -> float:
+    return max((r["seconds"] for r in replies.values() if r is not None), default=0.0)
+
+
+class StepWork:
+    """Mixin of :class:`~nereus_rl.trainer.Trainer`: the rollout and training work of a
+    step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``plan``, ``driver`` and its
+    ``_all`` / ``_submit`` / ``_response_len``."""
+
+    def _rollout_submit(self, step: int, rlen: int | None = None):
+        """Sample a step's prompts and send them to the rollout units (not waiting);
+        ``rlen`` overrides the step's response limit (the startup calibration's probes)."""
+        cfg = self.cfg
+        rlen = self._response_len(step) if rlen is None else rlen
+        # The response limit follows the length schedule; the task level stays at the
+        # first step's (fixed_level) so that reward can rise while responses grow.
+        level = self.task.level_for_response_len(self._response_len(0) if cfg.fixed_level else rlen)
+        problems = self.task.sample(cfg.batch, level, self.rng)
+        if cfg.algo == "grpo":
+            problems = [p for p in problems for _ in range(cfg.group_size)]
+        prompts = encode_prompts(problems)
+        rp = self.plan.stage("rollout")
+        parts = _split(prompts, rp.dp)
+        pend = self._submit(
+            "rl.generate",
+            "rollout",
+            parts,
+            rlen,
+            cfg.temperature,
+            cfg.seed * 100_003 + step,
+            TOKENIZER.EOS,
+            greedy=cfg.algo == "remax",
+        )
+        return {"step": step, "problems": problems, "rlen": rlen, "level": level, "pend": pend}
+
+    def _rollout_wait(self, job) -> dict[str, Any]:
+        rep = self.driver.wait(job["pend"])
+        job["sequences"] = _gather(rep, "sequences")
+        job["mask"] = _gather(rep, "mask")
+        job["old_logp"] = _gather(rep, "logp")
+        job["rollout_s"] = _stage_seconds(rep)
+        if self.cfg.algo == "remax":
+            job["greedy"] = _gather(rep, "greedy")
+        return job
+
+    def _train_on(self, job) -> dict[str, Any]:
+        """Reward, reference (and critic) inference, advantages and the training stages."""
+        cfg = self.cfg
+        seqs, mask, old_logp = job["sequences"], job["mask"], job["old_logp"]
+        plen = seqs.shape[1] - mask.shape[1]
+        problems = job["problems"]
+        t0 = time.perf_counter()
+        scores = score_responses(self.task, problems, seqs[:, plen:])
+        reward_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref_p = self.plan.stage("reference")
+        rep = self._all("rl.infer", "reference", _split(seqs, ref_p.dp), plen, cfg.num_micro)
+        ref_logp = _gather(rep, "out")
+        values = None
+        if cfg.algo == "ppo":
+            cp = self.plan.stage("critic_inference")
+            rep_v = self._all(
+                "rl.infer", "critic_inference", _split(seqs, cp.dp), plen, cfg.num_micro
+            )
+            values = _gather(rep_v, "out")
+        infer_s = time.perf_counter() - t0
+        num_tokens = float(mask.sum())
+        batch: dict[str, torch.Tensor] = {
+            "sequences": seqs,
+            "mask": mask,
+            "old_logp": old_logp,
+            "ref_logp": ref_logp,
+        }
+        if cfg.algo == "grpo":
+            batch["advantages"] = group_advantages(scores, cfg.group_size)
+        elif cfg.algo == "ppo":
+            rewards = kl_penalized_rewards(scores, old_logp, ref_logp, mask, kl_coef=cfg.kl_coef)
+            adv, ret = gae(rewards, values, mask, whiten=True)
+            batch.update(advantages=adv, returns=ret, old_values=values)
+        else:
+            gscores = score_responses(self.task, problems, job["greedy"])
+            rewards = kl_penalized_rewards(scores, old_logp, ref_logp, mask, kl_coef=cfg.kl_coef)
+            batch["advantages"] = remax_advantages(rewards, gscores, mask)
+        t0 = time.perf_counter()
+        hp = {**cfg.hyper(), "lr": self._lr(job["step"])}
+        pend = []
+        for stage in ("actor_train", "critic_train") if cfg.algo == "ppo" else ("actor_train",):
+            sp = self.plan.stage(stage)
+            parts = []
+            for rows in _split(torch.arange(seqs.shape[0]), sp.dp):
+                b = {k: v[rows] for k, v in batch.items()}
+                b["prompt_len"] = torch.tensor(plen)
+                b["num_tokens"] = torch.tensor(num_tokens)
+                parts.append(b)
+            pend.append((stage, self._submit("rl.train", stage, parts, hp)))
+        stats: dict[str, float] = {}
+        train_s = 0.0
+        for stage, p in pend:
+            rep = self.driver.wait(p)
+            train_s = max(train_s, _stage_seconds(rep))
+            outs = [r for r in rep.values() if r is not None]
+            prefix = "critic_" if stage == "critic_train" else ""
+            # each unit's loss was scaled by dp (the gradient all-reduce averages)
+            dp = self.plan.stage(stage).dp
+            stats[prefix + "loss"] = sum(r["loss"] for r in outs) / dp
+            for r in outs:
+                for k, v in r["stats"].items():
+                    stats[prefix + k] = stats.get(prefix + k, 0.0) + v / dp
+        kl = float(((old_logp - ref_logp) * mask).sum() / max(num_tokens, 1.0))
+        return {
+            "reward_mean": float(scores.mean()),
+            "reward_exact": float((scores >= 1.0).float().mean()),
+            "kl": kl,
+            "loss": stats.get("loss", 0.0),
+            "critic_loss": stats.get("critic_loss"),
+            "response_tokens_mean": float(mask.sum(-1).mean()),
+            "stage_s": {
+                "rollout": job["rollout_s"],
+                "reward": reward_s,
+                "inference": infer_s,
+                "train": train_s,
+            },
+        }
+
+    def _lr(self, step: int) -> float:
+        # Linear warm-up after the warm start: the first RL updates are the noisiest.
+        return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
