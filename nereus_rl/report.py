@@ -110,9 +110,9 @@ def summary_table(result: Any) -> str:
         budget = next((x["memory_budget_bytes"] for x in m if "memory_budget_bytes" in x), None)
         if budget:
             rows.append(("memory budget / worker", f"{budget / 2**20:.2f} MiB (predicted peak)"))
-        rows.append(
-            ("state held / worker (max)", f"{max(x['held_bytes_max'] for x in m) / 2**20:.2f} MiB")
-        )
+        held = [x["held_bytes_max"] for x in m if x.get("held_bytes_max") is not None]
+        if held:  # (a step whose worker died before it was read has none)
+            rows.append(("state held / worker (max)", f"{max(held) / 2**20:.2f} MiB"))
         taken = [d for d in result.decisions if d.get("taken")]
         rows.append(("decisions (taken)", f"{len(result.decisions)} ({len(taken)})"))
         rows.append(

@@ -335,10 +335,11 @@ class Trainer(StepWork):
             # step trains (on disjoint devices the two overlap).
             nxt = self._rollout_submit(step + 1)
         m = self._train_on(job)
-        # measured bytes of model state (weights, Adam moments) on the fullest worker
-        # (before the async weight sync, which loads in place: the same bytes)
-        m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
+        m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read
         try:
+            # measured bytes of model state (weights, Adam moments) on the fullest worker
+            # (before the async weight sync, which loads in place: the same bytes)
+            m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
             if nxt is not None:
                 nxt = self._rollout_wait(nxt)
                 sync = self.weight_sync()

@@ -86,3 +86,33 @@ def test_a_death_inside_the_gradient_allreduce_is_noticed_at_once_and_recovered(
     (before,), (after_state,) = tag["before"], tag["after"]
     _assert_same(before, after_state)  # the state at the death, bitwise
     assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
+
+
+def test_a_death_while_measuring_held_memory_after_training_does_not_train_twice():
+    # Device 2's worker dies as rl.held_bytes starts, right after step 1 trained on every
+    # unit: the step's update is in, so it is recorded once and recovered from at its
+    # boundary, not run again (which would apply its update twice).
+    after = _plan((0, 1), (3, 1), (0, 3))
+    cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, **FAST)
+    with _workers(4) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            tr.adapter.best_plan = lambda rlen, devices=None: (after, 0.0)
+            victim = tr.device_worker[2]
+
+            def progress(step, m):
+                if step == 0:
+                    driver.call([victim], "import", "worker_faults")
+                    driver.call([victim], "faults.die_before", "rl.held_bytes")
+
+            tr.progress = progress
+            res = tr.run()
+            final = _stage_states(tr)
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    (rec,) = _recoveries(res)
+    assert rec["trigger"].startswith("lost devices [2]") and rec["step"] == 2, rec
+    assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
