@@ -39,6 +39,10 @@ Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken, the measured transition time, the
 primitives executed and the stages that fell back.
 
+Pricing a move and carrying out a taken one live in :mod:`nereus_rl.adapt_move`
+(a move cut short by a worker death gets its own decision row there, ``interrupted``,
+beside the recovery's row).
+
 Execution (:mod:`nereus_rl.trainer_units`): the model's state lives in EMU
 units, and the DAG runs through the concurrent executor
 (``transition_exec.execute_dag``) with live primitives, each an
@@ -54,13 +58,13 @@ covering an Extend per new unit of each such stage, priced the way
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
+from nereus_rl.adapt_move import compile_priced, execute_move, primitive_seconds
 from nereus_rl.admission import Admission
 from nereus_rl.calibration import ModelTolerance, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
-from nereus_rl.costmodel import CostModel, UnitLayout
+from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadChoice, LookaheadError
 from nereus_rl.lookahead import choose as choose_lookahead
@@ -71,9 +75,8 @@ from nereus_rl.shape_correction import ShapeCorrection
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.step_overhead import PricedModel, StepOverhead
 from nereus_rl.trainer_calibrate import stage_seconds
-from nereus_rl.trainer_fallback import observe_fallback, stagewise_cost
+from nereus_rl.trainer_fallback import stagewise_cost
 from nereus_rl.transition import TransitionError
-from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
 
 # The default per-worker memory budget is this much above the predicted peak of the best
@@ -87,51 +90,6 @@ AUTO_BUDGET_HEADROOM = 1.08
 # the first two values is rounder still): it missed the 12 -> 16 bucket crossing 3 steps
 # on, and the second urgent move followed; 6 sees it and avoids it.
 LOOKAHEAD_STEPS = 6
-
-
-def primitive_seconds(cm: CostModel, mspec, prim) -> float:
-    """The cost model's predicted seconds for one transition primitive (fp32 state).
-
-    A primitive the model cannot price costs the cluster's fixed primitive overhead:
-    pricing must never stop a running job.
-    """
-    try:
-
-        def ul(u):
-            return UnitLayout(u.tp, u.pp, tuple(u.devices))
-
-        return cm.primitive_cost(
-            prim.kind,
-            mspec,
-            trains=any(u.trains for u in prim.inputs + prim.outputs),
-            src=tuple(ul(u) for u in prim.inputs if prim.kind != "extend")
-            + ((ul(prim.source),) if prim.kind == "extend" and prim.source else ()),
-            dst=tuple(ul(u) for u in prim.outputs),
-            dtype="fp32",
-        ).seconds
-    except Exception:
-        return cm.cluster.primitive_overhead_s
-
-
-def compile_priced(cm: CostModel, mspec, devices, current: GlobalPlan, target: GlobalPlan):
-    """The transition DAG current -> target as the trainer runs it, and its predicted
-    completion seconds (stages share devices, no memory cap: see ``Adapter.compile``)."""
-    from nereus_rl.transition import predicted_completion_time
-
-    def cost(prim):
-        return primitive_seconds(cm, mspec, prim)
-
-    dag = compile_transition(
-        current,
-        target,
-        devices=sorted(devices),
-        capacity=float("inf"),
-        cost_fn=cost,
-        # The trainer's stages share devices, and a stage's old and new units may too
-        # (EMUManager(shared_devices=True)): model that, not one unit per device.
-        stage_slots=False,
-    )
-    return dag, predicted_completion_time(dag, cost)
 
 
 class Adapter:
@@ -518,37 +476,8 @@ class Adapter:
         if dag_note:
             row["dag_note"] = dag_note
         if taken:
-            t0 = time.perf_counter()
-            run = tr.transition(cand, dag, step + 1)
-            row["measured_transition_s"] = time.perf_counter() - t0
-            self.calibration.observe(float(raw_cost), row["measured_transition_s"])
-            row.update(
-                bytes_moved=run.bytes_moved,
-                executed_primitives=run.primitives,
-                primitive_s=run.primitive_s,
-                rebind_s=run.rebind_s,
-                fallbacks=len(run.fallback_stages),
-                fallback_stages=run.fallback_stages,
-            )
-            if run.execution is not None:
-                row["execution"] = repr(run.execution)
-            if run.fallback_stages:
-                observe_fallback(
-                    self.cm,
-                    self.mspec,
-                    plan,
-                    cand,
-                    row,
-                    set(run.fallback_stages),
-                    run.fallback_s,
-                    run.fallback_bytes,
-                )
-            row["costmodel_primitives_observed"] = self.cm.primitives_seen()
-            devs = plan.devices | cand.devices
-            tier = "intra" if self.cluster.tier(devs) is self.cluster.intra else "inter"
-            row.setdefault("costmodel_p2p_efficiency", float(self.cm.efficiency("p2p:" + tier)))
-            self.controller.plan_changed()
-            out["transition_s"] = row["measured_transition_s"]
+            # (a death mid-move logs this row, interrupted, and goes on to recovery)
+            out["transition_s"] = execute_move(self, plan, cand, dag, step, raw_cost, row)
         self._log(row)
         return out
 
