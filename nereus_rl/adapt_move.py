@@ -1,7 +1,10 @@
-"""Pricing and carrying out one move of the adaptation loop (split from trainer_adapt).
+"""Pricing, admitting and carrying out one move of the adaptation loop (split from
+trainer_adapt).
 
 :func:`primitive_seconds` and :func:`compile_priced` price a transition as the trainer
-runs it (a DAG of EMU primitives on devices the stages share). :func:`execute_move`
+runs it (a DAG of EMU primitives on devices the stages share). :func:`admit_move`
+prices the chosen candidate's move and asks admission, with a forecast no longer than
+the steps the run has left and the running plan's measured step noise. :func:`execute_move`
 runs a move admission took, measures it and completes its decision row: what ran,
 what fell back, what the cost model learned. A move cut short by a worker death gets
 its row too (``interrupted``, ``cause``), logged before the error goes on to the
@@ -15,7 +18,8 @@ import time
 from nereus_rl.costmodel import CostModel, UnitLayout
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.runtime import RemoteError, WorkerLostError, WorkerTimeoutError
-from nereus_rl.trainer_fallback import observe_fallback
+from nereus_rl.trainer_fallback import observe_fallback, stagewise_cost
+from nereus_rl.transition import TransitionError
 from nereus_rl.transition_compile import compile_transition
 
 
@@ -62,6 +66,72 @@ def compile_priced(cm: CostModel, mspec, devices, current: GlobalPlan, target: G
         stage_slots=False,
     )
     return dag, predicted_completion_time(dag, cost)
+
+
+def admit_move(adapter, plan: GlobalPlan, cand: GlobalPlan, wl, trig, la, steps_left: int, row):
+    """Price the move ``plan -> cand`` (its DAG, calibrated) and ask admission whether
+    to take it; fills ``row`` with the decision and what it rested on.
+
+    Arguments:
+        adapter: the :class:`~nereus_rl.trainer_adapt.Adapter`.
+        wl: the next step's workload; trig: the trigger; la: the lookahead's choice
+            (None: lookahead not used); steps_left: steps the run runs after this one.
+
+    Returns:
+        (dag or None, the model's transition seconds, whether to take the move).
+    """
+    try:
+        dag, raw_cost = adapter.compile(plan, cand)
+        dag_note = None
+    except TransitionError as e:
+        # Compiled with the trainer's execution model (shared devices, no memory cap)
+        # this is not expected; should it happen, a running job must not stop over
+        # pricing: price the change as one extend per new unit and log why.
+        dag, dag_note = None, f"DAG not compiled: {e}"
+        raw_cost = stagewise_cost(adapter.cm, adapter.mspec, plan, cand)
+    # Priced as transitions have measured on this job so far (TransitionCalibration).
+    cost = adapter.calibration.price(raw_cost)
+    # The trigger's forecast (steps to its next crossing) is capped by the steps the
+    # run has left: a signal flat for "200 steps" in a 10-step run let small savings
+    # repay a move they never could (the cap is logged beside the forecast).
+    fc = adapter.controller.forecast(trig.signal)
+    noise = adapter.noise.noise_s(plan)
+    devices = sorted(adapter.trainer.device_worker)
+    dec = adapter.admission.decide(
+        plan,
+        cand,
+        wl,
+        forecast_steps=min(fc.steps, float(steps_left)),
+        transition_cost=cost,
+        available_devices=devices,
+        trigger=trig.reason,
+        candidate_over_in=None if la is None else la.over_at,
+        current_over_in=None if la is None else la.current_over_at,
+        forced_move_s=0.0 if la is None else la.forced_move_s,
+        noise_s=noise,
+    )
+    always = adapter.cfg.admission == "always"
+    taken = dec.taken or always
+    row.update(
+        taken=taken,
+        path=dec.path,
+        reason=dec.reason if dec.taken or not always else "replan on every trigger",
+        predicted_saving_s=dec.saving_per_step_s,
+        forecast_steps=dec.forecast_steps,
+        signal_forecast_steps=fc.steps,
+        steps_left=steps_left,
+        step_noise_s=noise,
+        predicted_transition_s=cost,
+        predicted_transition_model_s=raw_cost,
+        transition_excess_s=adapter.calibration.excess_s,
+        model_tolerance=adapter.tolerance.value,
+        tie_margin=adapter.tie_margin(),
+        predicted_forced_move_s=dec.forced_move_s,
+        primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
+    )
+    if dag_note:
+        row["dag_note"] = dag_note
+    return dag, raw_cost, taken
 
 
 def execute_move(

@@ -101,3 +101,37 @@ class ModelTolerance:
         """:attr:`value` capped at ``cap`` (the band within which predictions count as
         tied; see ``Adapter.tie_margin`` for why it is capped)."""
         return self.value if self.cap is None else min(self.value, self.cap)
+
+
+class StepNoise:
+    """How much the running plan's step time scatters around its price, step to step.
+
+    Each step's residual (measured minus the whole predicted step) is kept with the plan
+    that ran; the noise is the scaled median absolute deviation (a standard deviation
+    robust to one slow step) of the current plan's last ``window`` residuals. A
+    candidate's price rests on about one measurement of its shapes (a startup probe), so
+    a predicted saving per step smaller than this scatter is not known to be a saving:
+    admission declines it (``Admission.decide(noise_s=...)``). With fewer than
+    ``min_steps`` steps on the plan there is no estimate (0.0: no guard).
+    """
+
+    def __init__(self, window: int = 6, min_steps: int = 3) -> None:
+        if window < 2 or min_steps < 2 or min_steps > window:
+            raise ValueError(
+                f"window={window}, min_steps={min_steps}: need 2 <= min_steps <= window"
+            )
+        self.min_steps = min_steps
+        self.obs: deque[tuple[object, float]] = deque(maxlen=window)
+
+    def observe(self, plan, predicted_s: float, measured_s: float) -> None:
+        """Record one step of ``plan``; ignored when either time is not positive."""
+        if predicted_s > 0 and measured_s > 0:
+            self.obs.append((plan, measured_s - predicted_s))
+
+    def noise_s(self, plan) -> float:
+        """The robust standard deviation of ``plan``'s recent residuals (0.0: too few)."""
+        rs = [r for p, r in self.obs if p == plan]
+        if len(rs) < self.min_steps:
+            return 0.0
+        med = _median(rs)
+        return 1.4826 * _median([abs(r - med) for r in rs])

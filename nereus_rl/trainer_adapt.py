@@ -60,9 +60,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nereus_rl.adapt_move import compile_priced, execute_move, primitive_seconds
+from nereus_rl.adapt_move import admit_move, compile_priced, execute_move, primitive_seconds
 from nereus_rl.admission import Admission
-from nereus_rl.calibration import ModelTolerance, TransitionCalibration
+from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
 from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
@@ -125,6 +125,8 @@ class Adapter:
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.calibration = TransitionCalibration()
+        # the running plan's step-to-step scatter: savings inside it are declined
+        self.noise = StepNoise()
         self.admission = Admission(self.priced())
         # The model's error before any refined prediction: the error the controller's
         # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
@@ -266,15 +268,23 @@ class Adapter:
         return p, lat
 
     def lookahead(
-        self, current: GlobalPlan, ranked: list[GlobalPlan], rlen: int
+        self,
+        current: GlobalPlan,
+        ranked: list[GlobalPlan],
+        rlen: int,
+        steps_left: int | None = None,
     ) -> LookaheadChoice:
         """The choice among ``ranked`` (the k-best for ``rlen``, the next step's length;
-        on the opportunistic path the current plan too) over ``LOOKAHEAD_STEPS`` steps:
-        ``rlen``, then the seq_len signal's own trend forecast (never the length
-        schedule). See :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that
-        goes over memory within the horizon and another candidate scores better."""
+        on the opportunistic path the current plan too) over ``LOOKAHEAD_STEPS`` steps,
+        or the ``steps_left`` the run still has if fewer: ``rlen``, then the seq_len
+        signal's own trend forecast (never the length schedule). See
+        :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that goes over memory
+        within the horizon and another candidate scores better."""
+        horizon = (
+            LOOKAHEAD_STEPS if steps_left is None else max(1, min(LOOKAHEAD_STEPS, steps_left))
+        )
         lengths = (bucket_of(rlen, self.cfg.buckets),)
-        lengths += self.controller.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
+        lengths += self.controller.seq_len.forecast_lengths(horizon - 1)
         wls = [self.workload(n) for n in lengths]
         devs = self.trainer.device_worker
 
@@ -353,12 +363,16 @@ class Adapter:
             # the unrefined model's, which says nothing about the refined one's error).
             self.tolerance.observe(whole, m["step_s"])
         self.overhead.observe(plan, predicted, m["step_s"])
+        self.noise.observe(plan, whole, m["step_s"])
         self.shapes.observe(plan, wl_now, measured)
         try:
             self.cm.observe(plan, wl_now, measured)
             self._refined = True
         except Exception:
             pass
+        # Probed shapes priced under this step's conditions, as measured on this plan
+        # (shape_correction: the run's regime against the startup probes')
+        self.shapes.anchor(self.cm, plan, wl_now)
         nxt = tr._response_len(step + 1)
         wl = self.workload(nxt)
         peak = max(self.cm.peak_memory(plan, wl).values())
@@ -386,6 +400,9 @@ class Adapter:
         if not triggers:
             return out
         trig = max(triggers, key=lambda t: t.urgent)
+        # Steps that run after this boundary: no saving is counted, and no length looked
+        # ahead to, past the run's end (cfg.steps is the trainer's own)
+        steps_left = self.cfg.steps - (step + 1)
         avail = sorted(tr.device_worker)
         try:
             ranked = [p for _, p in self.ranked_plans(nxt, devices=avail)]
@@ -407,7 +424,7 @@ class Adapter:
             # admission then counts the chosen plan's saving only until its crossing.
             cands = ranked if urgent_now or plan in ranked else [*ranked, plan]
             try:
-                la = self.lookahead(plan, cands, nxt)
+                la = self.lookahead(plan, cands, nxt, steps_left)
                 cand = la.plan
             except (LookaheadError, SignalError) as e:
                 la_note = f"lookahead not used: {e}"
@@ -435,46 +452,7 @@ class Adapter:
                        predicted_saving_s=0.0, predicted_transition_s=0.0)  # fmt: skip
             self._log(row)
             return out
-        try:
-            dag, raw_cost = self.compile(plan, cand)
-            dag_note = None
-        except TransitionError as e:
-            # Compiled with the trainer's execution model (shared devices, no memory cap)
-            # this is not expected; should it happen, a running job must not stop over
-            # pricing: price the change as one extend per new unit and log why.
-            dag, dag_note = None, f"DAG not compiled: {e}"
-            raw_cost = stagewise_cost(self.cm, self.mspec, plan, cand)
-        # Priced as transitions have measured on this job so far (TransitionCalibration).
-        cost = self.calibration.price(raw_cost)
-        dec = self.admission.decide(
-            plan,
-            cand,
-            wl,
-            forecast_steps=self.controller.forecast(trig.signal),
-            transition_cost=cost,
-            available_devices=sorted(tr.device_worker),
-            trigger=trig.reason,
-            candidate_over_in=None if la is None else la.over_at,
-            current_over_in=None if la is None else la.current_over_at,
-            forced_move_s=0.0 if la is None else la.forced_move_s,
-        )
-        taken = dec.taken or self.cfg.admission == "always"
-        row.update(
-            taken=taken,
-            path=dec.path,
-            reason=dec.reason if dec.taken or not taken else "replan on every trigger",
-            predicted_saving_s=dec.saving_per_step_s,
-            forecast_steps=dec.forecast_steps,
-            predicted_transition_s=cost,
-            predicted_transition_model_s=raw_cost,
-            transition_excess_s=self.calibration.excess_s,
-            model_tolerance=self.tolerance.value,
-            tie_margin=self.tie_margin(),
-            predicted_forced_move_s=dec.forced_move_s,
-            primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
-        )
-        if dag_note:
-            row["dag_note"] = dag_note
+        dag, raw_cost, taken = admit_move(self, plan, cand, wl, trig, la, steps_left, row)
         if taken:
             # (a death mid-move logs this row, interrupted, and goes on to recovery)
             out["transition_s"] = execute_move(self, plan, cand, dag, step, raw_cost, row)
