@@ -89,8 +89,12 @@ def admit_move(adapter, plan: GlobalPlan, cand: GlobalPlan, wl, trig, la, steps_
         # pricing: price the change as one extend per new unit and log why.
         dag, dag_note = None, f"DAG not compiled: {e}"
         raw_cost = stagewise_cost(adapter.cm, adapter.mspec, plan, cand)
-    # Priced as transitions have measured on this job so far (TransitionCalibration).
-    cost = adapter.calibration.price(raw_cost)
+    # Priced as transitions have measured on this job so far (TransitionCalibration):
+    # the model's price plus the learned excess, and no less than this job's measured
+    # seconds per primitive for as many primitives (floor_s)
+    n_prims = len(dag.primitives) if dag is not None else 0
+    floor = adapter.calibration.floor_s(n_prims)
+    cost = max(adapter.calibration.price(raw_cost), floor)
     # The trigger's forecast (steps to its next crossing) is capped by the steps the
     # run has left: a signal flat for "200 steps" in a 10-step run let small savings
     # repay a move they never could (the cap is logged beside the forecast).
@@ -124,6 +128,7 @@ def admit_move(adapter, plan: GlobalPlan, cand: GlobalPlan, wl, trig, la, steps_
         predicted_transition_s=cost,
         predicted_transition_model_s=raw_cost,
         transition_excess_s=adapter.calibration.excess_s,
+        transition_floor_s=floor,
         model_tolerance=adapter.tolerance.value,
         tie_margin=adapter.tie_margin(),
         predicted_forced_move_s=dec.forced_move_s,
@@ -162,7 +167,8 @@ def execute_move(
     seconds = time.perf_counter() - t0
     row["measured_transition_s"] = seconds
     row["interrupted"] = False
-    adapter.calibration.observe(float(raw_cost), seconds)
+    # per primitive of the DAG, as floor_s prices a move (fallback stages included)
+    adapter.calibration.observe(float(raw_cost), seconds, len(dag.primitives) if dag else 0)
     row.update(
         bytes_moved=run.bytes_moved,
         executed_primitives=run.primitives,

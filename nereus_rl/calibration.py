@@ -45,12 +45,33 @@ class TransitionCalibration:
             raise ValueError(f"window={window} must be >= 1")
         self.window = window
         self.excesses: list[float] = []
+        self.per_primitive: list[float] = []
 
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        """Record one transition; ignored when either time is negative or not a number."""
+    def observe(self, predicted_s: float, measured_s: float, primitives: int = 0) -> None:
+        """Record one transition of ``primitives`` primitives (0: not counted per
+        primitive); ignored when either time is negative or not a number."""
         if predicted_s >= 0 and measured_s >= 0:
             self.excesses.append(measured_s - predicted_s)
             del self.excesses[: -self.window]
+            if primitives > 0:
+                self.per_primitive.append(measured_s / primitives)
+                del self.per_primitive[: -self.window]
+
+    def floor_s(self, primitives: int) -> float:
+        """What a move of ``primitives`` primitives took on this job at the least: that
+        many times the lower median of the measured seconds per primitive of its recent
+        transitions (0.0 before any).
+
+        The excess (:attr:`excess_s`) needs two transitions that agree before it moves
+        off its prior of 0, and a 10-step run makes one or two: diag_adapt_steps (GRPO
+        async quick, load 8-15) priced a 5-primitive move at 0.04-0.11 s after an earlier
+        move of the same run had measured 0.06 s a primitive; it took 0.56-0.58 s, with 2
+        steps left to repay it. Admission's opportunistic path prices a move at no less
+        than this (a move it may decline; urgent moves are taken whatever they cost)."""
+        if primitives <= 0 or not self.per_primitive:
+            return 0.0
+        r = sorted(self.per_primitive)
+        return primitives * r[(len(r) - 1) // 2]
 
     @property
     def excess_s(self) -> float:
