@@ -18,10 +18,13 @@ asynchronous one) the trainer hands the step's measurements to
    the same horizon check runs with the current plan among the candidates, so a
    plan faster for the next step only is not moved back to (the first boundary
    seeds the forecast with the step that ran, so the first move can look ahead),
-4. asks admission (payback rule, with the chosen plan's predicted crossing and the
-   move it forces; or ``"always"``, the replan-on-every-trigger baseline, which
-   takes the planner's best on the opportunistic path as it always did) and, if
-   taken, executes the transition and measures it,
+4. asks admission (payback rule over the trigger's forecast capped by the steps the
+   run has left, savings inside the running plan's measured step noise declined, with
+   the chosen plan's predicted crossing and the move it forces; or ``"always"``, the
+   replan-on-every-trigger baseline, which takes the planner's best on the
+   opportunistic path as it always did) and, if taken, executes the transition and
+   measures it (opportunistic moves priced at no less than the job's measured seconds
+   per primitive: ``TransitionCalibration.floor_s``),
 5. feeds the measured primitives back to the cost model's primitive estimates
    (``CostModel.observe_primitive``), and the whole transition's time to
    :class:`~nereus_rl.calibration.TransitionCalibration` (transitions are priced
