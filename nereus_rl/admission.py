@@ -9,13 +9,15 @@ Two paths:
       taken only when ``saving per step x forecast steps >= transition cost``, where the
       forecast is the number of steps until the triggering signal next crosses a
       threshold (after which the planner will be asked again, so savings beyond it
-      cannot be counted on). When the length forecast says the candidate goes over
-      memory ``over_in_steps`` steps after the move, sooner than the current plan
-      would, the candidate is priced with the move it will force: its saving counts
-      only until then, and that move's predicted cost is added to the transition's
-      (``forced_move_s``). Without this, a candidate that is faster for the next step
-      only (the one the urgent path's lookahead avoided) looks like a bargain over a
-      long flat forecast and is taken, and the urgent move follows a step or two later.
+      cannot be counted on; the trainer caps it at the steps its run has left), and the
+      saving per step exceeds the measured step noise (``noise_s``). When the length
+      forecast says the candidate goes over memory ``over_in_steps`` steps after the
+      move, sooner than the current plan would, the candidate is priced with the move it
+      will force: its saving counts only until then, and that move's predicted cost is
+      added to the transition's (``forced_move_s``). Without this, a candidate that is
+      faster for the next step only (the one the urgent path's lookahead avoided) looks
+      like a bargain over a long flat forecast and is taken, and the urgent move follows
+      a step or two later.
 
 Every call returns a :class:`Decision` holding its inputs and its reason, and
 ``Admission.history`` keeps them, so a run can explain each transition it made or
@@ -129,6 +131,7 @@ class Admission:
         candidate_over_in: int | None = None,
         current_over_in: int | None = None,
         forced_move_s: float = 0.0,
+        noise_s: float = 0.0,
     ) -> Decision:
         """Decide whether to move from ``current`` to ``candidate``.
 
@@ -148,6 +151,9 @@ class Admission:
                 it holds every forecast length. Only the opportunistic path reads them.
             forced_move_s: predicted seconds of the move the candidate's crossing would
                 force (e.g. :class:`nereus_rl.lookahead.LookaheadChoice.forced_move_s`).
+            noise_s: the measured step-to-step scatter of the current plan's step time
+                (:class:`nereus_rl.calibration.StepNoise`); an opportunistic saving per
+                step not above it is declined (0: no such guard).
 
         Returns:
             Decision (also appended to ``history``).
@@ -168,6 +174,9 @@ class Admission:
         forced = float(forced_move_s)
         if forced < 0 or math.isnan(forced):
             raise AdmissionError(f"forced_move_s={forced} must be >= 0")
+        noise = float(noise_s)
+        if noise < 0 or math.isnan(noise):
+            raise AdmissionError(f"noise_s={noise} must be >= 0")
         for name, v in (("candidate_over_in", candidate_over_in),
                         ("current_over_in", current_over_in)):  # fmt: skip
             if v is not None and v < 0:
@@ -233,6 +242,15 @@ class Admission:
                 False,
                 "opportunistic",
                 f"candidate is not faster ({cand_lat:.4g} s vs {cur_lat:.4g} s per step)",
+            )
+        if saving <= noise:
+            # The candidate's price rests on about one measurement of its shapes: a
+            # saving inside the step's own scatter is not known to be one.
+            return rec(
+                False,
+                "opportunistic",
+                f"saves {saving:.3g} s/step, within the measured step noise ({noise:.3g} s "
+                f"per step on the current plan): not known to be a saving",
             )
         gain = saving * steps
         horizon = (

@@ -45,12 +45,33 @@ class TransitionCalibration:
             raise ValueError(f"window={window} must be >= 1")
         self.window = window
         self.excesses: list[float] = []
+        self.per_primitive: list[float] = []
 
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        """Record one transition; ignored when either time is negative or not a number."""
+    def observe(self, predicted_s: float, measured_s: float, primitives: int = 0) -> None:
+        """Record one transition of ``primitives`` primitives (0: not counted per
+        primitive); ignored when either time is negative or not a number."""
         if predicted_s >= 0 and measured_s >= 0:
             self.excesses.append(measured_s - predicted_s)
             del self.excesses[: -self.window]
+            if primitives > 0:
+                self.per_primitive.append(measured_s / primitives)
+                del self.per_primitive[: -self.window]
+
+    def floor_s(self, primitives: int) -> float:
+        """What a move of ``primitives`` primitives took on this job at the least: that
+        many times the lower median of the measured seconds per primitive of its recent
+        transitions (0.0 before any).
+
+        The excess (:attr:`excess_s`) needs two transitions that agree before it moves
+        off its prior of 0, and a 10-step run makes one or two: diag_adapt_steps (GRPO
+        async quick, load 8-15) priced a 5-primitive move at 0.04-0.11 s after an earlier
+        move of the same run had measured 0.06 s a primitive; it took 0.56-0.58 s, with 2
+        steps left to repay it. Admission's opportunistic path prices a move at no less
+        than this (a move it may decline; urgent moves are taken whatever they cost)."""
+        if primitives <= 0 or not self.per_primitive:
+            return 0.0
+        r = sorted(self.per_primitive)
+        return primitives * r[(len(r) - 1) // 2]
 
     @property
     def excess_s(self) -> float:
@@ -101,3 +122,37 @@ class ModelTolerance:
         """:attr:`value` capped at ``cap`` (the band within which predictions count as
         tied; see ``Adapter.tie_margin`` for why it is capped)."""
         return self.value if self.cap is None else min(self.value, self.cap)
+
+
+class StepNoise:
+    """How much the running plan's step time scatters around its price, step to step.
+
+    Each step's residual (measured minus the whole predicted step) is kept with the plan
+    that ran; the noise is the scaled median absolute deviation (a standard deviation
+    robust to one slow step) of the current plan's last ``window`` residuals. A
+    candidate's price rests on about one measurement of its shapes (a startup probe), so
+    a predicted saving per step smaller than this scatter is not known to be a saving:
+    admission declines it (``Admission.decide(noise_s=...)``). With fewer than
+    ``min_steps`` steps on the plan there is no estimate (0.0: no guard).
+    """
+
+    def __init__(self, window: int = 6, min_steps: int = 3) -> None:
+        if window < 2 or min_steps < 2 or min_steps > window:
+            raise ValueError(
+                f"window={window}, min_steps={min_steps}: need 2 <= min_steps <= window"
+            )
+        self.min_steps = min_steps
+        self.obs: deque[tuple[object, float]] = deque(maxlen=window)
+
+    def observe(self, plan, predicted_s: float, measured_s: float) -> None:
+        """Record one step of ``plan``; ignored when either time is not positive."""
+        if predicted_s > 0 and measured_s > 0:
+            self.obs.append((plan, measured_s - predicted_s))
+
+    def noise_s(self, plan) -> float:
+        """The robust standard deviation of ``plan``'s recent residuals (0.0: too few)."""
+        rs = [r for p, r in self.obs if p == plan]
+        if len(rs) < self.min_steps:
+            return 0.0
+        med = _median(rs)
+        return 1.4826 * _median([abs(r - med) for r in rs])

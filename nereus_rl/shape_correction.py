@@ -16,6 +16,20 @@ ratio measured / model's price of those measurements, the ratio taken against th
 model as it is now (the model keeps refining; a ratio taken once would go stale).
 A shape never measured keeps the model's price. Phases are composed as the cost model
 composes them (stages sharing devices add up, groups on other devices overlap).
+
+Two regimes. The startup probes (``observe(..., startup=True)``) measure shapes one plan
+at a time on a machine as loaded as it was then; the run measures the running plan's
+shapes under the run's conditions (another load, an async rollout overlapping the
+step). Mixed, the running plan was priced at today's conditions and every probed
+alternative at the probes': diag_adapt_steps (GRPO async quick, load 8-14) logged a dp 1
+reference at 11-16x the model while running beside the async rollout and a probed pp 2
+one at 1.06x, so admission predicted 0.13 s/step of saving where the two plans measured
+fixed 0.016 s apart, and moved. So a shape with startup measurements is priced at its
+startup ratio times one whole-plan factor, the running plan's run-regime price over its
+startup-regime price on the shapes it has both for (:meth:`anchor`, each boundary):
+every probed plan is priced under today's conditions, as measured on the plan that runs
+now, and their relative prices stay the probes'. A shape measured only during the run
+keeps its run ratio; with no shape of the running plan probed the factor is 1.
 """
 
 from __future__ import annotations
@@ -48,26 +62,33 @@ class ShapeCorrection:
             raise ValueError(f"window={window} must be >= 1")
         self.window = window
         self.obs: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=window))
-        self._cache: tuple[tuple, dict[tuple, float]] | None = None
+        self.startup_obs: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=window))
+        # the whole-plan regime factor (anchor) and the plan it was measured on
+        self.factor = 1.0
+        self.anchor_plan: GlobalPlan | None = None
+        self._cache: dict[tuple, dict[tuple, float]] = {}
 
-    def observe(self, plan: GlobalPlan, workload, measured: dict[str, float]) -> None:
+    def observe(
+        self, plan: GlobalPlan, workload, measured: dict[str, float], *, startup: bool = False
+    ) -> None:
         """Record one step's measured seconds per stage (``stage_seconds``'s form) under
-        ``plan``; stages not in the plan and non-positive times are ignored."""
+        ``plan``; stages not in the plan and non-positive times are ignored. ``startup``:
+        a startup probe's step (the probes' regime, see the module doc)."""
+        store = self.startup_obs if startup else self.obs
         for sp in plan.stages:
             t = measured.get(sp.stage)
             if t is not None and t > 0:
-                self.obs[shape(sp)].append((plan, workload, float(t)))
-        self._cache = None
+                store[shape(sp)].append((plan, workload, float(t)))
+        self._cache = {}
 
-    def ratios(self, cm) -> dict[tuple, float]:
-        """Per measured shape, the median of measured / ``cm``'s price (cached per model
-        version)."""
-        # (the adapter rebuilds its model after calibration: the key names the model too)
-        ver = (id(cm), getattr(cm, "version", None))
-        if self._cache is not None and ver[1] is not None and self._cache[0] == ver:
-            return self._cache[1]
+    def _medians(self, cm, store: dict, tag: str) -> dict[tuple, float]:
+        # Per shape, the median of measured / cm's price (cached per model version; the
+        # adapter rebuilds its model after calibration: the key names the model too)
+        ver = (tag, id(cm), getattr(cm, "version", None))
+        if ver[2] is not None and ver in self._cache:
+            return self._cache[ver]
         out = {}
-        for key, rows in self.obs.items():
+        for key, rows in store.items():
             rs = []
             for plan, wl, t in rows:
                 st = cm.step_latency(plan, wl).stages.get(key[0])
@@ -75,17 +96,46 @@ class ShapeCorrection:
                     rs.append(t / st.seconds)
             if rs:
                 out[key] = statistics.median(rs)
-        if ver[1] is not None:
-            self._cache = (ver, out)
+        if ver[2] is not None:
+            self._cache = {k: v for k, v in self._cache.items() if k[1:] == ver[1:]}
+            self._cache[ver] = out
+        return out
+
+    def anchor(self, cm, plan: GlobalPlan, workload) -> float:
+        """Measure the whole-plan regime factor on ``plan`` (the running plan) at
+        ``workload``: its stages' price at their run ratios over their price at their
+        startup ratios, over the stages that have both (1.0 when none has). Returns it;
+        every later :meth:`ratios` prices startup-measured shapes with it."""
+        run, start = self._medians(cm, self.obs, "run"), self._medians(cm, self.startup_obs, "s")
+        est = cm.step_latency(plan, workload)
+        num = den = 0.0
+        for sp in plan.stages:
+            k, st = shape(sp), est.stages.get(sp.stage)
+            if st is not None and k in run and k in start:
+                num += st.seconds * run[k]
+                den += st.seconds * start[k]
+        self.factor = num / den if den > 0 and num > 0 else 1.0
+        self.anchor_plan = plan
+        return self.factor
+
+    def ratios(self, cm) -> dict[tuple, float]:
+        """Per measured shape, the ratio it is priced at: its startup ratio times the
+        regime factor where it has startup measurements, else its run ratio (each the
+        median of measured / ``cm``'s price)."""
+        out = dict(self._medians(cm, self.obs, "run"))
+        for k, r in self._medians(cm, self.startup_obs, "s").items():
+            out[k] = r * self.factor
         return out
 
     def record(self, cm) -> dict:
-        """The ratios for a decision log, keyed ``stage dpN tpN ppN``."""
+        """The ratios for a decision log, keyed ``stage dpN tpN ppN``, and the regime
+        factor (``shape_regime_factor``)."""
         return {
             "shape_ratio": {
                 f"{k[0]} dp{k[1]} tp{k[2]} pp{k[3]}": round(v, 3)
                 for k, v in sorted(self.ratios(cm).items())
-            }
+            },
+            "shape_regime_factor": round(self.factor, 4),
         }
 
     def correct(self, cm, plan: GlobalPlan, workload, est):

@@ -18,10 +18,13 @@ asynchronous one) the trainer hands the step's measurements to
    the same horizon check runs with the current plan among the candidates, so a
    plan faster for the next step only is not moved back to (the first boundary
    seeds the forecast with the step that ran, so the first move can look ahead),
-4. asks admission (payback rule, with the chosen plan's predicted crossing and the
-   move it forces; or ``"always"``, the replan-on-every-trigger baseline, which
-   takes the planner's best on the opportunistic path as it always did) and, if
-   taken, executes the transition and measures it,
+4. asks admission (payback rule over the trigger's forecast capped by the steps the
+   run has left, savings inside the running plan's measured step noise declined, with
+   the chosen plan's predicted crossing and the move it forces; or ``"always"``, the
+   replan-on-every-trigger baseline, which takes the planner's best on the
+   opportunistic path as it always did) and, if taken, executes the transition and
+   measures it (opportunistic moves priced at no less than the job's measured seconds
+   per primitive: ``TransitionCalibration.floor_s``),
 5. feeds the measured primitives back to the cost model's primitive estimates
    (``CostModel.observe_primitive``), and the whole transition's time to
    :class:`~nereus_rl.calibration.TransitionCalibration` (transitions are priced
@@ -39,6 +42,10 @@ Every decision is logged with its signal, predicted saving, predicted
 transition cost, whether it was taken, the measured transition time, the
 primitives executed and the stages that fell back.
 
+Pricing a move and carrying out a taken one live in :mod:`nereus_rl.adapt_move`
+(a move cut short by a worker death gets its own decision row there, ``interrupted``,
+beside the recovery's row).
+
 Execution (:mod:`nereus_rl.trainer_units`): the model's state lives in EMU
 units, and the DAG runs through the concurrent executor
 (``transition_exec.execute_dag``) with live primitives, each an
@@ -54,13 +61,13 @@ covering an Extend per new unit of each such stage, priced the way
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
+from nereus_rl.adapt_move import admit_move, compile_priced, execute_move, primitive_seconds
 from nereus_rl.admission import Admission
-from nereus_rl.calibration import ModelTolerance, TransitionCalibration
+from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
-from nereus_rl.costmodel import CostModel, UnitLayout
+from nereus_rl.costmodel import CostModel
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadChoice, LookaheadError
 from nereus_rl.lookahead import choose as choose_lookahead
@@ -71,9 +78,8 @@ from nereus_rl.shape_correction import ShapeCorrection
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.step_overhead import PricedModel, StepOverhead
 from nereus_rl.trainer_calibrate import stage_seconds
-from nereus_rl.trainer_fallback import observe_fallback, stagewise_cost
+from nereus_rl.trainer_fallback import stagewise_cost
 from nereus_rl.transition import TransitionError
-from nereus_rl.transition_compile import compile_transition
 from nereus_rl.workload import bucket_of, make_workload
 
 # The default per-worker memory budget is this much above the predicted peak of the best
@@ -87,51 +93,6 @@ AUTO_BUDGET_HEADROOM = 1.08
 # the first two values is rounder still): it missed the 12 -> 16 bucket crossing 3 steps
 # on, and the second urgent move followed; 6 sees it and avoids it.
 LOOKAHEAD_STEPS = 6
-
-
-def primitive_seconds(cm: CostModel, mspec, prim) -> float:
-    """The cost model's predicted seconds for one transition primitive (fp32 state).
-
-    A primitive the model cannot price costs the cluster's fixed primitive overhead:
-    pricing must never stop a running job.
-    """
-    try:
-
-        def ul(u):
-            return UnitLayout(u.tp, u.pp, tuple(u.devices))
-
-        return cm.primitive_cost(
-            prim.kind,
-            mspec,
-            trains=any(u.trains for u in prim.inputs + prim.outputs),
-            src=tuple(ul(u) for u in prim.inputs if prim.kind != "extend")
-            + ((ul(prim.source),) if prim.kind == "extend" and prim.source else ()),
-            dst=tuple(ul(u) for u in prim.outputs),
-            dtype="fp32",
-        ).seconds
-    except Exception:
-        return cm.cluster.primitive_overhead_s
-
-
-def compile_priced(cm: CostModel, mspec, devices, current: GlobalPlan, target: GlobalPlan):
-    """The transition DAG current -> target as the trainer runs it, and its predicted
-    completion seconds (stages share devices, no memory cap: see ``Adapter.compile``)."""
-    from nereus_rl.transition import predicted_completion_time
-
-    def cost(prim):
-        return primitive_seconds(cm, mspec, prim)
-
-    dag = compile_transition(
-        current,
-        target,
-        devices=sorted(devices),
-        capacity=float("inf"),
-        cost_fn=cost,
-        # The trainer's stages share devices, and a stage's old and new units may too
-        # (EMUManager(shared_devices=True)): model that, not one unit per device.
-        stage_slots=False,
-    )
-    return dag, predicted_completion_time(dag, cost)
 
 
 class Adapter:
@@ -167,6 +128,8 @@ class Adapter:
         self.cm = CostModel(self.cluster)
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.calibration = TransitionCalibration()
+        # the running plan's step-to-step scatter: savings inside it are declined
+        self.noise = StepNoise()
         self.admission = Admission(self.priced())
         # The model's error before any refined prediction: the error the controller's
         # efficiency signal accepts as agreement (its "ok" band); see tie_margin.
@@ -308,15 +271,23 @@ class Adapter:
         return p, lat
 
     def lookahead(
-        self, current: GlobalPlan, ranked: list[GlobalPlan], rlen: int
+        self,
+        current: GlobalPlan,
+        ranked: list[GlobalPlan],
+        rlen: int,
+        steps_left: int | None = None,
     ) -> LookaheadChoice:
         """The choice among ``ranked`` (the k-best for ``rlen``, the next step's length;
-        on the opportunistic path the current plan too) over ``LOOKAHEAD_STEPS`` steps:
-        ``rlen``, then the seq_len signal's own trend forecast (never the length
-        schedule). See :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that
-        goes over memory within the horizon and another candidate scores better."""
+        on the opportunistic path the current plan too) over ``LOOKAHEAD_STEPS`` steps,
+        or the ``steps_left`` the run still has if fewer: ``rlen``, then the seq_len
+        signal's own trend forecast (never the length schedule). See
+        :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that goes over memory
+        within the horizon and another candidate scores better."""
+        horizon = (
+            LOOKAHEAD_STEPS if steps_left is None else max(1, min(LOOKAHEAD_STEPS, steps_left))
+        )
         lengths = (bucket_of(rlen, self.cfg.buckets),)
-        lengths += self.controller.seq_len.forecast_lengths(LOOKAHEAD_STEPS - 1)
+        lengths += self.controller.seq_len.forecast_lengths(horizon - 1)
         wls = [self.workload(n) for n in lengths]
         devs = self.trainer.device_worker
 
@@ -395,12 +366,16 @@ class Adapter:
             # the unrefined model's, which says nothing about the refined one's error).
             self.tolerance.observe(whole, m["step_s"])
         self.overhead.observe(plan, predicted, m["step_s"])
+        self.noise.observe(plan, whole, m["step_s"])
         self.shapes.observe(plan, wl_now, measured)
         try:
             self.cm.observe(plan, wl_now, measured)
             self._refined = True
         except Exception:
             pass
+        # Probed shapes priced under this step's conditions, as measured on this plan
+        # (shape_correction: the run's regime against the startup probes')
+        self.shapes.anchor(self.cm, plan, wl_now)
         nxt = tr._response_len(step + 1)
         wl = self.workload(nxt)
         peak = max(self.cm.peak_memory(plan, wl).values())
@@ -428,6 +403,9 @@ class Adapter:
         if not triggers:
             return out
         trig = max(triggers, key=lambda t: t.urgent)
+        # Steps that run after this boundary: no saving is counted, and no length looked
+        # ahead to, past the run's end (cfg.steps is the trainer's own)
+        steps_left = self.cfg.steps - (step + 1)
         avail = sorted(tr.device_worker)
         try:
             ranked = [p for _, p in self.ranked_plans(nxt, devices=avail)]
@@ -449,7 +427,7 @@ class Adapter:
             # admission then counts the chosen plan's saving only until its crossing.
             cands = ranked if urgent_now or plan in ranked else [*ranked, plan]
             try:
-                la = self.lookahead(plan, cands, nxt)
+                la = self.lookahead(plan, cands, nxt, steps_left)
                 cand = la.plan
             except (LookaheadError, SignalError) as e:
                 la_note = f"lookahead not used: {e}"
@@ -477,78 +455,10 @@ class Adapter:
                        predicted_saving_s=0.0, predicted_transition_s=0.0)  # fmt: skip
             self._log(row)
             return out
-        try:
-            dag, raw_cost = self.compile(plan, cand)
-            dag_note = None
-        except TransitionError as e:
-            # Compiled with the trainer's execution model (shared devices, no memory cap)
-            # this is not expected; should it happen, a running job must not stop over
-            # pricing: price the change as one extend per new unit and log why.
-            dag, dag_note = None, f"DAG not compiled: {e}"
-            raw_cost = stagewise_cost(self.cm, self.mspec, plan, cand)
-        # Priced as transitions have measured on this job so far (TransitionCalibration).
-        cost = self.calibration.price(raw_cost)
-        dec = self.admission.decide(
-            plan,
-            cand,
-            wl,
-            forecast_steps=self.controller.forecast(trig.signal),
-            transition_cost=cost,
-            available_devices=sorted(tr.device_worker),
-            trigger=trig.reason,
-            candidate_over_in=None if la is None else la.over_at,
-            current_over_in=None if la is None else la.current_over_at,
-            forced_move_s=0.0 if la is None else la.forced_move_s,
-        )
-        taken = dec.taken or self.cfg.admission == "always"
-        row.update(
-            taken=taken,
-            path=dec.path,
-            reason=dec.reason if dec.taken or not taken else "replan on every trigger",
-            predicted_saving_s=dec.saving_per_step_s,
-            forecast_steps=dec.forecast_steps,
-            predicted_transition_s=cost,
-            predicted_transition_model_s=raw_cost,
-            transition_excess_s=self.calibration.excess_s,
-            model_tolerance=self.tolerance.value,
-            tie_margin=self.tie_margin(),
-            predicted_forced_move_s=dec.forced_move_s,
-            primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
-        )
-        if dag_note:
-            row["dag_note"] = dag_note
+        dag, raw_cost, taken = admit_move(self, plan, cand, wl, trig, la, steps_left, row)
         if taken:
-            t0 = time.perf_counter()
-            run = tr.transition(cand, dag, step + 1)
-            row["measured_transition_s"] = time.perf_counter() - t0
-            self.calibration.observe(float(raw_cost), row["measured_transition_s"])
-            row.update(
-                bytes_moved=run.bytes_moved,
-                executed_primitives=run.primitives,
-                primitive_s=run.primitive_s,
-                rebind_s=run.rebind_s,
-                fallbacks=len(run.fallback_stages),
-                fallback_stages=run.fallback_stages,
-            )
-            if run.execution is not None:
-                row["execution"] = repr(run.execution)
-            if run.fallback_stages:
-                observe_fallback(
-                    self.cm,
-                    self.mspec,
-                    plan,
-                    cand,
-                    row,
-                    set(run.fallback_stages),
-                    run.fallback_s,
-                    run.fallback_bytes,
-                )
-            row["costmodel_primitives_observed"] = self.cm.primitives_seen()
-            devs = plan.devices | cand.devices
-            tier = "intra" if self.cluster.tier(devs) is self.cluster.intra else "inter"
-            row.setdefault("costmodel_p2p_efficiency", float(self.cm.efficiency("p2p:" + tier)))
-            self.controller.plan_changed()
-            out["transition_s"] = row["measured_transition_s"]
+            # (a death mid-move logs this row, interrupted, and goes on to recovery)
+            out["transition_s"] = execute_move(self, plan, cand, dag, step, raw_cost, row)
         self._log(row)
         return out
 

@@ -206,7 +206,7 @@ def calibrate(
                 secs = stage_seconds(trainer.cfg.algo, m)
                 if rep > 0:  # the first run pays the layout's one-off costs
                     ad.cm.observe(p, wl, secs)
-                    ad.shapes.observe(p, wl, secs)
+                    ad.shapes.observe(p, wl, secs, startup=True)
                     observed.append((p, wl, secs))
                     steps.append((p, wl, time.perf_counter() - t_step))
                 runs.append(

@@ -40,7 +40,8 @@ def test_unmeasured_shapes_keep_the_models_price(cm_wl):
     sc = ShapeCorrection()
     est = cm.step_latency(_plan(1), wl)
     assert sc.correct(cm, _plan(1), wl, est) == est
-    assert sc.ratios(cm) == {} and sc.record(cm) == {"shape_ratio": {}}
+    assert sc.ratios(cm) == {}
+    assert sc.record(cm) == {"shape_ratio": {}, "shape_regime_factor": 1.0}
 
 
 def test_a_measured_shape_is_priced_at_its_median_ratio(cm_wl):
@@ -100,3 +101,32 @@ def test_priced_model_adds_the_overhead_spread_to_the_corrected_price(cm_wl):
     assert math.isclose(corrected.total_s, cm.step_latency(p1, wl).total_s - 0.5 * t)
     assert math.isclose(pm.step_latency(p1, wl).total_s, corrected.total_s + ov.spread(p1))
     assert pm.peak_memory(p1, wl) == cm.peak_memory(p1, wl)
+
+
+def test_probed_shapes_are_priced_under_the_running_plans_regime(cm_wl):
+    # The probes measured dp 1 and dp 2 training at 1x and 1.2x the model; the run
+    # measures dp 1 at 3x (load, an async rollout beside it). Without the regime
+    # factor dp 2 kept its probe ratio (1.2x) beside dp 1's 3x and looked 2.5x cheaper;
+    # anchored on the running plan, both are priced under the run's conditions and
+    # keep the probes' relative price (dp 2 is 1.2x dp 1).
+    cm, wl = cm_wl
+    sc = ShapeCorrection()
+    p1, p2 = _plan(1), _plan(2)
+    t1 = cm.step_latency(p1, wl).stages["actor_train"].seconds
+    t2 = cm.step_latency(p2, wl).stages["actor_train"].seconds
+    sc.observe(p1, wl, {"actor_train": t1 * 1.0}, startup=True)
+    sc.observe(p2, wl, {"actor_train": t2 * 1.2}, startup=True)
+    for _ in range(3):
+        sc.observe(p1, wl, {"actor_train": t1 * 3.0})
+    assert math.isclose(sc.ratios(cm)[("actor_train", 2, 1, 1)], 1.2)  # not anchored yet
+    assert math.isclose(sc.anchor(cm, p1, wl), 3.0)
+    r = sc.ratios(cm)
+    assert math.isclose(r[("actor_train", 1, 1, 1)], 3.0)
+    assert math.isclose(r[("actor_train", 2, 1, 1)], 3.6)
+    assert sc.record(cm)["shape_regime_factor"] == 3.0
+    # a plan none of whose shapes was probed anchors at 1 (run ratios stand as measured)
+    p3 = _plan(1, ref_devs=(0,))
+    sc2 = ShapeCorrection()
+    sc2.observe(p3, wl, {"actor_train": t1 * 3.0})
+    assert sc2.anchor(cm, p3, wl) == 1.0
+    assert math.isclose(sc2.ratios(cm)[("actor_train", 1, 1, 1)], 3.0)
