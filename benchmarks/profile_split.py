@@ -38,6 +38,20 @@ def huge_mib(ctx: WorkerContext) -> float:
     return 0.0
 
 
+@register("profile.cma_threads")
+def cma_threads(ctx: WorkerContext, n: int) -> None:
+    """Threads this worker's cross-memory-attach reads use (before its first read)."""
+    from nereus_comm import transport_cma
+
+    transport_cma.CMA_THREADS = n
+
+
+@register("profile.last_moves")
+def last_moves(ctx: WorkerContext):
+    """(seconds, bytes moved, swaps, bytes copied) of this worker's last page moves."""
+    return ctx.state.get("emu.last_moves")
+
+
 KEYS = ("reshard_s", "read_s", "local_s", "remap_s", "alloc_s", "call_s", "cpu_s")
 
 
@@ -46,6 +60,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the bench's --quick state")
     ap.add_argument("--rounds", type=int, default=4, help="Split + Merge rounds")
     ap.add_argument("--copy", action="store_true", help="remap_pages=False")
+    ap.add_argument("--cma-threads", type=int, default=0, help="override CMA_THREADS (0: keep)")
     args = ap.parse_args()
     sizes = (
         dict(num_layers=2, hidden=384, ffn=1024, vocab=6000)
@@ -58,6 +73,8 @@ def main() -> None:
     try:
         d.spawn_local(2, num_threads=1)
         d.import_module("benchmarks.profile_split")
+        if args.cma_threads:
+            d.call([0, 1], "profile.cma_threads", args.cma_threads)
         m = EMUManager(d, arena_bytes=int(1.7 * state), arena_prefault=True,
                        remap_pages=not args.copy)  # fmt: skip
         m.define_stage("actor", specs, seed=7)
@@ -72,12 +89,14 @@ def main() -> None:
             a = m.merge(x, y, tp=2)
             mrec = m.records[-1]
             huge = d.call([0, 1], "profile.huge_mib")
+            moves = d.call([0, 1], "profile.last_moves")
             print(
                 f"round {i}: split {rec.seconds:.3f} s (wall {wall:.3f}) "
                 + " ".join(f"{k} {rec.extra[k]:.3f}" for k in KEYS)
                 + f" moved {rec.extra['bytes_remapped'] / 2**20:.0f} MiB;"
                 f" merge {mrec.seconds:.3f} s (remap {mrec.extra['remap_s']:.3f}); huge MiB {huge}"
             )
+            print(f"  merge's page moves per worker (s, bytes moved, swaps, bytes copied): {moves}")
     finally:
         d.shutdown()
 

@@ -30,11 +30,13 @@ Huge pages
     :data:`HUGE_PAGE` bytes, and so do blocks of at least that size. The kernel moves
     a huge page whole only between addresses that agree modulo 2 MiB (it splits it
     into 4 KiB pages otherwise, which made later cross-memory reads of those bytes
-    ~40% slower and page moves slower), so a tensor of at least :data:`HUGE_PAGE`
-    bytes is placed at the offset within a huge page that the caller asks for
-    (``phases``, see :meth:`Arena.carve`: where the bytes it will keep sit in the
-    old unit), 0 by default; the tensors are laid out in the order that wastes
-    least padding.
+    ~40% slower and page moves slower), and splits the huge pages at either end of
+    a moved range that does not start or end on one. So a tensor of at least
+    :data:`HUGE_PAGE` bytes is placed at the offset within a huge page that the
+    caller asks for (``phases``, see :meth:`Arena.carve`: where the bytes a Split
+    or Merge will move into it sit in the old unit), else at the start of one. The
+    padding this takes is kept small (greedy order, smaller tensors in the gaps),
+    and dropped when it does not fit.
 
 Configuration (per worker process; :func:`arena_config`)
     ``NEREUS_ARENA_BYTES``: the budget (bytes; suffixes K, M, G allowed; ``0``
@@ -367,9 +369,11 @@ class Arena:
             what: how the error names the request.
             phases: name -> the offset within a huge page (modulo :data:`HUGE_PAGE`,
                 rounded down to a page) at which a tensor of at least HUGE_PAGE bytes
-                should start (default 0): the page moves of a Split or Merge keep
-                huge pages whole only where source and destination agree (see the
-                module's "Huge pages").
+                should start: the page moves of a Split or Merge keep huge pages
+                whole only where source and destination agree (see the module's
+                "Huge pages"). Default 0 (a later move of the tensor's pages then
+                splits fewest). When the padding this takes does not fit, the
+                tensors are packed tightly instead.
 
         Returns:
             (the block, name -> tensor in the order of ``shapes``); each tensor has a
@@ -381,7 +385,13 @@ class Arena:
         """
         spans = _layout(shapes, phases or {})
         at = max((off + n for off, n in spans.values()), default=0)
-        block = self.alloc(at, what)
+        try:
+            block = self.alloc(at, what)
+        except ArenaExhaustedError:
+            # The padding that keeps huge pages does not fit: the tight layout, whose
+            # page moves split some huge pages, rather than no unit at all.
+            spans = _layout(shapes, {}, tight=True)
+            block = self.alloc(max((off + n for off, n in spans.values()), default=0), what)
         mem = self._segments[block.segment].np
         out = {}
         for name, (shape, dtype) in shapes.items():
@@ -398,30 +408,46 @@ class Arena:
         return block, out
 
 
-def _layout(
-    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], phases: Mapping[str, int]
-) -> dict[str, tuple[int, int]]:
-    """name -> (offset in the block, bytes): huge tensors first, each at its phase.
+def _align_of(nbytes: int) -> int:
+    return _BLOCK_ALIGN if nbytes >= PAGE_ALIGN_MIN else ALIGN
 
-    The huge tensors go in the order that pads least: greedily, the one whose phase
-    is nearest ahead of where the block has got to. The rest follow, page-aligned
-    from PAGE_ALIGN_MIN bytes, else ALIGN-aligned.
+
+def _layout(
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    phases: Mapping[str, int],
+    tight: bool = False,
+) -> dict[str, tuple[int, int]]:
+    """name -> (offset in the block, bytes).
+
+    Tensors of at least HUGE_PAGE bytes go first, each at its phase (0 if none), in
+    the order that pads least (greedily, the one whose phase is nearest ahead of
+    where the block has got to); the padding before each is filled with the smaller
+    tensors that fit (largest first). The rest follow, page-aligned from
+    PAGE_ALIGN_MIN bytes, else ALIGN-aligned. With ``tight``, no phases: every
+    tensor just aligned.
     """
     sizes = {n: math.prod(shape) * dt.itemsize for n, (shape, dt) in shapes.items()}
-    huge = [n for n, b in sizes.items() if b >= HUGE_PAGE]
-    want = {n: phases.get(n, 0) % HUGE_PAGE // _BLOCK_ALIGN * _BLOCK_ALIGN for n in huge}
+    phased = [] if tight else [n for n in sizes if sizes[n] >= HUGE_PAGE]
+    want = {n: phases.get(n, 0) % HUGE_PAGE // _BLOCK_ALIGN * _BLOCK_ALIGN for n in phased}
+    rest = sorted((n for n in sizes if n not in want), key=lambda n: -sizes[n])
     spans, at = {}, 0
-    while huge:
-        name = min(huge, key=lambda n: (want[n] - at) % HUGE_PAGE)
-        huge.remove(name)
-        at += (want[name] - at) % HUGE_PAGE
-        spans[name] = (at, sizes[name])
-        at += sizes[name]
-    for name, nbytes in sizes.items():
+    while phased:
+        name = min(phased, key=lambda n: (want[n] - at) % HUGE_PAGE)
+        phased.remove(name)
+        target = at + (want[name] - at) % HUGE_PAGE
+        for other in list(rest):  # into the padding
+            start = _round(at, _align_of(sizes[other]))
+            if start + sizes[other] <= target:
+                spans[other] = (start, sizes[other])
+                at = start + sizes[other]
+                rest.remove(other)
+        spans[name] = (target, sizes[name])
+        at = target + sizes[name]
+    for name in sizes:
         if name not in spans:
-            at = _round(at, _BLOCK_ALIGN if nbytes >= PAGE_ALIGN_MIN else ALIGN)
-            spans[name] = (at, nbytes)
-            at += nbytes
+            at = _round(at, _align_of(sizes[name]))
+            spans[name] = (at, sizes[name])
+            at += sizes[name]
     return spans
 
 

@@ -140,6 +140,16 @@ def _flat_offset(inner, outer) -> int:
     return at
 
 
+def _contiguous_in(inner, outer) -> bool:
+    """Whether box ``inner`` is one contiguous run of box ``outer`` (row-major)."""
+    partial = False
+    for (lo, hi), (olo, ohi) in zip(reversed(inner), reversed(outer)):
+        if partial and hi - lo > 1:
+            return False
+        partial = partial or (lo, hi) != (olo, ohi)
+    return True
+
+
 def _huge_phases(
     ctx: WorkerContext, stage: str, specs, layout: Layout, num_layers: int
 ) -> dict[str, int]:
@@ -147,11 +157,12 @@ def _huge_phases(
 
     The bytes this rank keeps from its current unit of ``stage`` (a Split's or
     Merge's source: the only unit of the stage on this rank, with its own block)
-    are moved by page swap into the new shard; huge pages move whole only if the
-    kept piece's source and destination addresses agree modulo 2 MiB. So a new
-    shard's phase is its kept piece's source address less the piece's offset in
-    the shard. Empty when the rank holds no such unit (an Extend onto fresh
-    devices): shards then start on a huge page.
+    are moved by page swap into the new shard when they are one contiguous run on
+    both sides; huge pages move whole only if the kept piece's source and
+    destination addresses agree modulo 2 MiB. So such a shard's phase is its kept
+    piece's source address less the piece's offset in the shard. Empty when the
+    rank holds no such unit (an Extend onto fresh devices): shards then start on a
+    huge page.
     """
     olds = [
         u for u in _units(ctx).values()
@@ -170,6 +181,8 @@ def _huge_phases(
         inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(new_box, old_box))
         if any(lo >= hi for lo, hi in inter):
             continue
+        if not (_contiguous_in(inter, old_box) and _contiguous_in(inter, new_box)):
+            continue  # a strided piece (row-parallel halves) is copied, not moved
         elt = src.element_size()
         addr = src.data_ptr() + _flat_offset(inter, old_box) * elt
         phases[spec.name] = (addr - _flat_offset(inter, new_box) * elt) % HUGE_PAGE
@@ -426,7 +439,11 @@ def _apply_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
     for uid in uids:
         owed = moves.pop(uid, None)
         if owed is not None and owed[0] in _units(ctx):
-            move_ranges(owed[1])
+            t0 = time.perf_counter()
+            done = move_ranges(owed[1])
+            # what the last page moves took here (profiling; the driver sees a round trip)
+            ctx.state["emu.last_moves"] = (time.perf_counter() - t0, done.bytes_moved,
+                                           len(done.swaps), done.bytes_copied)  # fmt: skip
 
 
 @register("emu.drop")
