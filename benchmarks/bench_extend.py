@@ -29,11 +29,12 @@ store).
 Destination memory (``--arena``, default ``prefault``): each worker reserves its
 memory budget when the EMU manager sets it up, before anything is timed, as a GPU
 worker reserves its device memory (:mod:`nereus_rl.emu_arena`; the budget is what
-the scenarios need at their peak, 1.6x one replica's state: a tp=1 unit beside the
-tp=2 one it splits from). Every way's new layout is built in that memory by the
-same code (``emu_worker.carve_shards``): the EMU units' blocks, and the tensors the
-DCP, UCP-style, tensor-store and restart loaders load into (DCP loads in place;
-checked). ``lazy``: the arena's blocks are made on first use and kept;
+the scenarios need at their peak, 1.7x one replica's state: a tp=1 unit beside the
+tp=2 one it splits from, and the padding that keeps huge pages). Every way's new
+layout is built in that memory by the same code (``emu_worker.carve_shards``): the
+EMU units' blocks, and the tensors the DCP, UCP-style, tensor-store and restart
+loaders load into (DCP loads in place; checked). ``lazy``: the arena's blocks are
+made on first use and kept;
 ``off``: plain allocations (the old behaviour) for every way. The restart path
 starts new worker processes: their arenas are lazy (``arena_prefault=False``), so
 checkpoint/restart pays the first touch of the memory its loads write, and not a
@@ -378,9 +379,10 @@ def run(args) -> list[dict]:
     nl = sizes["num_layers"]
     both = Layout(2, 1, 1, (0, 1), num_layers=nl)  # tp2 -> two tp1 units
     # Each worker's budget: its peak in these scenarios (a tp=1 replica beside the tp=2
-    # half it splits from: 1.5x), plus slack for alignment.
+    # half it splits from: 1.5x), plus slack for alignment (tensors of 2 MiB or more are
+    # placed to keep huge pages across Split's page moves: ~5% padding, emu_arena).
     arena = dict(
-        arena_bytes=0 if args.arena == "off" else int(1.6 * state_bytes),
+        arena_bytes=0 if args.arena == "off" else int(1.7 * state_bytes),
         arena_prefault=args.arena == "prefault",
     )
     print(f"state: {len(specs)} tensors, {state_bytes / 2**20:.0f} MiB per replica; dir {tmp}; "

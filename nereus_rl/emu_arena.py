@@ -25,6 +25,19 @@ Layout
     (:mod:`nereus_comm.remap`) instead of copying them, and the old block goes back
     holding the new block's former pages (still touched).
 
+Huge pages
+    Segments are advised to transparent huge pages (``MADV_HUGEPAGE``) and start on
+    :data:`HUGE_PAGE` bytes, and so do blocks of at least that size. The kernel moves
+    a huge page whole only between addresses that agree modulo 2 MiB (it splits it
+    into 4 KiB pages otherwise, which made later cross-memory reads of those bytes
+    ~40% slower and page moves slower), and splits the huge pages at either end of
+    a moved range that does not start or end on one. So a tensor of at least
+    :data:`HUGE_PAGE` bytes is placed at the offset within a huge page that the
+    caller asks for (``phases``, see :meth:`Arena.carve`: where the bytes a Split
+    or Merge will move into it sit in the old unit), else at the start of one. The
+    padding this takes is kept small (greedy order, smaller tensors in the gaps),
+    and dropped when it does not fit.
+
 Configuration (per worker process; :func:`arena_config`)
     ``NEREUS_ARENA_BYTES``: the budget (bytes; suffixes K, M, G allowed; ``0``
     turns the arena off: plain allocations, as before). ``NEREUS_ARENA_PREFAULT``:
@@ -34,8 +47,10 @@ Configuration (per worker process; :func:`arena_config`)
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +64,7 @@ __all__ = [
     "ALIGN",
     "ARENA_BYTES_ENV",
     "ARENA_PREFAULT_ENV",
+    "HUGE_PAGE",
     "PAGE_ALIGN_MIN",
     "Arena",
     "ArenaBlock",
@@ -67,6 +83,11 @@ _BLOCK_ALIGN = 4096
 #: so that a Split or Merge can move the pages of what a rank keeps from the old
 #: unit's block into the new one's instead of copying them (nereus_comm.remap).
 PAGE_ALIGN_MIN = 64 << 10
+#: A transparent huge page (x86-64, arm64 with 4 KiB pages): segments and blocks of at
+#: least this size start on one, and tensors of at least this size are placed at the
+#: offset within one that carve's ``phases`` ask for.
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 #: Fraction of its share of host memory a worker takes by default (vLLM's default
 #: gpu_memory_utilization is 0.9).
 DEFAULT_FRACTION = 0.9
@@ -152,26 +173,42 @@ class ArenaBlock:
         return f"ArenaBlock(seg {self.segment} @ {self.offset}, {self.nbytes} B, {state})"
 
 
+def _advise_huge(addr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages over [addr, addr + nbytes) (best effort: THP may
+    be off, or the libc call missing; the memory then stays in 4 KiB pages)."""
+    start = addr + (-addr % HUGE_PAGE)
+    end = (addr + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+
+
 class _Segment:
     def __init__(self, nbytes: int, touch: bool) -> None:
-        # One page more than asked, so the segment can start on a page boundary.
-        raw = torch.empty(nbytes + _BLOCK_ALIGN, dtype=torch.uint8)
-        skip = -raw.data_ptr() % _BLOCK_ALIGN
+        # A huge page more than asked, so the segment can start on one (see "Huge
+        # pages"); the slack is never touched.
+        raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % HUGE_PAGE
         self.buf = raw[skip : skip + nbytes]
+        _advise_huge(self.buf.data_ptr(), nbytes)  # before the first touch faults pages in
         if touch:
             self.buf.fill_(0)  # the first touch: every page faulted in now, once
         self.np = self.buf.numpy()  # shares the memory; tensors are carved through it
         self.nbytes = nbytes
         self.free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), by offset
 
-    def take(self, n: int) -> int | None:
+    def take(self, n: int, align: int = _BLOCK_ALIGN) -> int | None:
         for i, (off, size) in enumerate(self.free):
-            if size >= n:
-                if size == n:
-                    del self.free[i]
-                else:
-                    self.free[i] = (off + n, size - n)
-                return off
+            at = _round(off, align)
+            if at + n <= off + size:
+                # what is left before and after the block stays free
+                rest = [(o, k) for o, k in ((off, at - off), (at + n, off + size - at - n)) if k]
+                self.free[i : i + 1] = rest
+                return at
         return None
 
     def give(self, off: int, n: int) -> None:
@@ -272,8 +309,9 @@ class Arena:
                 used, the largest free range and the request); nothing is allocated.
         """
         n = _round(max(nbytes, 1), _BLOCK_ALIGN)
+        align = HUGE_PAGE if n >= HUGE_PAGE else _BLOCK_ALIGN
         for sid, seg in self._segments.items():
-            off = seg.take(n)
+            off = seg.take(n, align)
             if off is not None:
                 self.reused += 1
                 return self._block(sid, off, n)
@@ -290,7 +328,7 @@ class Arena:
                     del self._segments[sid]
             if self.reserved + n <= self.budget:
                 sid = self._add(n, touch=False)
-                return self._block(sid, self._segments[sid].take(n), n)
+                return self._block(sid, self._segments[sid].take(n, align), n)
         largest = max((s.largest_free for s in self._segments.values()), default=0)
         raise ArenaExhaustedError(
             f"{what} needs {n} B ({n / 2**20:.1f} MiB) but the worker's arena budget is "
@@ -319,28 +357,41 @@ class Arena:
         self.live_blocks -= 1
 
     def carve(
-        self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], what: str = "a unit"
+        self,
+        shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        what: str = "a unit",
+        phases: Mapping[str, int] | None = None,
     ) -> tuple[ArenaBlock, dict[str, torch.Tensor]]:
         """One block holding a contiguous tensor per name, side by side.
 
         Arguments:
-            shapes: name -> (shape, dtype), in the order to lay them out.
+            shapes: name -> (shape, dtype).
             what: how the error names the request.
+            phases: name -> the offset within a huge page (modulo :data:`HUGE_PAGE`,
+                rounded down to a page) at which a tensor of at least HUGE_PAGE bytes
+                should start: the page moves of a Split or Merge keep huge pages
+                whole only where source and destination agree (see the module's
+                "Huge pages"). Default 0 (a later move of the tensor's pages then
+                splits fewest). When the padding this takes does not fit, the
+                tensors are packed tightly instead.
 
         Returns:
-            (the block, name -> tensor); each tensor has a storage of its own over
-            its bytes of the block, and holds whatever the block last held.
+            (the block, name -> tensor in the order of ``shapes``); each tensor has a
+            storage of its own over its bytes of the block, and holds whatever the
+            block last held.
 
         Raises:
             ArenaExhaustedError: see :meth:`alloc`.
         """
-        spans, at = {}, 0
-        for name, (shape, dtype) in shapes.items():
-            nbytes = math.prod(shape) * dtype.itemsize
-            at = _round(at, _BLOCK_ALIGN if nbytes >= PAGE_ALIGN_MIN else ALIGN)
-            spans[name] = (at, nbytes)
-            at += nbytes
-        block = self.alloc(at, what)
+        spans = _layout(shapes, phases or {})
+        at = max((off + n for off, n in spans.values()), default=0)
+        try:
+            block = self.alloc(at, what)
+        except ArenaExhaustedError:
+            # The padding that keeps huge pages does not fit: the tight layout, whose
+            # page moves split some huge pages, rather than no unit at all.
+            spans = _layout(shapes, {}, tight=True)
+            block = self.alloc(max((off + n for off, n in spans.values()), default=0), what)
         mem = self._segments[block.segment].np
         out = {}
         for name, (shape, dtype) in shapes.items():
@@ -355,6 +406,49 @@ class Arena:
             raw = torch.frombuffer(mem[start : start + nbytes], dtype=torch.uint8)
             out[name] = raw.view(dtype).view(shape)
         return block, out
+
+
+def _align_of(nbytes: int) -> int:
+    return _BLOCK_ALIGN if nbytes >= PAGE_ALIGN_MIN else ALIGN
+
+
+def _layout(
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    phases: Mapping[str, int],
+    tight: bool = False,
+) -> dict[str, tuple[int, int]]:
+    """name -> (offset in the block, bytes).
+
+    Tensors of at least HUGE_PAGE bytes go first, each at its phase (0 if none), in
+    the order that pads least (greedily, the one whose phase is nearest ahead of
+    where the block has got to); the padding before each is filled with the smaller
+    tensors that fit (largest first). The rest follow, page-aligned from
+    PAGE_ALIGN_MIN bytes, else ALIGN-aligned. With ``tight``, no phases: every
+    tensor just aligned.
+    """
+    sizes = {n: math.prod(shape) * dt.itemsize for n, (shape, dt) in shapes.items()}
+    phased = [] if tight else [n for n in sizes if sizes[n] >= HUGE_PAGE]
+    want = {n: phases.get(n, 0) % HUGE_PAGE // _BLOCK_ALIGN * _BLOCK_ALIGN for n in phased}
+    rest = sorted((n for n in sizes if n not in want), key=lambda n: -sizes[n])
+    spans, at = {}, 0
+    while phased:
+        name = min(phased, key=lambda n: (want[n] - at) % HUGE_PAGE)
+        phased.remove(name)
+        target = at + (want[name] - at) % HUGE_PAGE
+        for other in list(rest):  # into the padding
+            start = _round(at, _align_of(sizes[other]))
+            if start + sizes[other] <= target:
+                spans[other] = (start, sizes[other])
+                at = start + sizes[other]
+                rest.remove(other)
+        spans[name] = (target, sizes[name])
+        at = target + sizes[name]
+    for name in sizes:
+        if name not in spans:
+            at = _round(at, _align_of(sizes[name]))
+            spans[name] = (at, sizes[name])
+            at += sizes[name]
+    return spans
 
 
 # ---------------------------------------------------------------- driver side

@@ -36,7 +36,7 @@ from nereus_comm.remap import move_ranges
 from nereus_comm.reshard import Workspace
 from nereus_comm.transport import GlooTransport
 from nereus_rl import emu_train  # noqa: F401  (registers emu.train_step)
-from nereus_rl.emu_arena import Arena, ArenaBlock, arena_config
+from nereus_rl.emu_arena import HUGE_PAGE, Arena, ArenaBlock, arena_config
 from nereus_rl.emu_comm import Layout, TensorSpec, move_state
 from nereus_rl.emu_state import synthetic
 from nereus_rl.runtime.context import WorkerContext, register
@@ -132,14 +132,77 @@ def arena_stats(ctx: WorkerContext) -> dict[str, float] | None:
 Block = tuple[Arena, ArenaBlock]
 
 
+def _flat_offset(inner, outer) -> int:
+    """Elements from the start of box ``outer`` (row-major) to the start of ``inner``."""
+    at = 0
+    for (lo, _), (olo, ohi) in zip(inner, outer):
+        at = at * (ohi - olo) + (lo - olo)
+    return at
+
+
+def _contiguous_in(inner, outer) -> bool:
+    """Whether box ``inner`` is one contiguous run of box ``outer`` (row-major)."""
+    partial = False
+    for (lo, hi), (olo, ohi) in zip(reversed(inner), reversed(outer)):
+        if partial and hi - lo > 1:
+            return False
+        partial = partial or (lo, hi) != (olo, ohi)
+    return True
+
+
+def _huge_phases(
+    ctx: WorkerContext, stage: str, specs, layout: Layout, num_layers: int
+) -> dict[str, int]:
+    """Where each new shard should start within a huge page (see emu_arena, "Huge pages").
+
+    The bytes this rank keeps from its current unit of ``stage`` (a Split's or
+    Merge's source: the only unit of the stage on this rank, with its own block)
+    are moved by page swap into the new shard when they are one contiguous run on
+    both sides; huge pages move whole only if the kept piece's source and
+    destination addresses agree modulo 2 MiB. So such a shard's phase is its kept
+    piece's source address less the piece's offset in the shard. Empty when the
+    rank holds no such unit (an Extend onto fresh devices): shards then start on a
+    huge page.
+    """
+    olds = [
+        u for u in _units(ctx).values()
+        if u["stage"] == stage and u.get("block") is not None and isinstance(u["tensors"], dict)
+    ]  # fmt: skip
+    if len(olds) != 1:
+        return {}
+    old = olds[0]
+    phases = {}
+    for spec in specs:
+        new_box = layout.box(spec, ctx.rank, num_layers)
+        old_box = old["layout"].box(spec, ctx.rank, num_layers)
+        src = old["tensors"].get(spec.name)
+        if new_box is None or old_box is None or src is None:
+            continue
+        inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(new_box, old_box))
+        if any(lo >= hi for lo, hi in inter):
+            continue
+        if not (_contiguous_in(inter, old_box) and _contiguous_in(inter, new_box)):
+            continue  # a strided piece (row-parallel halves) is copied, not moved
+        elt = src.element_size()
+        addr = src.data_ptr() + _flat_offset(inter, old_box) * elt
+        phases[spec.name] = (addr - _flat_offset(inter, new_box) * elt) % HUGE_PAGE
+    return phases
+
+
 def carve_shards(
-    ctx: WorkerContext, specs: tuple[TensorSpec, ...], layout: Layout, num_layers: int, what: str
+    ctx: WorkerContext,
+    specs: tuple[TensorSpec, ...],
+    layout: Layout,
+    num_layers: int,
+    what: str,
+    phases: dict[str, int] | None = None,
 ) -> tuple[Block | None, dict[str, torch.Tensor]]:
     """Empty tensors for this rank's shards of ``specs`` in ``layout``, from the arena.
 
     The same code gives every way of building a layout's state its destination (the
     EMU primitives, and a benchmark's checkpoint loaders), so they all write into the
-    same kind of memory. Without an arena, plain ``torch.empty`` tensors.
+    same kind of memory. Without an arena, plain ``torch.empty`` tensors. ``phases``:
+    see :meth:`Arena.carve`.
 
     Returns:
         (the block to :func:`release` when the tensors die, or None; name -> tensor).
@@ -155,7 +218,7 @@ def carve_shards(
     arena = arena_of(ctx)
     if arena is None:
         return None, {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in shapes.items()}
-    block, tensors = arena.carve(shapes, f"{what} on worker {ctx.rank}")
+    block, tensors = arena.carve(shapes, f"{what} on worker {ctx.rank}", phases)
     return (arena, block), tensors
 
 
@@ -185,7 +248,8 @@ def reserve(ctx: WorkerContext, new: list[tuple[int, str, Layout]]) -> dict[str,
         for uid, stage, layout in new:
             specs, num_layers = _stages(ctx)[stage]
             what = f"unit {uid} of {stage!r}"
-            got.append((uid, carve_shards(ctx, specs, layout, num_layers, what)))
+            phases = _huge_phases(ctx, stage, specs, layout, num_layers)
+            got.append((uid, carve_shards(ctx, specs, layout, num_layers, what, phases)))
     except BaseException:
         for _, (block, _t) in got:
             release(block)
@@ -375,7 +439,11 @@ def _apply_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
     for uid in uids:
         owed = moves.pop(uid, None)
         if owed is not None and owed[0] in _units(ctx):
-            move_ranges(owed[1])
+            t0 = time.perf_counter()
+            done = move_ranges(owed[1])
+            # what the last page moves took here (profiling; the driver sees a round trip)
+            ctx.state["emu.last_moves"] = (time.perf_counter() - t0, done.bytes_moved,
+                                           len(done.swaps), done.bytes_copied)  # fmt: skip
 
 
 @register("emu.drop")

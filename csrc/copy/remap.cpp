@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdint>
 
 #ifndef MREMAP_DONTUNMAP
 #define MREMAP_DONTUNMAP 4  // Linux >= 5.7
@@ -12,12 +13,31 @@
 namespace nereus {
 namespace {
 
+constexpr uintptr_t kHugePageBytes = uintptr_t{2} << 20;
+
 void* move(void* from, size_t n, void* to, int extra) {
   return mremap(from, n, n, MREMAP_MAYMOVE | MREMAP_FIXED | extra, to);
 }
 
+// A PROT_NONE scratch range of n bytes at the same offset within a 2 MiB huge page
+// as `like`: the kernel moves a transparent huge page whole (one PMD) only between
+// addresses that agree modulo 2 MiB, and splits it into 4 KiB pages otherwise, so an
+// unaligned scratch range would leave b's old pages (which go back to a) small.
+void* scratch_like(void* like, size_t n) {
+  const size_t slack = kHugePageBytes;
+  void* raw =
+      mmap(nullptr, n + slack, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return raw;
+  const auto base = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t phase = reinterpret_cast<uintptr_t>(like) % kHugePageBytes;
+  const uintptr_t at = base + ((phase - base % kHugePageBytes) + kHugePageBytes) % kHugePageBytes;
+  if (at > base) munmap(raw, at - base);
+  if (base + n + slack > at + n) munmap(reinterpret_cast<void*>(at + n), base + n + slack - at - n);
+  return reinterpret_cast<void*>(at);
+}
+
 int swap_one(void* a, void* b, size_t n) {
-  void* tmp = mmap(nullptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* tmp = scratch_like(b, n);
   if (tmp == MAP_FAILED) return errno;
   if (move(b, n, tmp, MREMAP_DONTUNMAP) == MAP_FAILED) {
     const int err = errno;
