@@ -5,9 +5,9 @@ lists, cheap and partition bounds, group tables, the branch and bound with its k
 over flat arrays, following the Python modules step by step, so that it returns the same
 plans, objectives (bit for bit), k-best order and tie-breaks. What stays here:
 
-* pricing the stage tables: one numpy product of their stacked work matrices with the
-  inverse efficiencies (``Planner._stack``; the Python search prices from the same
-  product), once per (stage shapes, efficiency version, capacity);
+* pricing the stage tables: one product of their stacked work matrices with the
+  inverse efficiencies (``Planner._stack``, :func:`price`; the Python search prices from
+  the same product), once per (stage shapes, efficiency version, capacity);
 * nothing else: the index of the set partitions and their maximal size assignments per
   (stages, devices) is built in C++ (``partition_index_of``; ``partition_index``
   marshals the Python ``planner_bounds`` one, which the reference search uses).
@@ -32,6 +32,15 @@ except ImportError:  # a source checkout without the built module
 
 #: Whether the compiled search is there (``nereus_rl._native`` built with the planner).
 AVAILABLE = _native is not None and hasattr(_native, "PlanContext")
+_PRICE = getattr(_native, "price", None)
+
+
+def price(W: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``W @ x`` for the stacked work matrix ``W`` (float64, C order) and the inverse
+    efficiencies ``x``: in C++ when built (each row summed in column order; a fifth of
+    numpy's per-call cost on these small matrices, paid on every new context), else by
+    numpy. Both searches price from this one product, so they see the same times."""
+    return W @ x if _PRICE is None else _PRICE(W, x)
 
 
 @functools.lru_cache(maxsize=32)
@@ -86,6 +95,12 @@ def make_context(
     return _native.PlanContext(
         times, stage_layouts(tables), phases, r_i, a_i, cap, max_n, dpn, one_node
     )
+
+
+def make_context_of(times, layouts: list, phases, r_i, a_i, cap, max_n, dpn, one_node):
+    """:func:`make_context` with the tables' compiled layouts given (``stage_layouts``,
+    kept by the caller per stage shapes)."""
+    return _native.PlanContext(times, layouts, phases, r_i, a_i, cap, max_n, dpn, one_node)
 
 
 def stage_layouts(tables: list[_StageTable]) -> list:
