@@ -71,8 +71,12 @@ work matrices of the call's stages with the inverse efficiencies (``Planner._sta
 Caching across calls (``Planner``): stage tables per stage shape (the weight-sync part
 per actor, shared by every bucket), their stacked work matrices per set of shapes;
 Pareto lists, group tables and the cheap bounds (the compiled search: one context
-holding all of them) per (shapes, efficiency version, capacity), partition bounds also
-per device count; those of a superseded version are dropped. Placed plans are reused
+holding all of them) per (shapes, efficiency version, capacity), partition bounds (and
+the compiled search's heap of partitions) also per device count; those of a superseded
+version are dropped. A context's Pareto lists need no sort by time: each table's layouts
+have a fixed memory order per size, swept once per new context. Per workload object,
+its stages' keys and shape (``Workload.with_response_len`` gives one object per bucket
+length). Placed plans are reused
 per (shapes, choices, device run), StagePlans when a stage gets the same layout on the
 same run of devices. A call after a signal change rebuilds only what the change
 touched: a bucket change prices the new shapes' layouts (``costmodel_work.stage_work``,
