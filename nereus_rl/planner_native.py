@@ -5,7 +5,7 @@ lists, cheap and partition bounds, group tables, the branch and bound with its k
 over flat arrays, following the Python modules step by step, so that it returns the same
 plans, objectives (bit for bit), k-best order and tie-breaks. What stays here:
 
-* pricing the stage tables: one product of their stacked work matrices with the
+* pricing the stage tables: one numpy product of their stacked work matrices with the
   inverse efficiencies (``Planner._stack``, :func:`price`; the Python search prices from
   the same product), once per (stage shapes, efficiency version, capacity);
 * nothing else: the index of the set partitions and their maximal size assignments per
@@ -32,15 +32,14 @@ except ImportError:  # a source checkout without the built module
 
 #: Whether the compiled search is there (``nereus_rl._native`` built with the planner).
 AVAILABLE = _native is not None and hasattr(_native, "PlanContext")
-_PRICE = getattr(_native, "price", None)
 
 
 def price(W: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``W @ x`` for the stacked work matrix ``W`` (float64, C order) and the inverse
-    efficiencies ``x``: in C++ when built (each row summed in column order; a fifth of
-    numpy's per-call cost on these small matrices, paid on every new context), else by
-    numpy. Both searches price from this one product, so they see the same times."""
-    return W @ x if _PRICE is None else _PRICE(W, x)
+    """The stacked tables' times ``W @ x`` (``W``: ``Planner._stack``'s matrix, in Fortran
+    order, for which numpy's product is the cheaper of the two here; ``x``: the inverse
+    efficiencies). Both searches price from this one product, so they see the same times
+    (a row's product can differ in the last bit with the matrix's order and shape)."""
+    return W @ x
 
 
 @functools.lru_cache(maxsize=32)

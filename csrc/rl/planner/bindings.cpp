@@ -133,22 +133,9 @@ py::tuple search(Context& ctx, const PartitionIndex& pb, int k) {
   return py::make_tuple(ranked, out.nodes, out.partitions, out.bounds_ms, out.search_ms);
 }
 
-py::array_t<double> price_of(
-    const py::array_t<double, py::array::f_style | py::array::forcecast>& W, const F64& x) {
-  check(W.ndim() == 2 && x.ndim() == 1 && W.shape(1) == x.shape(0),
-        "price needs W (rows, classes) and x (classes,)");
-  py::array_t<double> out(W.shape(0));
-  planner::price(W.data(), x.data(), W.shape(0), W.shape(1), out.mutable_data());
-  return out;
-}
-
 }  // namespace
 
 void register_planner(py::module_& m) {
-  m.def("price", &price_of, py::arg("W"), py::arg("x"),
-        "W @ x, each row summed in column order (the stage tables' times; both planner "
-        "searches price from it, so their inputs are the same bit for bit); W in Fortran "
-        "order is not copied");
   py::class_<PartitionIndex>(m, "PartitionIndex",
                              "Set partitions of S stages with their maximal power-of-two size "
                              "assignments on N devices (planner_bounds.PartitionBounds)")

@@ -88,43 +88,6 @@ Fronts build_fronts(const double* t, const Layouts& lay, int64_t cap, int64_t ma
 
 namespace {
 
-// The column loop of price: the same code for the baseline ISA and, where the CPU has it,
-// AVX2 (four doubles a step instead of two; no FMA, so each product is still rounded
-// before the sum, the same value either way).
-void price_base(const double* W, const double* x, int64_t rows, int64_t cols, double* out) {
-  std::fill(out, out + rows, 0.0);
-  for (int64_t c = 0; c < cols; ++c) {
-    const double* w = W + c * rows;
-    const double xc = x[c];
-    for (int64_t i = 0; i < rows; ++i) out[i] += w[i] * xc;
-  }
-}
-
-__attribute__((target("avx2"))) void price_avx2(const double* W, const double* x, int64_t rows,
-                                                int64_t cols, double* out) {
-  std::fill(out, out + rows, 0.0);
-  for (int64_t c = 0; c < cols; ++c) {
-    const double* w = W + c * rows;
-    const double xc = x[c];
-    for (int64_t i = 0; i < rows; ++i) out[i] += w[i] * xc;
-  }
-}
-
-}  // namespace
-
-void price(const double* W, const double* x, int64_t rows, int64_t cols, double* out) {
-  // Column by column over all rows: each row's sum still runs in column order from 0.0
-  // (the same value as a row-by-row loop), and the inner loop over rows vectorizes.
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) {
-    price_avx2(W, x, rows, cols, out);
-  } else {
-    price_base(W, x, rows, cols, out);
-  }
-}
-
-namespace {
-
 // A partial choice within one phase: time, memory, whether some stage is wider than the
 // width rule's threshold, and the (position in group, layout index) of each stage.
 struct Partial {

@@ -64,10 +64,6 @@ struct Layouts {
 // Port of Planner._pareto_lists: t per layout (table order).
 Fronts build_fronts(const double* t, const Layouts& lay, int64_t cap, int64_t max_n);
 
-// out[i] = sum_c W[i, c] * x[c], summed in column order with each product rounded (W is
-// rows x cols, column-major): the stage tables' times, the same for both searches.
-void price(const double* W, const double* x, int64_t rows, int64_t cols, double* out);
-
 // One Pareto phase vector of a colocation group and the layout index of each stage.
 struct GroupVec {
   double v[3];
