@@ -71,8 +71,12 @@ work matrices of the call's stages with the inverse efficiencies (``Planner._sta
 Caching across calls (``Planner``): stage tables per stage shape (the weight-sync part
 per actor, shared by every bucket), their stacked work matrices per set of shapes;
 Pareto lists, group tables and the cheap bounds (the compiled search: one context
-holding all of them) per (shapes, efficiency version, capacity), partition bounds also
-per device count; those of a superseded version are dropped. Placed plans are reused
+holding all of them) per (shapes, efficiency version, capacity), partition bounds (and
+the compiled search's heap of partitions) also per device count; those of a superseded
+version are dropped. A context's Pareto lists need no sort by time: each table's layouts
+have a fixed memory order per size, swept once per new context. Per workload object,
+its stages' keys and shape (``Workload.with_response_len`` gives one object per bucket
+length). Placed plans are reused
 per (shapes, choices, device run), StagePlans when a stage gets the same layout on the
 same run of devices. A call after a signal change rebuilds only what the change
 touched: a bucket change prices the new shapes' layouts (``costmodel_work.stage_work``,
@@ -156,10 +160,12 @@ class Planner:
         self._sync: dict = {}
         self._placed = SHARED_PLACED  # StagePlans by layout and device run (interned)
         self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
+        self._layouts: dict = {}  # stage ids -> their tables' compiled layouts
         self._plans: dict = {}  # GlobalPlans by stage shapes, choices and device run
         self._specs: dict = {}  # id(ModelSpec) -> (spec, token); equal specs, one token
         self._spec_tok: dict = {}  # ModelSpec -> token
         self._shapes: dict = {}  # stage ids -> (phases, r_i, a_i, tables)
+        self._wls: dict = {}  # id(workload) -> (workload, stages, stage ids, shape)
         self._pidx: dict = {}  # (stages, devices) -> compiled partition index
         self._ver = costmodel.version
         # The latest compiled call's (stage ids, tables, phases, r_i, a_i, capacity,
@@ -289,7 +295,8 @@ class Planner:
                 starts.append(starts[-1] + len(W))
             if len(self._stacks) > 64:
                 self._stacks.clear()
-            got = self._stacks[sid] = (np.concatenate(works), starts)
+            # Fortran order: numpy's W @ x is cheaper on it here (see planner_native.price).
+            got = self._stacks[sid] = (np.asfortranarray(np.concatenate(works)), starts)
         return got
 
     def plan(
@@ -323,11 +330,10 @@ class Planner:
         self._check_version()
         ver = self._ver
         cap = self.costmodel.capacity_bytes
-        stages = list(workload.planned_stages)
-        actor = workload.stage("actor_train").model_spec
-        dtype = workload.dtype
-        sid = [self._sid(s, actor, dtype) for s in stages]
-        phases, r_i, a_i, tables = self._shape(stages, tuple(sid), actor, dtype)
+        got = self._wls.get(id(workload))
+        if got is None or got[0] is not workload:
+            got = self._workload_shape(workload)
+        _, stages, sid, (phases, r_i, a_i, tables) = got
         args = (stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
         if self.native:
             ranked, timings = self._search_native(*args)
@@ -347,12 +353,28 @@ class Planner:
         timings["aligned"] = aligned
         return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
 
+    def _workload_shape(self, workload: Workload) -> tuple:
+        """``(workload, planned stages, stage ids, _shape's tuple)``, kept per workload
+        object (it holds the object, so its id is not reused while kept): a job plans
+        the same few bucket workloads again and again (``Workload.with_response_len``
+        returns the same object per bucket), and keying their stages by value costs
+        more than the rest of a prepared call's Python."""
+        stages = list(workload.planned_stages)
+        actor = workload.stage("actor_train").model_spec
+        dtype = workload.dtype
+        sid = tuple(self._sid(s, actor, dtype) for s in stages)
+        got = (workload, stages, sid, self._shape(stages, sid, actor, dtype))
+        if len(self._wls) >= 64:
+            self._wls.clear()
+        self._wls[id(workload)] = got
+        return got
+
     def _place(self, stages, tables, sid, picks, devs) -> GlobalPlan:
         """``place``, with whole plans kept per (stage shapes, choices, device run): a
         call whose signals changed often picks a plan an earlier call placed."""
         if devs[-1] - devs[0] != len(devs) - 1:
             return place(stages, tables, picks, devs, self._placed)
-        key = (tuple(sid), tuple(picks), devs[0], len(devs))
+        key = (sid, tuple(picks), devs[0], len(devs))
         got = self._plans.get(key)
         if got is None:
             if len(self._plans) > 1024:
@@ -370,9 +392,14 @@ class Planner:
                 del self._nctx[next(iter(self._nctx))]
             c = self.cluster
             W, _ = self._stack(sid, tables, r_i)
-            ctx = self._nctx[ckey] = planner_native.make_context(
-                W @ self.costmodel._x,
-                tables,
+            layouts = self._layouts.get(sid)
+            if layouts is None:  # the tables' compiled layouts, marshalled once
+                if len(self._layouts) > 64:
+                    self._layouts.clear()
+                layouts = self._layouts[sid] = planner_native.stage_layouts(tables)
+            ctx = self._nctx[ckey] = planner_native.make_context_of(
+                planner_native.price(W, self.costmodel._x),
+                layouts,
                 phases,
                 r_i,
                 a_i,
@@ -387,7 +414,7 @@ class Planner:
         """The compiled search (``planner_native``): ``([(objective, picks)] best first,
         timings)``; its context is kept per (version, capacity, stage shapes)."""
         t0 = time.perf_counter()
-        ctx = self._context(tuple(sid), tables, phases, r_i, a_i, cap, ver)
+        ctx = self._context(sid, tables, phases, r_i, a_i, cap, ver)
         t_ctx = time.perf_counter()
         pidx = self._pidx.get((len(stages), N))
         if pidx is None:
@@ -396,7 +423,7 @@ class Planner:
                 self._pidx.clear()
             self._pidx[(len(stages), N)] = pidx
         ranked, nodes, nparts, bounds_ms, search_ms = ctx.search(pidx, k)
-        self._last = (tuple(sid), tables, phases, r_i, a_i, cap, pidx)
+        self._last = (sid, tables, phases, r_i, a_i, cap, pidx)
         if not ranked:
             raise infeasible(stages, tables, N, cap)
         timings = {

@@ -6,8 +6,8 @@ over flat arrays, following the Python modules step by step, so that it returns 
 plans, objectives (bit for bit), k-best order and tie-breaks. What stays here:
 
 * pricing the stage tables: one numpy product of their stacked work matrices with the
-  inverse efficiencies (``Planner._stack``; the Python search prices from the same
-  product), once per (stage shapes, efficiency version, capacity);
+  inverse efficiencies (``Planner._stack``, :func:`price`; the Python search prices from
+  the same product), once per (stage shapes, efficiency version, capacity);
 * nothing else: the index of the set partitions and their maximal size assignments per
   (stages, devices) is built in C++ (``partition_index_of``; ``partition_index``
   marshals the Python ``planner_bounds`` one, which the reference search uses).
@@ -32,6 +32,14 @@ except ImportError:  # a source checkout without the built module
 
 #: Whether the compiled search is there (``nereus_rl._native`` built with the planner).
 AVAILABLE = _native is not None and hasattr(_native, "PlanContext")
+
+
+def price(W: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The stacked tables' times ``W @ x`` (``W``: ``Planner._stack``'s matrix, in Fortran
+    order, for which numpy's product is the cheaper of the two here; ``x``: the inverse
+    efficiencies). Both searches price from this one product, so they see the same times
+    (a row's product can differ in the last bit with the matrix's order and shape)."""
+    return W @ x
 
 
 @functools.lru_cache(maxsize=32)
@@ -86,6 +94,12 @@ def make_context(
     return _native.PlanContext(
         times, stage_layouts(tables), phases, r_i, a_i, cap, max_n, dpn, one_node
     )
+
+
+def make_context_of(times, layouts: list, phases, r_i, a_i, cap, max_n, dpn, one_node):
+    """:func:`make_context` with the tables' compiled layouts given (``stage_layouts``,
+    kept by the caller per stage shapes)."""
+    return _native.PlanContext(times, layouts, phases, r_i, a_i, cap, max_n, dpn, one_node)
 
 
 def stage_layouts(tables: list[_StageTable]) -> list:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nereus_rl import planner_native
 from nereus_rl.planner_bounds import CheapRows, cheap_table, partition_bounds_of
 from nereus_rl.planner_groups import group_vectors
 from nereus_rl.planner_place import infeasible
@@ -65,7 +66,7 @@ def search(pl: Planner, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
     def priced():
         if not memo:
             W, starts = pl._stack(sid_t, tables, r_i)
-            memo.append(((W @ pl.costmodel._x).tolist(), starts))
+            memo.append((planner_native.price(W, pl.costmodel._x).tolist(), starts))
         return memo[0]
 
     plain, fast = [], []

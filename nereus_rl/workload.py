@@ -118,8 +118,26 @@ class Workload:
         """
         if response_len < 0:
             raise WorkloadError(f"response_len={response_len} is negative")
-        stages = tuple(replace(s, response_len=response_len) for s in self.stages)
-        return replace(self, stages=stages, response_len=response_len)
+        # Kept per length on this (immutable) workload: a job asks for the same few
+        # bucket edges over and over, and the planner keys its per-workload work by the
+        # object (``Planner.plan``), so the same bucket gives the same object.
+        memo = self.__dict__.get("_by_len")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_by_len", memo)
+        got = memo.get(response_len)
+        if got is None:
+            if len(memo) >= 64:
+                memo.clear()
+            stages = tuple(replace(s, response_len=response_len) for s in self.stages)
+            got = memo[response_len] = replace(self, stages=stages, response_len=response_len)
+        return got
+
+    def __getstate__(self) -> dict:
+        # The per-length memo is a cache: not pickled or copied with the workload.
+        state = dict(self.__dict__)
+        state.pop("_by_len", None)
+        return state
 
     def __repr__(self) -> str:
         return (

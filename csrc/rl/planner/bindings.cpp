@@ -24,10 +24,9 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw py::value_error("nereus_rl._native planner: " + what);
 }
 
-// A stage table's memory and devices per layout: fixed for the table, marshalled once.
-struct StageLayouts {
-  std::vector<int64_t> mem, d;
-};
+// A stage table's memory and devices per layout, with their fixed memory order per size:
+// built once per table (planner::Layouts).
+using StageLayouts = planner::Layouts;
 
 StageLayouts make_layouts(const I64& mem, const I64& d) {
   check(mem.ndim() == 1 && d.ndim() == 1 && mem.size() == d.size(),
@@ -36,8 +35,8 @@ StageLayouts make_layouts(const I64& mem, const I64& d) {
     check(d.data()[i] >= 1 && (d.data()[i] & (d.data()[i] - 1)) == 0,
           "layout device counts must be powers of two");
   }
-  return {std::vector<int64_t>(mem.data(), mem.data() + mem.size()),
-          std::vector<int64_t>(d.data(), d.data() + d.size())};
+  return StageLayouts(std::vector<int64_t>(mem.data(), mem.data() + mem.size()),
+                      std::vector<int64_t>(d.data(), d.data() + d.size()));
 }
 
 // times: every stage's layout times one after the other (the rollout's: its intra-node
@@ -59,8 +58,7 @@ std::unique_ptr<Context> make_context(const F64& times,
         "times must hold one entry per layout of every stage, plus the rollout's inter variant");
   const double* t = times.data();
   auto fronts_of = [&](const StageLayouts& l) {
-    Fronts f =
-        planner::build_fronts(t, l.mem.data(), l.d.data(), int64_t(l.mem.size()), cap, max_n);
+    Fronts f = planner::build_fronts(t, l, cap, max_n);
     t += l.mem.size();
     return f;
   };

@@ -49,25 +49,24 @@ Context::Context(std::vector<Fronts> fronts, Fronts rollout_inter, std::vector<i
   // cheap_table: members @ per, i.e. per phase the sum over the subset's stages in stage
   // order (a subset's sum is its lower stages' sum plus its highest stage's time, which
   // is that order); >= _BIG / 2 (some stage fits nothing) is inf. Then the planner's
-  // 1e-12 shave.
+  // 1e-12 shave. The raw sums are built in C_ itself (each subset's from a smaller one's,
+  // so before any is shaved), then shaved in place: one array, written once (this runs
+  // on every new context, i.e. after every refinement).
   const size_t M = size_t(1) << S_;
-  std::vector<double> raw(M * L_ * 3, 0.0);
-  C_.assign(M * L_ * 3, 0.0);
+  const size_t row = size_t(L_) * 3;
+  C_.resize(M * row);
+  std::fill(C_.begin(), C_.begin() + row, 0.0);  // the empty subset
   for (size_t mask = 1; mask < M; ++mask) {
     int top = 0;
     while (mask >> (top + 1)) ++top;
     const size_t low = mask & ~(size_t(1) << top);
-    for (int j = 0; j < L_; ++j) {
-      const size_t at = (mask * L_ + j) * 3, from = (low * L_ + j) * 3;
-      for (int p = 0; p < 3; ++p) raw[at + p] = raw[from + p];
-      raw[at + phases_[top]] += std::min(smin[top][j], kBig);
-      for (int p = 0; p < 3; ++p) {
-        double v = raw[at + p];
-        if (v >= kBig / 2) v = kInf;
-        C_[at + p] = v * (1.0 - 1e-12);
-      }
-    }
+    double* at = &C_[mask * row];
+    const double* from = &C_[low * row];
+    std::copy(from, from + row, at);
+    const double* sm = smin[top].data();
+    for (int j = 0; j < L_; ++j) at[j * 3 + phases_[top]] += std::min(sm[j], kBig);
   }
+  for (double& v : C_) v = (v >= kBig / 2 ? kInf : v) * (1.0 - 1e-12);
 }
 
 std::vector<const List*> Context::lists_of(int mask, int64_t n, int64_t* thr, bool* both) const {
@@ -201,50 +200,59 @@ Context::Lazy& Context::lazy(const PartitionIndex& pb) {
   // bit); the key is the least over g and jg. Below the first jg with jo == jg nothing
   // is lower (both sizes only shrink).
   const size_t P = pb.masks.size();
-  Lazy lz{std::vector<double>(P), std::vector<uint8_t>(P, 0)};
+  Lazy lz{std::vector<double>(P), std::vector<uint8_t>(P, 0), {}, false};
   // The (jg, jo) pairs visited depend only on N and the number of groups k: listed once
   // per k (this function runs on every new context and device count, and the exponent
   // loops were a large part of it).
   std::vector<std::vector<std::pair<int, int>>> steps(S_ + 1);
   for (int64_t k = 1; k <= S_ && k <= pb.N; ++k) {
     const int jt = log2_exact(pb.N - k + 2) - 1;  // floor(log2(N - k + 1))
+    int top_jo = -1;
     for (int jg = jt; jg >= 0; --jg) {
       const int64_t room = pb.N - (int64_t(1) << jg) - (k - 2);  // the largest other's
       const int jo = k > 1 ? std::min(jg, log2_exact(room + 1) - 1) : jg;
-      steps[k].emplace_back(jg, jo);
+      // A pair with jg and jo both no larger than an earlier pair's gives no lower key (C
+      // only grows as sizes shrink, and the sums are monotone): left out, the least over
+      // the pairs is the same bit for bit. jg only falls, so that is jo <= an earlier jo.
+      if (jo > top_jo) steps[k].emplace_back(jg, jo);
+      top_jo = std::max(top_jo, jo);
       if (jo == jg) break;
     }
   }
+  const double* C = C_.data();
+  const size_t row = size_t(L_) * 3;
   for (size_t o = 0; o < P; ++o) {
-    const auto& m = pb.masks[o];
-    const int64_t k = int64_t(m.size());
+    const int* m = pb.masks[o].data();
+    const int64_t k = int64_t(pb.masks[o].size());
     double key = kInf;
     for (const auto& [jg, jo] : steps[k]) {
-      // Per phase the two largest of the groups at jo, to leave one group out.
-      double top[3] = {0.0, 0.0, 0.0}, second[3] = {0.0, 0.0, 0.0};
-      int64_t arg[3] = {-1, -1, -1};
+      // Per phase the two largest of the groups at jo, to leave one group out; branch
+      // free, in registers (this loop is most of a new context's or device count's
+      // bounds).
+      double t0 = 0.0, t1 = 0.0, t2 = 0.0, s0 = 0.0, s1 = 0.0, s2 = 0.0;
       for (int64_t g = 0; g < k; ++g) {
-        const double* v = cheap_row(m[g], jo);
-        for (int p = 0; p < 3; ++p) {
-          if (v[p] > top[p]) {
-            second[p] = top[p];
-            top[p] = v[p];
-            arg[p] = g;
-          } else if (v[p] > second[p]) {
-            second[p] = v[p];
-          }
-        }
+        const double* v = C + m[g] * row + jo * 3;
+        s0 = std::max(s0, std::min(t0, v[0]));
+        s1 = std::max(s1, std::min(t1, v[1]));
+        s2 = std::max(s2, std::min(t2, v[2]));
+        t0 = std::max(t0, v[0]);
+        t1 = std::max(t1, v[1]);
+        t2 = std::max(t2, v[2]);
       }
       if (jo == jg) {
         // Every group at the same size: each q is the maximum over all groups, top.
-        key = std::min(key, (top[0] + top[1]) + top[2]);
+        key = std::min(key, (t0 + t1) + t2);
         continue;
       }
       for (int64_t g = 0; g < k; ++g) {
-        const double* v = cheap_row(m[g], jg);
-        double q[3];
-        for (int p = 0; p < 3; ++p) q[p] = std::max(v[p], arg[p] == g ? second[p] : top[p]);
-        key = std::min(key, (q[0] + q[1]) + q[2]);
+        // The others' maximum without g: second where g holds the top (when two groups
+        // hold it, second equals it), top elsewhere.
+        const double* w = C + m[g] * row + jo * 3;
+        const double* v = C + m[g] * row + jg * 3;
+        const double q0 = std::max(v[0], w[0] == t0 ? s0 : t0);
+        const double q1 = std::max(v[1], w[1] == t1 ? s1 : t1);
+        const double q2 = std::max(v[2], w[2] == t2 ? s2 : t2);
+        key = std::min(key, (q0 + q1) + q2);
       }
     }
     lz.key[o] = key;

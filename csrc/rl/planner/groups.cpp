@@ -14,51 +14,72 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 }
 
-Fronts build_fronts(const double* t, const int64_t* mem, const int64_t* d, int64_t num_layouts,
-                    int64_t cap, int64_t max_n) {
-  // Python builds F(n) as the Pareto filter (keep an entry iff its memory is below every
-  // earlier entry's) of F(n/2) plus the layouts with d == n, sorted by the tuples
-  // (t, mem, layout_idx, d); layout_idx is unique. Here each size's new layouts are
-  // sorted alone and merged with F(n/2), which is already sorted.
-  auto before = [](const Cand& a, const Cand& b) {
-    if (a.t != b.t) return a.t < b.t;
-    if (a.mem != b.mem) return a.mem < b.mem;
-    return a.li < b.li;
-  };
+Layouts::Layouts(std::vector<int64_t> mem_, std::vector<int64_t> d_)
+    : mem(std::move(mem_)), d(std::move(d_)) {
+  const int32_t n = int32_t(mem.size());
+  int L = 1;
+  for (int64_t v : d) L = std::max(L, __builtin_ctzll(uint64_t(v)) + 1);
+  at.assign(L + 1, 0);
+  for (int64_t v : d) ++at[__builtin_ctzll(uint64_t(v)) + 1];
+  for (int j = 0; j < L; ++j) at[j + 1] += at[j];
+  order.resize(n);
+  std::vector<int32_t> put(at.begin(), at.end() - 1);
+  for (int32_t i = 0; i < n; ++i) order[put[__builtin_ctzll(uint64_t(d[i]))]++] = i;
+  for (int j = 0; j < L; ++j) {
+    std::stable_sort(order.begin() + at[j], order.begin() + at[j + 1],
+                     [&](int32_t a, int32_t b) { return mem[a] < mem[b]; });
+  }
+}
+
+Fronts build_fronts(const double* t, const Layouts& lay, int64_t cap, int64_t max_n) {
+  // Python builds F(n) as the Pareto filter of F(n/2) plus the layouts with d == n: sorted
+  // by (t, mem, layout_idx, d), an entry is kept iff its memory is below every earlier
+  // entry's. That is: among the entries of equal memory only the least (t, layout_idx)
+  // can be kept, and it is kept iff its t is below the t of every entry with less
+  // memory. So no sort by time is needed (the times change with every refinement): the
+  // candidates in memory order (F(n/2)'s kept entries merged with the size's layouts,
+  // whose memory order is fixed per table) are swept once, and the kept entries, whose
+  // times fall as memory grows, reversed give F(n) in the reference's order.
   int L = 0;
   while ((int64_t(1) << L) <= max_n) ++L;
-  // The layouts that fit, bucketed by size in one buffer (counting sort: one allocation,
-  // table order kept within a size).
-  std::vector<int32_t> at(L + 1, 0);
-  for (int64_t i = 0; i < num_layouts; ++i) {
-    // d is a power of two (checked when the layouts were marshalled).
-    if (mem[i] <= cap && d[i] <= max_n) ++at[__builtin_ctzll(uint64_t(d[i])) + 1];
-  }
-  for (int j = 0; j < L; ++j) at[j + 1] += at[j];
-  std::vector<Cand> added(at[L]);
-  {
-    std::vector<int32_t> put(at.begin(), at.end() - 1);
-    for (int64_t i = 0; i < num_layouts; ++i) {
-      if (mem[i] <= cap && d[i] <= max_n) {
-        added[put[__builtin_ctzll(uint64_t(d[i]))]++] = {t[i], mem[i], int32_t(i), int32_t(d[i])};
-      }
-    }
-  }
+  const int64_t* mem = lay.mem.data();
   Fronts f;
   f.by_j.resize(L);
   f.fast.resize(L);
+  std::vector<int32_t> kept, next;  // F(n)'s layouts in memory order
+  kept.reserve(lay.mem.size());
+  next.reserve(lay.mem.size());
+  const int num_j = int(lay.at.size()) - 1;
   for (int j = 0; j < L; ++j) {
-    Cand* add = added.data() + at[j];
-    const size_t na = size_t(at[j + 1] - at[j]);
-    std::sort(add, add + na, before);
-    const List* prev = j ? &f.by_j[j - 1] : nullptr;
-    const size_t np = prev ? prev->size() : 0;
+    const int32_t* add = j < num_j ? lay.order.data() + lay.at[j] : nullptr;
+    const int32_t na = j < num_j ? lay.at[j + 1] - lay.at[j] : 0;
+    next.clear();
+    size_t a = 0;
+    int32_t b = 0;
+    double run = kInf;  // least t of the entries with less memory than the current one
+    while (a < kept.size() || b < na) {
+      // The next memory value's entries (kept's and the size's are each in memory order;
+      // within one memory value their order does not matter: the least (t, index) wins).
+      const int64_t m = (b == na || (a < kept.size() && mem[kept[a]] <= mem[add[b]])) ? mem[kept[a]]
+                                                                                      : mem[add[b]];
+      if (m > cap) break;  // memory only grows from here
+      int32_t best = -1;
+      auto consider = [&](int32_t i) {
+        if (best < 0 || t[i] < t[best] || (t[i] == t[best] && i < best)) best = i;
+      };
+      while (a < kept.size() && mem[kept[a]] == m) consider(kept[a++]);
+      while (b < na && mem[add[b]] == m) consider(add[b++]);
+      if (t[best] < run) {
+        next.push_back(best);
+        run = t[best];
+      }
+    }
+    kept.swap(next);
     List& front = f.by_j[j];
-    front.reserve(np + na);
-    size_t a = 0, b = 0;
-    while (a < np || b < na) {
-      const Cand& c = (b == na || (a < np && before((*prev)[a], add[b]))) ? (*prev)[a++] : add[b++];
-      if (front.empty() || c.mem < front.back().mem) front.push_back(c);
+    front.reserve(kept.size());
+    for (size_t q = kept.size(); q-- > 0;) {
+      const int32_t i = kept[q];
+      front.push_back({t[i], mem[i], i, int32_t(lay.d[i])});
     }
     f.fast[j] = front.empty() ? kInf : front[0].t;
   }

@@ -17,6 +17,24 @@
 
 namespace nereus_rl::planner {
 
+// An allocator whose resize() leaves new doubles uninitialized (for arrays filled whole
+// right after, on every new context).
+template <class T>
+struct NoInit : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = NoInit<U>;
+  };
+  template <class U>
+  void construct(U* p) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+
 // One entry of a stage's Pareto list: a layout's time, memory, index and devices.
 struct Cand {
   double t;
@@ -34,9 +52,17 @@ struct Fronts {
   std::vector<double> fast;
 };
 
-// Port of Planner._pareto_lists: t, mem, d per layout (layouts in table order).
-Fronts build_fronts(const double* t, const int64_t* mem, const int64_t* d, int64_t num_layouts,
-                    int64_t cap, int64_t max_n);
+// A stage table's layouts: memory and devices per layout (table order), and what does
+// not depend on the efficiencies, built once per table: the layouts of each size 2^j,
+// sorted by (memory, layout index), are order[at[j] .. at[j + 1]).
+struct Layouts {
+  std::vector<int64_t> mem, d;
+  std::vector<int32_t> order, at;
+  Layouts(std::vector<int64_t> mem, std::vector<int64_t> d);  // d: powers of two
+};
+
+// Port of Planner._pareto_lists: t per layout (table order).
+Fronts build_fronts(const double* t, const Layouts& lay, int64_t cap, int64_t max_n);
 
 // One Pareto phase vector of a colocation group and the layout index of each stage.
 struct GroupVec {
@@ -120,12 +146,22 @@ class Context {
   struct Lazy {
     std::vector<double> key;
     std::vector<uint8_t> exact;
+    // The search's min-heap of (key, exact, partition) over the partitions with a finite
+    // key, kept between calls (search.cpp): a call re-adds the few it took out instead
+    // of rebuilding it over every partition.
+    struct Item {
+      double key;
+      uint8_t exact;
+      int32_t o;
+    };
+    std::vector<Item> heap;
+    bool heaped = false;
   };
   Lazy& lazy(const PartitionIndex& pb);
   // Partition o's bound if it is at most `cutoff` (*exact = true); otherwise a lower
   // bound of it above `cutoff` (*exact = false).
   double refine(const PartitionIndex& pb, size_t o, double cutoff, bool* exact) const;
-  const std::vector<double>& cheap() const { return C_; }
+  const std::vector<double, NoInit<double>>& cheap() const { return C_; }
   int num_sizes() const { return L_; }
   int num_stages() const { return S_; }
 
@@ -151,7 +187,8 @@ class Context {
   int S_, r_i_, a_i_, L_;
   int64_t cap_, dpn_;
   bool one_node_;
-  std::vector<double> C_;  // (2^S, L, 3) cheap bounds, shaved
+  // (2^S, L, 3) cheap bounds, shaved (every entry is written: not zeroed first).
+  std::vector<double, NoInit<double>> C_;
   std::map<std::pair<int, int64_t>, GroupTable> groups_;
   std::map<std::pair<int, int64_t>, LastInfo> lasts_;
   std::map<int, std::pair<std::vector<int64_t>, std::vector<double>>> bounds_;

@@ -252,22 +252,25 @@ SearchOut Context::search(const PartitionIndex& pb, int k) {
   // keys are lower bounds until refined, and at equal keys unrefined ones come first,
   // so an exact entry on top is the next partition of the reference's order.
   Lazy& lz = lazy(pb);
-  struct Item {
-    double key;
-    uint8_t exact;
-    int32_t o;
-  };
+  using Item = Lazy::Item;
   auto after = [](const Item& a, const Item& b) {
     if (a.key != b.key) return a.key > b.key;
     if (a.exact != b.exact) return a.exact > b.exact;
     return a.o > b.o;
   };
-  std::vector<Item> heap;
-  heap.reserve(lz.key.size());
-  for (size_t o = 0; o < lz.key.size(); ++o) {
-    if (lz.key[o] < kInf) heap.push_back({lz.key[o], lz.exact[o], int32_t(o)});
+  // The heap left by the previous call on these bounds holds every partition but those
+  // it searched (re-added below): the same entries as one built from lz afresh, and the
+  // order is total (ties by index), so the pops are the same.
+  std::vector<Item>& heap = lz.heap;
+  if (!lz.heaped) {
+    heap.reserve(lz.key.size());
+    for (size_t o = 0; o < lz.key.size(); ++o) {
+      if (lz.key[o] < kInf) heap.push_back({lz.key[o], lz.exact[o], int32_t(o)});
+    }
+    std::make_heap(heap.begin(), heap.end(), after);
+    lz.heaped = true;
   }
-  std::make_heap(heap.begin(), heap.end(), after);
+  std::vector<Item> taken;  // searched this call: back into the heap at the end
   double bounds_s = std::chrono::duration<double>(clk::now() - t0).count();
   Search search(*this, S_, k);
   const int jmax = pb.L - 1;
@@ -294,6 +297,7 @@ SearchOut Context::search(const PartitionIndex& pb, int k) {
       continue;
     }
     ++out.partitions;
+    taken.push_back(it);
     // Heavy groups first (Python: sorted by -sum(Cl[mask][jmax]), stable).
     std::vector<std::pair<double, int>> gm;
     for (int m : pb.masks[o]) {
@@ -305,6 +309,10 @@ SearchOut Context::search(const PartitionIndex& pb, int k) {
     std::vector<int> masks;
     for (auto& g : gm) masks.push_back(g.second);
     search.run(masks, pb.N);
+  }
+  for (const Item& it : taken) {
+    heap.push_back(it);
+    std::push_heap(heap.begin(), heap.end(), after);
   }
   out.nodes = search.nodes;
   // Python: sorted(best, key=lambda e: -e[0]), stable over the heap's array order.
