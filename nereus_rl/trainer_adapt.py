@@ -207,7 +207,25 @@ class Adapter:
         if not ranked:
             return cl.device.memory_bytes
         first = ranked[0][1]
-        return int(max(cm.peak_memory(first, wl).values()) * AUTO_BUDGET_HEADROOM)
+        peak0 = max(cm.peak_memory(first, wl).values())
+        budget = peak0 * AUTO_BUDGET_HEADROOM
+        # A start plan whose peak grows less than the headroom over the run's lengths
+        # would never meet memory pressure (a CI run of nereus-rl train --quick made no
+        # transition): the budget is at most halfway to its peak at the longest length,
+        # so growing responses exceed it; but never below the least peak of a plan that
+        # still fits there, so the run always has a plan to move to.
+        rmax = max(self.trainer._response_len(s) for s in range(self.cfg.steps))
+        wl_max = self.workload(rmax)
+        peak_max = max(cm.peak_memory(first, wl_max).values())
+        if peak_max > peak0:
+            budget = min(budget, (peak0 + peak_max) / 2)
+            try:
+                fits_max = plan_best(wl_max, cl, cm, k=64).k_best
+                least = min(max(cm.peak_memory(p, wl_max).values()) for _, p in fits_max)
+                budget = max(budget, least * 1.01)
+            except (PlanInfeasibleError, ValueError):
+                pass
+        return int(budget)
 
     # -------------------------------------------------------------- planning
 

@@ -32,7 +32,9 @@ def test_train_quick_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 8
     decisions = [json.loads(x) for x in (run / "decisions.jsonl").read_text().splitlines()]
-    assert any(d["taken"] for d in decisions), "the default run must make a transition"
+    assert any(d["taken"] for d in decisions), "the default run must make a transition: " + str(
+        [(d["step"], d.get("signal"), d.get("reason")) for d in decisions]
+    )
 
 
 def test_bad_algorithm_is_a_clear_message(capsys):
