@@ -37,27 +37,31 @@ def _workers(n: int) -> Iterator[Driver]:
         d.shutdown()
 
 
-def test_a_death_inside_the_gradient_allreduce_is_noticed_at_once_and_recovered():
-    # actor_train is dp2 on devices 0 and 2. Device 2's worker dies as step 1's rl.train
-    # starts, so device 0 runs its forward/backward and then waits in the gradient
-    # all-reduce for a peer that is gone. Nothing was stepped (the optimizer runs after
-    # the all-reduce), so step 1 is trained again on the plan recovery builds from the
-    # intact units (device 0's actor_train, device 3's reference).
-    after = _plan((0, 1), (3, 1), (0, 3))
+# After device 2's loss: its reference unit is rebuilt on device 1, its actor_train
+# unit on device 3.
+AFTER = _plan((0, 1), (3, 1), (0, 3))
+
+
+def _run_with_death_before(fn: str) -> tuple:
+    """Run 3 steps on P4; device 2's worker dies as its first ``fn`` after step 0 starts.
+
+    Returns (the result, every stage's final state, tag: the state at the death, after
+    the recovery, and when the death was armed and noticed).
+    """
     cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, **FAST)
     tag: dict = {"before": [], "after": []}
     with _workers(4) as driver:
         tr = Trainer(cfg, driver=driver)
         try:
             tr.start()
-            tr.adapter.best_plan = lambda rlen, devices=None: (after, 0.0)
+            tr.adapter.best_plan = lambda rlen, devices=None: (AFTER, 0.0)
             victim = tr.device_worker[2]
 
             def progress(step, m):
                 if step == 0:
                     tag["before"].append(_stage_states(tr))
                     driver.call([victim], "import", "worker_faults")
-                    driver.call([victim], "faults.die_before", "rl.train")
+                    driver.call([victim], "faults.die_before", fn)
                     tag["armed"] = time.monotonic()
 
             recover = tr.recover
@@ -75,9 +79,19 @@ def test_a_death_inside_the_gradient_allreduce_is_noticed_at_once_and_recovered(
             tr.close()
     assert res.error is None, res.error
     assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    return res, final, tag
+
+
+def test_a_death_inside_the_gradient_allreduce_is_noticed_at_once_and_recovered():
+    # actor_train is dp2 on devices 0 and 2. Device 2's worker dies as step 1's rl.train
+    # starts, so device 0 runs its forward/backward and then waits in the gradient
+    # all-reduce for a peer that is gone. Nothing was stepped (the optimizer runs after
+    # the all-reduce), so step 1 is trained again on the plan recovery builds from the
+    # intact units (device 0's actor_train, device 3's reference).
+    res, final, tag = _run_with_death_before("rl.train")
     (rec,) = _recoveries(res)
     assert rec["trigger"].startswith("lost devices [2]") and rec["step"] == 1, rec
-    assert res.plans[-1] == (1, after)
+    assert res.plans[-1] == (1, AFTER)
     # Noticed within the bound: the dead peer's closed connection fails the survivor's
     # all-reduce at once (0.3 s measured from arming, step 1's rollout included), the
     # group timeout bounds it otherwise; room is left for a loaded machine's rollout.
@@ -92,27 +106,8 @@ def test_a_death_while_measuring_held_memory_after_training_does_not_train_twice
     # Device 2's worker dies as rl.held_bytes starts, right after step 1 trained on every
     # unit: the step's update is in, so it is recorded once and recovered from at its
     # boundary, not run again (which would apply its update twice).
-    after = _plan((0, 1), (3, 1), (0, 3))
-    cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, **FAST)
-    with _workers(4) as driver:
-        tr = Trainer(cfg, driver=driver)
-        try:
-            tr.start()
-            tr.adapter.best_plan = lambda rlen, devices=None: (after, 0.0)
-            victim = tr.device_worker[2]
-
-            def progress(step, m):
-                if step == 0:
-                    driver.call([victim], "import", "worker_faults")
-                    driver.call([victim], "faults.die_before", "rl.held_bytes")
-
-            tr.progress = progress
-            res = tr.run()
-            final = _stage_states(tr)
-        finally:
-            tr.close()
-    assert res.error is None, res.error
-    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    res, final, _ = _run_with_death_before("rl.held_bytes")
     (rec,) = _recoveries(res)
     assert rec["trigger"].startswith("lost devices [2]") and rec["step"] == 2, rec
+    assert res.plans[-1] == (2, AFTER)
     assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
