@@ -63,9 +63,8 @@ class ShapeCorrection:
         self.window = window
         self.obs: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=window))
         self.startup_obs: dict[tuple, deque] = defaultdict(lambda: deque(maxlen=window))
-        # the whole-plan regime factor (anchor) and the plan it was measured on
+        # the whole-plan regime factor, measured by anchor()
         self.factor = 1.0
-        self.anchor_plan: GlobalPlan | None = None
         self._cache: dict[tuple, dict[tuple, float]] = {}
 
     def observe(
@@ -115,7 +114,6 @@ class ShapeCorrection:
                 num += st.seconds * run[k]
                 den += st.seconds * start[k]
         self.factor = num / den if den > 0 and num > 0 else 1.0
-        self.anchor_plan = plan
         return self.factor
 
     def ratios(self, cm) -> dict[tuple, float]:

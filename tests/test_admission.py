@@ -114,3 +114,21 @@ def test_bad_horizon_input(setup):
         with pytest.raises(AdmissionError, match=msg):
             adm.decide(slow, best, w, forecast_steps=1, transition_cost=0.0, **kw)
     assert adm.history == []  # nothing recorded for bad input
+
+
+def test_a_saving_within_the_step_noise_is_declined(setup):
+    cm, w, slow, best = setup
+    adm = Admission(cm)
+    saving = cm.step_latency(slow, w).total_s - cm.step_latency(best, w).total_s
+    assert saving > 0
+    kw = dict(forecast_steps=100, transition_cost=0.0)
+    # a free move over 100 steps: taken on payback alone, and with noise below the saving
+    assert adm.decide(slow, best, w, **kw).taken
+    assert adm.decide(slow, best, w, noise_s=0.9 * saving, **kw).taken
+    d = adm.decide(slow, best, w, noise_s=saving, **kw)
+    assert not d.taken and d.path == "opportunistic" and "noise" in d.reason, d
+    # the urgent path ignores it (the current plan cannot run: devices gone)
+    d = adm.decide(slow, best, w, noise_s=1e9, available_devices=[], **kw)
+    assert d.path == "urgent" and "cannot run" in d.reason
+    with pytest.raises(AdmissionError, match="noise_s"):
+        adm.decide(slow, best, w, noise_s=-1.0, **kw)

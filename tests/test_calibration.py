@@ -2,7 +2,7 @@
 
 import pytest
 
-from nereus_rl.calibration import ModelTolerance, TransitionCalibration
+from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
 
 
 def test_transition_calibration_is_the_recent_median_excess():
@@ -59,3 +59,38 @@ def test_tie_margin_is_capped_at_the_band():
     assert tol.value == pytest.approx(0.05) and tol.margin == pytest.approx(0.05)
     with pytest.raises(ValueError, match="window"):
         ModelTolerance(prior=0.1, window=0)
+
+
+def test_the_floor_is_the_lower_median_seconds_per_primitive_times_the_count():
+    c = TransitionCalibration(window=3)
+    assert c.floor_s(5) == 0.0  # nothing measured yet
+    c.observe(0.05, 0.13, primitives=2)  # 0.065 s a primitive
+    # one transition leaves the excess at its prior (0) but sets the floor
+    assert c.excess_s == 0.0
+    assert c.floor_s(5) == pytest.approx(5 * 0.065)
+    assert c.floor_s(0) == 0.0
+    c.observe(0.04, 0.58, primitives=5)  # 0.116 s a primitive
+    assert c.floor_s(4) == pytest.approx(4 * 0.065)  # the lower median of two
+    c.observe(0.1, 0.3, primitives=0)  # not counted per primitive
+    assert len(c.per_primitive) == 2
+    for _ in range(3):
+        c.observe(0.01, 0.03, primitives=3)  # the window keeps the last 3
+    assert c.floor_s(1) == pytest.approx(0.01)
+
+
+def test_step_noise_is_the_robust_scatter_of_the_current_plans_residuals():
+    n = StepNoise(window=6, min_steps=3)
+    a, b = object(), object()
+    n.observe(a, 1.0, 1.1)
+    n.observe(a, 1.0, 1.3)
+    assert n.noise_s(a) == 0.0  # too few steps on the plan
+    n.observe(b, 1.0, 9.0)  # another plan's steps do not count
+    n.observe(a, 1.0, 1.2)
+    n.observe(a, 1.0, 5.0)  # one slow step barely moves it (median absolute deviation)
+    # residuals 0.1, 0.3, 0.2, 4.0: median 0.25, deviations 0.15 0.05 0.05 3.75
+    assert n.noise_s(a) == pytest.approx(1.4826 * 0.1)
+    assert n.noise_s(b) == 0.0
+    n.observe(a, 0.0, 1.0)  # ignored: no prediction
+    assert len(n.obs) == 5
+    with pytest.raises(ValueError, match="min_steps"):
+        StepNoise(window=2, min_steps=3)

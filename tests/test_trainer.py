@@ -18,6 +18,7 @@ import torch
 from nereus_rl.emu_types import EMUError
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.model import UnknownPresetError
+from nereus_rl.report import RunLog
 from nereus_rl.runtime import Driver
 from nereus_rl.tasks import TraceFormatError, UnknownTaskError
 from nereus_rl.trainer import (
@@ -297,16 +298,18 @@ def test_a_transition_mixes_live_primitives_and_fallback_stages(driver):
         tr.close()
 
 
-def test_worker_lost_mid_transition_recovers_from_the_current_plan():
+def test_worker_lost_mid_transition_recovers_from_the_current_plan(tmp_path):
     # A worker dies inside the first live primitive: the run goes on from the current
-    # plan's intact units (their models are untouched until the rebind).
+    # plan's intact units (their models are untouched until the rebind). The decision
+    # that took the move keeps a row of its own, marked interrupted, before the
+    # recovery's row (before, it went down with the exception).
     d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
     d.spawn_local(4)
     try:
         cfg = TrainConfig(
             algo="grpo", steps=4, seed=3, length_start=6, length_end=14, **PINNED, **FAST
         )
-        tr = Trainer(cfg, driver=d)
+        tr = Trainer(cfg, driver=d, log=RunLog(tmp_path, cfg))
         tr.start()
         assert all(sp.dp == 4 for sp in tr.plan.stages), tr.plan
         # Every stage of the colocated start has a unit on each device: losing device 3
@@ -337,7 +340,24 @@ def test_worker_lost_mid_transition_recovers_from_the_current_plan():
     # A primitive may have consumed a unit of the current plan before the loss: then
     # the reshard rebuilds it, and the log says why.
     assert rec[0]["recovery"] == "emu" or rec[0]["recovery_fallback"], rec[0]
-    print("RECOVERY", rec[0])
+    # (the recovery's row names what was cut short in its own "interrupted", a string)
+    cut = [r for r in res.decisions if r.get("interrupted") is True]
+    assert len(cut) == 1, res.decisions
+    row = cut[0]
+    assert row["taken"] and row["step"] == 0, row
+    assert row["measured_transition_s"] > 0 and row["cause"], row
+    assert "Worker" in row["cause"] or "worker" in row["cause"], row
+    assert res.decisions.index(rec[0]) > res.decisions.index(row)
+    # both are in the run folder's decision log, in that order
+    rows = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [r.get("interrupted") for r in rows if r.get("taken")][:1] == [True], rows
+    assert any("lost devices" in str(r.get("trigger")) for r in rows), rows
+    # admission counts savings no further than the run goes
+    priced = [r for r in res.decisions if "forecast_steps" in r]
+    assert priced, res.decisions
+    for r in priced:
+        assert r["steps_left"] == cfg.steps - r["step"] - 1, r
+        assert r["forecast_steps"] <= r["steps_left"] <= cfg.steps - 1, r
 
 
 def _kill_after_first_step(driver, victim, step, m):
