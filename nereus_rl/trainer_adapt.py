@@ -118,6 +118,8 @@ class Adapter:
         # Stage shapes that ran, priced at their measured ratio to the model
         # (shape_correction): the model misprices some shapes 2-4x on these workers
         self.shapes = ShapeCorrection()
+        self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
+        self.sized_plan: GlobalPlan | None = None  # the automatic budget's (_auto_budget)
         budget = cfg.memory_budget
         if budget is None:
             budget = self._auto_budget()
@@ -126,7 +128,6 @@ class Adapter:
             cfg.devices, self.workers_per_core, memory_bytes=self.budget * cfg.devices
         )
         self.cm = CostModel(self.cluster)
-        self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.calibration = TransitionCalibration()
         # the running plan's step-to-step scatter: savings inside it are declined
         self.noise = StepNoise()
@@ -187,45 +188,74 @@ class Adapter:
         )
 
     def _auto_budget(self, observed: list[tuple] = ()) -> int:
-        # The best plan with the machine's memory, at the first response length; the
-        # budget sits just above its predicted peak. (observed: measurements to price
-        # the plans with, see calibrated)
+        """The default per-worker memory budget (no ``memory_budget`` given); also sets
+        ``self.sized_plan``, the plan it was sized on, which the run starts on.
+
+        The budget emulates the situation Nereus is for: a device whose memory holds a
+        fast plan at the first response length but not at the run's longest, while
+        another plan still fits there. It sits just above the sized plan's peak at the
+        first length (``AUTO_BUDGET_HEADROOM``), at most halfway to its peak at the
+        longest length, and never below 1.01x the least peak of any plan at the longest
+        length, so the run always has a plan to move to.
+
+        The sized plan is the fastest one for which that situation exists, among the
+        plans within the model's trusted error (``Controller.model_tolerance``) of the
+        fastest; else the fastest. Why: when the fastest plan is also the leanest at the
+        longest length, no budget makes growing responses force a move (a CI run of
+        ``nereus-rl train --quick`` made no transition that way, after calibration
+        ranked such a plan first); a plan within the model's error of it is as good a
+        start by everything the model knows.
+
+        Args:
+            observed: (plan, workload, stage seconds) measurements to price the plans
+                with (see :meth:`calibrated`).
+        """
+        self.sized_plan = None
         cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
         cm = CostModel(cl)
         for plan, wl, measured in observed:
             cm.observe(plan, wl, measured)
         wl = self.workload(self.trainer._response_len(0))
+        rmax = max(self.trainer._response_len(s) for s in range(self.cfg.steps))
+        wl_max = self.workload(rmax)
         try:
             res = plan_best(wl, cl, cm, k=64)
             # ranked as best_plan ranks the start plan (with the measured per-call
             # overhead): sized on another plan, the budget can sit above the peak of
-            # the plan the run starts on, and the default run then never meets memory
-            # pressure (nereus-rl train --quick made no transition)
+            # the plan the run starts on, and the run never meets memory pressure
             ranked = self._rank(res.k_best, wl, self.priced(cm))
         except (PlanInfeasibleError, ValueError):
             return cl.device.memory_bytes
         if not ranked:
             return cl.device.memory_bytes
-        first = ranked[0][1]
-        peak0 = max(cm.peak_memory(first, wl).values())
-        budget = peak0 * AUTO_BUDGET_HEADROOM
-        # A start plan whose peak grows less than the headroom over the run's lengths
-        # would never meet memory pressure (a CI run of nereus-rl train --quick made no
-        # transition): the budget is at most halfway to its peak at the longest length,
-        # so growing responses exceed it; but never below the least peak of a plan that
-        # still fits there, so the run always has a plan to move to.
-        rmax = max(self.trainer._response_len(s) for s in range(self.cfg.steps))
-        wl_max = self.workload(rmax)
-        peak_max = max(cm.peak_memory(first, wl_max).values())
-        if peak_max > peak0:
-            budget = min(budget, (peak0 + peak_max) / 2)
-            try:
-                fits_max = plan_best(wl_max, cl, cm, k=64).k_best
-                least = min(max(cm.peak_memory(p, wl_max).values()) for _, p in fits_max)
-                budget = max(budget, least * 1.01)
-            except (PlanInfeasibleError, ValueError):
-                pass
-        return int(budget)
+        try:
+            fits_max = plan_best(wl_max, cl, cm, k=64).k_best
+            least = min(max(cm.peak_memory(p, wl_max).values()) for _, p in fits_max)
+        except (PlanInfeasibleError, ValueError):
+            least = None
+
+        def sized(p: GlobalPlan) -> tuple[float, bool]:
+            # (budget sized on p, whether p's growing responses go over it)
+            peak0 = max(cm.peak_memory(p, wl).values())
+            peak_max = max(cm.peak_memory(p, wl_max).values())
+            budget = peak0 * AUTO_BUDGET_HEADROOM
+            if peak_max > peak0:
+                budget = min(budget, (peak0 + peak_max) / 2)
+                if least is not None:
+                    budget = max(budget, least * 1.01)
+            return budget, peak_max > budget
+
+        fastest = ranked[0][0]
+        band = fastest * (1.0 + self.controller.model_tolerance)
+        for lat, p in ranked:
+            if lat > band:
+                break
+            budget, forced = sized(p)
+            if forced:
+                self.sized_plan = p
+                return int(budget)
+        self.sized_plan = ranked[0][1]
+        return int(sized(ranked[0][1])[0])
 
     # -------------------------------------------------------------- planning
 
@@ -344,7 +374,10 @@ class Adapter:
         if isinstance(self.cfg.plan, GlobalPlan):
             return self.cfg.plan
         if self.cfg.plan == "auto":
-            return self.best_plan(rlen)[0]
+            ranked = self.ranked_plans(rlen)
+            if self.cfg.memory_budget is None and self.sized_plan in [p for _, p in ranked]:
+                return self.sized_plan  # the automatic budget's plan (see _auto_budget)
+            return ranked[0][1]
         return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
 
     def prepare_buckets(self, rlen: int) -> None:
