@@ -6,8 +6,11 @@ layout to (processes, workers per core, the core of each process). Each repetiti
 plan records, per process, its wall and CPU seconds, the CPU seconds of each part of the
 step (each micro-batch's forward + backward, then the optimizer step, which is the same
 work in every plan of a preset and layout and so also tells how fast the host ran in
-that round), the steal ticks of its core, its involuntary context switches and the
-runnable tasks at its ends.
+that round), the steal ticks of its core (/proc/stat), its involuntary context switches
+and the runnable tasks at its ends (/proc/loadavg). On this shared 2-vCPU KVM guest
+identical work takes 1x-2x its fastest CPU time from one repetition to the next; the
+slow-downs that matter last longer than a repetition and leave no trace in these
+counters (results/bench_costmodel_2026-12-01-steal.md).
 """
 
 from __future__ import annotations
