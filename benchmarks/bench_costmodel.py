@@ -59,14 +59,16 @@ Every repetition counts (the clean ones alone left a median over 3-4 rounds).
 Host speed (``--speed probe``, the default): the host moves a step's CPU time 1.5-2x
 between moments (other guests; no trace in the guest's counters), and 32 rounds need not
 sample it alike for every plan: the seventh session's 19.7% outlier was a plan whose
-rounds fell in fast moments more often than its neighbours' (its optimizer step ran 15%
-faster too; interleaved, its ratios to its neighbours match the model within 2-4%:
-results/bench_costmodel_2026-12-02b.md). The optimizer step is the same work in every
-plan of a preset and layout and runs inside the step, so each round's figure is scaled,
-per process, by a reference optimizer time (``costmodel_figures.speed_refs``) over that
-round's fastest optimizer part; ``cpuraw`` scores the raw figures beside it. Wall (raw):
-per round the slower process per repetition, the fastest of those, then the median over
-rounds. The rounds' spread is kept to show the noise, and the load average.
+rounds fell in fast moments more often than its neighbours' (its optimizer step ran
+10-28% faster too; interleaved, its ratios to its neighbours match the model within
+1-4%: results/bench_costmodel_2026-12-02b.md). The optimizer step is the same work in
+every plan of a preset and layout and runs inside the step, so each round's figure is
+scaled, per process, by a reference optimizer time (``costmodel_figures.speed_refs``)
+over that round's fastest optimizer part (what the micro-batches leave in the caches
+still moves it a few % between plans, a bias the probe passes on); ``cpuraw`` scores
+the raw figures beside it. Wall time (raw): per round the slower process per repetition,
+the fastest of those, then the median over rounds. The rounds' spread is kept to show
+the noise, and the load average.
 
 Beside the error it prints a noise floor that needs no model (costmodel_scoring.py):
 identical-work twins, even against odd rounds, and, given several runs' outputs, what
