@@ -26,20 +26,17 @@ Measures, each fitted and scored on its own:
           layout's work times the share of a core a worker gets (time-slicing adds
           wall time, not CPU time), so the model still tells co-runners that share a
           core (interference) from those on the other core (contention);
-    cpu1  the same CPU figures scored by the earlier model: every worker priced as if
-          it had a core, one co-runner class for both 2-process layouts (an A/B on
-          the same measurements).
+    cpuraw  the same, on the CPU figures as measured (no host-speed probe, see below);
+    cpu1  the CPU figures scored by the earlier model: every worker priced as if it
+          had a core, one co-runner class for both 2-process layouts (an A/B on the
+          same measurements).
 
-Measurement (a 2-vCPU KVM guest shared by ~5 engineers; identical work takes 1x-2x its
-fastest CPU time from one repetition to the next, steal included): each repetition
-records the steal ticks of its pinned core(s) (/proc/stat), its thread's involuntary
-context switches and the runnable tasks at its ends (/proc/loadavg); it is *clean* with
-no steal, no other runnable task and (a worker per core) no preemption. With
-``--across min`` a plan's figures come from its clean repetitions when it has
-``MIN_CLEAN``, else its steal-free ones, else all (the shares are printed); the median
-over rounds (the default) takes every repetition. Filtering changed neither the spread nor the
-error (results/bench_costmodel_2026-12-01-steal.md): the slow-downs that matter last
-longer than a repetition and leave no trace in these counters.
+Measurement (costmodel_measure.py; a 2-vCPU KVM guest shared by ~5 engineers): each
+repetition is *clean* with no steal, no other runnable task and (a worker per core) no
+preemption. With ``--across min`` a plan's figures come from its clean repetitions when
+it has ``MIN_CLEAN``, else its steal-free ones, else all; the median over rounds takes
+every repetition (filtering changed neither spread nor error:
+results/bench_costmodel_2026-12-01-steal.md).
 The grid is measured in rounds (4 with --quick, 32 without), a plan at a time, in a
 new order each round (seeded: a plan does not always follow the same neighbours, whose
 disturbances then average out instead of sticking to it): a warm-up step, then as many
@@ -58,11 +55,20 @@ repetitions a plan has (cheap plans, many micro-batches), a bias that grows with
 rounds: re-scoring blocks of the 44 rounds of eleven earlier --quick runs
 (results/bench_costmodel_2026-12-02.md), 16 rounds scored 9.7% mean held-out error by
 the minimum and 5.1% by the median, 32 rounds 11.0% and 3.6% (max 30% and 10%).
-Every repetition counts (the clean ones alone left a median over 3-4 rounds). Wall
-time: per round the slower process per repetition, the fastest of those, then the
-median over rounds. The spread between the
-rounds' figures is kept to show the noise, and the 1-minute load average at the start
-and end.
+Every repetition counts (the clean ones alone left a median over 3-4 rounds).
+Host speed (``--speed probe``, the default): the host moves a step's CPU time 1.5-2x
+between moments (other guests; no trace in the guest's counters), and 32 rounds need not
+sample it alike for every plan: the seventh session's 19.7% outlier was a plan whose
+rounds fell in fast moments more often than its neighbours' (its optimizer step ran
+10-28% faster too; interleaved, its ratios to its neighbours match the model within
+1-4%: results/bench_costmodel_2026-12-02b.md). The optimizer step is the same work in
+every plan of a preset and layout and runs inside the step, so each round's figure is
+scaled, per process, by a reference optimizer time (``costmodel_figures.speed_refs``)
+over that round's fastest optimizer part (what the micro-batches leave in the caches
+still moves it a few % between plans, a bias the probe passes on); ``cpuraw`` scores
+the raw figures beside it. Wall time (raw): per round the slower process per repetition,
+the fastest of those, then the median over rounds. The rounds' spread is kept to show
+the noise, and the load average.
 
 Beside the error it prints a noise floor that needs no model (costmodel_scoring.py):
 identical-work twins, even against odd rounds, and, given several runs' outputs, what
@@ -78,105 +84,25 @@ error on each plan's least figure over the runs.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import random
-import resource
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from nereus_rl.costmodel_work import CLASS_INDEX, stage_work
-from nereus_rl.model import Decoder, get_preset
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.workload import StageWork
 
-# The scoring lives beside this script (benchmarks/costmodel_scoring.py).
+# The scoring and the measuring live beside this script (benchmarks/).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import costmodel_figures as figures
 import costmodel_scoring as scoring
+from costmodel_measure import BATCH, LAYOUTS, measure
 
-BATCH = 8
-MIN_REPS = 2  # timed repetitions of a plan per round, at least
 MIN_CLEAN = 3  # a plan's figures come from its clean repetitions when it has this many
-LAYOUTS = {"1p": (1, 1.0, [0]), "2p-2core": (2, 1.0, [0, 1]), "2p-1core": (2, 2.0, [0, 0])}
-
-
-def _train_step(model, opt, mbs) -> list[float]:
-    """One training step of the project's model: forward + backward per micro-batch, AdamW.
-
-    Returns the thread CPU time at the end of each part (each micro-batch's forward +
-    backward, then the optimizer step), so a step can be timed part by part.
-    """
-    vocab = model.config.vocab
-    ends = []
-    for x in mbs:
-        logits = model(x[:, :-1])
-        F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1)).backward()
-        ends.append(time.thread_time())
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-    ends.append(time.thread_time())
-    return ends
-
-
-def _steal_ticks(core: int) -> int:
-    """Hypervisor steal of one CPU so far, in USER_HZ ticks (/proc/stat ``cpuN``, 8th value)."""
-    with open("/proc/stat") as fh:
-        for line in fh:
-            if line.startswith(f"cpu{core} "):
-                return int(line.split()[8])
-    return 0
-
-
-def _running() -> int:
-    """Runnable tasks on the machine now (/proc/loadavg's 4th field, the reader included)."""
-    with open("/proc/loadavg") as fh:
-        return int(fh.read().split()[3].split("/")[0])
-
-
-def _worker(rank, tasks, results, barrier):
-    torch.set_num_threads(1)
-    cache = {}
-    while True:
-        task = tasks.get()
-        if task is None:
-            return
-        preset, b, mb, seq, core = task
-        os.sched_setaffinity(0, {core})
-        if preset not in cache:
-            model = Decoder(get_preset(preset), seed=0)
-            cache[preset] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
-        model, opt = cache[preset]
-        gen = torch.Generator().manual_seed(rank)
-        # +1 token: the model sees seq tokens and predicts the next of each.
-        data = torch.randint(0, model.config.vocab, (b, seq + 1), generator=gen)
-        mbs = [data[i : i + mb] for i in range(0, b, mb)]
-
-        step = functools.partial(_train_step, model, opt, mbs)
-        c0 = time.thread_time()
-        step()  # warm-up; its CPU time tells the parent how many repetitions fit
-        results.put((rank, time.thread_time() - c0))
-        reps = tasks.get()
-        out = []
-        for _ in range(reps):
-            if barrier is not None:
-                barrier.wait()  # both processes compute at the same time, every repetition
-            run0, st0 = _running(), _steal_ticks(core)
-            ivcsw0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-            t0, c0 = time.perf_counter(), time.thread_time()
-            ends = step()
-            wall = time.perf_counter() - t0
-            ivcsw = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw - ivcsw0
-            steal = _steal_ticks(core) - st0
-            parts = np.diff([c0, *ends]).tolist()
-            out.append((wall, ends[-1] - c0, parts, steal, ivcsw, max(run0, _running())))
-        results.put((rank, out))
 
 
 def _work(preset, dp, wpc, mb, seq):
@@ -188,135 +114,38 @@ def _work(preset, dp, wpc, mb, seq):
     return w
 
 
-def _measure(grid, rounds, budget_s, max_reps):
-    """Every repetition of every plan of ``grid``, per plan in grid order.
-
-    Each round visits the plans in its own seeded order. Each plan gets, in each round,
-    a warm-up step and then as many timed repetitions as
-    fit ``budget_s`` of wall time at its warm-up speed (at least ``MIN_REPS``, at most
-    ``max_reps``). A repetition is a dict: wall and CPU seconds and the CPU seconds of
-    each part (for two processes the slower process's, per repetition and part: both
-    start it together at a barrier), the round, and whether it was clean.
-    """
-    ctx = mp.get_context("spawn")
-    tasks = [ctx.Queue() for _ in range(2)]
-    results = ctx.Queue()
-    barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_worker, args=(r, tasks[r], results, barrier)) for r in range(2)]
-    solo_tasks, solo_res = ctx.Queue(), ctx.Queue()
-    solo = ctx.Process(target=_worker, args=(0, solo_tasks, solo_res, None))
-    for p in [*procs, solo]:
-        p.start()
-    plans = [
-        (preset, mb, seq, lay)
-        for preset, (mbs, seqs) in grid.items()
-        for mb in mbs
-        for seq in seqs
-        for lay in LAYOUTS
-    ]
-    reps_of = {p: [] for p in plans}
-    try:
-        for rnd in range(rounds):
-            order = list(plans)
-            random.Random(rnd).shuffle(order)  # seeded: the same orders in every run
-            for plan in order:
-                preset, mb, seq, lay = plan
-                dp, wpc, cores = LAYOUTS[lay]
-                b = BATCH // dp
-                qs, res = ([solo_tasks], solo_res) if dp == 1 else (tasks, results)
-                for r, q in enumerate(qs):
-                    q.put((preset, b, min(mb, b), seq, cores[r]))
-                warm = max(res.get()[1] for _ in qs)
-                # Time-slicing one core: each repetition takes about wpc x its CPU time.
-                n = int(min(max_reps, max(MIN_REPS, budget_s / (warm * wpc))))
-                for q in qs:
-                    q.put(n)
-                got = [g[1] for g in sorted(res.get() for _ in qs)]
-                for i in range(n):
-                    per = [g[i] for g in got]  # (wall, cpu, parts, steal, ivcsw, running)
-                    # Clean: no steal on the cores used, no other task runnable at either
-                    # end, and (a worker per core) never preempted. Two workers on one
-                    # core preempt each other, which is the layout, not noise.
-                    clean = (
-                        all(x[3] == 0 for x in per)
-                        and max(x[5] for x in per) <= dp
-                        and (wpc > 1 or all(x[4] == 0 for x in per))
-                    )
-                    reps_of[plan].append(
-                        {
-                            "round": rnd,
-                            "wall": max(x[0] for x in per),
-                            "cpu": max(x[1] for x in per),
-                            "parts": np.max([x[2] for x in per], axis=0).tolist(),
-                            "cpu_each": [x[1] for x in per],
-                            "parts_each": [x[2] for x in per],
-                            "clean": bool(clean),
-                            "steal": max(x[3] for x in per),
-                            "preempted": max(x[4] for x in per),
-                            "running": max(x[5] for x in per),
-                        }
-                    )
-    finally:
-        for q in [*tasks, solo_tasks]:
-            q.put(None)
-        for p in [*procs, solo]:
-            p.join(timeout=30)
-    return [(plan, reps_of[plan]) for plan in plans]
-
-
-def _cpu_estimate(reps, estimator: str) -> float:
-    """CPU seconds of one step from its repetitions, per process, then the slower process.
-
-    ``step``: each process's fastest repetition; ``parts``: the sum over the step's parts
-    (micro-batches, optimizer step) of each part's fastest repetition. Taking the slower
-    process per repetition first would add the maximum of two independent noises (each
-    process's core has its own other load and steal) to every two-process figure: a bias
-    that a one-process figure does not have and that a model would learn as
-    interference. Every repetition starts both processes at a barrier, so each one's
-    fastest still ran beside the other.
-    """
-    if any("cpu_each" not in r for r in reps):  # older outputs: per-repetition slower process
-        return min(r["cpu"] for r in reps)
-    num = len(reps[0]["cpu_each"])
-    if estimator == "step":
-        return max(min(r["cpu_each"][k] for r in reps) for k in range(num))
-    return max(float(np.min([r["parts_each"][k] for r in reps], axis=0).sum()) for k in range(num))
-
-
 def _pct(flags) -> str:
     flags = list(flags)
     return f"{100.0 * sum(flags) / max(len(flags), 1):.0f}%"
 
 
-def _median_over_rounds(use, estimator: str) -> tuple[float, float]:
-    """(CPU, wall) seconds of a plan: each round's figure from that round's repetitions
-    (CPU: ``_cpu_estimate``; wall: the fastest), then the median over the rounds."""
-    per_round: dict = {}
-    for r in use:
-        per_round.setdefault(r["round"], []).append(r)
-    cpu = [_cpu_estimate(got, estimator) for got in per_round.values()]
-    wall = [min(r["wall"] for r in got) for got in per_round.values()]
-    return float(np.median(cpu)), float(np.median(wall))
-
-
-def _rows(measured, estimator: str, across: str = "median") -> list[dict]:
+def _rows(measured, estimator: str, across: str = "median", speed: str = "probe") -> list[dict]:
     """One row per plan: its figures from the clean repetitions when there are enough
-    (``across``: ``median`` of the rounds' figures, or ``min`` over every repetition)."""
+    (``across``: ``median`` of the rounds' figures, or ``min`` over every repetition).
+
+    ``speed``: ``probe`` (with the median over rounds) scales each round's CPU figure to
+    the run's typical host speed (``costmodel_figures.speed_refs``); ``raw`` takes it as
+    measured (the earlier figure, kept beside it as ``cpuraw``). Wall time is always raw.
+    """
+    refs = figures.speed_refs(measured) if speed == "probe" and across == "median" else {}
     rows = []
     for (preset, mb, seq, lay), reps in measured:
+        ref = refs.get((preset, lay))
         clean = [r for r in reps if r["clean"]]
         no_steal = [r for r in reps if r.get("steal", 1) == 0]
         if across == "min":
             # The cleanest set that has MIN_CLEAN repetitions: clean, else steal-free, else all.
             use = next(u for u in (clean, no_steal, reps) if len(u) >= MIN_CLEAN or u is reps)
-            cpu_s, wall_s = _cpu_estimate(use, estimator), min(r["wall"] for r in use)
+            cpu_s, wall_s = figures.cpu_estimate(use, estimator), min(r["wall"] for r in use)
+            raw_s = cpu_s
         else:
             # Every round counts: clean repetitions are rare (0-10%), so keeping only them
             # left a median over 3-4 rounds (7.0% held-out error on 44 pooled rounds,
             # against 3.1% over every round's repetitions); the median over rounds is
             # what makes a disturbed round harmless.
             use = reps
-            cpu_s, wall_s = _median_over_rounds(use, estimator)
+            cpu_s, wall_s = figures.median_over_rounds(use, estimator, ref)
+            raw_s = figures.median_over_rounds(use, estimator)[0] if ref is not None else cpu_s
         row = {
             "preset": preset,
             "layout": lay,
@@ -330,6 +159,8 @@ def _rows(measured, estimator: str, across: str = "median") -> list[dict]:
             "figure_from": "clean" if use is clean else "steal-free" if use is no_steal else "all",
             "wall_measured_ms": wall_s * 1e3,
             "cpu_measured_ms": cpu_s * 1e3,
+            "cpuraw_measured_ms": raw_s * 1e3,
+            "speed": "probe" if ref is not None else "raw",
             "wall_median_ms": float(np.median([r["wall"] for r in reps])) * 1e3,
             "cpu_median_ms": float(np.median([r["cpu"] for r in reps])) * 1e3,
         }
@@ -338,20 +169,24 @@ def _rows(measured, estimator: str, across: str = "median") -> list[dict]:
         per_round = {}
         for r in reps:
             per_round.setdefault(r["round"], []).append(r)
-        wall, cpu = [], []
+        wall, cpu, cpu_probe = [], [], []
         for got in per_round.values():
             got = [r for r in got if r["clean"]] or got
             wall.append(min(r["wall"] for r in got))
-            cpu.append(_cpu_estimate(got, estimator))
+            cpu.append(figures.cpu_estimate(got, estimator))
+            cpu_probe.append(figures.cpu_estimate(got, estimator, ref))
         row["wall_round_spread_pct"] = 100.0 * (max(wall) / min(wall) - 1.0)
         row["cpu_round_spread_pct"] = 100.0 * (max(cpu) / min(cpu) - 1.0)
+        # The rounds' middle half, raw and at the reference speed: what the probe removes.
+        row["cpuraw_round_iqr_pct"] = figures.iqr_pct(cpu)
+        row["cpu_round_iqr_pct"] = figures.iqr_pct(cpu_probe)
         rows.append(row)
     return rows
 
 
 def _works(rows: list[dict]) -> dict:
     """Ideal work per class of each row, per metric (see the module docstring)."""
-    works: dict = {"wall": [], "cpu": [], "cpu1": []}
+    works: dict = {"wall": [], "cpu": [], "cpuraw": [], "cpu1": []}
     for r in rows:
         dp, wpc, _ = LAYOUTS[r["layout"]]
         w = _work(r["preset"], dp, wpc, r["micro_batch"], r["seq_len"])
@@ -360,6 +195,7 @@ def _works(rows: list[dict]) -> dict:
         # (time-slicing adds wall time, not CPU time), so the model still knows which
         # co-runners share a core and which run beside it on another.
         works["cpu"].append(w / wpc)
+        works["cpuraw"].append(w / wpc)  # the same model on the raw CPU figures
         # The earlier model, scored on the same figures: every worker priced as if it
         # had a core, so both 2-process layouts alike and one co-runner class (all of
         # it lands in ``contention``; ``interference`` stays at its start, unused).
@@ -368,10 +204,15 @@ def _works(rows: list[dict]) -> dict:
 
 
 def _scored(
-    measured, estimator: str, fit: str, metrics=("wall", "cpu", "cpu1"), across: str = "median"
+    measured,
+    estimator: str,
+    fit: str,
+    metrics=("wall", "cpu", "cpuraw", "cpu1"),
+    across: str = "median",
+    speed: str = "probe",
 ):
     """Rows of ``measured`` scored: (rows, summary, efficiencies)."""
-    rows = _rows(measured, estimator, across)
+    rows = _rows(measured, estimator, across, speed)
     works = {m: w for m, w in _works(rows).items() if m in metrics}
     summary, effs = scoring.score(rows, works, fit, LAYOUTS)
     return rows, summary, effs
@@ -384,14 +225,16 @@ def _load(path: str):
     return measured, saved["loadavg_start"], saved["loadavg_end"]
 
 
-def _noise_floor(measured, rows, estimator: str, fit: str, across: str = "median") -> dict:
+def _noise_floor(
+    measured, rows, estimator: str, fit: str, across: str = "median", speed: str = "probe"
+) -> dict:
     """Model-free noise estimates beside the error (see costmodel_scoring)."""
     out: dict = {"twins": scoring.twins(rows, BATCH, {k: v[0] for k, v in LAYOUTS.items()})}
     halves = []
     for parity in (0, 1) if measured else ():
         part = [(p, [r for r in reps if r["round"] % 2 == parity]) for p, reps in measured]
         if all(reps for _, reps in part):
-            halves.append(_scored(part, estimator, fit, ("cpu",), across))
+            halves.append(_scored(part, estimator, fit, ("cpu",), across, speed))
     if len(halves) == 2:
         out["halves_spread_pct"] = scoring.halves_spread(halves[0][0], halves[1][0])
         out["halves_held_out_pct"] = [scoring.held_out(h[1]) for h in halves]
@@ -430,6 +273,15 @@ def main() -> None:
         help="a plan's figure over its rounds: 'median' (default) of the rounds' figures; "
         "'min' the earlier one, each part's fastest repetition over every round",
     )
+    ap.add_argument(
+        "--speed",
+        choices=("probe", "raw"),
+        default="probe",
+        help="CPU figures: 'probe' (default) each round's scaled to the run's typical host "
+        "speed, measured by the optimizer step (the same work in every plan of a preset "
+        "and layout); 'raw' as measured (the earlier figure). Both are scored either way "
+        "(cpu, cpuraw); with --across min, raw",
+    )
     ap.add_argument("--rounds", type=int, help="rounds of the grid (default 4 quick, 32 full)")
     ap.add_argument(
         "--wide",
@@ -458,24 +310,30 @@ def main() -> None:
         load_start, load_end = runs[0][1], runs[-1][2]
     else:
         load_start = os.getloadavg()
-        measured = _measure(grid, rounds, budget_s, max_reps)
+        measured = measure(grid, rounds, budget_s, max_reps)
         load_end = os.getloadavg()
     if len(runs) > 1:
         # Several runs: each scored alone, and every plan's figure from all the runs'
         # rounds taken together (the same rule as one run's, over more rounds).
-        per_run = [_scored(ms, args.estimator, args.fit, across=args.across)[0] for ms, *_ in runs]
+        per_run = [
+            _scored(ms, args.estimator, args.fit, across=args.across, speed=args.speed)[0]
+            for ms, *_ in runs
+        ]
         measured = scoring.pooled([ms for ms, _, _ in runs])
-    rows, summary, effs = _scored(measured, args.estimator, args.fit, across=args.across)
+    rows, summary, effs = _scored(
+        measured, args.estimator, args.fit, across=args.across, speed=args.speed
+    )
     print(
         f"{'preset':>6} {'layout':>9} {'mb':>3} {'seq':>4} {'role':>8} {'wall_ms':>8} "
-        f"{'pred_ms':>8} {'err_%':>6} {'cpu_ms':>8} {'pred_ms':>8} {'err_%':>6}"
+        f"{'pred_ms':>8} {'err_%':>6} {'cpu_ms':>8} {'pred_ms':>8} {'err_%':>6} {'raw_ms':>8}"
     )
     for r in rows:
         print(
             f"{r['preset']:>6} {r['layout']:>9} {r['micro_batch']:>3} {r['seq_len']:>4} "
             f"{r['role']:>8} {r['wall_measured_ms']:>8.2f} {r['wall_predicted_ms']:>8.2f} "
             f"{r['wall_error_pct']:>6.1f} {r['cpu_measured_ms']:>8.2f} "
-            f"{r['cpu_predicted_ms']:>8.2f} {r['cpu_error_pct']:>6.1f}"
+            f"{r['cpu_predicted_ms']:>8.2f} {r['cpu_error_pct']:>6.1f} "
+            f"{r['cpuraw_measured_ms']:>8.2f}"
         )
     if len(runs) > 1:
         print(f"\n(measured figures above: over the {len(runs)} runs' rounds taken together)")
@@ -492,7 +350,14 @@ def main() -> None:
                 f"{m}: spread between rounds' fastest repetitions (noise): "
                 f"mean {np.mean(spread):.1f}%, max {np.max(spread):.1f}%"
             )
-    noise = _noise_floor(measured, rows, args.estimator, args.fit, args.across)
+    if any(r["speed"] == "probe" for r in rows):
+        print(
+            "cpu: rounds' middle half (IQR, % of the median), mean over plans: raw "
+            f"{np.mean([r['cpuraw_round_iqr_pct'] for r in rows]):.1f}%, at the reference "
+            f"host speed {np.mean([r['cpu_round_iqr_pct'] for r in rows]):.1f}% (cpu: probe, "
+            "cpuraw: as measured)"
+        )
+    noise = _noise_floor(measured, rows, args.estimator, args.fit, args.across, args.speed)
     mean, mx = scoring.held_out(summary)
     print(f"noise floor beside the held-out CPU error ({mean:.2f}% mean, {mx:.2f}% max):")
     for m, tw in noise["twins"].items():
@@ -552,6 +417,7 @@ def main() -> None:
                     "settings": {
                         "rounds": rounds if not runs else None,
                         "across": args.across,
+                        "speed": args.speed,
                         "estimator": args.estimator,
                         "fit": args.fit,
                         "runs_pooled": len(runs),

@@ -3,6 +3,7 @@
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_costmodel.py"
@@ -30,16 +31,16 @@ def test_cpu_figure_is_per_process_minimum_then_slower_process():
     # Each process is slow in the other's fastest repetition: the slower process per
     # repetition would give 2.0; each one's own fastest is 1.0 and 1.1.
     reps = [_rep((1.0, 2.0)), _rep((2.0, 1.1))]
-    assert bench._cpu_estimate(reps, "step") == pytest.approx(1.1)
-    assert bench._cpu_estimate(reps, "parts") == pytest.approx(1.1)
+    assert bench.figures.cpu_estimate(reps, "step") == pytest.approx(1.1)
+    assert bench.figures.cpu_estimate(reps, "parts") == pytest.approx(1.1)
 
 
 def test_parts_sum_each_parts_fastest_repetition():
     reps = [_rep((1.0,)), _rep((1.0,))]
     reps[0]["parts_each"] = [[0.3, 0.9]]  # (micro-batch, optimizer step)
     reps[1]["parts_each"] = [[0.5, 0.6]]
-    assert bench._cpu_estimate(reps, "parts") == pytest.approx(0.9)
-    assert bench._cpu_estimate(reps, "step") == pytest.approx(1.0)
+    assert bench.figures.cpu_estimate(reps, "parts") == pytest.approx(0.9)
+    assert bench.figures.cpu_estimate(reps, "step") == pytest.approx(1.0)
 
 
 def test_figure_from_cleanest_set_with_enough_repetitions():
@@ -112,3 +113,77 @@ def test_across_runs_separates_persistent_error_from_noise():
     assert got["systematic_pct"] == pytest.approx((10.0 + 0.0) / 2)
     assert [k for k, _, _ in got["persistent"]] == [("tiny", "1p", 1, 32)]
     assert got["per_run_held_out_mean_pct"] == pytest.approx([10.0, 10.5, 9.5, 10.0])
+
+
+def _rep_parts(parts_each, rnd):
+    """One repetition whose processes ran the given parts (micro-batches, then optimizer)."""
+    each = [sum(p) for p in parts_each]
+    return {
+        "round": rnd,
+        "wall": max(each),
+        "cpu": max(each),
+        "parts": list(np.max(parts_each, axis=0)),
+        "cpu_each": each,
+        "parts_each": [list(p) for p in parts_each],
+        "clean": False,
+        "steal": 0,
+    }
+
+
+def _host_rounds(mb_part, opt_part, speeds, procs=1):
+    """A plan's repetitions over rounds in which the host ran at the given speed factors
+    (every part of a round slowed alike), two repetitions per round."""
+    return [
+        _rep_parts([[mb_part * s, opt_part * s]] * procs, rnd)
+        for rnd, s in enumerate(speeds)
+        for _ in range(2)
+    ]
+
+
+def test_probe_rescales_each_round_to_the_runs_host_speed():
+    # Plan a (12 ms of work) happened to run in two fast rounds of three, plan b (22 ms)
+    # in two slow ones: as measured, a looks 0.38x b; its work is 12 / 22 = 0.545x b.
+    a, b = ("tiny", 8, 32, "1p"), ("tiny", 4, 32, "1p")
+    measured = [
+        (a, _host_rounds(10.0, 2.0, [0.7, 0.7, 1.0])),
+        (b, _host_rounds(20.0, 2.0, [1.0, 1.0, 0.7])),
+    ]
+    raw = {
+        (r["micro_batch"]): r["cpu_measured_ms"]
+        for r in bench._rows(measured, "parts", speed="raw")
+    }
+    assert raw[8] / raw[4] == pytest.approx(8.4 / 22.0)
+    rows = bench._rows(measured, "parts")
+    got = {r["micro_batch"]: r for r in rows}
+    assert got[8]["cpu_measured_ms"] / got[4]["cpu_measured_ms"] == pytest.approx(12.0 / 22.0)
+    # Reference: the median over every round of both plans of the optimizer part
+    # (1.4 x 3, 2.0 x 3): 1.7 ms, so a's figure is 12 x 1.7 / 2.
+    assert got[8]["cpu_measured_ms"] == pytest.approx(12.0 * 1.7 / 2.0 * 1e3)
+    assert got[8]["cpuraw_measured_ms"] == pytest.approx(8.4e3)
+    assert got[8]["speed"] == "probe"
+    # The earlier estimate over every repetition takes the figures as measured.
+    assert bench._rows(measured, "parts", "min")[0]["speed"] == "raw"
+
+
+def test_probe_reference_is_per_preset_and_layout_and_per_process():
+    a = ("tiny", 8, 32, "1p")
+    alone = bench._rows([(a, _host_rounds(10.0, 2.0, [1.0, 0.7, 1.0]))], "parts")[0]
+    # Another layout's optimizer step (two workers time-slicing a core) is other work:
+    # it leaves the 1-process reference alone.
+    other = ("tiny", 8, 32, "2p-1core")
+    rows = bench._rows(
+        [
+            (a, _host_rounds(10.0, 2.0, [1.0, 0.7, 1.0])),
+            (other, _host_rounds(5.0, 3.0, [1, 1, 1], 2)),
+        ],
+        "parts",
+    )
+    assert rows[0]["cpu_measured_ms"] == pytest.approx(alone["cpu_measured_ms"])
+    assert rows[1]["cpu_measured_ms"] == pytest.approx(8.0e3)
+    # Two processes, one of them on a slow core in every round: each is rescaled by its
+    # own optimizer part, so both come out at their work (8 ms) at the reference speed.
+    reps = [_rep_parts([[5.0, 3.0], [7.5, 4.5]], rnd) for rnd in range(3)]
+    (row,) = bench._rows([(other, reps)], "parts")
+    ref = np.median([3.0, 4.5] * 3)
+    assert row["cpu_measured_ms"] == pytest.approx(8.0 / 3.0 * ref * 1e3)
+    assert row["cpuraw_measured_ms"] == pytest.approx(12.0e3)
