@@ -15,7 +15,8 @@ same plan. Each rank:
    the same buffers from the plan alone: no extra communication;
 3. posts every buffer in one batched transport call and, while the bytes
    travel, copies the bytes it already holds and needs (the plan's local
-   copies) with one :func:`~nereus_comm.pack.copy_regions` call;
+   copies) with one :func:`~nereus_comm.pack.copy_regions` call (on a helper
+   thread while this rank's cross-memory-attach reads run);
 4. drains the receive staging buffer with a single
    :func:`~nereus_comm.pack.unpack` call.
 
@@ -43,9 +44,12 @@ Example::
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +98,30 @@ ROUTES = ("auto", "cma", "shm", "transport")
 #: one run each.
 CMA_MIN_RUN_BYTES = 16 << 10
 
+#: Run the local copies on a helper thread while this rank's cross-memory-attach reads
+#: run (they write different bytes of the destination shards).
+OVERLAP_LOCAL = True
+_HELPER: dict[int, ThreadPoolExecutor] = {}
+_HELPER_LOCK = threading.Lock()
+
+
+def _helper() -> ThreadPoolExecutor:
+    """This process's helper thread, made on first use and kept (a forked child makes
+    its own: the parent's thread is not in it)."""
+    pid = os.getpid()
+    with _HELPER_LOCK:
+        pool = _HELPER.get(pid)
+        if pool is None:
+            _HELPER.clear()
+            pool = _HELPER[pid] = ThreadPoolExecutor(1, thread_name_prefix="reshard-local")
+        return pool
+
+
+def _timed_copy(copies, num_threads: int | None = None) -> float:
+    t0 = time.perf_counter()
+    copy_regions(*copies, num_threads=num_threads)
+    return time.perf_counter() - t0
+
 
 @dataclass(frozen=True)
 class ReshardResult:
@@ -125,9 +153,12 @@ class ReshardResult:
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
     #: of exchange_seconds: posting and the cross-memory-attach reads (and shared-memory
-    #: sends), then the local copies.
+    #: sends), then the local copies (their own seconds: with cross-memory-attach reads
+    #: they run beside them, see OVERLAP_LOCAL; local_wait_seconds is what the copies
+    #: added after the reads).
     read_seconds: float = 0.0
     local_seconds: float = 0.0
+    local_wait_seconds: float = 0.0
     #: of bytes_sent / bytes_received, those that went through shared memory and
     #: those read by cross-memory attach (the rest went through the transport).
     shm_bytes_sent: int = 0
@@ -223,17 +254,29 @@ def _cma_for(transport: Transport) -> CmaRoute:
     return _route_state(_CMA, CmaRoute, transport)
 
 
-def _by_peer(buffers, skip: frozenset[int]):
-    """(buffers through the transport, {shm peer: its slots in wire order})."""
-    if not skip:
-        return buffers, {}
-    rest, slots = [], {}
+def _take(buffers, chosen):
+    """(the buffers not chosen, {peer: the chosen ones' slots in wire order}, {peer: their
+    bytes}) for a predicate ``chosen(buffer)``."""
+    rest, slots, nbytes = [], {}, {}
     for b in buffers:
-        if b.peer in skip:
+        if chosen(b):
             slots.setdefault(b.peer, []).extend(b.slots)
+            nbytes[b.peer] = nbytes.get(b.peer, 0) + b.nbytes
         else:
             rest.append(b)
-    return tuple(rest), slots
+    return tuple(rest), slots, nbytes
+
+
+def _totals(buffers) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for b in buffers:
+        out[b.peer] = out.get(b.peer, 0) + b.nbytes
+    return out
+
+
+def _long_runs(nbytes: int, runs: int) -> bool:
+    """Whether bytes in this many runs are worth a cross-memory-attach read (route auto)."""
+    return nbytes >= CMA_MIN_RUN_BYTES * max(runs, 1)
 
 
 def reshard(
@@ -338,15 +381,6 @@ def reshard(
             send_totals, recv_totals, timeout=timeout, control=transport
         )
         fallback = {p: r for p, r in cma.reasons.items() if p in prog.peers}
-        if route == "auto":
-            # Messages of short runs go faster through a segment (see CMA_MIN_RUN_BYTES);
-            # both ends decide alike, from the plan.
-            cma_sends = frozenset(
-                p for p in cma_sends if send_totals[p] >= CMA_MIN_RUN_BYTES * prog.send_runs[p]
-            )
-            cma_recvs = frozenset(
-                p for p in cma_recvs if recv_totals[p] >= CMA_MIN_RUN_BYTES * prog.recv_runs[p]
-            )
         missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
         if route == "cma" and missing:
             raise TransportArgumentError(
@@ -354,19 +388,35 @@ def reshard(
                 f"({'; '.join(fallback.get(p, '?') for p in sorted(missing))}); use "
                 "route='auto' to let those go through shared memory or the transport"
             )
+    # Route "auto" chooses per wire buffer (both ends alike, from the plan): a buffer goes
+    # by cross-memory attach when its own runs are long (see CMA_MIN_RUN_BYTES), or when
+    # its whole message's are (then the message needs no segment at all); the others of
+    # a same-host peer go through shared memory. So the long pieces of a message take the
+    # same route whatever the short ones beside them (a small state's Split reads its
+    # peer's contiguous halves as a large one's does).
+    if route == "cma":
+        long_send, long_recv = set(cma_sends), set(cma_recvs)
+    else:
+        long_send = {p for p in cma_sends if _long_runs(send_totals[p], prog.send_runs[p])}
+        long_recv = {p for p in cma_recvs if _long_runs(recv_totals[p], prog.recv_runs[p])}
+    sends, cma_send_slots, cma_send_bytes = _take(
+        prog.sends,
+        lambda b: b.peer in long_send or (b.peer in cma_sends and _long_runs(b.nbytes, b.runs)),
+    )
+    recvs, cma_recv_slots, cma_recv_bytes = _take(
+        prog.recvs,
+        lambda b: b.peer in long_recv or (b.peer in cma_recvs and _long_runs(b.nbytes, b.runs)),
+    )
     shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
     if route in ("auto", "shm") and device_type == "cpu" and prog.peers:
-        shm_send = {p: n for p, n in send_totals.items() if p not in cma_sends}
-        shm_recv = {p: n for p, n in recv_totals.items() if p not in cma_recvs}
+        shm_send, shm_recv = _totals(sends), _totals(recvs)
         if shm_send or shm_recv or route == "shm":
             shm = _shm_for(transport)
             shm_sends, shm_recvs = shm.prepare(
                 shm_send, shm_recv, timeout=timeout, require=route == "shm", control=transport
             )
-    sends, cma_send_slots = _by_peer(prog.sends, cma_sends)
-    recvs, cma_recv_slots = _by_peer(prog.recvs, cma_recvs)
-    sends, shm_send_slots = _by_peer(sends, shm_sends)
-    recvs, shm_recv_slots = _by_peer(recvs, shm_recvs)
+    sends, shm_send_slots, shm_send_bytes = _take(sends, lambda b: b.peer in shm_sends)
+    recvs, shm_recv_slots, shm_recv_bytes = _take(recvs, lambda b: b.peer in shm_recvs)
     tables = {}
     if cma_send_slots or cma_recv_slots:
         # Before the transport's batch is posted, so both ends of a pair post their
@@ -392,27 +442,40 @@ def reshard(
         regions = [_region(sl, tensors) for sl in slots]
         shm.send(
             peer,
-            prog.send_totals[peer],
+            shm_send_bytes[peer],
             lambda view, regions=regions: pack(regions, out=view),
             deadline=deadline,
             timeout=timeout,
         )
+    local = [i for i in range(len(prog.local_src)) if i not in local_done]
+    copies = None
+    if local:
+        copies = (
+            [_region(prog.local_src[i], tensors) for i in local],
+            [_region(prog.local_dst[i], dst_tensors) for i in local],
+        )
+    overlap = None
+    if copies is not None and cma_recv_slots and OVERLAP_LOCAL:
+        # The reads and the local copies touch different bytes, and both release the
+        # GIL: the copies run on a helper thread while this one reads.
+        # One copy thread: the reads keep CMA_THREADS busy already.
+        overlap = _helper().submit(_timed_copy, copies, 1)
     read = {}
     for peer, slots in cma_recv_slots.items():
         # The read is the whole transfer: from the peer's shards into ours.
         regions = [_region(sl, dst_tensors) for sl in slots]
-        read[peer] = cma.read(peer, tables[peer], regions, prog.recv_totals[peer])
+        read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
     read_at = time.perf_counter()
-    local = [i for i in range(len(prog.local_src)) if i not in local_done]
-    if local:
-        copy_regions(
-            [_region(prog.local_src[i], tensors) for i in local],
-            [_region(prog.local_dst[i], dst_tensors) for i in local],
-        )
+    if overlap is not None:
+        local_s = overlap.result()  # raises what the copy raised
+    elif copies is not None:
+        local_s = _timed_copy(copies)
+    else:
+        local_s = 0.0
     copied_at = time.perf_counter()
     if shm_recv_slots:
         shm.receive(
-            {p: prog.recv_totals[p] for p in shm_recv_slots},
+            shm_recv_bytes,
             lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
             deadline=deadline,
             timeout=timeout,
@@ -445,16 +508,17 @@ def reshard(
         buffers_received=sum(1 for b in prog.recvs if b.nbytes),
         staged_bytes_sent=_staged_nbytes(prog.sends),
         staged_bytes_received=_staged_nbytes(prog.recvs),
-        shm_bytes_sent=sum(prog.send_totals[p] for p in shm_send_slots),
-        shm_bytes_received=sum(prog.recv_totals[p] for p in shm_recv_slots),
-        cma_bytes_sent=sum(prog.send_totals[p] for p in cma_send_slots),
-        cma_bytes_received=sum(prog.recv_totals[p] for p in cma_recv_slots),
+        shm_bytes_sent=sum(shm_send_bytes.values()),
+        shm_bytes_received=sum(shm_recv_bytes.values()),
+        cma_bytes_sent=sum(cma_send_bytes.values()),
+        cma_bytes_received=sum(cma_recv_bytes.values()),
         fallback_reasons=fallback,
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,
         read_seconds=read_at - packed_at,
-        local_seconds=copied_at - read_at,
+        local_seconds=local_s,
+        local_wait_seconds=copied_at - read_at,
     )
 
 
