@@ -327,6 +327,10 @@ class Primitives:
             ranks=ranks,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "bytes_cma": sum(r.get("bytes_cma", 0) for r in res.values()),
+                   "bytes_shm": sum(r.get("bytes_shm", 0) for r in res.values()),
+                   # rank -> {peer: why cross-memory attach could not serve it}
+                   "cma_fallback": {k: r["cma_fallback"] for k, r in res.items()
+                                    if r.get("cma_fallback")},
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
                    "plan_s": max(r["plan_s"] for r in res.values()),
                    "alloc_s": alloc_s,

@@ -422,7 +422,11 @@ def _reshard(
         "messages_sent": result.messages_sent,
         "buffers_sent": result.buffers_sent,
         # of bytes_sent, those peers read straight from this rank (cross-memory attach)
+        # and those sent through shared memory (the rest went through gloo)
         "bytes_cma": result.cma_bytes_sent,
+        "bytes_shm": result.shm_bytes_sent,
+        # per peer cross-memory attach could not serve, why not (empty: it served all)
+        "cma_fallback": dict(result.fallback_reasons),
         "reshard_s": result.seconds,
         # where the transfer's time went on this rank (for profiling Extend)
         "pack_s": result.pack_seconds,
