@@ -15,20 +15,20 @@ same plan. Each rank:
    the same buffers from the plan alone: no extra communication;
 3. posts every buffer in one batched transport call and, while the bytes
    travel, copies the bytes it already holds and needs (the plan's local
-   copies) with one :func:`~nereus_comm.pack.copy_regions` call (on a helper
-   thread while this rank's cross-memory-attach reads run);
+   copies) with one :func:`~nereus_comm.pack.copy_regions` call;
 4. drains the receive staging buffer with a single
    :func:`~nereus_comm.pack.unpack` call.
 
 Peers on the same host (``route="auto"``, the default, for host memory) skip the
-transport. Where the kernel allows cross-memory attach between them and a message's
-contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average: whole shards, as in
-an Extend), the receiver reads the sender's shards straight into its own (one copy
-in all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes
-where its pieces are and waits until its receivers are done. Otherwise (short
-runs, or the kernel refuses: probed once per peer pair and group, the reason kept
-in ``ReshardResult.fallback_reasons``), the sender packs a message straight into
-a shared-memory segment the receiver maps and the receiver unpacks straight out of
+transport. Where the kernel allows cross-memory attach between them and a wire
+buffer's contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average, for the
+buffer or for its whole message: whole shards, as in an Extend), the receiver reads
+the sender's shards straight into its own (one copy in all, no packing; see
+:mod:`nereus_comm.transport_cma`); the sender publishes where its pieces are and
+waits until its receivers are done. The other buffers (short runs, or the kernel
+refuses: probed once per peer pair and group, the reason kept in
+``ReshardResult.fallback_reasons``): the sender packs them straight into a
+shared-memory segment the receiver maps and the receiver unpacks straight out of
 it (one copy each side, see
 :mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
 first use, kept per process group and reused by every later call.
@@ -44,12 +44,9 @@ Example::
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -89,38 +86,14 @@ __all__ = [
 #: with every peer, else an error) or "transport" (everything through the transport).
 ROUTES = ("auto", "cma", "shm", "transport")
 
-#: route="auto" reads a peer's message by cross-memory attach only when its
-#: contiguous runs average at least this many bytes. process_vm_readv costs ~0.5 us
+#: route="auto" reads a wire buffer by cross-memory attach only when its (or its
+#: whole message's) contiguous runs average at least this many bytes. process_vm_readv costs ~0.5 us
 #: per run (it pins the pages of each iovec) and copies ~0.23 ms/MiB, where packing
 #: into and out of a warm shared-memory segment costs ~0.26 ms/MiB: 32 MiB as runs of
 #: 256 B / 1 KiB / 4 KiB / 16 KiB / 1 MiB took 76 / 27 / 12 / 10 / 7.5 ms against
 #: 8-10 ms for the two memcpys (one process, 2-core VM). Whole shards (Extend) are
 #: one run each.
 CMA_MIN_RUN_BYTES = 16 << 10
-
-#: Run the local copies on a helper thread while this rank's cross-memory-attach reads
-#: run (they write different bytes of the destination shards).
-OVERLAP_LOCAL = True
-_HELPER: dict[int, ThreadPoolExecutor] = {}
-_HELPER_LOCK = threading.Lock()
-
-
-def _helper() -> ThreadPoolExecutor:
-    """This process's helper thread, made on first use and kept (a forked child makes
-    its own: the parent's thread is not in it)."""
-    pid = os.getpid()
-    with _HELPER_LOCK:
-        pool = _HELPER.get(pid)
-        if pool is None:
-            _HELPER.clear()
-            pool = _HELPER[pid] = ThreadPoolExecutor(1, thread_name_prefix="reshard-local")
-        return pool
-
-
-def _timed_copy(copies, num_threads: int | None = None) -> float:
-    t0 = time.perf_counter()
-    copy_regions(*copies, num_threads=num_threads)
-    return time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -153,12 +126,9 @@ class ReshardResult:
     exchange_seconds: float = 0.0
     unpack_seconds: float = 0.0
     #: of exchange_seconds: posting and the cross-memory-attach reads (and shared-memory
-    #: sends), then the local copies (their own seconds: with cross-memory-attach reads
-    #: they run beside them, see OVERLAP_LOCAL; local_wait_seconds is what the copies
-    #: added after the reads).
+    #: sends), then the local copies.
     read_seconds: float = 0.0
     local_seconds: float = 0.0
-    local_wait_seconds: float = 0.0
     #: of bytes_sent / bytes_received, those that went through shared memory and
     #: those read by cross-memory attach (the rest went through the transport).
     shm_bytes_sent: int = 0
@@ -307,9 +277,9 @@ def reshard(
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
         route: "auto": peers on this host by cross-memory attach where the kernel
-            allows it and the message's runs are long (CMA_MIN_RUN_BYTES), else
-            through shared memory (host memory only), the others
-            through ``transport``; "cma" / "shm": every peer by cross-memory attach /
+            allows it and a buffer's runs (or its message's) are long
+            (CMA_MIN_RUN_BYTES), else through shared memory (host memory only),
+            the others through ``transport``; "cma" / "shm": every peer by cross-memory attach /
             through shared memory; "transport": every peer through ``transport``.
             Cross-memory attach is probed and shared-memory segments are set up over
             ``transport`` on first use (collective with the peers) and reused by
@@ -447,31 +417,22 @@ def reshard(
             deadline=deadline,
             timeout=timeout,
         )
-    local = [i for i in range(len(prog.local_src)) if i not in local_done]
-    copies = None
-    if local:
-        copies = (
-            [_region(prog.local_src[i], tensors) for i in local],
-            [_region(prog.local_dst[i], dst_tensors) for i in local],
-        )
-    overlap = None
-    if copies is not None and cma_recv_slots and OVERLAP_LOCAL:
-        # The reads and the local copies touch different bytes, and both release the
-        # GIL: the copies run on a helper thread while this one reads.
-        # One copy thread: the reads keep CMA_THREADS busy already.
-        overlap = _helper().submit(_timed_copy, copies, 1)
     read = {}
     for peer, slots in cma_recv_slots.items():
         # The read is the whole transfer: from the peer's shards into ours.
         regions = [_region(sl, dst_tensors) for sl in slots]
         read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
     read_at = time.perf_counter()
-    if overlap is not None:
-        local_s = overlap.result()  # raises what the copy raised
-    elif copies is not None:
-        local_s = _timed_copy(copies)
-    else:
-        local_s = 0.0
+    # After this rank's reads, while its peers may still read from it (cma.finish waits
+    # for them): the copies fill that wait. Run beside the reads on a helper thread they
+    # gained nothing measurable on 2 cores, which each rank's CMA_THREADS reads fill
+    # already (split8: Split median 0.381 s with, 0.339 s without, 8 rounds, load 8-10).
+    local = [i for i in range(len(prog.local_src)) if i not in local_done]
+    if local:
+        copy_regions(
+            [_region(prog.local_src[i], tensors) for i in local],
+            [_region(prog.local_dst[i], dst_tensors) for i in local],
+        )
     copied_at = time.perf_counter()
     if shm_recv_slots:
         shm.receive(
@@ -517,8 +478,7 @@ def reshard(
         exchange_seconds=exchanged_at - packed_at,
         unpack_seconds=end - exchanged_at,
         read_seconds=read_at - packed_at,
-        local_seconds=local_s,
-        local_wait_seconds=copied_at - read_at,
+        local_seconds=copied_at - read_at,
     )
 
 
