@@ -93,10 +93,14 @@ def main() -> None:
             print(
                 f"round {i}: split {rec.seconds:.3f} s (wall {wall:.3f}) "
                 + " ".join(f"{k} {rec.extra[k]:.3f}" for k in KEYS)
-                + f" moved {rec.extra['bytes_remapped'] / 2**20:.0f} MiB;"
+                + f" moved {rec.extra['bytes_remapped'] / 2**20:.0f} MiB,"
+                f" {rec.extra['bytes_cma'] / 2**20:.1f} MiB by cma,"
+                f" {rec.extra['bytes_shm'] / 2**20:.1f} MiB by shm;"
                 f" merge {mrec.seconds:.3f} s (remap {mrec.extra['remap_s']:.3f}); huge MiB {huge}"
             )
             print(f"  merge's page moves per worker (s, bytes moved, swaps, bytes copied): {moves}")
+            if rec.extra["cma_fallback"]:
+                print(f"  cma unavailable, shm instead: {rec.extra['cma_fallback']}")
     finally:
         d.shutdown()
 

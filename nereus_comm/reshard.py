@@ -20,14 +20,15 @@ same plan. Each rank:
    :func:`~nereus_comm.pack.unpack` call.
 
 Peers on the same host (``route="auto"``, the default, for host memory) skip the
-transport. Where the kernel allows cross-memory attach between them and a message's
-contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average: whole shards, as in
-an Extend), the receiver reads the sender's shards straight into its own (one copy
-in all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes
-where its pieces are and waits until its receivers are done. Otherwise (short
-runs, or the kernel refuses: probed once per peer pair and group, the reason kept
-in ``ReshardResult.fallback_reasons``), the sender packs a message straight into
-a shared-memory segment the receiver maps and the receiver unpacks straight out of
+transport. Where the kernel allows cross-memory attach between them and a wire
+buffer's contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average, for the
+buffer or for its whole message: whole shards, as in an Extend), the receiver reads
+the sender's shards straight into its own (one copy in all, no packing; see
+:mod:`nereus_comm.transport_cma`); the sender publishes where its pieces are and
+waits until its receivers are done. The other buffers (short runs, or the kernel
+refuses: probed once per peer pair and group, the reason kept in
+``ReshardResult.fallback_reasons``): the sender packs them straight into a
+shared-memory segment the receiver maps and the receiver unpacks straight out of
 it (one copy each side, see
 :mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
 first use, kept per process group and reused by every later call.
@@ -85,8 +86,8 @@ __all__ = [
 #: with every peer, else an error) or "transport" (everything through the transport).
 ROUTES = ("auto", "cma", "shm", "transport")
 
-#: route="auto" reads a peer's message by cross-memory attach only when its
-#: contiguous runs average at least this many bytes. process_vm_readv costs ~0.5 us
+#: route="auto" reads a wire buffer by cross-memory attach only when its (or its
+#: whole message's) contiguous runs average at least this many bytes. process_vm_readv costs ~0.5 us
 #: per run (it pins the pages of each iovec) and copies ~0.23 ms/MiB, where packing
 #: into and out of a warm shared-memory segment costs ~0.26 ms/MiB: 32 MiB as runs of
 #: 256 B / 1 KiB / 4 KiB / 16 KiB / 1 MiB took 76 / 27 / 12 / 10 / 7.5 ms against
@@ -223,17 +224,29 @@ def _cma_for(transport: Transport) -> CmaRoute:
     return _route_state(_CMA, CmaRoute, transport)
 
 
-def _by_peer(buffers, skip: frozenset[int]):
-    """(buffers through the transport, {shm peer: its slots in wire order})."""
-    if not skip:
-        return buffers, {}
-    rest, slots = [], {}
+def _take(buffers, chosen):
+    """(the buffers not chosen, {peer: the chosen ones' slots in wire order}, {peer: their
+    bytes}) for a predicate ``chosen(buffer)``."""
+    rest, slots, nbytes = [], {}, {}
     for b in buffers:
-        if b.peer in skip:
+        if chosen(b):
             slots.setdefault(b.peer, []).extend(b.slots)
+            nbytes[b.peer] = nbytes.get(b.peer, 0) + b.nbytes
         else:
             rest.append(b)
-    return tuple(rest), slots
+    return tuple(rest), slots, nbytes
+
+
+def _totals(buffers) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for b in buffers:
+        out[b.peer] = out.get(b.peer, 0) + b.nbytes
+    return out
+
+
+def _long_runs(nbytes: int, runs: int) -> bool:
+    """Whether bytes in this many runs are worth a cross-memory-attach read (route auto)."""
+    return nbytes >= CMA_MIN_RUN_BYTES * max(runs, 1)
 
 
 def reshard(
@@ -264,9 +277,9 @@ def reshard(
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
         route: "auto": peers on this host by cross-memory attach where the kernel
-            allows it and the message's runs are long (CMA_MIN_RUN_BYTES), else
-            through shared memory (host memory only), the others
-            through ``transport``; "cma" / "shm": every peer by cross-memory attach /
+            allows it and a buffer's runs (or its message's) are long
+            (CMA_MIN_RUN_BYTES), else through shared memory (host memory only),
+            the others through ``transport``; "cma" / "shm": every peer by cross-memory attach /
             through shared memory; "transport": every peer through ``transport``.
             Cross-memory attach is probed and shared-memory segments are set up over
             ``transport`` on first use (collective with the peers) and reused by
@@ -338,15 +351,6 @@ def reshard(
             send_totals, recv_totals, timeout=timeout, control=transport
         )
         fallback = {p: r for p, r in cma.reasons.items() if p in prog.peers}
-        if route == "auto":
-            # Messages of short runs go faster through a segment (see CMA_MIN_RUN_BYTES);
-            # both ends decide alike, from the plan.
-            cma_sends = frozenset(
-                p for p in cma_sends if send_totals[p] >= CMA_MIN_RUN_BYTES * prog.send_runs[p]
-            )
-            cma_recvs = frozenset(
-                p for p in cma_recvs if recv_totals[p] >= CMA_MIN_RUN_BYTES * prog.recv_runs[p]
-            )
         missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
         if route == "cma" and missing:
             raise TransportArgumentError(
@@ -354,19 +358,35 @@ def reshard(
                 f"({'; '.join(fallback.get(p, '?') for p in sorted(missing))}); use "
                 "route='auto' to let those go through shared memory or the transport"
             )
+    # Route "auto" chooses per wire buffer (both ends alike, from the plan): a buffer goes
+    # by cross-memory attach when its own runs are long (see CMA_MIN_RUN_BYTES), or when
+    # its whole message's are (then the message needs no segment at all); the others of
+    # a same-host peer go through shared memory. So the long pieces of a message take the
+    # same route whatever the short ones beside them (a small state's Split reads its
+    # peer's contiguous halves as a large one's does).
+    if route == "cma":
+        long_send, long_recv = set(cma_sends), set(cma_recvs)
+    else:
+        long_send = {p for p in cma_sends if _long_runs(send_totals[p], prog.send_runs[p])}
+        long_recv = {p for p in cma_recvs if _long_runs(recv_totals[p], prog.recv_runs[p])}
+    sends, cma_send_slots, cma_send_bytes = _take(
+        prog.sends,
+        lambda b: b.peer in long_send or (b.peer in cma_sends and _long_runs(b.nbytes, b.runs)),
+    )
+    recvs, cma_recv_slots, cma_recv_bytes = _take(
+        prog.recvs,
+        lambda b: b.peer in long_recv or (b.peer in cma_recvs and _long_runs(b.nbytes, b.runs)),
+    )
     shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
     if route in ("auto", "shm") and device_type == "cpu" and prog.peers:
-        shm_send = {p: n for p, n in send_totals.items() if p not in cma_sends}
-        shm_recv = {p: n for p, n in recv_totals.items() if p not in cma_recvs}
+        shm_send, shm_recv = _totals(sends), _totals(recvs)
         if shm_send or shm_recv or route == "shm":
             shm = _shm_for(transport)
             shm_sends, shm_recvs = shm.prepare(
                 shm_send, shm_recv, timeout=timeout, require=route == "shm", control=transport
             )
-    sends, cma_send_slots = _by_peer(prog.sends, cma_sends)
-    recvs, cma_recv_slots = _by_peer(prog.recvs, cma_recvs)
-    sends, shm_send_slots = _by_peer(sends, shm_sends)
-    recvs, shm_recv_slots = _by_peer(recvs, shm_recvs)
+    sends, shm_send_slots, shm_send_bytes = _take(sends, lambda b: b.peer in shm_sends)
+    recvs, shm_recv_slots, shm_recv_bytes = _take(recvs, lambda b: b.peer in shm_recvs)
     tables = {}
     if cma_send_slots or cma_recv_slots:
         # Before the transport's batch is posted, so both ends of a pair post their
@@ -392,7 +412,7 @@ def reshard(
         regions = [_region(sl, tensors) for sl in slots]
         shm.send(
             peer,
-            prog.send_totals[peer],
+            shm_send_bytes[peer],
             lambda view, regions=regions: pack(regions, out=view),
             deadline=deadline,
             timeout=timeout,
@@ -401,8 +421,12 @@ def reshard(
     for peer, slots in cma_recv_slots.items():
         # The read is the whole transfer: from the peer's shards into ours.
         regions = [_region(sl, dst_tensors) for sl in slots]
-        read[peer] = cma.read(peer, tables[peer], regions, prog.recv_totals[peer])
+        read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
     read_at = time.perf_counter()
+    # After this rank's reads, while its peers may still read from it (cma.finish waits
+    # for them): the copies fill that wait. Run beside the reads on a helper thread they
+    # gained nothing measurable on 2 cores, which each rank's CMA_THREADS reads fill
+    # already (split8: Split median 0.381 s with, 0.339 s without, 8 rounds, load 8-10).
     local = [i for i in range(len(prog.local_src)) if i not in local_done]
     if local:
         copy_regions(
@@ -412,7 +436,7 @@ def reshard(
     copied_at = time.perf_counter()
     if shm_recv_slots:
         shm.receive(
-            {p: prog.recv_totals[p] for p in shm_recv_slots},
+            shm_recv_bytes,
             lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
             deadline=deadline,
             timeout=timeout,
@@ -445,10 +469,10 @@ def reshard(
         buffers_received=sum(1 for b in prog.recvs if b.nbytes),
         staged_bytes_sent=_staged_nbytes(prog.sends),
         staged_bytes_received=_staged_nbytes(prog.recvs),
-        shm_bytes_sent=sum(prog.send_totals[p] for p in shm_send_slots),
-        shm_bytes_received=sum(prog.recv_totals[p] for p in shm_recv_slots),
-        cma_bytes_sent=sum(prog.send_totals[p] for p in cma_send_slots),
-        cma_bytes_received=sum(prog.recv_totals[p] for p in cma_recv_slots),
+        shm_bytes_sent=sum(shm_send_bytes.values()),
+        shm_bytes_received=sum(shm_recv_bytes.values()),
+        cma_bytes_sent=sum(cma_send_bytes.values()),
+        cma_bytes_received=sum(cma_recv_bytes.values()),
         fallback_reasons=fallback,
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,

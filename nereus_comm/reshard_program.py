@@ -131,6 +131,9 @@ class _WireBuffer:
     slots: tuple[_Slot, ...]
     nbytes: int
     direct: bool
+    #: contiguous runs of its pieces on this side plus on the peer's (both ends of the
+    #: buffer compute the same: reshard's route choice per buffer reads it).
+    runs: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,34 +173,37 @@ def _runs(spec: TensorSpec, layout: Layout, rank: int, piece) -> int:
     return 1 if rows <= 1 or stride == row else rows
 
 
-def _message_runs(plan, specs, dst_specs, m) -> int:
-    """Runs of a message on its source plus on its destination (either end computes it)."""
-    return sum(
-        _runs(specs[p.tensor], plan.src, m.src, p) + _runs(dst_specs[p.tensor], plan.dst, m.dst, p)
-        for p in m.pieces
-        if box_nbytes(p.box, specs[p.tensor])
-    )
+def _slot_runs(slot: _Slot) -> int:
+    _, _, rows, row, stride = slot
+    return 1 if rows <= 1 or stride == row else rows
 
 
 def _slot_nbytes(slot: _Slot, itemsize: int) -> int:
     return slot[2] * slot[3] * itemsize
 
 
-def _wire_buffers(plan, specs, messages, layout: Layout, rank: int, min_bytes: int, outgoing):
+def _wire_buffers(
+    plan, specs, other_specs, messages, layout: Layout, other: Layout, rank: int,
+    min_bytes: int, outgoing: bool,
+):  # fmt: skip
+    """The wire buffers of this rank's side of ``messages`` (``layout``, ``specs``); the
+    peer's side (``other``, ``other_specs``) only counts each buffer's runs."""
     out = []
     for m in messages:
         peer = m.dst if outgoing else m.src
         for group in wire_groups(plan, m, min_bytes):
-            slots = tuple(
-                _slot(specs[m.pieces[i].tensor], layout, rank, m.pieces[i]) for i in group
-            )
+            pieces = [m.pieces[i] for i in group]
+            slots = tuple(_slot(specs[p.tensor], layout, rank, p) for p in pieces)
             nbytes = sum(
-                _slot_nbytes(sl, specs[m.pieces[i].tensor].dtype.itemsize)
-                for sl, i in zip(slots, group)
+                _slot_nbytes(sl, specs[p.tensor].dtype.itemsize) for sl, p in zip(slots, pieces)
+            )
+            runs = sum(
+                _slot_runs(sl) + _runs(other_specs[p.tensor], other, peer, p)
+                for sl, p in zip(slots, pieces)
             )
             _, _, rows, row, stride = slots[0]
             direct = len(slots) == 1 and (rows <= 1 or row == 0 or stride == row)
-            out.append(_WireBuffer(peer, slots, nbytes, direct))
+            out.append(_WireBuffer(peer, slots, nbytes, direct, runs))
     return tuple(out)
 
 
@@ -222,8 +228,8 @@ def program(plan, rank: int, min_bytes: int) -> _Program:
     prog = _Program(
         src_expected=_expected_shards(specs, src, rank),
         dst_expected=_expected_shards(dst_specs, dst, rank),
-        sends=_wire_buffers(plan, specs, sends, src, rank, min_bytes, outgoing=True),
-        recvs=_wire_buffers(plan, dst_specs, recvs, dst, rank, min_bytes, outgoing=False),
+        sends=_wire_buffers(plan, specs, dst_specs, sends, src, dst, rank, min_bytes, True),
+        recvs=_wire_buffers(plan, dst_specs, specs, recvs, dst, src, rank, min_bytes, False),
         local_src=tuple(_slot(specs[p.tensor], src, rank, p) for p in local),
         local_dst=local_dst,
         bytes_local=sum(
@@ -234,12 +240,13 @@ def program(plan, rank: int, min_bytes: int) -> _Program:
         peers=frozenset(m.dst for m in sends) | frozenset(m.src for m in recvs),
         send_totals={},
         recv_totals={},
-        send_runs={m.dst: _message_runs(plan, specs, dst_specs, m) for m in sends},
-        recv_runs={m.src: _message_runs(plan, specs, dst_specs, m) for m in recvs},
+        send_runs={},
+        recv_runs={},
     )
-    for b in prog.sends:
-        prog.send_totals[b.peer] = prog.send_totals.get(b.peer, 0) + b.nbytes
-    for b in prog.recvs:
-        prog.recv_totals[b.peer] = prog.recv_totals.get(b.peer, 0) + b.nbytes
+    for bufs, totals, runs in ((prog.sends, prog.send_totals, prog.send_runs),
+                               (prog.recvs, prog.recv_totals, prog.recv_runs)):  # fmt: skip
+        for b in bufs:
+            totals[b.peer] = totals.get(b.peer, 0) + b.nbytes
+            runs[b.peer] = runs.get(b.peer, 0) + b.runs
     per_plan[key] = prog
     return prog

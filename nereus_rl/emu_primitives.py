@@ -24,7 +24,6 @@ from nereus_comm.pool import Communicator
 from nereus_rl.emu_arena import reserve_units
 from nereus_rl.emu_comm import Layout
 from nereus_rl.emu_types import EMU, EMUError, StageState
-from nereus_rl.runtime import WorkerLostError
 
 _SUMMED = ("bytes_sent", "bytes_local", "bytes_direct", "bytes_packed", "messages_sent",
            "buffers_sent")  # fmt: skip
@@ -313,18 +312,9 @@ class Primitives:
             self._drop_new(targets)
             raise
         self._release(held[0])  # the transfer's group; the new units keep theirs
-        drops = self._commit([] if keep_sources else sources, targets, unit_comms)
-        remap_s = 0.0
-        if any(r.get("bytes_remapped") for r in res.values()):
-            # The sources' drops make the page moves the new units still owe (after the
-            # commit, so a failed primitive moves nothing): part of this primitive.
-            t1 = time.perf_counter()
-            with self._lock:
-                self._drops = [p for p in self._drops if p not in drops]
-            for p in drops:
-                with contextlib.suppress(WorkerLostError):  # its shards went with it
-                    self.driver.wait(p, timeout=self.transfer_timeout + 30)
-            remap_s = time.perf_counter() - t1
+        # The sources' drops settle the page moves the workers made (emu.reshard moved
+        # the kept bytes' pages; a failed primitive's _drop_new swaps them back).
+        self._commit([] if keep_sources else sources, targets, unit_comms)
         total = {k: sum(r[k] for r in res.values()) for k in _SUMMED}
         self._record(
             kind, st.name, tuple(u.uid for u in sources), tuple(u.uid for u in targets),
@@ -337,6 +327,10 @@ class Primitives:
             ranks=ranks,
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "bytes_cma": sum(r.get("bytes_cma", 0) for r in res.values()),
+                   "bytes_shm": sum(r.get("bytes_shm", 0) for r in res.values()),
+                   # rank -> {peer: why cross-memory attach could not serve it}
+                   "cma_fallback": {k: r["cma_fallback"] for k, r in res.items()
+                                    if r.get("cma_fallback")},
                    "reshard_s": max(r["reshard_s"] for r in res.values()),
                    "plan_s": max(r["plan_s"] for r in res.values()),
                    "alloc_s": alloc_s,
@@ -344,8 +338,8 @@ class Primitives:
                    **{k: max(r.get(k, 0.0) for r in res.values())
                       for k in ("pack_s", "exchange_s", "unpack_s", "read_s", "local_s",
                                 "call_s")},
-                   # the commit's drops, which made the page moves (a round trip included)
-                   "remap_s": remap_s,
+                   # the page moves of the kept bytes (slowest rank; in call_s)
+                   "remap_s": max(r.get("remap_s", 0.0) for r in res.values()),
                    "bytes_remapped": sum(r.get("bytes_remapped", 0) for r in res.values()),
                    # CPU seconds of every rank's process (all its threads) in the transfer
                    "cpu_s": sum(r.get("cpu_s", 0.0) for r in res.values())},

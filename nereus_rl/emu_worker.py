@@ -20,7 +20,11 @@ that does not fit fails there, on every rank, before a transfer starts), the
 build or the reshard writes into them, and ``emu.drop`` (or binding the unit to
 an owner's tensors) returns them, so the next unit reuses warm pages. A Split or
 Merge (``consume``) moves the pages of what a rank keeps from the old unit's
-block into the new unit's instead of copying them, once the exchange is over.
+block into the new unit's instead of copying them, at the end of its
+``emu.reshard`` (every peer has read the sources by then): no round trip of its
+own. Until the driver commits (drops the old unit) the moves are kept, and a
+failed primitive's ``emu.drop`` of its new unit swaps the pages back, so the old
+unit is whole again.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
+from nereus_comm import _C
 from nereus_comm.layout import box_shape
 from nereus_comm.remap import move_ranges
 from nereus_comm.reshard import Workspace
@@ -351,9 +357,9 @@ def _reshard(
         timeout: seconds the transfer may wait for a peer.
         consume: the source units are dropped after (Split, Merge): the bytes this rank
             keeps are moved from a source unit's arena block into the new unit's by
-            page remapping where they can, when the source is dropped (``emu.drop``,
-            sent by the driver's commit, before any later command reads the new
-            unit); a failed primitive, whose sources stay, moves nothing.
+            page remapping where they can, here, once the exchange is over; should
+            the primitive fail, ``emu.drop`` of the new unit swaps them back
+            (:func:`_settle_moves`).
 
     Returns:
         Byte counts, seconds, communicator setup seconds and whether anything was packed.
@@ -386,16 +392,29 @@ def _reshard(
         release(block)
         raise
     moves = extra.pop("moves")
+    remap_s = 0.0
     if ctx.rank in dst_layout:
         d = dst_layout.coords(ctx.rank)[0]
-        if moves:  # made by emu.drop of the source (the commit), see _apply_moves
-            src_uid = src_uids[src_layout.coords(ctx.rank)[0]]
-            _moves(ctx)[src_uid] = (dst_uids[d], moves)
         unit_layout = Layout(1, dst_layout.tp, dst_layout.pp, _replica(dst_layout, d))
-        setup += _unit_group(ctx, unit_layout, unit_group_ids[d])
+        try:
+            setup += _unit_group(ctx, unit_layout, unit_group_ids[d])
+        except BaseException:
+            release(block)
+            raise
         units[dst_uids[d]] = {
             "stage": stage, "layout": unit_layout, "tensors": result.tensors, "block": block,
         }  # fmt: skip
+        if moves:
+            # Last, so nothing here can fail after them: from now on only the driver's
+            # commit (drop the source) or a failure (drop the new unit) settles them.
+            t1 = time.perf_counter()
+            done = move_ranges(moves)
+            remap_s = time.perf_counter() - t1
+            src_uid = src_uids[src_layout.coords(ctx.rank)[0]]
+            _moves(ctx)[dst_uids[d]] = (src_uid, done.swaps)
+            # what the last page moves took here (profiling)
+            ctx.state["emu.last_moves"] = (remap_s, done.bytes_moved, len(done.swaps),
+                                           done.bytes_copied)  # fmt: skip
     return {
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
@@ -403,7 +422,11 @@ def _reshard(
         "messages_sent": result.messages_sent,
         "buffers_sent": result.buffers_sent,
         # of bytes_sent, those peers read straight from this rank (cross-memory attach)
+        # and those sent through shared memory (the rest went through gloo)
         "bytes_cma": result.cma_bytes_sent,
+        "bytes_shm": result.shm_bytes_sent,
+        # per peer cross-memory attach could not serve, why not (empty: it served all)
+        "cma_fallback": dict(result.fallback_reasons),
         "reshard_s": result.seconds,
         # where the transfer's time went on this rank (for profiling Extend)
         "pack_s": result.pack_seconds,
@@ -414,7 +437,9 @@ def _reshard(
         "local_s": result.local_seconds,
         "comm_setup_s": setup,
         "cpu_s": time.process_time() - cpu0,
-        # the whole command on this rank (reshard_s plus planning and groups)
+        # the page moves of the bytes kept (consume), after the exchange
+        "remap_s": remap_s,
+        # the whole command on this rank (reshard_s plus planning, groups, page moves)
         "call_s": time.perf_counter() - wall0,
         **extra,
     }
@@ -425,34 +450,43 @@ def _replica(layout: Layout, d: int) -> tuple[int, ...]:
     return tuple(layout.ranks[d * n : (d + 1) * n])
 
 
-def _moves(ctx: WorkerContext) -> dict[int, tuple[int, list[tuple[int, int, int]]]]:
-    """Page moves owed by a consumed source unit: source uid -> (new unit's uid, moves)."""
+def _moves(ctx: WorkerContext) -> dict[int, tuple[int, np.ndarray]]:
+    """Page moves not settled yet: new unit's uid -> (its source's uid, the swaps made)."""
     return ctx.state.setdefault("emu.moves", {})
 
 
-def _apply_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
-    """Before units are dropped: forget moves into any of them (a failed primitive's new
-    units), then make the moves each of them owes a new unit (a committed Split or Merge)."""
+def _settle_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
+    """Before units are dropped: a dropped new unit (its primitive failed) swaps the pages
+    it took back to its source, which is whole again; a dropped source (the primitive
+    committed) leaves its new unit the pages.
+
+    Raises:
+        RuntimeError: the kernel refused a swap back (the source's moved bytes are lost;
+            destroy the unit).
+    """
     moves = _moves(ctx)
-    for src in [s for s, (dst, _) in moves.items() if dst in uids]:
-        del moves[src]
-    for uid in uids:
-        owed = moves.pop(uid, None)
-        if owed is not None and owed[0] in _units(ctx):
-            t0 = time.perf_counter()
-            done = move_ranges(owed[1])
-            # what the last page moves took here (profiling; the driver sees a round trip)
-            ctx.state["emu.last_moves"] = (time.perf_counter() - t0, done.bytes_moved,
-                                           len(done.swaps), done.bytes_copied)  # fmt: skip
+    for dst in [u for u in uids if u in moves]:
+        src, swaps = moves.pop(dst)
+        if src in _units(ctx) and len(swaps):
+            back = np.ascontiguousarray(swaps[::-1])
+            done, err = _C.swap_pages(back)
+            if err:
+                raise RuntimeError(
+                    f"worker {ctx.rank}: swapping unit {src}'s pages back from failed unit "
+                    f"{dst} stopped at range {done} of {len(back)} (errno {err}); unit {src} "
+                    "lost those bytes: destroy it and extend its stage again"
+                )
+    for dst in [u for u, (src, _) in moves.items() if src in uids]:
+        del moves[dst]
 
 
 @register("emu.drop")
 def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] = ()) -> int:
     """Forget the named units' shards and groups. Returns the bytes let go.
 
-    A consumed source of a Split or Merge first moves the pages it owes its new unit.
+    A failed primitive's new unit first gives back the pages it took (_settle_moves).
     """
-    _apply_moves(ctx, uids)
+    _settle_moves(ctx, uids)
     freed = 0
     for uid in uids:
         release(_take_pending(ctx, uid)[0])  # a primitive that failed before its transfer

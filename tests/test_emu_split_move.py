@@ -98,23 +98,26 @@ def test_move_state_leaves_the_moves_to_its_caller_and_the_sources_intact():
         assert torch.equal(result.tensors[name], t), name
 
 
-def test_a_dropped_new_unit_cancels_the_moves_owed_to_it():
-    ctx = SimpleNamespace(state={}, release_groups=lambda ids: None)
+def test_a_dropped_new_unit_gives_its_moved_pages_back():
+    ctx = SimpleNamespace(state={}, rank=0, release_groups=lambda ids: None)
     a, b = _page_aligned(1 << 20), _page_aligned(1 << 20)
     a.fill_(1)
     b.fill_(2)
     units = ctx.state.setdefault("emu.units", {})
-    for uid in (1, 2, 3):
+    for uid in (1, 2):
         units[uid] = {"stage": "s", "layout": None, "tensors": {}, "block": None}
-    moves = [(a.data_ptr(), b.data_ptr(), 1 << 20)]
-    emu_worker._moves(ctx)[1] = (2, moves)  # source 1 owes new unit 2
+    done = move_ranges([(a.data_ptr(), b.data_ptr(), 1 << 20)])  # what emu.reshard does
+    assert done.bytes_moved == 1 << 20 and bool((b == 1).all())
+    emu_worker._moves(ctx)[2] = (1, done.swaps)  # new unit 2 took source 1's pages
     emu_worker.drop(ctx, (2,))  # the primitive failed: its new unit goes
-    emu_worker.drop(ctx, (1,))  # the source, later: nothing moves out of it
-    assert bool((a == 1).all()) and bool((b == 2).all())
-    emu_worker._moves(ctx)[3] = (2, moves)
-    units[2] = units[1] = {"stage": "s", "layout": None, "tensors": {}, "block": None}
-    emu_worker._moves(ctx)[1] = (2, moves)
-    emu_worker.drop(ctx, (1,))  # committed: the source's drop makes the move
+    assert bool((a == 1).all()) and bool((b == 2).all())  # the source is whole again
+    assert not emu_worker._moves(ctx)
+    done = move_ranges([(a.data_ptr(), b.data_ptr(), 1 << 20)])
+    units[2] = {"stage": "s", "layout": None, "tensors": {}, "block": None}
+    emu_worker._moves(ctx)[2] = (1, done.swaps)
+    emu_worker.drop(ctx, (1,))  # committed: the source goes, the new unit keeps the pages
+    assert not emu_worker._moves(ctx) and bool((b == 1).all())
+    emu_worker.drop(ctx, (2,))  # a later destroy of the new unit moves nothing back
     assert bool((b == 1).all())
 
 
@@ -170,4 +173,26 @@ def test_pipeline_split_and_merge_move_whole_stage_tensors(emus):
     a = m.merge(x, y, tp=1, pp=2)
     assert m.records[-1].extra["bytes_remapped"] > 0
     _bitwise(m, a)
+    m.forget(m.units())
+
+
+def test_a_split_failing_after_the_page_moves_leaves_its_unit_whole(emus, monkeypatch):
+    m = emus
+    a = m.create("actor", [0, 1], tp=2)
+    x, y = m.split(a)  # a first round, so the failing one moves pages moved before
+    a = m.merge(x, y)
+
+    def fail(comms):
+        raise RuntimeError("injected after every rank's emu.reshard")
+
+    monkeypatch.setattr(m, "_settle", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        m.split(a)  # every worker moved its kept pages, then the driver fails
+    monkeypatch.undo()
+    assert m.units("actor") == [a]
+    _bitwise(m, a)  # the failed Split's new units gave the pages back
+    x, y = m.split(a)
+    assert m.records[-1].extra["bytes_remapped"] > 0
+    _bitwise(m, x)
+    _bitwise(m, y)
     m.forget(m.units())

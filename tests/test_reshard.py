@@ -192,9 +192,9 @@ def _want_routes(
     """(shm sent, shm received, cma sent, cma received) the route should give.
 
     Every rank is on this host and may read the others: "cma" is all cross-memory
-    attach, "shm" all shared memory, "transport" neither, and "auto" reads a peer's
-    message by cross-memory attach when its runs average CMA_MIN_RUN_BYTES, else
-    takes shared memory.
+    attach, "shm" all shared memory, "transport" neither, and "auto" reads a wire
+    buffer by cross-memory attach when its runs, or its whole message's, average
+    CMA_MIN_RUN_BYTES, else takes shared memory.
     """
     both = (res.bytes_sent, res.bytes_received)
     if not cma_ok and route == "auto":
@@ -204,8 +204,16 @@ def _want_routes(
         return (both if route == "shm" else none) + (both if route == "cma" else none)
     prog = program(plan, rank, direct.get("direct_min_bytes", DIRECT_MIN_BYTES))
     cma = [
-        sum(n for p, n in totals.items() if n >= CMA_MIN_RUN_BYTES * runs[p])
-        for totals, runs in ((prog.send_totals, prog.send_runs), (prog.recv_totals, prog.recv_runs))
+        sum(
+            b.nbytes
+            for b in bufs
+            if totals[b.peer] >= CMA_MIN_RUN_BYTES * runs[b.peer]
+            or b.nbytes >= CMA_MIN_RUN_BYTES * b.runs
+        )
+        for bufs, totals, runs in (
+            (prog.sends, prog.send_totals, prog.send_runs),
+            (prog.recvs, prog.recv_totals, prog.recv_runs),
+        )
     ]
     return (both[0] - cma[0], both[1] - cma[1], cma[0], cma[1])
 

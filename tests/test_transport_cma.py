@@ -20,10 +20,18 @@ import torch.distributed as dist
 from test_reshard import _fixed_cases, _full_state, _random_cases, cma_ok
 
 from nereus_comm import _C
-from nereus_comm.layout import Layout, TensorSpec
+from nereus_comm.layout import Layout, TensorSpec, box_nbytes
 from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import _CMA, _SHM, reshard, shards_from_full
+from nereus_comm.reshard import (
+    _CMA,
+    _SHM,
+    CMA_MIN_RUN_BYTES,
+    DIRECT_MIN_BYTES,
+    reshard,
+    shards_from_full,
+)
+from nereus_comm.reshard_program import program
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 from nereus_comm.transport_cma import CMA_ENV
 from nereus_comm.transport_shm import HOST_ENV
@@ -299,3 +307,48 @@ def test_auto_takes_shared_memory_for_short_runs(pool) -> None:
         (ok_auto, auto, n), (ok_cma, cma, _) = res["auto"], res["cma"]
         assert ok_auto and ok_cma, f"rank {r}"
         assert auto == (0, 0, n, n) and cma == (n, n, 0, 0), (r, res)
+
+
+def _mixed_runs(ctx: WorkerContext) -> dict:
+    # tp 4 -> dp 2 x tp 2: each message holds a 1 MiB contiguous piece of "a" (its own
+    # buffer) and a piece of "w" that is 256 rows of 64 B on the receiver. The message's
+    # runs average ~4 KiB: route "auto" reads the "a" pieces by cross-memory attach all
+    # the same and sends the "w" rows through a segment.
+    transport = _fresh_group(ctx)
+    specs = [
+        TensorSpec("a", (1024, 1024), torch.float32, 0, None),
+        TensorSpec("w", (256, 64), torch.float32, 1, None),
+    ]
+    ranks = tuple(range(ctx.world_size))
+    plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(2, 2, 1, ranks[::-1]))
+    full = _full_state(specs, 6)
+    mine = shards_from_full(full, specs, plan.src, ctx.rank)
+    want = shards_from_full(full, specs, plan.dst, ctx.rank)
+    res = reshard(plan, ctx.rank, mine, transport, timeout=30, route="auto")
+    by_name = {"a": [0, 0], "w": [0, 0]}  # bytes sent / received of each tensor
+    for side, msgs in ((0, plan.sends(ctx.rank)), (1, plan.recvs(ctx.rank))):
+        for m in msgs:
+            for p in m.pieces:
+                spec = specs[p.tensor]
+                by_name[spec.name][side] += box_nbytes(p.box, spec)
+    return {
+        "exact": all(torch.equal(res.tensors[n], want[n]) for n in want),
+        "routes": _routes(res),
+        "want": (*by_name["a"], *by_name["w"]),
+        "runs_short": all(
+            n < CMA_MIN_RUN_BYTES * runs for n, runs in _message_runs(plan, ctx.rank)
+        ),
+    }
+
+
+def _message_runs(plan, rank: int) -> list[tuple[int, int]]:
+    prog = program(plan, rank, DIRECT_MIN_BYTES)
+    return [(n, prog.send_runs[p]) for p, n in prog.send_totals.items() if n]
+
+
+def test_auto_chooses_the_route_per_buffer(pool) -> None:
+    for r, res in enumerate(pool.run(_mixed_runs)):
+        assert res["exact"], f"rank {r}"
+        assert res["runs_short"], f"rank {r}: a message's runs are long, the test moves nothing"
+        assert res["want"][0] and res["want"][2], (r, res)  # both tensors cross ranks
+        assert res["routes"] == res["want"], (r, res)  # "a" by cma, "w" by shm
