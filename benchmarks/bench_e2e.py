@@ -86,6 +86,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from e2e_breakdown import print_breakdown, run_moves, run_steps
 from e2e_model_error import mean_phases, predicted_phases, print_table
 from e2e_plans import (
     STRUCTURES,
@@ -131,6 +132,9 @@ def _run_row(res) -> dict:
         "plans": [(s, repr(p)) for s, p in res.plans],
         # measured seconds per phase (fixed runs: the model check, e2e_model_error)
         "phases": mean_phases(m) if m else None,
+        # per step (step, plan index, step_s, transition_s) and the moves (e2e_breakdown)
+        "steps": run_steps(res),
+        "moves": run_moves(res),
     }
 
 
@@ -316,6 +320,8 @@ def run_setting(
             "memory_budget_bytes": budget,
             "errors": [r["error"] for r in rs if r["error"]],
             "plans_per_repeat": [r["plans"] for r in rs] if adaptive else None,
+            "steps_per_repeat": [r["steps"] for r in rs],
+            "moves_per_repeat": [r["moves"] for r in rs] if adaptive else None,
             # the unrecorded warm-up run's transitions (first use of layouts)
             "warmup_transition_s": warm_trans.get(v),
         }
@@ -336,6 +342,7 @@ def run_setting(
     rows.append({**best, "variant": f"best_fixed ({label})", "model_check": model_check})
     verdicts = goal_verdicts(rows)
     print_verdicts(algo, mode, verdicts)
+    loss = print_breakdown(algo, mode, rows, best["variant"])
     over = sum(x > 1.0 for x in starts)
     constrained = bool(starts) and over == len(starts)
     need = f"{min(starts, default=float('nan')):.2f}-{max(starts, default=float('nan')):.2f}x"
@@ -356,6 +363,7 @@ def run_setting(
         "adaptive_start_peak_over_budget_x": starts,
         "memory_constrains_adaptive": constrained,  # in every repeat
         "verdicts": verdicts,
+        "adaptive_loss_vs_best_fixed_s": loss,
     }
     return rows, info
 
