@@ -8,7 +8,8 @@ one-off costs of fresh workers and of a layout's first use (its communicators) f
 on no recorded variant (a fixed plan pays those in its setup, outside its steps);
 the warm-up runs' transition times are printed:
 
-    adaptive         the planner's first plan, adaptation with payback admission
+    adaptive         starts on the plan chosen with lookahead over the trace's lengths
+                     (nereus_rl.start_plan), adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
     colocated        verl-like: every stage on every device, fixed; each stage's
                      (dp, tp, pp) chosen at startup by the planner's cost model (before

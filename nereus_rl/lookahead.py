@@ -180,7 +180,16 @@ def choose_start(
 
     # current=None: every candidate starts at no cost, and none is "the current plan"
     ch = _choose(None, candidates, workloads, lengths, costmodel, tcost, tie_margin)
-    return replace(ch, reason="start plan: " + ch.reason)
+    # a whole run's lengths, each repeat as "length xsteps" (a 200-step run's list is long)
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    short = "[" + ", ".join(f"{n} x{k}" if k > 1 else f"{n}" for n, k in runs) + "]"
+    reason = ch.reason.replace(f"at lengths {list(lengths)}", f"at lengths {short}")
+    return replace(ch, reason="start plan: " + reason)
 
 
 def _choose(

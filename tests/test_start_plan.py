@@ -70,7 +70,11 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
     assert row["path"] == "start" and row["taken"] is False
     assert row["candidate"] == repr(tr.first_plan)
     assert row["lookahead_horizon"] == len(TRACE) and row["lookahead_old_over_at"] is not None
-    assert "start plan: lookahead over 10 steps" in row["reason"]
+    # the run's lengths, bucketed, each repeat as "length xsteps"
+    assert (
+        "start plan: lookahead over 10 steps at lengths [8, 12 x2, 16, 24 x5, 16]"
+        in (row["reason"])
+    )
     # a fixed run (adapt=False) cannot move: it keeps the planner's best
     assert _trainer(tmp_path, adapt=False).first_plan == best
 
