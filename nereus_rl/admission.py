@@ -10,7 +10,8 @@ Two paths:
       forecast is the number of steps until the triggering signal next crosses a
       threshold (after which the planner will be asked again, so savings beyond it
       cannot be counted on; the trainer caps it at the steps its run has left), and the
-      saving per step exceeds the measured step noise (``noise_s``). When the length
+      saving per step exceeds the measured step noise (``noise_s``; none is taken
+      before the current plan's noise is measured, ``noise_s=None``). When the length
       forecast says the candidate goes over memory ``over_in_steps`` steps after the
       move, sooner than the current plan would, the candidate is priced with the move it
       will force: its saving counts only until then, and that move's predicted cost is

@@ -19,7 +19,8 @@ asynchronous one) the trainer hands the step's measurements to
    plan faster for the next step only is not moved back to (the first boundary
    seeds the forecast with the step that ran, so the first move can look ahead),
 4. asks admission (payback rule over the trigger's forecast capped by the steps the
-   run has left, savings inside the running plan's measured step noise declined, with
+   run has left, savings inside the running plan's measured step noise declined, and
+   every opportunistic move declined until that noise is measured (3 steps on the plan), with
    the chosen plan's predicted crossing and the move it forces; or ``"always"``, the
    replan-on-every-trigger baseline, which takes the planner's best on the
    opportunistic path as it always did) and, if taken, executes the transition and
