@@ -99,7 +99,9 @@ def admit_move(adapter, plan: GlobalPlan, cand: GlobalPlan, wl, trig, la, steps_
     # run has left: a signal flat for "200 steps" in a 10-step run let small savings
     # repay a move they never could (the cap is logged beside the forecast).
     fc = adapter.controller.forecast(trig.signal)
-    noise = adapter.noise.noise_s(plan)
+    # None until the running plan has the steps its noise needs: no opportunistic move
+    # rests on one or two steps of a fresh plan (admission declines it)
+    noise = adapter.noise.noise_s(plan) if adapter.noise.known(plan) else None
     devices = sorted(adapter.trainer.device_worker)
     dec = adapter.admission.decide(
         plan,

@@ -10,7 +10,8 @@ Two paths:
       forecast is the number of steps until the triggering signal next crosses a
       threshold (after which the planner will be asked again, so savings beyond it
       cannot be counted on; the trainer caps it at the steps its run has left), and the
-      saving per step exceeds the measured step noise (``noise_s``). When the length
+      saving per step exceeds the measured step noise (``noise_s``; none is taken
+      before the current plan's noise is measured, ``noise_s=None``). When the length
       forecast says the candidate goes over memory ``over_in_steps`` steps after the
       move, sooner than the current plan would, the candidate is priced with the move it
       will force: its saving counts only until then, and that move's predicted cost is
@@ -131,7 +132,7 @@ class Admission:
         candidate_over_in: int | None = None,
         current_over_in: int | None = None,
         forced_move_s: float = 0.0,
-        noise_s: float = 0.0,
+        noise_s: float | None = 0.0,
     ) -> Decision:
         """Decide whether to move from ``current`` to ``candidate``.
 
@@ -153,7 +154,10 @@ class Admission:
                 force (e.g. :class:`nereus_rl.lookahead.LookaheadChoice.forced_move_s`).
             noise_s: the measured step-to-step scatter of the current plan's step time
                 (:class:`nereus_rl.calibration.StepNoise`); an opportunistic saving per
-                step not above it is declined (0: no such guard).
+                step not above it is declined (0: no such guard; None: not measured yet,
+                so every opportunistic move is declined: GRPO async runs took moves
+                priced 0.05 s on one or two steps of a fresh plan, measured 0.16-0.51 s,
+                and moved back).
 
         Returns:
             Decision (also appended to ``history``).
@@ -174,8 +178,8 @@ class Admission:
         forced = float(forced_move_s)
         if forced < 0 or math.isnan(forced):
             raise AdmissionError(f"forced_move_s={forced} must be >= 0")
-        noise = float(noise_s)
-        if noise < 0 or math.isnan(noise):
+        noise = None if noise_s is None else float(noise_s)
+        if noise is not None and (noise < 0 or math.isnan(noise)):
             raise AdmissionError(f"noise_s={noise} must be >= 0")
         for name, v in (("candidate_over_in", candidate_over_in),
                         ("current_over_in", current_over_in)):  # fmt: skip
@@ -242,6 +246,15 @@ class Admission:
                 False,
                 "opportunistic",
                 f"candidate is not faster ({cand_lat:.4g} s vs {cur_lat:.4g} s per step)",
+            )
+        if noise is None:
+            # The current plan has too few measured steps to say how much they scatter:
+            # a saving measured against one or two of them is not known to be one.
+            return rec(
+                False,
+                "opportunistic",
+                f"saves {saving:.3g} s/step by the model, but the current plan's step noise "
+                "is not measured yet (too few steps on it): not known to be a saving",
             )
         if saving <= noise:
             # The candidate's price rests on about one measurement of its shapes: a

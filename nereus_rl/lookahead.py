@@ -149,8 +149,51 @@ def choose(
     return replace(ch, current_over_at=first_over(current, workloads, costmodel))
 
 
+def choose_start(
+    candidates: Sequence[GlobalPlan],
+    workloads: Sequence[Workload],
+    lengths: Sequence[int],
+    costmodel: CostModel,
+    transition_cost: Callable[[GlobalPlan, GlobalPlan], float],
+    tie_margin: float = 0.0,
+) -> LookaheadChoice:
+    """The run's first plan, chosen as :func:`choose` chooses a move, with no plan
+    running yet (so no transition to the candidate is paid): ``candidates[0]`` (the
+    planner's best at the first step) stands unless it goes over memory within
+    ``workloads`` (the run's lengths from its first step); then the lowest score wins,
+    the predicted forced move (its price and the plan it goes to) included, and among
+    near ties (``tie_margin``) the candidate that is not forced to move.
+
+    Why: a start plan fast at the first length that rising lengths force off pays the
+    forced move and its slower steps before it, which a plan that holds every length
+    never pays (bench_e2e, GRPO sync: the start plan went over in 2 of 3 repeats and
+    the best fixed plan measured 0.79x adaptive's step latency).
+
+    Raises:
+        LookaheadError: as :func:`choose` (no candidate fits the first workload, ...).
+    """
+    if not tie_margin >= 0:
+        raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
+
+    def tcost(a: GlobalPlan | None, b: GlobalPlan) -> float:
+        return 0.0 if a is None else transition_cost(a, b)
+
+    # current=None: every candidate starts at no cost, and none is "the current plan"
+    ch = _choose(None, candidates, workloads, lengths, costmodel, tcost, tie_margin)
+    # a whole run's lengths, each repeat as "length xsteps" (a 200-step run's list is long)
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    short = "[" + ", ".join(f"{n} x{k}" if k > 1 else f"{n}" for n, k in runs) + "]"
+    reason = ch.reason.replace(f"at lengths {list(lengths)}", f"at lengths {short}")
+    return replace(ch, reason="start plan: " + reason)
+
+
 def _choose(
-    current: GlobalPlan,
+    current: GlobalPlan | None,
     candidates: Sequence[GlobalPlan],
     workloads: Sequence[Workload],
     lengths: Sequence[int],

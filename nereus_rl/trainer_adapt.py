@@ -19,7 +19,8 @@ asynchronous one) the trainer hands the step's measurements to
    plan faster for the next step only is not moved back to (the first boundary
    seeds the forecast with the step that ran, so the first move can look ahead),
 4. asks admission (payback rule over the trigger's forecast capped by the steps the
-   run has left, savings inside the running plan's measured step noise declined, with
+   run has left, savings inside the running plan's measured step noise declined, and
+   every opportunistic move declined until that noise is measured (3 steps on the plan), with
    the chosen plan's predicted crossing and the move it forces; or ``"always"``, the
    replan-on-every-trigger baseline, which takes the planner's best on the
    opportunistic path as it always did) and, if taken, executes the transition and
@@ -76,6 +77,7 @@ from nereus_rl.planner import PlanInfeasibleError, planner_for
 from nereus_rl.planner import plan as plan_best
 from nereus_rl.shape_correction import ShapeCorrection
 from nereus_rl.spec import local_cpu_cluster, model_preset
+from nereus_rl.start_plan import choose_start_plan
 from nereus_rl.step_overhead import PricedModel, StepOverhead
 from nereus_rl.trainer_calibrate import stage_seconds
 from nereus_rl.trainer_fallback import stagewise_cost
@@ -138,6 +140,8 @@ class Adapter:
         self.tolerance = ModelTolerance(band, cap=band)
         self._refined = False
         self.prompt_len = 0
+        # the start plan's decision row (start_plan), logged at the first boundary
+        self.start_row: dict[str, Any] | None = None
 
     def calibrated(self, observed: list[tuple]) -> None:
         """The cost model was refined at startup from ``observed`` (plan, workload, stage
@@ -368,16 +372,24 @@ class Adapter:
 
     def initial_plan(self, rlen: int) -> GlobalPlan:
         """The first plan: the planner's (``plan="auto"``), a fixed colocated/disaggregated
-        one, or the GlobalPlan given as ``plan``."""
+        one, or the GlobalPlan given as ``plan``. An adaptive run's planner's plan is
+        chosen among the k-best at ``rlen`` with lookahead over the run's configured
+        lengths (:mod:`nereus_rl.start_plan`; its decision row is logged at the first
+        boundary), unless the automatic budget was sized on a plan (``_auto_budget``)."""
         from nereus_rl.trainer import simple_plan
 
         if isinstance(self.cfg.plan, GlobalPlan):
             return self.cfg.plan
         if self.cfg.plan == "auto":
             ranked = self.ranked_plans(rlen)
+            self.start_row = None
             if self.cfg.memory_budget is None and self.sized_plan in [p for _, p in ranked]:
                 return self.sized_plan  # the automatic budget's plan (see _auto_budget)
-            return ranked[0][1]
+            if not self.enabled:
+                return ranked[0][1]  # a fixed run cannot move: the planner's best
+            # chosen over the run's configured lengths, forced moves priced (start_plan)
+            plan, self.start_row = choose_start_plan(self, [p for _, p in ranked])
+            return plan
         return simple_plan(self.cfg.algo, self.cfg.devices, self.cfg.plan)
 
     def prepare_buckets(self, rlen: int) -> None:
@@ -440,6 +452,9 @@ class Adapter:
         }
         if not self.enabled:
             return out
+        if self.start_row is not None:  # the start plan's choice (after the calibration)
+            self._log(self.start_row)
+            self.start_row = None
         triggers = self.controller.update(
             step,
             seq_len=nxt,

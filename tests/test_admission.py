@@ -130,5 +130,10 @@ def test_a_saving_within_the_step_noise_is_declined(setup):
     # the urgent path ignores it (the current plan cannot run: devices gone)
     d = adm.decide(slow, best, w, noise_s=1e9, available_devices=[], **kw)
     assert d.path == "urgent" and "cannot run" in d.reason
+    # noise not measured yet (a fresh plan): no opportunistic move, the urgent path as ever
+    d = adm.decide(slow, best, w, noise_s=None, **kw)
+    assert not d.taken and d.path == "opportunistic" and "not measured yet" in d.reason, d
+    d = adm.decide(slow, best, w, noise_s=None, available_devices=[], **kw)
+    assert d.path == "urgent" and "cannot run" in d.reason
     with pytest.raises(AdmissionError, match="noise_s"):
         adm.decide(slow, best, w, noise_s=-1.0, **kw)

@@ -83,12 +83,12 @@ def test_step_noise_is_the_robust_scatter_of_the_current_plans_residuals():
     a, b = object(), object()
     n.observe(a, 1.0, 1.1)
     n.observe(a, 1.0, 1.3)
-    assert n.noise_s(a) == 0.0  # too few steps on the plan
+    assert n.noise_s(a) == 0.0 and not n.known(a)  # too few steps on the plan
     n.observe(b, 1.0, 9.0)  # another plan's steps do not count
     n.observe(a, 1.0, 1.2)
     n.observe(a, 1.0, 5.0)  # one slow step barely moves it (median absolute deviation)
     # residuals 0.1, 0.3, 0.2, 4.0: median 0.25, deviations 0.15 0.05 0.05 3.75
-    assert n.noise_s(a) == pytest.approx(1.4826 * 0.1)
+    assert n.noise_s(a) == pytest.approx(1.4826 * 0.1) and n.known(a) and not n.known(b)
     assert n.noise_s(b) == 0.0
     n.observe(a, 0.0, 1.0)  # ignored: no prediction
     assert len(n.obs) == 5

@@ -1,0 +1,86 @@
+"""The adaptive run's first plan, chosen over the lengths the run is configured with.
+
+The planner ranks plans at the first step's workload only. With responses growing, its
+best there is often a plan that memory forces the run off a few steps later: the run
+pays the forced move and, before it, steps on a plan chosen for lengths that no longer
+hold, while the best fixed plan (one that fits every step) pays neither. bench_e2e
+(GRPO sync, quick, idle): the start plan went over the budget in 2 of 3 repeats and the
+best fixed plan measured 0.79x adaptive's step latency.
+
+So the start plan is chosen with lookahead (:func:`nereus_rl.lookahead.choose_start`)
+over the run's lengths from step 0 to its end. At startup the controller's seq_len
+signal has seen no length, so it cannot forecast; what the run has is its configured
+length schedule (``TrainConfig.trace``, the replayed trace file, when one is given;
+else the curriculum from ``length_start`` to ``length_end`` over ``steps``): the
+response-length limit of every step, which the rollout enforces. That is the
+schedule the trainer's own steps use, so the start plan's forecast is what the run
+will ask, not a guess; later decisions still forecast from the seq_len signal (the
+lookahead on the urgent and opportunistic paths), as the schedule of a real run is only
+an upper bound. A schedule whose lengths are flat, or whose planner's best holds every
+length, keeps the planner's best (lookahead overrides it only when it goes over).
+
+The choice is logged as the run's first decision row (``path: "start"``), with the
+lookahead's record and its reason; it is not a transition (``taken`` is False).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nereus_rl.controller import SignalError
+from nereus_rl.globalplan import GlobalPlan
+from nereus_rl.lookahead import LookaheadError, choose_start
+from nereus_rl.transition import TransitionError
+from nereus_rl.workload import bucket_of
+
+
+def start_lengths(adapter) -> list[int]:
+    """The run's configured response length of every step (bucketed), step 0 first."""
+    tr, cfg = adapter.trainer, adapter.cfg
+    return [bucket_of(tr._response_len(s), cfg.buckets) for s in range(cfg.steps)]
+
+
+def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, dict[str, Any]]:
+    """The start plan among ``ranked`` (the planner's runnable k-best at the first
+    step's length, best first) and its decision row (see the module docstring).
+
+    A lookahead that cannot choose (no candidate fits the first step: not expected, the
+    planner's k-best all fit it) keeps ``ranked[0]`` and says why in the row.
+    """
+    from nereus_rl.adapt_move import compile_priced
+    from nereus_rl.trainer_fallback import stagewise_cost
+
+    lengths = start_lengths(adapter)
+    wls = {n: adapter.workload(n) for n in set(lengths)}
+    devs = getattr(adapter.trainer, "device_worker", None) or range(adapter.cfg.devices)
+
+    def tcost(a: GlobalPlan, b: GlobalPlan) -> float:
+        try:
+            raw = compile_priced(adapter.cm, adapter.mspec, devs, a, b)[1]
+        except TransitionError:
+            raw = stagewise_cost(adapter.cm, adapter.mspec, a, b)
+        return adapter.calibration.price(raw)
+
+    row: dict[str, Any] = {
+        "step": -1,  # decided before step 0
+        "signal": "start_plan",
+        "trigger": f"start: the configured lengths of {len(lengths)} steps",
+        "urgent": False,
+        "path": "start",
+        "taken": False,  # not a transition: the run starts on the plan
+        "current": None,
+        "measured_transition_s": None,
+        "predicted_transition_s": 0.0,
+        "predicted_saving_s": 0.0,
+    }
+    try:
+        ch = choose_start(
+            ranked, [wls[n] for n in lengths], lengths, adapter.priced(), tcost,
+            tie_margin=adapter.tie_margin(),
+        )  # fmt: skip
+    except (LookaheadError, SignalError) as e:
+        row.update(candidate=repr(ranked[0]), reason=f"the planner's best: lookahead not used: {e}")
+        return ranked[0], row
+    row.update(ch.record())
+    row.update(candidate=repr(ch.plan), reason=ch.reason)
+    return ch.plan, row

@@ -1,0 +1,84 @@
+"""The adaptive run's start plan: lookahead over the configured lengths (start_plan,
+lookahead.choose_start). Pure computation: table cost models and a planner-only trainer
+(no worker process is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_lookahead import TableCM, move
+
+from nereus_rl.lookahead import LookaheadError, choose_start
+from nereus_rl.trainer import Trainer
+from nereus_rl.trainer_config import TrainConfig
+
+# bench_e2e --quick's trace (rise 6 -> 20, hold, fall) and its GRPO startup budget
+TRACE = [6, 9, 12, 16, 20, 20, 20, 20, 17, 13]
+BUDGET = int(2.442 * 2**20)
+
+
+def test_start_pays_no_move_to_its_plan_and_prices_the_forced_one():
+    # A (fastest at step 0) goes over at step 1 and must move to B: 1.0 + 0.5 + 3 x 1.2 =
+    # 5.1; B holds all four steps: 4 x 1.2 = 4.8 (no move into the start plan is paid).
+    cm = TableCM({"A": 1.0, "B": 1.2}, {"A": 1, "B": 4})
+    ch = choose_start(["A", "B"], [0, 1, 2, 3], (8, 12, 16, 16), cm, move(0.5))
+    assert ch.plan == "B" and ch.rank == 1 and ch.over_at is None
+    assert ch.score_s == pytest.approx(4.8) and ch.old_score_s == pytest.approx(5.1)
+    assert ch.reason.startswith("start plan: ")
+    assert "goes over memory at horizon step 1" in ch.reason
+    # a cheap forced move makes A's crossing worth it: 1.0 + 0.1 + 3 x 1.2 = 4.7
+    assert choose_start(["A", "B"], [0, 1, 2, 3], (8,) * 4, cm, move(0.1)).plan == "A"
+    # ... unless the model's error band calls it a tie: B needs no move
+    tied = choose_start(["A", "B"], [0, 1, 2, 3], (8,) * 4, cm, move(0.1), tie_margin=0.05)
+    assert tied.plan == "B" and "near tie" in tied.reason
+
+
+def test_start_keeps_the_planners_best_when_it_holds_every_length():
+    cm = TableCM({"A": 1.0, "B": 0.5}, {"A": 9, "B": 9})
+    ch = choose_start(["A", "B"], [0, 1, 2], (8, 8, 8), cm, move(0.0))
+    assert ch.plan == "A" and ch.rank == 0 and "fits every forecast length; kept" in ch.reason
+    with pytest.raises(LookaheadError, match="no candidate fits"):
+        choose_start(["A"], [9], (64,), cm, move(0.0))
+    with pytest.raises(LookaheadError, match="tie_margin"):
+        choose_start(["A"], [0], (8,), cm, move(0.0), tie_margin=-1)
+
+
+def _trainer(tmp_path: Path, adapt: bool, budget=BUDGET) -> Trainer:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("step,response_len\n" + "".join(f"{i},{n}\n" for i, n in enumerate(TRACE)))
+    cfg = TrainConfig(
+        algo="grpo", devices=4, warm_steps=20, batch=4, group_size=4, seed=0,
+        steps=len(TRACE), trace=str(trace), memory_budget=budget, adapt=adapt,
+    )  # fmt: skip
+    return Trainer(cfg, driver=object())  # planner only: nothing is spawned
+
+
+def _peak(ad, plan, rlen):
+    return max(ad.cm.peak_memory(plan, ad.workload(rlen)).values())
+
+
+def test_adaptive_start_holds_the_configured_lengths(tmp_path):
+    tr = _trainer(tmp_path, adapt=True)
+    ad = tr.adapter
+    best = ad.ranked_plans(TRACE[0])[0][1]
+    # the planner's best at 6 tokens goes over the budget as the trace rises
+    assert max(_peak(ad, best, n) for n in TRACE) > ad.budget
+    # the adaptive run starts on a plan that holds every length of its trace, and says why
+    assert all(_peak(ad, tr.first_plan, n) <= ad.budget for n in TRACE)
+    row = ad.start_row
+    assert row["path"] == "start" and row["taken"] is False
+    assert row["candidate"] == repr(tr.first_plan)
+    assert row["lookahead_horizon"] == len(TRACE) and row["lookahead_old_over_at"] is not None
+    # the run's lengths, bucketed, each repeat as "length xsteps"
+    assert (
+        "start plan: lookahead over 10 steps at lengths [8, 12 x2, 16, 24 x5, 16]"
+        in (row["reason"])
+    )
+    # a fixed run (adapt=False) cannot move: it keeps the planner's best
+    assert _trainer(tmp_path, adapt=False).first_plan == best
+
+
+def test_no_budget_keeps_the_auto_budgets_sized_plan(tmp_path):
+    tr = _trainer(tmp_path, adapt=True, budget=None)
+    assert tr.first_plan == tr.adapter.sized_plan and tr.adapter.start_row is None
