@@ -30,7 +30,6 @@ from typing import Any
 from nereus_rl.controller import SignalError
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadError, choose_start
-from nereus_rl.transition import TransitionError
 from nereus_rl.workload import bucket_of
 
 
@@ -47,20 +46,9 @@ def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, di
     A lookahead that cannot choose (no candidate fits the first step: not expected, the
     planner's k-best all fit it) keeps ``ranked[0]`` and says why in the row.
     """
-    from nereus_rl.adapt_move import compile_priced
-    from nereus_rl.trainer_fallback import stagewise_cost
 
     lengths = start_lengths(adapter)
     wls = {n: adapter.workload(n) for n in set(lengths)}
-    devs = getattr(adapter.trainer, "device_worker", None) or range(adapter.cfg.devices)
-
-    def tcost(a: GlobalPlan, b: GlobalPlan) -> float:
-        try:
-            raw = compile_priced(adapter.cm, adapter.mspec, devs, a, b)[1]
-        except TransitionError:
-            raw = stagewise_cost(adapter.cm, adapter.mspec, a, b)
-        return adapter.calibration.price(raw)
-
     row: dict[str, Any] = {
         "step": -1,  # decided before step 0
         "signal": "start_plan",
@@ -75,7 +63,7 @@ def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, di
     }
     try:
         ch = choose_start(
-            ranked, [wls[n] for n in lengths], lengths, adapter.priced(), tcost,
+            ranked, [wls[n] for n in lengths], lengths, adapter.priced(), adapter.move_price,
             tie_margin=adapter.tie_margin(),
         )  # fmt: skip
     except (LookaheadError, SignalError) as e:

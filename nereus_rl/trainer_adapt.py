@@ -341,19 +341,22 @@ class Adapter:
         lengths = (bucket_of(rlen, self.cfg.buckets),)
         lengths += self.controller.seq_len.forecast_lengths(horizon - 1)
         wls = [self.workload(n) for n in lengths]
-        devs = self.trainer.device_worker
-
-        def tcost(a: GlobalPlan, b: GlobalPlan) -> float:
-            try:
-                raw = compile_priced(self.cm, self.mspec, devs, a, b)[1]
-            except TransitionError:
-                raw = stagewise_cost(self.cm, self.mspec, a, b)
-            return self.calibration.price(raw)
-
         return choose_lookahead(
-            current, ranked, wls, lengths, self.priced(), tcost,
+            current, ranked, wls, lengths, self.priced(), self.move_price,
             tie_margin=self.tie_margin(),
         )  # fmt: skip
+
+    def move_price(self, a: GlobalPlan, b: GlobalPlan) -> float:
+        """Predicted seconds of the move ``a -> b`` as the lookahead prices it: its DAG's
+        completion time (a per-stage reshard's where no DAG compiles), calibrated with
+        the measured transitions. Before the workers exist (the start plan), plan device
+        ``d`` stands for worker ``d``."""
+        devs = getattr(self.trainer, "device_worker", None) or range(self.cfg.devices)
+        try:
+            raw = compile_priced(self.cm, self.mspec, devs, a, b)[1]
+        except TransitionError:
+            raw = stagewise_cost(self.cm, self.mspec, a, b)
+        return self.calibration.price(raw)
 
     def tie_margin(self) -> float:
         """The lookahead's tie band: the cost model's measured recent error, capped at
