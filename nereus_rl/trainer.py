@@ -418,7 +418,7 @@ def train(
         run_dir: folder for metrics.jsonl, decisions.jsonl, plots and summary (None: none).
         mode: ``"sync"`` or ``"async"`` (rollout one step ahead of training).
         memory_budget: bytes per worker the plan must fit. None: the automatic budget
-            (``Adapter._auto_budget``), which a fast start plan fits at the first
+            (:func:`nereus_rl.auto_budget.auto_budget`), which a fast start plan fits at the first
             response length and not at the run's longest, while another plan does, so
             that growing responses force a move (the situation Nereus is for).
         driver: a runtime Driver whose workers to use (they are kept running).

@@ -66,6 +66,7 @@ from typing import Any
 
 from nereus_rl.adapt_move import admit_move, compile_priced, execute_move, primitive_seconds
 from nereus_rl.admission import Admission
+from nereus_rl.auto_budget import auto_budget
 from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
 from nereus_rl.costmodel import CostModel
@@ -83,11 +84,6 @@ from nereus_rl.trainer_calibrate import stage_seconds
 from nereus_rl.trainer_fallback import stagewise_cost
 from nereus_rl.transition import TransitionError
 from nereus_rl.workload import bucket_of, make_workload
-
-# The default per-worker memory budget is this much above the predicted peak of the best
-# plan at the first response length: the first plan fits, and growing responses exceed
-# it, so the default run meets memory pressure and makes a transition.
-AUTO_BUDGET_HEADROOM = 1.08
 
 # Steps the urgent path looks ahead (the next step and 5 forecast ones): a few steps,
 # enough to see the next bucket of a rising length without trusting a long trend. 4 was
@@ -193,73 +189,10 @@ class Adapter:
 
     def _auto_budget(self, observed: list[tuple] = ()) -> int:
         """The default per-worker memory budget (no ``memory_budget`` given); also sets
-        ``self.sized_plan``, the plan it was sized on, which the run starts on.
-
-        The budget emulates the situation Nereus is for: a device whose memory holds a
-        fast plan at the first response length but not at the run's longest, while
-        another plan still fits there. It sits just above the sized plan's peak at the
-        first length (``AUTO_BUDGET_HEADROOM``), at most halfway to its peak at the
-        longest length, and never below 1.01x the least peak of any plan at the longest
-        length, so the run always has a plan to move to.
-
-        The sized plan is the fastest one for which that situation exists, among the
-        plans within the model's trusted error (``Controller.model_tolerance``) of the
-        fastest; else the fastest. Why: when the fastest plan is also the leanest at the
-        longest length, no budget makes growing responses force a move (a CI run of
-        ``nereus-rl train --quick`` made no transition that way, after calibration
-        ranked such a plan first); a plan within the model's error of it is as good a
-        start by everything the model knows.
-
-        Args:
-            observed: (plan, workload, stage seconds) measurements to price the plans
-                with (see :meth:`calibrated`).
-        """
-        self.sized_plan = None
-        cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
-        cm = CostModel(cl)
-        for plan, wl, measured in observed:
-            cm.observe(plan, wl, measured)
-        wl = self.workload(self.trainer._response_len(0))
-        rmax = max(self.trainer._response_len(s) for s in range(self.cfg.steps))
-        wl_max = self.workload(rmax)
-        try:
-            res = plan_best(wl, cl, cm, k=64)
-            # ranked as best_plan ranks the start plan (with the measured per-call
-            # overhead): sized on another plan, the budget can sit above the peak of
-            # the plan the run starts on, and the run never meets memory pressure
-            ranked = self._rank(res.k_best, wl, self.priced(cm))
-        except (PlanInfeasibleError, ValueError):
-            return cl.device.memory_bytes
-        if not ranked:
-            return cl.device.memory_bytes
-        try:
-            fits_max = plan_best(wl_max, cl, cm, k=64).k_best
-            least = min(max(cm.peak_memory(p, wl_max).values()) for _, p in fits_max)
-        except (PlanInfeasibleError, ValueError):
-            least = None
-
-        def sized(p: GlobalPlan) -> tuple[float, bool]:
-            # (budget sized on p, whether p's growing responses go over it)
-            peak0 = max(cm.peak_memory(p, wl).values())
-            peak_max = max(cm.peak_memory(p, wl_max).values())
-            budget = peak0 * AUTO_BUDGET_HEADROOM
-            if peak_max > peak0:
-                budget = min(budget, (peak0 + peak_max) / 2)
-                if least is not None:
-                    budget = max(budget, least * 1.01)
-            return budget, peak_max > budget
-
-        fastest = ranked[0][0]
-        band = fastest * (1.0 + self.controller.model_tolerance)
-        for lat, p in ranked:
-            if lat > band:
-                break
-            budget, forced = sized(p)
-            if forced:
-                self.sized_plan = p
-                return int(budget)
-        self.sized_plan = ranked[0][1]
-        return int(sized(ranked[0][1])[0])
+        ``self.sized_plan``, the plan it was sized on, which the run starts on (see
+        :func:`nereus_rl.auto_budget.auto_budget`)."""
+        budget, self.sized_plan = auto_budget(self, observed)
+        return budget
 
     # -------------------------------------------------------------- planning
 
