@@ -143,8 +143,6 @@ def choose(
         LookaheadError: no workloads, lengths of another size, no candidate that fits
             the next step's workload, or a negative ``tie_margin``.
     """
-    if not tie_margin >= 0:
-        raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
     ch = _choose(current, candidates, workloads, lengths, costmodel, transition_cost, tie_margin)
     return replace(ch, current_over_at=first_over(current, workloads, costmodel))
 
@@ -172,24 +170,25 @@ def choose_start(
     Raises:
         LookaheadError: as :func:`choose` (no candidate fits the first workload, ...).
     """
-    if not tie_margin >= 0:
-        raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
 
     def tcost(a: GlobalPlan | None, b: GlobalPlan) -> float:
         return 0.0 if a is None else transition_cost(a, b)
 
     # current=None: every candidate starts at no cost, and none is "the current plan"
     ch = _choose(None, candidates, workloads, lengths, costmodel, tcost, tie_margin)
-    # a whole run's lengths, each repeat as "length xsteps" (a 200-step run's list is long)
+    return replace(ch, reason="start plan: " + ch.reason)
+
+
+def _lengths_label(lengths: Sequence[int]) -> str:
+    """``lengths`` for a reason, each repeat as "length xsteps" (a 200-step run's start
+    plan looks over 200 lengths)."""
     runs: list[list[int]] = []
     for n in lengths:
         if runs and runs[-1][0] == n:
             runs[-1][1] += 1
         else:
             runs.append([n, 1])
-    short = "[" + ", ".join(f"{n} x{k}" if k > 1 else f"{n}" for n, k in runs) + "]"
-    reason = ch.reason.replace(f"at lengths {list(lengths)}", f"at lengths {short}")
-    return replace(ch, reason="start plan: " + reason)
+    return "[" + ", ".join(f"{n} x{k}" if k > 1 else f"{n}" for n, k in runs) + "]"
 
 
 def _choose(
@@ -202,6 +201,8 @@ def _choose(
     tie_margin: float,
 ) -> LookaheadChoice:
     """The choice of :func:`choose` (without ``current_over_at``)."""
+    if not tie_margin >= 0:
+        raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
     if not workloads or len(lengths) != len(workloads):
         raise LookaheadError(
             f"need one length per workload and at least one ({len(lengths)} lengths, "
@@ -283,7 +284,7 @@ def _choose(
         if stay <= old * (1 + tie_margin):
             return LookaheadChoice(
                 cands[cur], cur, not any_fit, tuple(lengths), h_all, stay, old, old_over_full,
-                f"lookahead over {h_all} steps at lengths {list(lengths)}: near tie: the "
+                f"lookahead over {h_all} steps at lengths {_lengths_label(lengths)}: near tie: the "
                 f"current plan scores {stay:.4g} s, within {tie_margin:.0%} of the planner's "
                 f"best ({old:.4g} s with its move); kept the current plan{cut}",
                 len(cands), None, 0.0,
@@ -293,8 +294,8 @@ def _choose(
         # the planner's ranking (latency) is trusted over a cheaper-looking transition.
         return LookaheadChoice(
             cands[0], 0, not any_fit, tuple(lengths), h_all, old, old, old_over_full,
-            f"lookahead over {h_all} steps at lengths {list(lengths)}: the planner's best "
-            f"for the next step fits every forecast length{' it can' if cut else ''}; "
+            f"lookahead over {h_all} steps at lengths {_lengths_label(lengths)}: the planner's "
+            f"best for the next step fits every forecast length{' it can' if cut else ''}; "
             f"kept{cut}",
             1, old_over_full,
         )  # fmt: skip
@@ -363,7 +364,7 @@ def _choose(
         best_s,
         old,
         old_over_full,
-        f"lookahead over {h_all} steps at lengths {list(lengths)}: {why}{tie}{cut}",
+        f"lookahead over {h_all} steps at lengths {_lengths_label(lengths)}: {why}{tie}{cut}",
         scored,
         over[best_i] if over[best_i] is not None else (None if any_fit else h),
         forced(best_i),
