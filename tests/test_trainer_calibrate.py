@@ -9,7 +9,7 @@ import torch
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, TrainConfigError, Trainer, train
-from nereus_rl.trainer_calibrate import layouts, next_probe, probe_lengths
+from nereus_rl.trainer_calibrate import REPEATS, layouts, next_probe, probe_lengths, run_probe
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
@@ -79,8 +79,9 @@ def test_calibration_feeds_the_model_and_leaves_the_run_unchanged(driver):
     assert len(set(rec["probes"])) == 2  # each measured something new
     assert cal.timings["calibration_s"] == pytest.approx(rec["seconds"])
     observed = [r for r in rec["runs"] if r["observed"]]
-    # every probe ran twice; the second run of each was fed to the model
-    assert len(rec["runs"]) == 4 and len(observed) == 2
+    # every probe ran REPEATS times; all but the first of each were measured, and each
+    # stage went to the model once per probe, at its least time over them
+    assert len(rec["runs"]) == 2 * REPEATS and len(observed) == 2 * (REPEATS - 1)
     assert all(t > 0 for r in observed for t in r["stage_s"].values())
     # the model moved from its defaults to the measured times (the defaults are
     # deliberately optimistic: measured steps are slower than they predict)
@@ -117,3 +118,46 @@ def test_next_probe_weighs_new_shapes_by_their_predicted_seconds():
     # nothing new in shape: back to new sharing, weights or not
     f = _plan((1, (2,)), (2, (0, 1)), (2, (0, 1)))
     assert next_probe({6: [a, f]}, layouts(a), pool=8, stage_s=lambda p, n: secs) == (f, 6)
+
+
+class _FakeTrainer:
+    """Just what run_probe calls: each step's stage seconds come from ``times`` in turn."""
+
+    def __init__(self, times):
+        from nereus_rl.trainer_config import TrainConfig
+
+        self.cfg, self.mc, self.plan, self.setups = TrainConfig(algo="grpo"), None, None, 0
+        self._times = iter(times)
+
+    def _desc(self, sp):
+        return sp.stage
+
+    def _all(self, *args):
+        self.setups += 1
+
+    def weight_sync(self):
+        return {"sync_s": 0.0}
+
+    def _rollout_submit(self, step, rlen):
+        return rlen
+
+    def _rollout_wait(self, job):
+        return job
+
+    def _train_on(self, job):
+        r, i, t = next(self._times)
+        return {"stage_s": {"rollout": r, "inference": i, "train": t}}
+
+
+def test_run_probe_takes_each_stage_at_its_least_after_the_warm_up():
+    p = _plan((1, (0,)), (1, (1,)), (1, (2,)))
+    # the first (warm-up) repeat is fastest everywhere and must not count
+    fake = _FakeTrainer([(0.01, 0.01, 0.01), (0.5, 0.2, 0.9), (0.3, 0.4, 0.7), (0.6, 0.3, 0.8)])
+    out = run_probe(fake, p, 6, {}, repeats=4)
+    assert fake.setups == 1 and fake.plan is p
+    assert out["stage_s"] == {"rollout": 0.3, "reference": 0.2, "actor_train": 0.7}
+    assert [r["observed"] for r in out["runs"]] == [False, True, True, True]
+    assert out["step_s"] == min(r["step_s"] for r in out["runs"][1:])
+    # one repeat: nothing measured
+    one = run_probe(_FakeTrainer([(0.1, 0.1, 0.1)]), p, 6, {}, repeats=1)
+    assert one["stage_s"] is None and one["step_s"] is None
