@@ -15,6 +15,7 @@ time-share those devices inside a synchronous step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def _is_pow2(x: int) -> bool:
@@ -96,9 +97,26 @@ class StagePlan:
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp
 
-    @property
+    # Derived once per (immutable) plan: the decisions ask a plan's devices, groups and
+    # hash thousands of times per boundary (the cost model's caches are keyed by plan).
+    @cached_property
     def devices(self) -> frozenset[int]:
         return frozenset(d for u in self.units for d in u)
+
+    def __getstate__(self) -> dict:
+        # the cached hash is of this process's string hashing (randomized per process):
+        # a plan sent to another process must hash there anew
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(
+                (self.stage, self.model, self.trains, self.dp, self.tp, self.pp, self.units)
+            )
+        return h
 
     def is_pow2(self) -> bool:
         """True when dp, tp and pp are all powers of two (the planner's plan space)."""
@@ -133,15 +151,34 @@ class GlobalPlan:
     def stage_names(self) -> tuple[str, ...]:
         return tuple(s.stage for s in self.stages)
 
-    @property
+    @cached_property
     def devices(self) -> frozenset[int]:
         out: set[int] = set()
         for s in self.stages:
             out |= s.devices
         return frozenset(out)
 
+    def __getstate__(self) -> dict:
+        # the cached hash is of this process's string hashing (randomized per process):
+        # a plan sent to another process must hash there anew
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(self.stages)
+        return h
+
     def colocation_groups(self) -> list[tuple[str, ...]]:
         """Stages grouped by shared devices (connected components of device overlap)."""
+        groups = self.__dict__.get("_groups")
+        if groups is None:
+            groups = self.__dict__["_groups"] = self._colocation_groups()
+        return list(groups)
+
+    def _colocation_groups(self) -> list[tuple[str, ...]]:
         parent = {s.stage: s.stage for s in self.stages}
 
         def find(x: str) -> str:

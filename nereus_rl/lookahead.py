@@ -213,7 +213,14 @@ def _choose(
     cands = [c for c in candidates if not cm.memory_violations(c, workloads[0])]
     if not cands:
         raise LookaheadError("no candidate fits the next step's workload; ask the planner again")
-    fits_all = [[not cm.memory_violations(c, wl) for wl in workloads] for c in cands]
+    # A horizon repeats lengths (a forecast holds, a schedule plateaus): each candidate
+    # is priced once per distinct workload
+    fit_of: dict[tuple[int, Workload], bool] = {}
+    for i, c in enumerate(cands):
+        for wl in workloads:
+            if (i, wl) not in fit_of:
+                fit_of[i, wl] = not cm.memory_violations(c, wl)
+    fits_all = [[fit_of[i, wl] for wl in workloads] for i in range(len(cands))]
     old_over_full = next((j for j in range(h) if not fits_all[0][j]), None)
     # A length that no candidate holds is beyond planning (the planner will have to be
     # asked when it comes): the horizon ends before the first such one, so that a
@@ -222,7 +229,12 @@ def _choose(
     h_all = h
     h = next((j for j in range(h) if not any(f[j] for f in fits_all)), h)
     fits = [f[:h] for f in fits_all]
-    lat = [[cm.step_latency(c, wl).total_s for wl in workloads[:h]] for c in cands]
+    lat_of: dict[tuple[int, Workload], float] = {}
+    for i, c in enumerate(cands):
+        for wl in workloads[:h]:
+            if (i, wl) not in lat_of:
+                lat_of[i, wl] = cm.step_latency(c, wl).total_s
+    lat = [[lat_of[i, wl] for wl in workloads[:h]] for i in range(len(cands))]
     over = [next((j for j in range(h) if not f[j]), None) for f in fits]
     tcache: dict[tuple[int, int], float] = {}
 

@@ -79,7 +79,8 @@ class RunLog:
 
 
 def _total(m: list[dict[str, Any]]) -> float:
-    return sum(x["step_s"] + x.get("transition_s", 0.0) for x in m)
+    # each step and its boundary (the transition and the deciding around it)
+    return sum(x["step_s"] + x.get("boundary_s", x.get("transition_s", 0.0)) for x in m)
 
 
 def _mean(xs: list[float]) -> float:
@@ -120,6 +121,9 @@ def summary_table(result: Any) -> str:
                 "transition time (s)",
                 f"{sum(d.get('measured_transition_s') or 0 for d in taken):.3f}",
             )
+        )
+        rows.append(
+            ("deciding at boundaries (s)", f"{sum(x.get('decision_s', 0.0) for x in m):.3f}")
         )
         t = getattr(result, "timings", {})
         if t:

@@ -361,13 +361,20 @@ class Trainer(StepWork):
         )
         m["step_s"] = time.perf_counter() - t_step
         m["transition_s"] = 0.0
+        # The boundary's whole time, the transition included: what deciding (signals,
+        # planner, lookahead, admission, DAG compiles) adds to a step beyond the
+        # transition is decision_s; a fixed plan's boundary only observes.
+        m["boundary_s"] = 0.0
         if step + 1 < cfg.steps and self._boundary_loss is None:
+            t_boundary = time.perf_counter()
             try:
                 m.update(self.adapter.boundary(step, m))
             except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
                 # The step trained already: it is recorded and recovered from after, not
                 # run again (its update would be applied twice).
                 self._boundary_loss = e
+            m["boundary_s"] = time.perf_counter() - t_boundary
+        m["decision_s"] = max(0.0, m["boundary_s"] - m["transition_s"])
         self.result.metrics.append(m)
         if self.log is not None:
             self.log.metrics(m)

@@ -118,6 +118,7 @@ class Adapter:
         self.shapes = ShapeCorrection()
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
         self.sized_plan: GlobalPlan | None = None  # the automatic budget's (_auto_budget)
+        self._workloads: dict[int, Any] = {}  # response length -> its Workload (workload)
         budget = cfg.memory_budget
         if budget is None:
             budget = self._auto_budget()
@@ -174,7 +175,17 @@ class Adapter:
         return len(TOKENIZER.encode(t.sample(1, level, random.Random(0))[0].prompt))
 
     def workload(self, rlen: int):
-        """The workload of a step whose responses are limited to ``rlen`` tokens (bucketed)."""
+        """The workload of a step whose responses are limited to ``rlen`` tokens (bucketed).
+
+        One object per length for the run (the config and the task are fixed): the cost
+        model's and the planner's caches, keyed by workload, then find it at once.
+        """
+        wl = self._workloads.get(rlen)
+        if wl is None:
+            wl = self._workloads[rlen] = self._make_workload(rlen)
+        return wl
+
+    def _make_workload(self, rlen: int):
         cfg = self.cfg
         return make_workload(
             cfg.algo,

@@ -104,6 +104,15 @@ class Workload:
         """The stages that need devices (all but a rule-based reward)."""
         return tuple(s for s in self.stages if s.kind != "rule")
 
+    def __hash__(self) -> int:
+        # Kept once: the cost model's caches are keyed by (plan, workload), and hashing
+        # the nested stages again on every lookup was most of a lookup's cost
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.algo, self.stages, self.batch, self.prompt_len, self.response_len))
+            h = self.__dict__["_hash"] = hash((h, self.dtype))
+        return h
+
     def stage(self, name: str) -> StageWork:
         for s in self.stages:
             if s.stage == name:
@@ -134,9 +143,11 @@ class Workload:
         return got
 
     def __getstate__(self) -> dict:
-        # The per-length memo is a cache: not pickled or copied with the workload.
+        # The per-length memo is a cache: not pickled or copied with the workload; nor is
+        # the hash, which is of this process's string hashing (randomized per process).
         state = dict(self.__dict__)
         state.pop("_by_len", None)
+        state.pop("_hash", None)
         return state
 
     def __repr__(self) -> str:

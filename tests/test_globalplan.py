@@ -37,3 +37,37 @@ def test_fmt_bytes_picks_a_readable_unit():
     assert fmt_bytes(100) == "100 B"
     assert fmt_bytes(int(3.61 * 2**20)) == "3.61 MiB"
     assert fmt_bytes(80 * 2**30) == "80.00 GiB"
+
+
+def test_a_pickled_plan_hashes_anew_in_a_process_with_other_string_hashing():
+    # Plans and workloads keep their hash once computed (the cost model's caches are
+    # keyed by them); that hash is of this process's string hashing, so it must not
+    # travel: an equal plan built in another process must find the pickled one.
+    import pickle
+    import subprocess
+    import sys
+
+    from nereus_rl.spec import model_preset
+    from nereus_rl.workload import make_workload
+
+    a = StagePlan("rollout", "actor", False, 1, 1, 1, ((0,),))
+    plan = GlobalPlan((a,))
+    wl = make_workload("grpo", actor=model_preset("tiny"), batch=4, prompt_len=8,
+                       response_len=8, group_size=2, micro_batch=2, dtype="fp32")  # fmt: skip
+    hash(plan), hash(a), hash(wl)
+    code = (
+        "import pickle, sys\n"
+        "from nereus_rl.globalplan import GlobalPlan, StagePlan\n"
+        "from nereus_rl.workload import make_workload\n"
+        "from nereus_rl.spec import model_preset\n"
+        "plan, wl = pickle.loads(sys.stdin.buffer.read())\n"
+        "a = StagePlan('rollout', 'actor', False, 1, 1, 1, ((0,),))\n"
+        "w = make_workload('grpo', actor=model_preset('tiny'), batch=4, prompt_len=8,"
+        " response_len=8, group_size=2, micro_batch=2, dtype='fp32')\n"
+        "print({GlobalPlan((a,)): 1}.get(plan), {a: 1}.get(plan.stages[0]), {w: 1}.get(wl))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps((plan, wl)), capture_output=True,
+        env={**__import__("os").environ, "PYTHONHASHSEED": "12345"}, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == [b"1", b"1", b"1"], out.stderr

@@ -164,6 +164,12 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     observed = [r["costmodel_primitives_observed"] for r in taken]
     assert observed == list(itertools.accumulate(executed))
     assert adaptive.num_primitives == sum(executed) and adaptive.num_fallbacks == 0
+    # each boundary's time holds its transition and the deciding around it; the last
+    # step has no boundary
+    for m in adaptive.metrics[:-1]:
+        assert m["boundary_s"] > m["transition_s"] >= 0.0, m
+        assert m["decision_s"] == pytest.approx(m["boundary_s"] - m["transition_s"])
+    assert adaptive.metrics[-1]["boundary_s"] == 0.0 == adaptive.metrics[-1]["decision_s"]
 
 
 def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
