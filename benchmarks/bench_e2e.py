@@ -27,9 +27,12 @@ the warm-up runs' transition times are printed:
                      and against the plans above, ranked by predicted mean step latency
                      over the trace (the model after the probe's startup calibration);
                      --quick runs the top 2 (--fixed-top), a full run all of them
-    best_fixed       the fastest fixed plan (named or enumerated) whose predicted peak
-                     stays within the budget at every step: the empirical best fixed
-                     plan among every feasible one run
+    best_fixed       the SELECTION: the fastest fixed plan (named or enumerated) whose
+                     predicted peak stays within the budget at every step, over the
+                     repeats above (the least of several noisy means: biased low)
+    *_confirmed      adaptive_confirmed, best_fixed_confirmed: ``--confirm`` fresh
+                     interleaved rounds of adaptive and the selected plan only
+                     (``e2e_confirm``); the best_fixed goal is scored on these
 
 Memory budget per worker (``--budget-rule``, printed with the figures it came from):
 by default (``startup``) the least at which each startup structure (colocated,
@@ -52,8 +55,8 @@ Reported per variant: mean over repeats of the mean step latency (transitions
 included), its spread (min..max over repeats), the ratio of means to adaptive, the
 paired ratio (each repeat's variant / adaptive) as a geometric mean with its 90% range,
 transitions, reward and the largest peak/budget. Per setting, each goal's verdict from
-those ranges (``e2e_verdict``): met, missed, or within noise when the range straddles
-the goal.
+those ranges (``e2e_verdict``; best_fixed's from the confirmed row's): met, missed, or
+within noise when the range straddles the goal.
 Per setting also the model check (``e2e_model_error``): each fitting fixed plan's
 predicted step latency (the calibrated model) beside the
 measured one, per phase, with the rank correlation and whether the model's pick
@@ -70,8 +73,9 @@ non-urgent moves where payback and replan-always differ).
     python benchmarks/bench_e2e.py --steps 20 --json out.json  # every plan: hours
 
 Three interleaved repeats by default (two were too few: two PPO runs disagreed more than
-the variants within one). --quick runs 10 steps and the top 2 enumerated plans, so 10
-variants of ~3 s per run each (under two minutes per setting idle); a full run runs every
+the variants within one), then three confirmation rounds (17 s at --quick, load 3-5). --quick
+runs 10 steps and the top 2 enumerated plans, so 10 variants of ~3 s per run each
+(94-102 s per setting idle before the confirmation rounds); a full run runs every
 enumerated plan (on 4 workers under the startup budget: ~30 for GRPO and ReMax, ~500
 for PPO, whose disaggregated layouts need a large budget; ~18 s each at 20 steps and
 three repeats: 10 min per GRPO setting, hours for PPO).
@@ -82,12 +86,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from e2e_breakdown import print_breakdown, run_moves, run_steps
+from e2e_confirm import CONFIRM_ROUNDS, confirm_best_fixed, variant_row
 from e2e_model_error import mean_phases, predicted_phases, print_table
 from e2e_plans import (
     STRUCTURES,
@@ -98,7 +102,7 @@ from e2e_plans import (
     structured_plan,
     write_trace,
 )
-from e2e_verdict import goal_verdicts, paired_range, print_verdicts
+from e2e_verdict import goal_verdicts, print_verdicts
 
 from nereus_rl.costmodel import CostModel
 from nereus_rl.runtime import Driver
@@ -182,7 +186,15 @@ def _choose_budget(driver, algo, mode, common, rule, max_len, lengths):
 
 
 def run_setting(
-    driver, algo, mode, common, repeats, max_len, budget_rule="startup", fixed_top=None
+    driver,
+    algo,
+    mode,
+    common,
+    repeats,
+    max_len,
+    budget_rule="startup",
+    fixed_top=None,
+    confirm=CONFIRM_ROUNDS,
 ):
     """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
 
@@ -196,10 +208,12 @@ def run_setting(
     it falls back to ``"uncalibrated"`` when nothing fits the longest responses.
     ``"uncalibrated"``: the same rule on the plan the default cost model picks (what the
     bench used before the startup calibration existed). ``fixed_top``: how many
-    enumerated fixed plans to run (None: all).
+    enumerated fixed plans to run (None: all). ``confirm``: held-out rounds of adaptive
+    against the selected best fixed plan after the repeats (``e2e_confirm``; 0: none).
 
-    Returns the rows (one per variant, then best_fixed) and the setting's info (budget,
-    whether memory constrains adaptive, goal verdicts).
+    Returns the rows (one per variant, best_fixed: the selection, then adaptive_confirmed
+    and best_fixed_confirmed) and the setting's info (budget, whether memory constrains
+    adaptive, goal verdicts, confirmation rounds).
     """
     # The fixed layouts are chosen as on main: by the planner's cost model before any
     # measurement (a run of the calibrated model's choices measured 1.5-2x slower: it
@@ -278,15 +292,18 @@ def run_setting(
     variants += [v for v in plans if v.startswith("enum")]
     runs = {v: [] for v in variants}
     starts: list[float] = []
+
+    def run(v):
+        if v == "adaptive":
+            return train(adapt=True, **kw)
+        if v == "replan_always":
+            return train(adapt=True, admission="always", **kw)
+        return train(adapt=False, plan=plans[v][0], **kw)
+
     for rep in range(repeats):
         # Each repeat starts one variant later, so no variant always runs first.
         for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
-            if v == "adaptive":
-                res = train(adapt=True, **kw)
-            elif v == "replan_always":
-                res = train(adapt=True, admission="always", **kw)
-            else:
-                res = train(adapt=False, plan=plans[v][0], **kw)
+            res = run(v)
             runs[v].append(_run_row(res))
             if v == "adaptive" and res.plans:
                 # its start plan's need over the trace: > 1 means memory makes it move
@@ -295,43 +312,11 @@ def run_setting(
     base = [r["step_latency_s"] for r in runs["adaptive"]]
     for v in variants:
         rs = runs[v]
-        lat = [r["step_latency_s"] for r in rs]
-        ratios = [a / b for a, b in zip(lat, base)]
-        geo, lo, hi = paired_range(ratios)
-        frac = max(r["peak_memory_fraction"] for r in rs)
         adaptive = v in ("adaptive", "replan_always")
-        row = {
-            "algo": algo,
-            "mode": mode,
-            "variant": v,
-            "plan": None if adaptive else repr(plans[v][0]),
-            "repeats": len(rs),
-            "step_latency_s": _mean(lat),
-            "step_latency_min_s": min(lat),
-            "step_latency_max_s": max(lat),
-            "step_latency_stdev_s": statistics.stdev(lat) if len(lat) > 1 else 0.0,
-            "latency_vs_adaptive_x": _mean(lat) / _mean(base),
-            "paired_ratio_mean_x": _mean(ratios),
-            "paired_ratio_min_x": min(ratios),
-            "paired_ratio_max_x": max(ratios),
-            # geometric mean of the paired ratios and its 90% range (e2e_verdict)
-            "paired_geomean_x": geo,
-            "ci_lo_x": lo,
-            "ci_hi_x": hi,
-            "transitions": _mean([r["transitions"] for r in rs]),
-            "calibration_s": _mean([r["calibration_s"] for r in rs]),
-            "reward_mean": _mean([r["reward_mean"] for r in rs]),
-            "peak_memory_fraction": frac,
-            # adaptive runs move away before the next step when the signal passes 1
-            "fits_budget": adaptive or frac <= 1.0,
-            "memory_budget_bytes": budget,
-            "errors": [r["error"] for r in rs if r["error"]],
-            "plans_per_repeat": [r["plans"] for r in rs] if adaptive else None,
-            "steps_per_repeat": [r["steps"] for r in rs],
-            "moves_per_repeat": [r["moves"] for r in rs] if adaptive else None,
-            # the unrecorded warm-up run's transitions (first use of layouts)
-            "warmup_transition_s": warm_trans.get(v),
-        }
+        plan = None if adaptive else repr(plans[v][0])
+        row = variant_row(algo, mode, v, plan, rs, base, budget)
+        # the unrecorded warm-up run's transitions (first use of layouts)
+        row["warmup_transition_s"] = warm_trans.get(v)
         if not adaptive:
             ph = [r["phases"] for r in rs if r["phases"]]
             row["predicted"] = predicted_phases(
@@ -347,6 +332,12 @@ def run_setting(
     best = min(fits or fixed, key=lambda r: r["step_latency_s"])
     label = best["variant"] if fits else f"{best['variant']}, NONE fits the budget"
     rows.append({**best, "variant": f"best_fixed ({label})", "model_check": model_check})
+    # The selection figure above is the least of several noisy means (biased low): the
+    # goal is scored on fresh, held-out rounds of adaptive against the selected plan
+    t_confirm = time.perf_counter()
+    picked = {"adaptive": "adaptive", "fixed": best["variant"]}
+    rows += confirm_best_fixed(rows[-1], confirm, lambda w: _run_row(run(picked[w])))
+    t_confirm = time.perf_counter() - t_confirm
     verdicts = goal_verdicts(rows)
     print_verdicts(algo, mode, verdicts)
     loss = print_breakdown(algo, mode, rows, best["variant"])
@@ -370,7 +361,9 @@ def run_setting(
         "adaptive_start_peak_over_budget_x": starts,
         "memory_constrains_adaptive": constrained,  # in every repeat
         "verdicts": verdicts,
-        "adaptive_loss_vs_best_fixed_s": loss,
+        "adaptive_loss_vs_best_fixed_s": loss,  # against the selection repeats
+        "confirm_rounds": confirm,  # held-out rounds of adaptive vs best_fixed's plan
+        "confirm_seconds": t_confirm,
     }
     return rows, info
 
@@ -404,8 +397,17 @@ def main(argv=None) -> int:
         default=None,
         help=f"enumerated fixed plans to run per setting (default: all; --quick {QUICK_FIXED_TOP})",
     )
+    ap.add_argument(
+        "--confirm",
+        type=int,
+        default=CONFIRM_ROUNDS,
+        help="held-out rounds of adaptive vs the selected best fixed plan, on which the "
+        f"best_fixed goal is scored (default {CONFIRM_ROUNDS}, also --quick; 0: none)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    if args.confirm < 0:
+        ap.error(f"--confirm must be >= 0 (0 disables the confirmation), got {args.confirm}")
     algos = (args.algos or ("grpo" if args.quick else "grpo,ppo,remax")).split(",")
     modes = (args.modes or ("sync" if args.quick else "sync,async")).split(",")
     steps, repeats = args.steps, args.repeats
@@ -420,6 +422,7 @@ def main(argv=None) -> int:
     lt = LengthTrace.from_file(trace)
     max_len = max(lt.response_len(i) for i in range(steps))
     common.update(steps=steps, trace=trace)
+    opts = (args.budget_rule, fixed_top, args.confirm)  # run_setting's, per setting
     load_start = os.getloadavg()
     t0 = time.perf_counter()
     driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
@@ -428,15 +431,17 @@ def main(argv=None) -> int:
         driver.spawn_local(args.devices)
         for algo in algos:
             for mode in modes:
-                r, info = run_setting(
-                    driver, algo, mode, common, repeats, max_len, args.budget_rule, fixed_top
-                )
+                r, info = run_setting(driver, algo, mode, common, repeats, max_len, *opts)
                 rows += r
                 infos.append(info)
     finally:
         driver.shutdown()
         tmp.cleanup()
-    print(f"trace {lt!r}, {steps} steps, {repeats} interleaved repeats per variant")
+    print(
+        f"trace {lt!r}, {steps} steps, {repeats} interleaved repeats per variant; best_fixed "
+        "is the selection figure (the least of the fixed means: biased low), "
+        f"*_confirmed: {args.confirm} fresh rounds of adaptive vs its plan (the goal's basis)"
+    )
     head = (
         f"{'algo':5} {'mode':5} {'variant':42} {'step_s':>6} {'min..max':>11} "
         f"{'vs_adapt':>8} {'paired, 90% range':>19} {'trans':>5} {'reward':>6} {'mem/bud':>7} fits"
@@ -461,7 +466,7 @@ def main(argv=None) -> int:
                 f"transitions (s): {w or 'none'}"
             )
     for r in rows:
-        if r["calibration_s"] and not r["variant"].startswith("best"):
+        if r["calibration_s"] and not r["variant"].startswith("best") and "phase" not in r:
             steps_s = r["step_latency_s"] * steps
             print(
                 f"  {r['algo']} {r['mode']} {r['variant']} startup calibration "
@@ -475,7 +480,8 @@ def main(argv=None) -> int:
         print_verdicts(info["algo"], info["mode"], info["verdicts"])
         starts = info["adaptive_start_peak_over_budget_x"]
         print(
-            f"  {info['seconds']:.0f} s, load average start/end {info['loadavg'][0]:.1f} / "
+            f"  {info['seconds']:.0f} s ({info['confirm_rounds']} confirmation rounds "
+            f"{info['confirm_seconds']:.0f} s), load average start/end {info['loadavg'][0]:.1f} / "
             f"{info['loadavg'][1]:.1f}; budget {info['budget_rule']} "
             f"{info['memory_budget_bytes'] / 2**20:.3f} MiB; "
             f"memory constrains adaptive in {sum(x > 1 for x in starts)} of {len(starts)} "
@@ -496,6 +502,7 @@ def main(argv=None) -> int:
             "steps": steps,
             "budget_rule": args.budget_rule,
             "repeats": repeats,
+            "confirm_rounds": args.confirm,
             "settings": infos,
             "loadavg_start": load_start,
             "loadavg_end": load_end,

@@ -1,0 +1,153 @@
+"""bench_e2e's rows from runs, and its confirmation phase for the best fixed plan.
+
+bench_e2e picks ``best_fixed`` as the least mean step latency among the fitting fixed
+plans, each measured in a few noisy repeats. The least of several noisy means is biased
+low (the winner's curse): scored on the same repeats, the "within 5% of the best fixed
+plan" goal leans against adaptive by about the noise of one mean (10-20% on the shared
+2-core machine). So the plan is SELECTED on those repeats and then MEASURED again: the
+confirmation phase runs ``num_rounds`` fresh interleaved rounds of exactly two variants,
+adaptive and the selected plan (which one runs first alternates per round, so neither
+always meets the machine's state after the other), and the goal is scored on those
+rounds only (``e2e_verdict``). Its rows:
+
+    adaptive_confirmed              adaptive's confirmation runs (ratio 1 to itself)
+    best_fixed_confirmed (<name>)   the selected plan's confirmation runs, each paired
+                                    with the same round's adaptive run
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from e2e_verdict import CONFIRMED, SELECTION, paired_range
+
+# Default confirmation rounds per setting (--confirm), --quick included: three like the
+# selection repeats, so the confirmed range is no wider than the selection one's. Three
+# added 17 s to a --quick GRPO sync setting at load 3.1-4.9 (148 s in all); with the
+# 94-102 s such settings ran idle before, that stays under two minutes, so --quick keeps 3
+CONFIRM_ROUNDS = 3
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def variant_row(
+    algo: str,
+    mode: str,
+    variant: str,
+    plan: str | None,
+    runs: list[dict[str, Any]],
+    base: list[float],
+    budget: int,
+) -> dict[str, Any]:
+    """One variant's row from its runs (bench_e2e's per-run dicts, one per round).
+
+    Arguments:
+        plan: the fixed plan's repr, or None for an adaptive variant.
+        runs: the variant's runs, in round order.
+        base: adaptive's step latency in the same rounds (the paired ratios' divisors).
+        budget: the memory budget per worker (bytes).
+
+    Returns the row: mean step latency with its spread, the ratio of means to adaptive,
+    the paired ratios' mean, min, max, geometric mean and 90% range, transitions,
+    reward, the largest peak/budget and whether it fits.
+    """
+    lat = [r["step_latency_s"] for r in runs]
+    ratios = [a / b for a, b in zip(lat, base, strict=True)]
+    geo, lo, hi = paired_range(ratios)
+    frac = max(r["peak_memory_fraction"] for r in runs)
+    adaptive = plan is None
+    return {
+        "algo": algo,
+        "mode": mode,
+        "variant": variant,
+        "plan": plan,
+        "repeats": len(runs),
+        "step_latency_s": _mean(lat),
+        "step_latency_min_s": min(lat),
+        "step_latency_max_s": max(lat),
+        "step_latency_stdev_s": statistics.stdev(lat) if len(lat) > 1 else 0.0,
+        "latency_vs_adaptive_x": _mean(lat) / _mean(base),
+        "paired_ratio_mean_x": _mean(ratios),
+        "paired_ratio_min_x": min(ratios),
+        "paired_ratio_max_x": max(ratios),
+        # geometric mean of the paired ratios and its 90% range (e2e_verdict)
+        "paired_geomean_x": geo,
+        "ci_lo_x": lo,
+        "ci_hi_x": hi,
+        "transitions": _mean([r["transitions"] for r in runs]),
+        "calibration_s": _mean([r["calibration_s"] for r in runs]),
+        "reward_mean": _mean([r["reward_mean"] for r in runs]),
+        "peak_memory_fraction": frac,
+        # adaptive runs move away before the next step when the signal passes 1
+        "fits_budget": adaptive or frac <= 1.0,
+        "memory_budget_bytes": budget,
+        "errors": [r["error"] for r in runs if r["error"]],
+        "plans_per_repeat": [r["plans"] for r in runs] if adaptive else None,
+        "steps_per_repeat": [r["steps"] for r in runs],
+        "moves_per_repeat": [r["moves"] for r in runs] if adaptive else None,
+    }
+
+
+def run_rounds(
+    num_rounds: int, run: Callable[[str], dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """``num_rounds`` interleaved rounds of ``run("adaptive")`` and ``run("fixed")``:
+    adaptive first in even rounds, the fixed plan first in odd ones. Returns each one's
+    runs in round order (index i of both lists is round i)."""
+    if num_rounds < 0:
+        raise ValueError(f"confirmation rounds must be >= 0 (0 disables), got {num_rounds}")
+    out: dict[str, list[dict[str, Any]]] = {"adaptive": [], "fixed": []}
+    for i in range(num_rounds):
+        for which in ("adaptive", "fixed") if i % 2 == 0 else ("fixed", "adaptive"):
+            out[which].append(run(which))
+    return out
+
+
+def confirm_best_fixed(
+    selected: dict[str, Any], num_rounds: int, run: Callable[[str], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Measure the selected best fixed plan again against adaptive (:func:`run_rounds`)
+    and return the confirmation rows, ``[adaptive_confirmed, best_fixed_confirmed
+    (<name>)]``, built from those rounds only (none of ``selected``'s figures); ``[]``
+    when ``num_rounds`` is 0.
+
+    Arguments:
+        selected: the selection row, variant ``"best_fixed (<name>)"``.
+        num_rounds: confirmation rounds (0 disables).
+        run: ``run("adaptive")`` / ``run("fixed")`` runs adaptive / the selected plan
+            once and returns bench_e2e's per-run dict.
+
+    Raises ValueError when ``selected`` is not a best_fixed selection row or
+    ``num_rounds`` is negative, before anything runs.
+    """
+    name = selected.get("variant", "")
+    if not name.startswith(SELECTION) or selected.get("plan") is None:
+        raise ValueError(
+            f"confirm_best_fixed needs the best_fixed selection row (variant "
+            f"'{SELECTION}<name>)' with a plan), got variant {name!r}"
+        )
+    runs = run_rounds(num_rounds, run)
+    if not num_rounds:
+        return []
+    base = [r["step_latency_s"] for r in runs["adaptive"]]
+    a, m = selected["algo"], selected["mode"]
+    budget = selected["memory_budget_bytes"]
+    rows = [
+        variant_row(a, m, "adaptive_confirmed", None, runs["adaptive"], base, budget),
+        variant_row(
+            a,
+            m,
+            CONFIRMED + name[len(SELECTION) :],
+            selected["plan"],
+            runs["fixed"],
+            base,
+            budget,
+        ),
+    ]
+    for r in rows:
+        r["phase"] = "confirmation"  # held out from the selection repeats
+    return rows
