@@ -2,8 +2,9 @@
 
 Each adaptive run's steps (its plan, step seconds, the transition paid after it) beside
 the best fixed plan's mean seconds at the same step over its repeats, and per run the
-loss split: the steps before its first move, the moves themselves, and the steps after
-them (each as seconds over the best fixed plan's at the same steps). The start plan's
+loss split: the steps before its first move, the moves themselves, the steps after
+them (each as seconds over the best fixed plan's at the same steps), and the deciding
+at the boundaries beyond the fixed plan's (a fixed plan's boundary only observes). The start plan's
 choice (its ``start_choice`` row, when the run logged one) is printed with it.
 """
 
@@ -13,13 +14,15 @@ from typing import Any
 
 
 def run_steps(res) -> list[list]:
-    """(step, plan index, step_s, transition_s) per step of a run: the plan index counts
-    the plans the run set (0: its start plan)."""
+    """(step, plan index, step_s, transition_s, decision_s) per step of a run: the plan
+    index counts the plans the run set (0: its start plan); decision_s is the rest of
+    the step's boundary (signals, planner, lookahead, admission), 0 in metrics from
+    before it was measured."""
     starts = [s for s, _ in res.plans]
     out = []
     for i, m in enumerate(res.metrics):
         idx = max((k for k, s in enumerate(starts) if s <= i), default=0)
-        out.append([i, idx, m["step_s"], m.get("transition_s", 0.0)])
+        out.append([i, idx, m["step_s"], m.get("transition_s", 0.0), m.get("decision_s", 0.0)])
     return out
 
 
@@ -42,9 +45,13 @@ def print_breakdown(algo: str, mode: str, rows: list[dict[str, Any]], best: str)
     ad, bf = by["adaptive"], by[best]
     fixed = [s for s in zip(*[[x[2] for x in st] for st in bf["steps_per_repeat"]])]
     ref = [sum(x) / len(x) for x in fixed]
+    # the fixed plan's boundaries (observing only), mean per run over its repeats
+    ref_dec = sum(sum(x[4] for x in st if len(x) > 4) for st in bf["steps_per_repeat"]) / max(
+        1, len(bf["steps_per_repeat"])
+    )
     print(f"{algo} {mode}: adaptive step by step vs {best} (mean over its repeats)")
     print("  " + " ".join(f"{x:5.3f}" for x in ref) + f"  {best} (sum {sum(ref):.3f} s)")
-    split = {"before_first_move_s": [], "moves_s": [], "after_moves_s": []}
+    split = {"before_first_move_s": [], "moves_s": [], "after_moves_s": [], "deciding_s": []}
     for rep, (st, mv, plans) in enumerate(
         zip(ad["steps_per_repeat"], ad["moves_per_repeat"], ad["plans_per_repeat"])
     ):
@@ -58,6 +65,7 @@ def print_breakdown(algo: str, mode: str, rows: list[dict[str, Any]], best: str)
             print(f"    {tag}: {m['reason']}" + (f" (measured {meas:.3f} s)" if meas else ""))
         split["before_first_move_s"].append(sum(x[2] - r for x, r in zip(st[: first + 1], ref)))
         split["moves_s"].append(sum(x[3] for x in st))
+        split["deciding_s"].append(sum(x[4] for x in st if len(x) > 4) - ref_dec)
         split["after_moves_s"].append(
             sum(x[2] - r for x, r in zip(st[first + 1 :], ref[first + 1 :]))
         )
@@ -65,6 +73,7 @@ def print_breakdown(algo: str, mode: str, rows: list[dict[str, Any]], best: str)
     print(
         f"{algo} {mode}: adaptive over {best}, seconds per run (mean of repeats): steps to "
         f"the first move {out.get('before_first_move_s', 0):+.3f}, moves "
-        f"{out.get('moves_s', 0):+.3f}, steps after {out.get('after_moves_s', 0):+.3f}"
+        f"{out.get('moves_s', 0):+.3f}, steps after {out.get('after_moves_s', 0):+.3f}, "
+        f"deciding {out.get('deciding_s', 0):+.3f}"
     )
     return out
