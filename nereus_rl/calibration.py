@@ -149,9 +149,13 @@ class StepNoise:
         if predicted_s > 0 and measured_s > 0:
             self.obs.append((plan, measured_s - predicted_s))
 
+    def steps(self, plan) -> int:
+        """How many of the recent steps ran ``plan``."""
+        return sum(p == plan for p, _ in self.obs)
+
     def known(self, plan) -> bool:
         """Whether ``plan`` has the ``min_steps`` recent steps an estimate needs."""
-        return sum(p == plan for p, _ in self.obs) >= self.min_steps
+        return self.steps(plan) >= self.min_steps
 
     def noise_s(self, plan) -> float:
         """The robust standard deviation of ``plan``'s recent residuals (0.0: too few)."""

@@ -93,6 +93,11 @@ from nereus_rl.workload import bucket_of, make_workload
 LOOKAHEAD_STEPS = 6
 
 
+# Candidates an opportunistic move's lookahead scores: the planner's fastest for the
+# next step (see Adapter.boundary)
+OPPORTUNISTIC_POOL = 12
+
+
 class Adapter:
     """The decision side of one run (see the module docstring).
 
@@ -160,8 +165,15 @@ class Adapter:
 
     def priced(self, cm: CostModel | None = None) -> PricedModel:
         """``cm`` (the adapter's model by default) as the decisions price plans: measured
-        stage shapes at their measured ratio, plus the per-call overhead's spread."""
-        return PricedModel(self.cm if cm is None else cm, self.overhead, self.shapes)
+        stage shapes at their measured ratio, plus the per-call overhead's spread. The
+        default model's is one object while the model is (its memo then serves every
+        decision of a boundary: PricedModel)."""
+        if cm is not None:
+            return PricedModel(cm, self.overhead, self.shapes)
+        pm = self.__dict__.get("_priced")
+        if pm is None or pm._cm is not self.cm:
+            pm = self._priced = PricedModel(self.cm, self.overhead, self.shapes)
+        return pm
 
     # -------------------------------------------------------------- workload
 
@@ -420,6 +432,20 @@ class Adapter:
         # ahead to, past the run's end (cfg.steps is the trainer's own)
         steps_left = self.cfg.steps - (step + 1)
         avail = sorted(tr.device_worker)
+        urgent_now = bool(self.admission.problems(plan, wl, avail))
+        if not urgent_now and self.cfg.admission != "always" and not self.noise.known(plan):
+            # Admission declines every opportunistic move until the running plan's step
+            # noise is measured (adapt_move): searching and pricing candidates for it
+            # was most of the deciding in a run's first steps (50-60 ms at step 1 of a
+            # bench_e2e run, a third of a step), time no fixed plan pays.
+            self._log({"step": step, "signal": trig.signal, "trigger": trig.reason,
+                       "urgent": trig.urgent, "current": repr(plan), "taken": False,
+                       "path": "opportunistic", "predicted_saving_s": 0.0,
+                       "predicted_transition_s": 0.0, "measured_transition_s": None,
+                       "reason": "the current plan's step noise is not measured yet "
+                       f"({self.noise.steps(plan)} of {self.noise.min_steps} steps on it): "
+                       "no opportunistic move before it, so no plan was searched"})  # fmt: skip
+            return out
         try:
             ranked = [p for _, p in self.ranked_plans(nxt, devices=avail)]
         except ValueError as e:  # nothing fits: keep running the current plan
@@ -428,7 +454,6 @@ class Adapter:
                        "current": repr(plan), "measured_transition_s": None})  # fmt: skip
             return out
         cand, la, la_note = ranked[0], None, None
-        urgent_now = bool(self.admission.problems(plan, wl, avail))
         # (The replan-on-every-trigger baseline keeps its definition off the urgent
         # path: the planner's best for the next step, no horizon check.)
         if urgent_now or (cand != plan and self.cfg.admission != "always"):
@@ -438,7 +463,13 @@ class Adapter:
             # candidates at no transition cost, so that a plan faster for the next step
             # only (the one an urgent move's lookahead avoided) is not moved back to;
             # admission then counts the chosen plan's saving only until its crossing.
-            cands = ranked if urgent_now or plan in ranked else [*ranked, plan]
+            # An opportunistic move looks ahead over the planner's fastest few only: its
+            # target must beat the running plan by more than the step noise, which no
+            # plan far down the ranking does, and scoring all 64 over the horizon (their
+            # DAGs compiled) was 40-85 ms of a PPO boundary, a third of a step. An urgent
+            # move keeps the whole ranking: a plan that holds longer lengths may rank low.
+            pool = ranked if urgent_now else ranked[:OPPORTUNISTIC_POOL]
+            cands = pool if urgent_now or plan in pool else [*pool, plan]
             try:
                 la = self.lookahead(plan, cands, nxt, steps_left)
                 cand = la.plan

@@ -152,6 +152,16 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "a" / "decisions.jsonl").read_text().splitlines()]
     taken = [r for r in rows if r["taken"]]
     assert taken and taken[0]["measured_transition_s"] > 0
+    # No plan is searched for an opportunistic move while the running plan has fewer
+    # steps than its noise needs (admission would decline it): such rows say so and
+    # carry no lookahead; a plan with enough steps is searched again
+    for r in rows:
+        if r["step"] < 0 or r["taken"] or r.get("path") != "opportunistic":
+            continue
+        ran = sum(m["plan"] == r["current"] for m in adaptive.metrics[: r["step"] + 1])
+        early = "no plan was searched" in r["reason"]
+        assert early == (ran < 3), (ran, r)
+        assert not early or "lookahead_score_s" not in r
     for key in ("signal", "predicted_saving_s", "predicted_transition_s"):
         assert key in taken[0]
     # every transition ran as the DAG's EMU primitives on the units holding the model's
