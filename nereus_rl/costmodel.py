@@ -85,13 +85,46 @@ DEFAULT_EFFICIENCY = {
 }
 
 
+class ClassShares(Mapping):
+    """A stage's seconds per operation class (class name -> seconds), read from the
+    work-times-efficiency array when asked: the decisions price hundreds of stages per
+    boundary and read the shares of almost none (building a dict for each was the
+    largest single cost of a PPO boundary). ``scale`` multiplies every share (a measured
+    shape's ratio, :mod:`nereus_rl.shape_correction`)."""
+
+    __slots__ = ("_parts", "_scale")
+
+    def __init__(self, parts: np.ndarray, scale: float | None = None) -> None:
+        self._parts = parts
+        self._scale = scale
+
+    def __getitem__(self, cls: str) -> float:
+        v = float(self._parts[CLASS_INDEX[cls]])
+        return v if self._scale is None else v * self._scale
+
+    def __iter__(self):
+        return iter(CLASSES)
+
+    def __len__(self) -> int:
+        return len(CLASSES)
+
+    def scaled(self, r: float) -> Mapping[str, float]:
+        """The same shares times ``r`` (each exactly ``share * r``)."""
+        if self._scale is None:
+            return ClassShares(self._parts, r)
+        return {c: self[c] * r for c in CLASSES}
+
+    def __repr__(self) -> str:
+        return f"ClassShares({dict(self)})"
+
+
 @dataclass(frozen=True)
 class StageEstimate:
     """Predicted seconds of one stage, with the share of each operation class."""
 
     stage: str
     seconds: float
-    by_class: dict[str, float] = field(repr=False)
+    by_class: Mapping[str, float] = field(repr=False)
 
     def __repr__(self) -> str:
         return f"{self.stage}={self.seconds:.4g}s"
@@ -197,6 +230,7 @@ class CostModel(PrimitiveCostModel):
         # times (the lookahead over a horizon of repeated lengths, the k-best re-ranked
         # twice): building it was 70% of a boundary's 30-70 ms on the tiny model
         self._works_cache: dict[tuple, dict[str, np.ndarray]] = {}
+        self._stage_work_cache: dict[tuple, np.ndarray] = {}  # one stage's layout -> work
         self._prior_terms: tuple | None = None  # (diag(lam), lam * x0), built on first solve
 
     # ----- efficiencies -------------------------------------------------------------
@@ -356,7 +390,18 @@ class CostModel(PrimitiveCostModel):
                     f"plan {plan!r} has no stage {sw.stage!r} that workload needs"
                 ) from e
             tiers = stage_tiers(self.cluster, sp)
-            out[sw.stage] = stage_work(sw, sp.dp, sp.tp, sp.pp, tiers, self.cluster, workload.dtype)
+            # A stage's work depends on its own layout only, and the planner's k-best
+            # share a few layouts per stage: pricing a new length for the k-best built
+            # each plan's stages afresh (0.3-0.4 ms a plan, 60-160 ms at the first
+            # decision of a PPO run at a new length)
+            skey = (sw, sp.dp, sp.tp, sp.pp, tiers, workload.dtype)
+            w = self._stage_work_cache.get(skey)
+            if w is None:
+                if len(self._stage_work_cache) >= WORKS_CACHE_SIZE:
+                    self._stage_work_cache.clear()
+                w = stage_work(sw, sp.dp, sp.tp, sp.pp, tiers, self.cluster, workload.dtype)
+                self._stage_work_cache[skey] = w
+            out[sw.stage] = w
         if "rollout" in out and "actor_train" in group_of:
             r = plan.stage("rollout")
             same = group_of["rollout"] == group_of["actor_train"]
@@ -389,10 +434,7 @@ class CostModel(PrimitiveCostModel):
         sync = float(works.pop("_sync", np.zeros(NUM_CLASSES)) @ self._x)
         stages = {}
         for name, w in works.items():
-            parts = w * self._x
-            stages[name] = StageEstimate(
-                name, float(w @ self._x), {c: float(parts[i]) for i, c in enumerate(CLASSES)}
-            )
+            stages[name] = StageEstimate(name, float(w @ self._x), ClassShares(w * self._x))
         phases = compose_phases(plan, workload, {n: e.seconds for n, e in stages.items()})
         return StepEstimate(sum(phases), phases, stages, sync)
 

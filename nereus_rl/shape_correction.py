@@ -38,7 +38,7 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import replace
 
-from nereus_rl.costmodel import StageEstimate, compose_phases
+from nereus_rl.costmodel import ClassShares, StageEstimate, compose_phases
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 
 
@@ -66,6 +66,7 @@ class ShapeCorrection:
         # the whole-plan regime factor, measured by anchor()
         self.factor = 1.0
         self._cache: dict[tuple, dict[tuple, float]] = {}
+        self.version = 0  # bumps when what correct() applies may change (PricedModel)
 
     def observe(
         self, plan: GlobalPlan, workload, measured: dict[str, float], *, startup: bool = False
@@ -79,6 +80,7 @@ class ShapeCorrection:
             if t is not None and t > 0:
                 store[shape(sp)].append((plan, workload, float(t)))
         self._cache = {}
+        self.version += 1
 
     def _medians(self, cm, store: dict, tag: str) -> dict[tuple, float]:
         # Per shape, the median of measured / cm's price (cached per model version; the
@@ -113,7 +115,10 @@ class ShapeCorrection:
             if st is not None and k in run and k in start:
                 num += st.seconds * run[k]
                 den += st.seconds * start[k]
-        self.factor = num / den if den > 0 and num > 0 else 1.0
+        factor = num / den if den > 0 and num > 0 else 1.0
+        if factor != self.factor:
+            self.factor = factor
+            self.version += 1
         return self.factor
 
     def ratios(self, cm) -> dict[tuple, float]:
@@ -147,8 +152,12 @@ class ShapeCorrection:
         for sp in plan.stages:
             st, r = est.stages.get(sp.stage), rs.get(shape(sp))
             if st is not None and r is not None:  # each class scaled alike
-                stages[sp.stage] = StageEstimate(
-                    st.stage, st.seconds * r, {c: v * r for c, v in st.by_class.items()}
+                parts = st.by_class
+                scaled = (
+                    parts.scaled(r)
+                    if isinstance(parts, ClassShares)
+                    else {c: v * r for c, v in parts.items()}
                 )
+                stages[sp.stage] = StageEstimate(st.stage, st.seconds * r, scaled)
         phases = compose_phases(plan, workload, {n: e.seconds for n, e in stages.items()})
         return replace(est, total_s=sum(phases), phase_s=phases, stages=stages)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
+from typing import Any
 
 from nereus_rl.globalplan import GlobalPlan
 
@@ -49,12 +50,14 @@ class StepOverhead:
             raise ValueError(f"window={window} must be >= 2 (a line needs two points)")
         self.window = window
         self.obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self.version = 0  # bumps on every observation (PricedModel's memo keys on it)
 
     def observe(self, plan: GlobalPlan, predicted_s: float, measured_s: float) -> None:
         """Record one step of ``plan``: measured minus predicted (ignored when either is
         not positive)."""
         if predicted_s > 0 and measured_s > 0:
             self.obs.append((worker_calls(plan), measured_s - predicted_s))
+            self.version += 1
 
     @property
     def coef(self) -> tuple[float, float]:
@@ -90,6 +93,10 @@ class StepOverhead:
         return {"overhead_a_s": a, "overhead_b_s_per_call": b, "overhead_obs": len(self.obs)}
 
 
+# (plan, workload) estimates a PricedModel keeps between changes of what prices them
+MEMO_SIZE = 8192
+
+
 class PricedModel:
     """``costmodel`` with measured stage shapes at their measured price (``shapes``, a
     :class:`~nereus_rl.shape_correction.ShapeCorrection`, optional) and
@@ -104,6 +111,12 @@ class PricedModel:
         self._cm = costmodel
         self._overhead = overhead
         self._shapes = shapes
+        # (plan, workload) -> step_latency while the model, the overhead fit and the
+        # shape ratios stay as they were (their versions): one boundary's decisions
+        # price the same candidates at the same lengths again and again (the planner's
+        # k-best, the lookahead's horizon, admission), 60-70% of a PPO boundary's time
+        self._memo: dict[tuple, Any] = {}
+        self._token: tuple | None = None
 
     def stage_price(self, plan: GlobalPlan, workload):
         """The model's estimate with measured shapes corrected, without the overhead."""
@@ -114,8 +127,23 @@ class PricedModel:
 
     def step_latency(self, plan: GlobalPlan, workload):
         """The corrected estimate with the measured per-call overhead in ``total_s``."""
-        est = self.stage_price(plan, workload)
-        return replace(est, total_s=est.total_s + self._overhead.spread(plan))
+        shapes = self._shapes
+        token = (
+            getattr(self._cm, "version", None),
+            self._overhead.version,
+            None if shapes is None else shapes.version,
+        )
+        if token != self._token or token[0] is None or len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+            self._token = token
+        key = (plan, workload)
+        est = self._memo.get(key)
+        if est is None:
+            est = self.stage_price(plan, workload)
+            est = replace(est, total_s=est.total_s + self._overhead.spread(plan))
+            if token[0] is not None:  # a model without versions is never memoized
+                self._memo[key] = est
+        return est
 
     def __getattr__(self, name: str):
         return getattr(self._cm, name)

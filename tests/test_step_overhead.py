@@ -71,3 +71,36 @@ def test_priced_model_adds_the_spread_only_to_the_total():
         assert pm.peak_memory(_plan(2), wl) == ad.cm.peak_memory(_plan(2), wl)
     finally:
         tr.driver.shutdown()
+
+
+def test_priced_model_memo_follows_the_model_the_fit_and_the_shapes():
+    # The memo (one boundary's decisions price the same pairs again) must never serve an
+    # estimate made before the model, the overhead fit or the shape ratios changed.
+    from nereus_rl.shape_correction import ShapeCorrection
+    from nereus_rl.step_overhead import PricedModel
+    from nereus_rl.trainer import TrainConfig, Trainer
+
+    tr = Trainer(TrainConfig(algo="remax", devices=4, steps=2, calibration_probes=0))
+    try:
+        ad = tr.adapter
+        wl, p = ad.workload(8), _plan(2)
+        ov, shapes = StepOverhead(), ShapeCorrection()
+        pm = PricedModel(ad.cm, ov, shapes)
+        first = pm.step_latency(p, wl)
+        assert pm.step_latency(p, wl) is first  # the memo
+        ad.cm.observe(p, wl, {"actor_train": 3 * first.stages["actor_train"].seconds})
+        after_model = pm.step_latency(p, wl)
+        assert after_model.total_s != first.total_s
+        assert after_model == PricedModel(ad.cm, ov, shapes).step_latency(p, wl)
+        ov.observe(_plan(1), 0.1, 0.2)
+        ov.observe(_plan(2), 0.1, 0.3)
+        after_fit = pm.step_latency(p, wl)
+        assert math.isclose(after_fit.total_s - after_model.total_s, 0.1 * 5)
+        shapes.observe(p, wl, {"reference": 5 * after_fit.stages["reference"].seconds})
+        after_shapes = pm.step_latency(p, wl)
+        assert after_shapes.stages["reference"].seconds > after_fit.stages["reference"].seconds
+        # the per-class shares are the stage's seconds split, scaled with a measured shape
+        ref = after_shapes.stages["reference"]
+        assert math.isclose(sum(ref.by_class.values()), ref.seconds, rel_tol=1e-9)
+    finally:
+        tr.driver.shutdown()
