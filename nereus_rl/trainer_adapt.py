@@ -96,6 +96,9 @@ LOOKAHEAD_STEPS = 6
 # Candidates an opportunistic move's lookahead scores: the planner's fastest for the
 # next step (see Adapter.boundary)
 OPPORTUNISTIC_POOL = 12
+# Plans the planner returns for an opportunistic decision, re-ranked as decisions price
+# them (measured shapes, overhead) before the pool above is taken from them
+OPPORTUNISTIC_RANK = 24
 
 
 class Adapter:
@@ -447,7 +450,11 @@ class Adapter:
                        "no opportunistic move before it, so no plan was searched"})  # fmt: skip
             return out
         try:
-            ranked = [p for _, p in self.ranked_plans(nxt, devices=avail)]
+            # An opportunistic move asks the planner for fewer plans (re-priced, each,
+            # as decisions price them: 10-24 ms of a PPO boundary for 64); urgent moves
+            # and the replan-always baseline keep the whole k-best
+            k = 64 if urgent_now or self.cfg.admission == "always" else OPPORTUNISTIC_RANK
+            ranked = [p for _, p in self.ranked_plans(nxt, devices=avail, k=k)]
         except ValueError as e:  # nothing fits: keep running the current plan
             self._log({"step": step, "signal": trig.signal, "trigger": trig.reason,
                        "urgent": trig.urgent, "taken": False, "reason": str(e),
