@@ -14,8 +14,14 @@ stage (the plan, workload and measured seconds, from the startup probes and ever
 step), and prices a stage of a measured shape at the model's price times the median
 ratio measured / model's price of those measurements, the ratio taken against the
 model as it is now (the model keeps refining; a ratio taken once would go stale).
-A shape never measured keeps the model's price. Phases are composed as the cost model
-composes them (stages sharing devices add up, groups on other devices overlap).
+A shape never measured keeps the model's price times ``unmeasured_factor`` (1 by
+default; the trainer sets 1 + the model's trusted error): once some shapes are measured,
+an unmeasured one is the least known, and the model prices some of them far too low on
+these workers (bench_e2e, GRPO async: an opportunistic move to a plan with a tp 2
+reference it had never run, predicted 0.08 s/step faster, ran 0.1-0.25 s/step slower
+until the run moved back, and such plans won the start among near ties in some runs).
+Phases are composed as the cost model composes them (stages sharing devices add up,
+groups on other devices overlap).
 
 Two regimes. The startup probes (``observe(..., startup=True)``) measure shapes one plan
 at a time on a machine as loaded as it was then; the run measures the running plan's
@@ -67,6 +73,8 @@ class ShapeCorrection:
         self.factor = 1.0
         self._cache: dict[tuple, dict[tuple, float]] = {}
         self.version = 0  # bumps when what correct() applies may change (PricedModel)
+        # a never-measured shape's price over the model's, once any shape is measured
+        self.unmeasured_factor = 1.0
 
     def observe(
         self, plan: GlobalPlan, workload, measured: dict[str, float], *, startup: bool = False
@@ -151,6 +159,8 @@ class ShapeCorrection:
         stages = dict(est.stages)
         for sp in plan.stages:
             st, r = est.stages.get(sp.stage), rs.get(shape(sp))
+            if r is None and self.unmeasured_factor != 1.0:
+                r = self.unmeasured_factor
             if st is not None and r is not None:  # each class scaled alike
                 parts = st.by_class
                 scaled = (

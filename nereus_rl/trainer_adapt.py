@@ -125,6 +125,9 @@ class Adapter:
         # (shape_correction): the model misprices some shapes 2-4x on these workers
         self.shapes = ShapeCorrection()
         self.controller = Controller(buckets=cfg.buckets, hysteresis=0.0, window=5)
+        # a shape no step or probe has run is priced at the model's trusted error above
+        # the model (shape_correction): decisions prefer what has been measured
+        self.shapes.unmeasured_factor = 1.0 + self.controller.model_tolerance
         self.sized_plan: GlobalPlan | None = None  # the automatic budget's (_auto_budget)
         self._workloads: dict[int, Any] = {}  # response length -> its Workload (workload)
         budget = cfg.memory_budget

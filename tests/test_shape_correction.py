@@ -130,3 +130,28 @@ def test_probed_shapes_are_priced_under_the_running_plans_regime(cm_wl):
     sc2.observe(p3, wl, {"actor_train": t1 * 3.0})
     assert sc2.anchor(cm, p3, wl) == 1.0
     assert math.isclose(sc2.ratios(cm)[("actor_train", 1, 1, 1)], 3.0)
+
+
+def test_an_unmeasured_shape_is_priced_at_the_factor_once_some_shape_is_measured(cm_wl):
+    cm, wl = cm_wl
+    sc = ShapeCorrection()
+    sc.unmeasured_factor = 1.15
+    p1, p2 = _plan(1), _plan(2)
+    raw2 = cm.step_latency(p2, wl)
+    # nothing measured: every shape alike, the model's prices stand
+    assert sc.correct(cm, p2, wl, raw2) == raw2
+    t = cm.step_latency(p1, wl).stages["actor_train"].seconds
+    sc.observe(p1, wl, {"actor_train": t, "rollout": 2.0, "reference": 1.0})
+    got = sc.correct(cm, p2, wl, raw2)
+    # p2's dp 2 training was never measured: 1.15x the model; its rollout and reference
+    # shapes were (p1 has the same), at their measured ratios
+    assert math.isclose(
+        got.stages["actor_train"].seconds, 1.15 * raw2.stages["actor_train"].seconds
+    )
+    measured = sc.ratios(cm)
+    r = measured[shape(p2.stage("rollout"))]
+    assert math.isclose(got.stages["rollout"].seconds, r * raw2.stages["rollout"].seconds)
+    # the measured plan's own training is at its ratio (1.0), not the factor
+    assert math.isclose(
+        sc.correct(cm, p1, wl, cm.step_latency(p1, wl)).stages["actor_train"].seconds, t
+    )
