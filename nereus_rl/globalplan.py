@@ -46,8 +46,29 @@ def fmt_devices(devs: tuple[int, ...] | list[int]) -> str:
     return ",".join(out)
 
 
+class _KeepsHash:
+    """A frozen plan's hash, computed once: the decisions hash plans thousands of times
+    per boundary (the cost model's caches are keyed by plan). The kept hash is of this
+    process's string hashing (randomized per process), so it is not pickled: a plan sent
+    to another process hashes there anew."""
+
+    def _hash_key(self) -> tuple:
+        raise NotImplementedError
+
+    def _cached_hash(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(self._hash_key())
+        return h
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+
 @dataclass(frozen=True)
-class StagePlan:
+class StagePlan(_KeepsHash):
     """One model-stage's parallel layout and devices.
 
     Attributes:
@@ -103,20 +124,11 @@ class StagePlan:
     def devices(self) -> frozenset[int]:
         return frozenset(d for u in self.units for d in u)
 
-    def __getstate__(self) -> dict:
-        # the cached hash is of this process's string hashing (randomized per process):
-        # a plan sent to another process must hash there anew
-        state = dict(self.__dict__)
-        state.pop("_hash", None)
-        return state
+    def _hash_key(self) -> tuple:
+        return (self.stage, self.model, self.trains, self.dp, self.tp, self.pp, self.units)
 
-    def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash(
-                (self.stage, self.model, self.trains, self.dp, self.tp, self.pp, self.units)
-            )
-        return h
+    # (explicit in the class body: dataclass would otherwise generate its own)
+    __hash__ = _KeepsHash._cached_hash
 
     def is_pow2(self) -> bool:
         """True when dp, tp and pp are all powers of two (the planner's plan space)."""
@@ -130,7 +142,7 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class GlobalPlan:
+class GlobalPlan(_KeepsHash):
     """Every model-stage's StagePlan for one RL job. Stage order is the workload's order."""
 
     stages: tuple[StagePlan, ...]
@@ -158,18 +170,10 @@ class GlobalPlan:
             out |= s.devices
         return frozenset(out)
 
-    def __getstate__(self) -> dict:
-        # the cached hash is of this process's string hashing (randomized per process):
-        # a plan sent to another process must hash there anew
-        state = dict(self.__dict__)
-        state.pop("_hash", None)
-        return state
+    def _hash_key(self) -> tuple:
+        return self.stages
 
-    def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash(self.stages)
-        return h
+    __hash__ = _KeepsHash._cached_hash
 
     def colocation_groups(self) -> list[tuple[str, ...]]:
         """Stages grouped by shared devices (connected components of device overlap)."""
