@@ -74,9 +74,10 @@ non-urgent moves where payback and replan-always differ).
     python benchmarks/bench_e2e.py --steps 20 --json out.json  # every plan: hours
 
 Three interleaved repeats by default (two were too few: two PPO runs disagreed more than
-the variants within one), then three confirmation rounds (17 s at --quick, load 3-5). --quick
+the variants within one), then three confirmation rounds (12-19 s at --quick, idle). --quick
 runs 10 steps and the top 2 enumerated plans, so 10 variants of ~3 s per run each
-(94-102 s per setting idle before the confirmation rounds); a full run runs every
+(97-116 s per GRPO or ReMax setting idle with the confirmation rounds, 127-143 s per PPO
+setting; --quick alone runs GRPO sync); a full run runs every
 enumerated plan (on 4 workers under the startup budget: ~30 for GRPO and ReMax, ~500
 for PPO, whose disaggregated layouts need a large budget; ~18 s each at 20 steps and
 three repeats: 10 min per GRPO setting, hours for PPO).

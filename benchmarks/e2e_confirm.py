@@ -24,9 +24,9 @@ from typing import Any
 from e2e_verdict import CONFIRMED, SELECTION, paired_range
 
 # Default confirmation rounds per setting (--confirm), --quick included: three like the
-# selection repeats, so the confirmed range is no wider than the selection one's. Three
-# added 17 s to a --quick GRPO sync setting at load 3.1-4.9 (148 s in all); with the
-# 94-102 s such settings ran idle before, that stays under two minutes, so --quick keeps 3
+# selection repeats, so the confirmed range is no wider than the selection one's. Idle,
+# they took 12-19 s of a --quick setting (97-116 s per GRPO or ReMax setting in all, so
+# --quick, GRPO sync alone, stays under two minutes; PPO settings 127-143 s)
 CONFIRM_ROUNDS = 3
 
 

@@ -108,15 +108,21 @@ def dcp_meshes(ctx: WorkerContext, groups: list[tuple[int, ...]]) -> None:
     ctx.state["bench.meshes"] = {tuple(g): _mesh(g) for g in groups}
 
 
+def _dcp_state(ctx: WorkerContext, layout: Layout, tensors: dict):
+    """The stage's state on ``layout`` as DTensors over this rank's ``tensors`` (what
+    dcp saves from or loads into), and the layout's mesh."""
+    specs, nl = _stage(ctx)
+    mesh = ctx.state["bench.meshes"][tuple(layout.ranks)]
+    return _dtensors(specs, nl, layout, ctx.rank, mesh, tensors), mesh
+
+
 @register("bench.dcp_save")
 def dcp_save(ctx: WorkerContext, src: Layout, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     if ctx.rank not in src:
         return
-    specs, nl = _stage(ctx)
-    mesh = ctx.state["bench.meshes"][tuple(src.ranks)]
-    sd = _dtensors(specs, nl, src, ctx.rank, mesh, _shards_of(ctx, src))
+    sd, mesh = _dcp_state(ctx, src, _shards_of(ctx, src))
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), process_group=mesh.get_group())
 
 
@@ -126,10 +132,8 @@ def dcp_load(ctx: WorkerContext, dst: Layout, path: str) -> None:
 
     if ctx.rank not in dst:
         return
-    specs, nl = _stage(ctx)
-    mesh = ctx.state["bench.meshes"][tuple(dst.ranks)]
     out = _destination(ctx, dst)
-    sd = _dtensors(specs, nl, dst, ctx.rank, mesh, out)
+    sd, mesh = _dcp_state(ctx, dst, out)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), process_group=mesh.get_group())
     loaded = {k: v.to_local() for k, v in sd.items()}
     if any(loaded[k].data_ptr() != out[k].data_ptr() for k in out):

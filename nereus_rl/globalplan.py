@@ -46,11 +46,13 @@ def fmt_devices(devs: tuple[int, ...] | list[int]) -> str:
     return ",".join(out)
 
 
-class _KeepsHash:
-    """A frozen plan's hash, computed once: the decisions hash plans thousands of times
-    per boundary (the cost model's caches are keyed by plan). The kept hash is of this
-    process's string hashing (randomized per process), so it is not pickled: a plan sent
-    to another process hashes there anew."""
+class KeepsHash:
+    """A frozen dataclass's hash, computed once (plans and workloads: the decisions hash
+    them thousands of times per boundary, the cost model's caches being keyed by them).
+    The kept hash is of this process's string hashing (randomized per process), so it is
+    not pickled: an object sent to another process hashes there anew. A subclass gives
+    ``_hash_key`` and sets ``__hash__ = KeepsHash._cached_hash`` in its body (dataclass
+    would otherwise generate its own)."""
 
     def _hash_key(self) -> tuple:
         raise NotImplementedError
@@ -68,7 +70,7 @@ class _KeepsHash:
 
 
 @dataclass(frozen=True)
-class StagePlan(_KeepsHash):
+class StagePlan(KeepsHash):
     """One model-stage's parallel layout and devices.
 
     Attributes:
@@ -127,8 +129,7 @@ class StagePlan(_KeepsHash):
     def _hash_key(self) -> tuple:
         return (self.stage, self.model, self.trains, self.dp, self.tp, self.pp, self.units)
 
-    # (explicit in the class body: dataclass would otherwise generate its own)
-    __hash__ = _KeepsHash._cached_hash
+    __hash__ = KeepsHash._cached_hash
 
     def is_pow2(self) -> bool:
         """True when dp, tp and pp are all powers of two (the planner's plan space)."""
@@ -142,7 +143,7 @@ class StagePlan(_KeepsHash):
 
 
 @dataclass(frozen=True)
-class GlobalPlan(_KeepsHash):
+class GlobalPlan(KeepsHash):
     """Every model-stage's StagePlan for one RL job. Stage order is the workload's order."""
 
     stages: tuple[StagePlan, ...]
@@ -173,7 +174,7 @@ class GlobalPlan(_KeepsHash):
     def _hash_key(self) -> tuple:
         return self.stages
 
-    __hash__ = _KeepsHash._cached_hash
+    __hash__ = KeepsHash._cached_hash
 
     def colocation_groups(self) -> list[tuple[str, ...]]:
         """Stages grouped by shared devices (connected components of device overlap)."""

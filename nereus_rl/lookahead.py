@@ -213,8 +213,8 @@ def _choose(
     cands = [c for c in candidates if not cm.memory_violations(c, workloads[0])]
     if not cands:
         raise LookaheadError("no candidate fits the next step's workload; ask the planner again")
-    # A horizon repeats lengths (a forecast holds, a schedule plateaus): each candidate
-    # is priced once per distinct workload
+    # A horizon repeats lengths (a forecast holds, a schedule plateaus): each candidate's
+    # memory is checked once per distinct workload
     fit_of: dict[tuple[int, Workload], bool] = {}
     for i, c in enumerate(cands):
         for wl in workloads:
@@ -229,12 +229,8 @@ def _choose(
     h_all = h
     h = next((j for j in range(h) if not any(f[j] for f in fits_all)), h)
     fits = [f[:h] for f in fits_all]
-    lat_of: dict[tuple[int, Workload], float] = {}
-    for i, c in enumerate(cands):
-        for wl in workloads[:h]:
-            if (i, wl) not in lat_of:
-                lat_of[i, wl] = cm.step_latency(c, wl).total_s
-    lat = [[lat_of[i, wl] for wl in workloads[:h]] for i in range(len(cands))]
+    # (repeated lengths are priced once by the decisions' PricedModel memo)
+    lat = [[cm.step_latency(c, wl).total_s for wl in workloads[:h]] for c in cands]
     over = [next((j for j in range(h) if not f[j]), None) for f in fits]
     tcache: dict[tuple[int, int], float] = {}
 

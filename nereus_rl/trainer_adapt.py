@@ -130,6 +130,7 @@ class Adapter:
         self.shapes.unmeasured_factor = 1.0 + self.controller.model_tolerance
         self.sized_plan: GlobalPlan | None = None  # the automatic budget's (_auto_budget)
         self._workloads: dict[int, Any] = {}  # response length -> its Workload (workload)
+        self._priced: PricedModel | None = None  # the default model's (priced)
         budget = cfg.memory_budget
         if budget is None:
             budget = self._auto_budget()
@@ -176,10 +177,9 @@ class Adapter:
         decision of a boundary: PricedModel)."""
         if cm is not None:
             return PricedModel(cm, self.overhead, self.shapes)
-        pm = self.__dict__.get("_priced")
-        if pm is None or pm._cm is not self.cm:
-            pm = self._priced = PricedModel(self.cm, self.overhead, self.shapes)
-        return pm
+        if self._priced is None or self._priced._cm is not self.cm:
+            self._priced = PricedModel(self.cm, self.overhead, self.shapes)
+        return self._priced
 
     # -------------------------------------------------------------- workload
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from nereus_rl.globalplan import KeepsHash
 from nereus_rl.spec import ModelSpec, SpecError, model_preset
 
 ALGOS = ("ppo", "grpo", "remax")
@@ -89,7 +90,7 @@ class StageWork:
 
 
 @dataclass(frozen=True)
-class Workload:
+class Workload(KeepsHash):
     """The stages of one RL step (in execution order) and the step's shape."""
 
     algo: str
@@ -104,14 +105,12 @@ class Workload:
         """The stages that need devices (all but a rule-based reward)."""
         return tuple(s for s in self.stages if s.kind != "rule")
 
-    def __hash__(self) -> int:
-        # Kept once: the cost model's caches are keyed by (plan, workload), and hashing
-        # the nested stages again on every lookup was most of a lookup's cost
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.algo, self.stages, self.batch, self.prompt_len, self.response_len))
-            h = self.__dict__["_hash"] = hash((h, self.dtype))
-        return h
+    def _hash_key(self) -> tuple:
+        return (self.algo, self.stages, self.batch, self.prompt_len, self.response_len, self.dtype)
+
+    # kept once (KeepsHash): hashing the nested stages on every cache lookup was most of
+    # a lookup's cost
+    __hash__ = KeepsHash._cached_hash
 
     def stage(self, name: str) -> StageWork:
         for s in self.stages:
@@ -143,11 +142,10 @@ class Workload:
         return got
 
     def __getstate__(self) -> dict:
-        # The per-length memo is a cache: not pickled or copied with the workload; nor is
-        # the hash, which is of this process's string hashing (randomized per process).
-        state = dict(self.__dict__)
+        # The per-length memo is a cache: not pickled or copied with the workload (nor is
+        # the kept hash: KeepsHash).
+        state = super().__getstate__()
         state.pop("_by_len", None)
-        state.pop("_hash", None)
         return state
 
     def __repr__(self) -> str:
