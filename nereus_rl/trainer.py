@@ -232,6 +232,20 @@ class Trainer(StepWork):
     def _submit(self, fn: str, *args, **kwargs):
         return self.driver.submit(self.workers, fn, *args, **kwargs)
 
+    def _submit_stage(self, fn: str, stage: str, *args, **kwargs):
+        """Send a stage command (``rl.generate``, ``rl.infer``, ``rl.train``) to the
+        stage's own workers only; do not wait.
+
+        Its collectives are over the stage's groups alone, so no other worker needs the
+        command. Sent to every worker (as it once was), a worker running another stage's
+        command answers only after that command: the async rollout's workers held every
+        reference and training reply back until the next step's rollout ended, so
+        rollout overlapped nothing on disjoint devices. Every worker still sees the
+        commands it gets in the driver's one order, so collectives stay in step.
+        """
+        ranks = [self.device_worker[d] for d in sorted(self.plan.stage(stage).devices)]
+        return self.driver.submit(ranks, fn, stage, *args, **kwargs)
+
     def _response_len(self, step: int) -> int:
         return int(self.lengths.response_len(step))
 

@@ -55,7 +55,7 @@ class StepWork:
         prompts = encode_prompts(problems)
         rp = self.plan.stage("rollout")
         parts = _split(prompts, rp.dp)
-        pend = self._submit(
+        pend = self._submit_stage(
             "rl.generate",
             "rollout",
             parts,
@@ -87,17 +87,22 @@ class StepWork:
         scores = score_responses(self.task, problems, seqs[:, plen:])
         reward_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ref_p = self.plan.stage("reference")
-        rep = self._all("rl.infer", "reference", _split(seqs, ref_p.dp), plen, cfg.num_micro)
-        ref_logp = _gather(rep, "out")
-        values = None
-        if cfg.algo == "ppo":
-            cp = self.plan.stage("critic_inference")
-            rep_v = self._all(
-                "rl.infer", "critic_inference", _split(seqs, cp.dp), plen, cfg.num_micro
+        # PPO's reference and critic inference are submitted together: on disjoint
+        # devices they run side by side (as the cost model prices the phase).
+        inf_stages = ("reference", "critic_inference") if cfg.algo == "ppo" else ("reference",)
+        inf_pend = [
+            self._submit_stage(
+                "rl.infer", s, _split(seqs, self.plan.stage(s).dp), plen, cfg.num_micro
             )
-            values = _gather(rep_v, "out")
+            for s in inf_stages
+        ]
+        inf_rep = [self.driver.wait(p) for p in inf_pend]
+        ref_logp = _gather(inf_rep[0], "out")
+        values = _gather(inf_rep[1], "out") if cfg.algo == "ppo" else None
         infer_s = time.perf_counter() - t0
+        # each inference stage as its workers time it: the driver's infer_s also holds
+        # the wait behind an async rollout on shared workers (and the calls' overhead)
+        infer_work_s = {s: _stage_seconds(r) for s, r in zip(inf_stages, inf_rep)}
         num_tokens = float(mask.sum())
         batch: dict[str, torch.Tensor] = {
             "sequences": seqs,
@@ -126,7 +131,7 @@ class StepWork:
                 b["prompt_len"] = torch.tensor(plen)
                 b["num_tokens"] = torch.tensor(num_tokens)
                 parts.append(b)
-            pend.append((stage, self._submit("rl.train", stage, parts, hp)))
+            pend.append((stage, self._submit_stage("rl.train", stage, parts, hp)))
         stats: dict[str, float] = {}
         train_s = 0.0
         for stage, p in pend:
@@ -154,6 +159,7 @@ class StepWork:
                 "inference": infer_s,
                 "train": train_s,
             },
+            "inference_work_s": infer_work_s,
         }
 
     def _lr(self, step: int) -> float:
