@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nereus_rl.costmodel_async import overlapped_step
 from nereus_rl.costmodel_primitives import PrimitiveCost, PrimitiveCostModel, UnitLayout
 from nereus_rl.costmodel_work import (
     CLASS_INDEX,
@@ -59,6 +60,7 @@ __all__ = [
     "StageEstimate",
     "StepEstimate",
     "UnitLayout",
+    "compose_step",
     "stage_tiers",
 ]
 
@@ -181,6 +183,25 @@ def compose_phases(
                 per[workload.stage(s).phase] += seconds[s]
         phases = [max(a, b) for a, b in zip(phases, per)]
     return tuple(phases)
+
+
+def compose_step(
+    plan: GlobalPlan,
+    workload: Workload,
+    seconds: Mapping[str, float],
+    sync_s: float,
+    cluster: ClusterSpec,
+) -> tuple[float, tuple[float, ...]]:
+    """A step's seconds and its phases' (:func:`compose_phases`) from its stages'.
+
+    Synchronous: the phases one after another. With ``workload.rollout_ahead`` the next
+    step's rollout runs beside this step's work (``costmodel_async.overlapped_step``);
+    the phases are then each phase's own seconds, not parts of the total.
+    """
+    phases = compose_phases(plan, workload, seconds)
+    if not workload.rollout_ahead:
+        return sum(phases), phases
+    return overlapped_step(plan, workload, seconds, sync_s, cluster)[0], phases
 
 
 class CostModel(PrimitiveCostModel):
@@ -435,8 +456,9 @@ class CostModel(PrimitiveCostModel):
         stages = {}
         for name, w in works.items():
             stages[name] = StageEstimate(name, float(w @ self._x), ClassShares(w * self._x))
-        phases = compose_phases(plan, workload, {n: e.seconds for n, e in stages.items()})
-        return StepEstimate(sum(phases), phases, stages, sync)
+        secs = {n: e.seconds for n, e in stages.items()}
+        total, phases = compose_step(plan, workload, secs, sync, self.cluster)
+        return StepEstimate(total, phases, stages, sync)
 
     # ----- memory ---------------------------------------------------------------------
     @property

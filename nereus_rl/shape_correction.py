@@ -44,7 +44,7 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import replace
 
-from nereus_rl.costmodel import ClassShares, StageEstimate, compose_phases
+from nereus_rl.costmodel import ClassShares, StageEstimate, compose_step
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 
 
@@ -169,5 +169,6 @@ class ShapeCorrection:
                     else {c: v * r for c, v in parts.items()}
                 )
                 stages[sp.stage] = StageEstimate(st.stage, st.seconds * r, scaled)
-        phases = compose_phases(plan, workload, {n: e.seconds for n, e in stages.items()})
-        return replace(est, total_s=sum(phases), phase_s=phases, stages=stages)
+        secs = {n: e.seconds for n, e in stages.items()}
+        total, phases = compose_step(plan, workload, secs, est.sync_s, getattr(cm, "cluster", None))
+        return replace(est, total_s=total, phase_s=phases, stages=stages)

@@ -62,6 +62,7 @@ covering an Extend per new unit of each such stage, priced the way
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from nereus_rl.adapt_move import admit_move, compile_priced, execute_move, primitive_seconds
@@ -70,6 +71,7 @@ from nereus_rl.auto_budget import auto_budget
 from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
 from nereus_rl.costmodel import CostModel
+from nereus_rl.costmodel_async import own_seconds
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadChoice, LookaheadError
 from nereus_rl.lookahead import choose as choose_lookahead
@@ -214,6 +216,7 @@ class Adapter:
             group_size=cfg.group_size if cfg.algo == "grpo" else 1,
             micro_batch=max(1, cfg.batch // cfg.num_micro),
             dtype="fp32",
+            rollout_ahead=cfg.mode == "async",
         )
 
     def _auto_budget(self, observed: list[tuple] = ()) -> int:
@@ -383,9 +386,17 @@ class Adapter:
         tr = self.trainer
         plan = tr.plan
         wl_now = self.workload(m["response_len"])
-        measured = stage_seconds(self.cfg.algo, m)
+        measured = stage_seconds(self.cfg.algo, m, overlapped=wl_now.rollout_ahead)
+        if wl_now.rollout_ahead and step == 0:
+            # the first async step waits for its own rollout: not the steady state the
+            # overlapped price is for, so its whole step is priced phase after phase
+            wl_now = replace(wl_now, rollout_ahead=False)
         # the stages' price with the measured shapes' ratios (as plans are ranked)
-        predicted = self.priced().stage_price(plan, wl_now).total_s
+        est = self.priced().stage_price(plan, wl_now)
+        predicted = est.total_s
+        if wl_now.rollout_ahead:
+            # stages measured beside the rollout: their own time refines the model
+            measured = own_seconds(plan, wl_now, measured, est, self.cm.cluster)
         # the step as a whole: the stages' price and the measured unpriced rest
         ovh = self.overhead.predict(plan)
         whole = predicted + ovh

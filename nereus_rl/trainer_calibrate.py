@@ -34,6 +34,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from nereus_rl.globalplan import GlobalPlan
@@ -59,19 +60,25 @@ PROBE_POOL = 8
 BUCKETS_AHEAD = 2
 
 
-def stage_seconds(algo: str, m: dict[str, Any]) -> dict[str, float]:
+def stage_seconds(algo: str, m: dict[str, Any], overlapped: bool = False) -> dict[str, float]:
     """Measured seconds per stage of one step, as ``CostModel.observe`` reads them.
 
-    Rollout's time includes the weight sync (the model prices the sync into rollout);
-    for PPO the critic inference and training run beside their actor counterparts, so
-    the inference time is not attributed to the reference alone.
+    Rollout's time includes the weight sync (the model prices the sync into rollout).
+    Synchronous (``overlapped`` False): the inference phase as the driver times it; for
+    PPO the critic inference and training run beside their actor counterparts, so the
+    inference time is not attributed to the reference alone. Asynchronous: each
+    inference stage as its workers time it (``inference_work_s``), since the driver's
+    time holds the wait behind the next step's rollout on workers the two share.
     """
     out = {
         "rollout": m["stage_s"]["rollout"] + m.get("sync_s", 0.0),
         "reference": m["stage_s"]["inference"],
         "actor_train": m["stage_s"]["train"],
     }
-    if algo == "ppo":
+    if overlapped and "inference_work_s" in m:
+        out.pop("reference")
+        out.update(m["inference_work_s"])
+    elif algo == "ppo":
         out.pop("reference")
     return out
 
@@ -256,6 +263,8 @@ def calibrate(
     # time holds, not the model's error on a stage)
     pm = ad.priced()
     for p, w, step_s in steps:
+        # a probe runs its step's phases one after another, even in an async run
+        w = replace(w, rollout_ahead=False)
         ad.overhead.observe(p, pm.stage_price(p, w).total_s, step_s)
     rec = {
         "probes": [repr(p) for p in probes],

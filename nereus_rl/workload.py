@@ -91,7 +91,12 @@ class StageWork:
 
 @dataclass(frozen=True)
 class Workload(KeepsHash):
-    """The stages of one RL step (in execution order) and the step's shape."""
+    """The stages of one RL step (in execution order) and the step's shape.
+
+    ``rollout_ahead``: asynchronous RL, the next step's rollout runs beside this step's
+    inference and training (``nereus_rl.costmodel_async`` prices the overlap); False:
+    the phases run one after another.
+    """
 
     algo: str
     stages: tuple[StageWork, ...]
@@ -99,6 +104,7 @@ class Workload(KeepsHash):
     prompt_len: int
     response_len: int
     dtype: str = "bf16"
+    rollout_ahead: bool = False
 
     @property
     def planned_stages(self) -> tuple[StageWork, ...]:
@@ -106,7 +112,10 @@ class Workload(KeepsHash):
         return tuple(s for s in self.stages if s.kind != "rule")
 
     def _hash_key(self) -> tuple:
-        return (self.algo, self.stages, self.batch, self.prompt_len, self.response_len, self.dtype)
+        return (
+            self.algo, self.stages, self.batch, self.prompt_len, self.response_len,
+            self.dtype, self.rollout_ahead,
+        )  # fmt: skip
 
     # kept once (KeepsHash): hashing the nested stages on every cache lookup was most of
     # a lookup's cost
@@ -150,8 +159,10 @@ class Workload(KeepsHash):
 
     def __repr__(self) -> str:
         return (
-            f"Workload({self.algo} batch={self.batch} prompt={self.prompt_len} "
-            f"response={self.response_len}: " + ", ".join(repr(s) for s in self.stages) + ")"
+            f"Workload({self.algo}{' async' if self.rollout_ahead else ''} batch={self.batch} "
+            f"prompt={self.prompt_len} response={self.response_len}: "
+            + ", ".join(repr(s) for s in self.stages)
+            + ")"
         )
 
 
@@ -207,6 +218,7 @@ def make_workload(
     infer_micro_batch: int | None = None,
     epochs: int = 1,
     dtype: str = "bf16",
+    rollout_ahead: bool = False,
 ) -> Workload:
     """Build the workload of one RL step.
 
@@ -223,6 +235,8 @@ def make_workload(
             inference micro-batch (default 4x ``micro_batch``).
         epochs: PPO epochs over the step's samples.
         dtype: compute dtype of the devices' peak rate.
+        rollout_ahead: asynchronous RL (the next step's rollout beside this step's
+            work; see :class:`Workload`).
 
     Returns:
         The Workload.
@@ -269,4 +283,4 @@ def make_workload(
     stages.append(sw("actor_train", "actor", "train", act, samples, mb=micro_batch))
     if algo == "ppo":
         stages.append(sw("critic_train", "critic", "train", crit, samples, True, micro_batch))
-    return Workload(algo, tuple(stages), batch, prompt_len, response_len, dtype)
+    return Workload(algo, tuple(stages), batch, prompt_len, response_len, dtype, rollout_ahead)
