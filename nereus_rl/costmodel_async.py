@@ -49,8 +49,9 @@ def overlapped_step(
     seconds: Mapping[str, float],
     sync_s: float,
     cluster: ClusterSpec,
-) -> tuple[float, dict[str, float]]:
-    """Seconds of one steady-state asynchronous step, and each stage's stretch.
+    with_stretch: bool = False,
+) -> tuple[float, dict[str, float] | None]:
+    """Seconds of one steady-state asynchronous step (and each stage's stretch).
 
     Arguments:
         plan: the plan.
@@ -59,62 +60,86 @@ def overlapped_step(
             as the cost model prices them); a stage missing counts 0.
         sync_s: the weight sync's seconds, run after the training and the rollout.
         cluster: the devices (local CPU workers share its cores).
+        with_stretch: also return each stage's stretch.
 
     Returns:
-        (step seconds, stage name -> elapsed / own seconds (>= 1; 1.0 for a stage
-        with no time)).
+        (step seconds, stage name -> elapsed / own seconds (>= 1; 1.0 for a stage with
+        no time), or None without ``with_stretch``).
     """
+    names, width, phase, before, inference = _structure(plan, workload)
     cores = cluster.cores if isinstance(cluster, LocalCpuClusterSpec) else None
-    names, devs, work, phase = [], [], [], []
-    for sw in workload.planned_stages:
-        if sw.stage not in seconds:
-            continue
-        t = float(seconds[sw.stage])
-        if sw.phase == 0:
-            t = max(0.0, t - sync_s)  # the sync runs after the rollout, not in it
-        names.append(sw.stage)
-        devs.append(plan.stage(sw.stage).devices)
-        work.append(max(0.0, t))
-        phase.append(sw.phase)
     n = len(names)
+    work = [0.0] * n
+    for j, name in enumerate(names):
+        t = float(seconds.get(name, 0.0))
+        if phase[j] == 0:
+            t -= sync_s  # the sync runs after the rollout, not in it
+        work[j] = t if t > 0.0 else 0.0
     left = list(work)
-    start = [None] * n
-    end = [None] * n
-    # the earlier-sent stages each must wait for: a shared device (per-worker order)
-    before = [[i for i in range(j) if devs[i] & devs[j]] for j in range(n)]
-    inference = [i for i in range(n) if phase[i] == 1]
+    start: list[float | None] = [None] * n
+    end: list[float | None] = [None] * n
     now = 0.0
+    waiting = list(range(n))
+    running: list[int] = []
     while True:
-        for j in range(n):
-            if start[j] is not None:
-                continue
-            if phase[j] == 2 and any(end[i] is None for i in inference):
-                continue  # training needs every inference stage's output
-            if all(end[i] is not None for i in before[j]):
-                start[j] = now
-        running = [j for j in range(n) if start[j] is not None and end[j] is None]
+        if waiting:
+            infer_done = all(end[i] is not None for i in inference)
+            still = []
+            for j in waiting:
+                if (phase[j] != 2 or infer_done) and all(end[i] is not None for i in before[j]):
+                    start[j] = now
+                    running.append(j)
+                else:
+                    still.append(j)
+            waiting = still
         if not running:
             break
-        rate = _rates(running, devs, cores)
-        dt = min(left[j] / rate[j] for j in running)
+        if cores is None:
+            rate = [1.0] * len(running)
+        else:
+            # processor sharing: running stages never share a device
+            share = min(1.0, cores / sum(width[j] for j in running))
+            rate = [share / min(1.0, cores / width[j]) for j in running]
+        dt = min(left[j] / r for j, r in zip(running, rate))
         now += dt
-        for j in running:
-            left[j] -= rate[j] * dt
+        still = []
+        for j, r in zip(running, rate):
+            left[j] -= r * dt
             if left[j] <= _EPS * max(1.0, work[j]):
-                left[j] = 0.0
                 end[j] = now
-    stretch = {names[j]: (end[j] - start[j]) / work[j] if work[j] > 0 else 1.0 for j in range(n)}
+            else:
+                still.append(j)
+        running = still
     total = (max(end) if n else 0.0) + sync_s
+    if not with_stretch:
+        return total, None
+    stretch = {names[j]: (end[j] - start[j]) / work[j] if work[j] > 0 else 1.0 for j in range(n)}
     return total, stretch
 
 
-def _rates(running: list[int], devs: list, cores: float | None) -> dict[int, float]:
-    """Each running stage's progress per second against its own time alone."""
-    if cores is None:
-        return {j: 1.0 for j in running}
-    busy = sum(len(devs[j]) for j in running)  # running stages never share a device
-    share = min(1.0, cores / busy)
-    return {j: share / min(1.0, cores / len(devs[j])) for j in running}
+# (plan, planned stage names) -> the order's structure; plans repeat over a run's lengths
+_STRUCTURES: dict[tuple, tuple] = {}
+_STRUCTURES_SIZE = 8192
+
+
+def _structure(plan: GlobalPlan, workload) -> tuple:
+    """(names, devices per stage, phases, earlier stages sharing a device, the inference
+    stages) of ``plan``'s planned stages in ``workload``'s order."""
+    stages = tuple((sw.stage, sw.phase) for sw in workload.planned_stages)
+    key = (plan, stages)
+    got = _STRUCTURES.get(key)
+    if got is None:
+        if len(_STRUCTURES) >= _STRUCTURES_SIZE:
+            _STRUCTURES.clear()
+        names = tuple(s for s, _ in stages)
+        devs = [plan.stage(s).devices for s in names]
+        width = tuple(len(d) for d in devs)
+        phase = tuple(p for _, p in stages)
+        # the earlier-sent stages each must wait for: a shared device (per-worker order)
+        before = tuple(tuple(i for i in range(j) if devs[i] & devs[j]) for j in range(len(names)))
+        inference = tuple(i for i, p in enumerate(phase) if p == 1)
+        got = _STRUCTURES[key] = (names, width, phase, before, inference)
+    return got
 
 
 def own_seconds(
@@ -132,7 +157,7 @@ def own_seconds(
     so only its generation share (as priced) is divided.
     """
     secs = {n: e.seconds for n, e in est.stages.items()}
-    _, stretch = overlapped_step(plan, workload, secs, est.sync_s, cluster)
+    _, stretch = overlapped_step(plan, workload, secs, est.sync_s, cluster, with_stretch=True)
     out = {}
     for k, v in measured.items():
         r = stretch.get(k, 1.0)

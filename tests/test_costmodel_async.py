@@ -34,12 +34,16 @@ def _wl(algo="grpo", ahead=True):
     )  # fmt: skip
 
 
+def _step(plan, secs, cluster):
+    return overlapped_step(plan, _wl(), secs, SYNC, cluster, with_stretch=True)
+
+
 SECS = {"rollout": 1.0 + 0.1, "reference": 0.3, "actor_train": 0.5}  # sync 0.1 in rollout
 SYNC = 0.1
 
 
 def test_disjoint_devices_hide_the_inference_and_training_behind_the_rollout():
-    total, stretch = overlapped_step(_plan([0], [1], [2]), _wl(), SECS, SYNC, GPU)
+    total, stretch = _step(_plan([0], [1], [2]), SECS, GPU)
     assert total == pytest.approx(max(1.0, 0.3 + 0.5) + SYNC)
     assert stretch == pytest.approx({"rollout": 1.0, "reference": 1.0, "actor_train": 1.0})
     # the training outlasts the rollout: it sets the step
@@ -78,14 +82,14 @@ def test_training_waits_for_every_inference_stage():
 
 def test_local_cpu_workers_share_the_cores_while_stages_run_at_once():
     # two 1-worker stages on 2 cores: each has a core, as alone
-    total, stretch = overlapped_step(_plan([0], [1], [1]), _wl(), SECS, SYNC, CPU2)
+    total, stretch = _step(_plan([0], [1], [1]), SECS, CPU2)
     assert total == pytest.approx(max(1.0, 0.3 + 0.5) + SYNC)
     assert stretch == pytest.approx({"rollout": 1.0, "reference": 1.0, "actor_train": 1.0})
     # rollout (1 worker) beside a 2-worker training: 3 workers on 2 cores, each at 2/3
     # of a core while both run. Training alone: 0.5 s; beside the rollout it does 2/3 of
     # that per second: it ends at 0.75 s, then the rollout runs alone for its rest.
     secs = {"rollout": 1.0 + SYNC, "reference": 0.0, "actor_train": 0.5}
-    total, stretch = overlapped_step(_plan([0], [1], [2, 3]), _wl(), secs, SYNC, CPU2)
+    total, stretch = _step(_plan([0], [1], [2, 3]), secs, CPU2)
     rollout_left = 1.0 - 0.75 * 2 / 3
     assert total == pytest.approx(0.75 + rollout_left + SYNC)
     assert stretch["actor_train"] == pytest.approx(1.5)
@@ -101,7 +105,7 @@ def test_own_seconds_undoes_the_stretch():
     cm = CostModel(CPU2)
     est = cm.step_latency(plan, wl)
     secs = {n: e.seconds for n, e in est.stages.items()}
-    _, stretch = overlapped_step(plan, wl, secs, est.sync_s, CPU2)
+    _, stretch = overlapped_step(plan, wl, secs, est.sync_s, CPU2, with_stretch=True)
     assert max(stretch.values()) > 1.0  # the check below must be able to fail
     gen = secs["rollout"] - est.sync_s
     measured = {
