@@ -241,13 +241,20 @@ def _choose(
             tcache[key] = 0.0 if src == cands[b] else float(transition_cost(src, cands[b]))
         return tcache[key]
 
+    repl_of: dict[int, int | None] = {}  # by the step it goes over at: one search each
+
     def repl(i: int) -> int | None:
+        j = over[i]
+        if j not in repl_of:
+            repl_of[j] = _repl(j)
+        return repl_of[j]
+
+    def _repl(j: int) -> int | None:
         # The extra urgent move's target: the fastest candidate over the rest of the
         # horizon among those that hold all of it (as this choice itself prefers),
         # else the fastest fitting wl_j. (Before, it was always the fastest fitting
         # wl_j, whose own later crossing went uncounted: that favoured candidates that
         # go over early, replaced by a plan that would go over again.)
-        j = over[i]
         rest = [r for r in range(len(cands)) if all(fits[r][j:])]
         if rest:
             return min(rest, key=lambda r: sum(lat[r][j:]))

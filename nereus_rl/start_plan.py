@@ -19,6 +19,16 @@ lookahead on the urgent and opportunistic paths), as the schedule of a real run 
 an upper bound. A schedule whose lengths are flat, or whose planner's best holds every
 length, keeps the planner's best (lookahead overrides it only when it goes over).
 
+The candidates are the planner's k-best at the first step's length and, after them, its
+k-best at each later length of the schedule. The planner's search at one length drops a
+stage layout that another layout on the same devices beats there (it can never be that
+length's best), so its k-best at the first length lacks the plans that hold longer
+lengths by spending memory for speed: bench_e2e ReMax async, where the best fixed plan
+(the planner's best at the longest length, rollout and reference on devices of their own,
+training pp 2 on two) ran 0.10 s per step, was not among the 176 plans the planner
+enumerates at the first length (training dp 2 on the same two devices beats its pp 2 there
+and fits there, not later), and the start went to a plan the model priced 25% slower.
+
 The choice is logged as the run's first decision row (``path: "start"``), with the
 lookahead's record and its reason; it is not a transition (``taken`` is False).
 """
@@ -30,6 +40,7 @@ from typing import Any
 from nereus_rl.controller import SignalError
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadError, choose_start
+from nereus_rl.trainer_config import TrainConfigError
 from nereus_rl.workload import bucket_of
 
 
@@ -37,6 +48,23 @@ def start_lengths(adapter) -> list[int]:
     """The run's configured response length of every step (bucketed), step 0 first."""
     tr, cfg = adapter.trainer, adapter.cfg
     return [bucket_of(tr._response_len(s), cfg.buckets) for s in range(cfg.steps)]
+
+
+def start_candidates(adapter, ranked: list[GlobalPlan], lengths: list[int]) -> list[GlobalPlan]:
+    """``ranked`` (the k-best at the first length, best first), then the planner's
+    runnable k-best at each later distinct length of ``lengths`` (shorter first) that
+    ``ranked`` lacks (see the module docstring); a length nothing fits adds none."""
+    out, seen = list(ranked), set(ranked)
+    for n in sorted(set(lengths[1:]) - {lengths[0]}):
+        try:
+            more = adapter.ranked_plans(n)
+        except TrainConfigError:  # nothing fits there: the run will have to stop or move
+            continue
+        for _, p in more:
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+    return out
 
 
 def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, dict[str, Any]]:
@@ -49,6 +77,7 @@ def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, di
 
     lengths = start_lengths(adapter)
     wls = {n: adapter.workload(n) for n in set(lengths)}
+    ranked = start_candidates(adapter, ranked, lengths)
     row: dict[str, Any] = {
         "step": -1,  # decided before step 0
         "signal": "start_plan",

@@ -10,8 +10,9 @@ import pytest
 from test_lookahead import TableCM, move
 
 from nereus_rl.lookahead import LookaheadError, choose_start
+from nereus_rl.start_plan import start_candidates, start_lengths
 from nereus_rl.trainer import Trainer
-from nereus_rl.trainer_config import TrainConfig
+from nereus_rl.trainer_config import NotEnoughDevicesError, TrainConfig
 
 # bench_e2e --quick's trace (rise 6 -> 20, hold, fall) and its GRPO startup budget
 TRACE = [6, 9, 12, 16, 20, 20, 20, 20, 17, 13]
@@ -82,3 +83,29 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
 def test_no_budget_keeps_the_auto_budgets_sized_plan(tmp_path):
     tr = _trainer(tmp_path, adapt=True, budget=None)
     assert tr.first_plan == tr.adapter.sized_plan and tr.adapter.start_row is None
+
+
+def test_start_candidates_add_the_planners_best_at_later_lengths(tmp_path):
+    # The planner's search at one length drops layouts another layout on the same
+    # devices beats there, so the k-best at the first length lacks plans that hold the
+    # later lengths (bench_e2e ReMax async: the best fixed plan was not among them).
+    tr = _trainer(tmp_path, adapt=True)
+    ad = tr.adapter
+    lengths = start_lengths(ad)
+    first = [p for _, p in ad.ranked_plans(lengths[0])]
+    cands = start_candidates(ad, first, lengths)
+    assert cands[: len(first)] == first and len(set(cands)) == len(cands)
+    later = {p for n in set(lengths[1:]) for _, p in ad.ranked_plans(n)}
+    assert later <= set(cands) and later - set(first)  # some are new
+    # the start plan is among them and holds every length
+    assert tr.first_plan in cands
+
+
+def test_start_candidates_skip_a_length_nothing_fits():
+    class Ad:
+        def ranked_plans(self, n):
+            if n == 24:
+                raise NotEnoughDevicesError("nothing fits at 24")
+            return [(0.0, "B"), (0.0, f"C{n}")]
+
+    assert start_candidates(Ad(), ["A", "B"], [8, 16, 24, 16]) == ["A", "B", "C16"]
