@@ -442,11 +442,12 @@ class CostModel(PrimitiveCostModel):
             )
         return out
 
-    def step_latency(self, plan: GlobalPlan, workload: Workload) -> StepEstimate:
-        """Predicted steady-state latency of one step of ``workload`` under ``plan``.
-
-        Returns:
-            StepEstimate with the total, each phase and each stage (seconds).
+    def stage_estimates(
+        self, plan: GlobalPlan, workload: Workload
+    ) -> tuple[dict[str, StageEstimate], float]:
+        """Each planned stage's predicted seconds (the rollout's with the weight sync)
+        and the sync's seconds, not composed into a step (:meth:`step_latency` composes
+        them; the shape correction rescales stages before it composes once).
 
         Raises:
             CostModelError: the plan misses a stage the workload needs.
@@ -456,6 +457,18 @@ class CostModel(PrimitiveCostModel):
         stages = {}
         for name, w in works.items():
             stages[name] = StageEstimate(name, float(w @ self._x), ClassShares(w * self._x))
+        return stages, sync
+
+    def step_latency(self, plan: GlobalPlan, workload: Workload) -> StepEstimate:
+        """Predicted steady-state latency of one step of ``workload`` under ``plan``.
+
+        Returns:
+            StepEstimate with the total, each phase and each stage (seconds).
+
+        Raises:
+            CostModelError: the plan misses a stage the workload needs.
+        """
+        stages, sync = self.stage_estimates(plan, workload)
         secs = {n: e.seconds for n, e in stages.items()}
         total, phases = compose_step(plan, workload, secs, sync, self.cluster)
         return StepEstimate(total, phases, stages, sync)

@@ -44,7 +44,7 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import replace
 
-from nereus_rl.costmodel import ClassShares, StageEstimate, compose_step
+from nereus_rl.costmodel import ClassShares, StageEstimate, StepEstimate, compose_step
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 
 
@@ -100,7 +100,7 @@ class ShapeCorrection:
         for key, rows in store.items():
             rs = []
             for plan, wl, t in rows:
-                st = cm.step_latency(plan, wl).stages.get(key[0])
+                st = cm.stage_estimates(plan, wl)[0].get(key[0])
                 if st is not None and st.seconds > 0:
                     rs.append(t / st.seconds)
             if rs:
@@ -116,10 +116,10 @@ class ShapeCorrection:
         startup ratios, over the stages that have both (1.0 when none has). Returns it;
         every later :meth:`ratios` prices startup-measured shapes with it."""
         run, start = self._medians(cm, self.obs, "run"), self._medians(cm, self.startup_obs, "s")
-        est = cm.step_latency(plan, workload)
+        stages = cm.stage_estimates(plan, workload)[0]
         num = den = 0.0
         for sp in plan.stages:
-            k, st = shape(sp), est.stages.get(sp.stage)
+            k, st = shape(sp), stages.get(sp.stage)
             if st is not None and k in run and k in start:
                 num += st.seconds * run[k]
                 den += st.seconds * start[k]
@@ -149,6 +149,17 @@ class ShapeCorrection:
             "shape_regime_factor": round(self.factor, 4),
         }
 
+    def price(self, cm, plan: GlobalPlan, workload):
+        """``cm.step_latency(plan, workload)`` corrected as :meth:`correct` does, the
+        step composed once (an async step's composition simulates the stages' order:
+        composing the model's price first, then the corrected one, was a third of a
+        boundary's pricing)."""
+        rs = self.ratios(cm)
+        if not rs:
+            return cm.step_latency(plan, workload)
+        stages, sync = cm.stage_estimates(plan, workload)
+        return self._rescaled(cm, plan, workload, stages, sync, rs, None)
+
     def correct(self, cm, plan: GlobalPlan, workload, est):
         """``est`` (``cm.step_latency(plan, workload)``) with each measured shape's stage
         at its measured ratio (its ``stages`` entry too), phases and total recomposed
@@ -156,9 +167,12 @@ class ShapeCorrection:
         rs = self.ratios(cm)
         if not rs:
             return est
-        stages = dict(est.stages)
+        return self._rescaled(cm, plan, workload, est.stages, est.sync_s, rs, est)
+
+    def _rescaled(self, cm, plan, workload, raw: dict, sync_s: float, rs: dict, est):
+        stages = dict(raw)
         for sp in plan.stages:
-            st, r = est.stages.get(sp.stage), rs.get(shape(sp))
+            st, r = raw.get(sp.stage), rs.get(shape(sp))
             if r is None and self.unmeasured_factor != 1.0:
                 r = self.unmeasured_factor
             if st is not None and r is not None:  # each class scaled alike
@@ -170,5 +184,7 @@ class ShapeCorrection:
                 )
                 stages[sp.stage] = StageEstimate(st.stage, st.seconds * r, scaled)
         secs = {n: e.seconds for n, e in stages.items()}
-        total, phases = compose_step(plan, workload, secs, est.sync_s, getattr(cm, "cluster", None))
+        total, phases = compose_step(plan, workload, secs, sync_s, cm.cluster)
+        if est is None:
+            return StepEstimate(total, phases, stages, sync_s)
         return replace(est, total_s=total, phase_s=phases, stages=stages)

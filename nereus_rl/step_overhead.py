@@ -120,10 +120,9 @@ class PricedModel:
 
     def stage_price(self, plan: GlobalPlan, workload):
         """The model's estimate with measured shapes corrected, without the overhead."""
-        est = self._cm.step_latency(plan, workload)
         if self._shapes is not None:
-            est = self._shapes.correct(self._cm, plan, workload, est)
-        return est
+            return self._shapes.price(self._cm, plan, workload)
+        return self._cm.step_latency(plan, workload)
 
     def step_latency(self, plan: GlobalPlan, workload):
         """The corrected estimate with the measured per-call overhead in ``total_s``."""

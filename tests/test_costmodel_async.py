@@ -131,3 +131,18 @@ def test_the_cost_model_prices_the_overlap_only_when_the_rollout_runs_ahead():
     # compose_step is what both the model and the shape correction use
     secs = {n: e.seconds for n, e in s.stages.items()}
     assert compose_step(colocated, wl_sync, secs, s.sync_s, CPU2)[0] == pytest.approx(s.total_s)
+
+
+def test_the_shape_corrected_price_composes_the_overlap_once_and_the_same():
+    from nereus_rl.shape_correction import ShapeCorrection
+
+    cm = CostModel(CPU2)
+    plan = _plan([0], [1], [2, 3])
+    sc = ShapeCorrection()
+    for wl in (_wl(ahead=True), _wl(ahead=False)):
+        est = cm.step_latency(plan, wl)
+        secs = {n: e.seconds for n, e in est.stages.items()}
+        sc.observe(plan, wl, {"rollout": 1.5 * secs["rollout"], "actor_train": secs["actor_train"]})
+        got, ref = sc.price(cm, plan, wl), sc.correct(cm, plan, wl, est)
+        assert got.total_s != est.total_s  # the ratio moved it
+        assert got.total_s == pytest.approx(ref.total_s) and got.phase_s == ref.phase_s
