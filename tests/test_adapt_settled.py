@@ -1,0 +1,52 @@
+"""An efficiency trigger alone is answered by a recent search that kept the running plan
+(Adapter._settled_row). Planner-only trainer: no worker process is started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nereus_rl.controller import Trigger
+from nereus_rl.trainer import Trainer
+from nereus_rl.trainer_adapt import SETTLED_STEPS
+from nereus_rl.trainer_config import TrainConfig
+
+TRACE = [6, 9, 12, 16, 20, 20, 20, 20, 17, 13]
+
+
+def _adapter(tmp_path: Path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("step,response_len\n" + "".join(f"{i},{n}\n" for i, n in enumerate(TRACE)))
+    cfg = TrainConfig(
+        algo="grpo", devices=4, warm_steps=20, batch=4, group_size=4, seed=0,
+        steps=len(TRACE), trace=str(trace), memory_budget=int(2.442 * 2**20), adapt=True,
+    )  # fmt: skip
+    return Trainer(cfg, driver=object()).adapter
+
+
+def _trig(signal: str, step: int) -> Trigger:
+    return Trigger(signal, step, 0.7, 1, 0, False, f"{signal} crossed a band")
+
+
+def test_a_recent_search_answers_an_efficiency_trigger_for_the_same_workload(tmp_path):
+    ad = _adapter(tmp_path)
+    plan, other = [p for _, p in ad.ranked_plans(16)[:2]]
+    wl, wl2 = ad.workload(16), ad.workload(24)
+    assert ad._settled_row(3, plan, wl, [_trig("efficiency", 3)]) is None  # no search yet
+    ad._settle(2, plan, wl, urgent=False)
+    row = ad._settled_row(3, plan, wl, [_trig("efficiency", 3)])
+    assert row["reason"].startswith("settled: the search at step 2") and not row["taken"]
+    assert row["path"] == "opportunistic" and row["signal"] == "efficiency"
+    # each of these searches again
+    assert ad._settled_row(3, plan, wl, [_trig("efficiency", 3), _trig("seq_len", 3)]) is None
+    assert ad._settled_row(3, plan, wl2, [_trig("efficiency", 3)]) is None  # another bucket
+    assert ad._settled_row(3, other, wl, [_trig("efficiency", 3)]) is None  # another plan
+    late = 2 + SETTLED_STEPS + 1
+    assert ad._settled_row(late, plan, wl, [_trig("efficiency", late)]) is None
+    # the running plan's price moved beyond the tie band since the search
+    p, w, s, price = ad._settled
+    ad._settled = (p, w, s, price / (1.0 + 2 * ad.tie_margin()))
+    assert ad._settled_row(3, plan, wl, [_trig("efficiency", 3)]) is None
+    # an urgent search, or the replan-always baseline, settles nothing
+    ad._settled = None
+    ad._settle(2, plan, wl, urgent=True)
+    assert ad._settled is None
