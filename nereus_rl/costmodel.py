@@ -16,6 +16,10 @@ sync from the actor's training layout into its rollout layout. The sync is price
 the intra-node tier when rollout and actor_train share a colocation group that lies
 inside one node (or the cluster is one node), on the inter-node tier otherwise.
 
+An asynchronous step (``Workload.rollout_ahead``: the next step's rollout beside this
+step's inference and training) is composed by ``costmodel_async.overlapped_step``, which
+simulates the order the workers run the stages in (:func:`compose_step` picks).
+
 Memory: a device holds every stage placed on it (colocated stages' memory is summed;
 see ``costmodel_work.stage_memory``). A plan is feasible when every device fits in
 ``device.memory_bytes - reserve``.
