@@ -103,13 +103,33 @@ def _finite(result) -> None:
         ("remax", "sync", "colocated"),
     ],
 )
-def test_each_algorithm_runs_on_workers(driver, algo, mode, plan, tmp_path):
+def test_each_algorithm_runs_on_workers(driver, algo, mode, plan, tmp_path, monkeypatch):
+    sent = []
+    submit = driver.submit
+
+    def spy(ranks, fn, *args, **kwargs):
+        ranks = list(ranks)
+        if fn in ("rl.generate", "rl.infer", "rl.train"):
+            sent.append((fn, args[0], sorted(ranks)))
+        return submit(ranks, fn, *args, **kwargs)
+
+    monkeypatch.setattr(driver, "submit", spy)
     res = train(
         algo=algo, steps=2, driver=driver, mode=mode, plan=plan, adapt=False,
         run_dir=tmp_path, **FAST,
     )  # fmt: skip
     _finite(res)
     assert len(res.metrics) == 2
+    # each stage command goes to the stage's own workers only: sent to every worker, the
+    # async rollout's workers held the other stages' replies back until it ended
+    workers = sorted(driver.workers)[:4]
+    final = res.plans[-1][1]
+    stages = {s for _, s, _ in sent}
+    assert stages == set(final.stage_names)
+    for _, stage, ranks in sent:
+        assert ranks == sorted(workers[d] for d in final.stage(stage).devices), (stage, ranks)
+    if plan == "disaggregated":
+        assert any(len(r) < len(workers) for _, _, r in sent)  # the check can fail
     # the weight sync goes through reshard every step; on a disaggregated plan bytes
     # cross from the training devices to the rollout devices
     if plan == "disaggregated":
