@@ -392,7 +392,7 @@ class Adapter:
         tr = self.trainer
         plan = tr.plan
         wl_now = self.workload(m["response_len"])
-        measured = stage_seconds(self.cfg.algo, m, overlapped=wl_now.rollout_ahead)
+        measured = stage_seconds(self.cfg.algo, m, worker_inference=self.cfg.mode == "async")
         if wl_now.rollout_ahead and step == 0:
             # the first async step waits for its own rollout: not the steady state the
             # overlapped price is for, so its whole step is priced phase after phase
@@ -534,11 +534,11 @@ class Adapter:
             self._settle(step, plan, wl, urgent_now)
             return out
         dag, raw_cost, taken = admit_move(self, plan, cand, wl, trig, la, steps_left, row)
-        if not taken:
-            self._settle(step, plan, wl, urgent_now)
         if taken:
             # (a death mid-move logs this row, interrupted, and goes on to recovery)
             out["transition_s"] = execute_move(self, plan, cand, dag, step, raw_cost, row)
+        else:
+            self._settle(step, plan, wl, urgent_now)
         self._log(row)
         return out
 

@@ -60,22 +60,23 @@ PROBE_POOL = 8
 BUCKETS_AHEAD = 2
 
 
-def stage_seconds(algo: str, m: dict[str, Any], overlapped: bool = False) -> dict[str, float]:
+def stage_seconds(algo: str, m: dict[str, Any], worker_inference: bool = False) -> dict[str, float]:
     """Measured seconds per stage of one step, as ``CostModel.observe`` reads them.
 
     Rollout's time includes the weight sync (the model prices the sync into rollout).
-    Synchronous (``overlapped`` False): the inference phase as the driver times it; for
-    PPO the critic inference and training run beside their actor counterparts, so the
-    inference time is not attributed to the reference alone. Asynchronous: each
-    inference stage as its workers time it (``inference_work_s``), since the driver's
-    time holds the wait behind the next step's rollout on workers the two share.
+    By default the inference phase as the driver times it; for PPO the critic inference
+    and training run beside their actor counterparts, so the inference time is not
+    attributed to the reference alone. With ``worker_inference`` (an async run, its
+    probes too, so that both measure alike): each inference stage as its workers time it
+    (``inference_work_s``), since the driver's time holds the wait behind the next
+    step's rollout on workers the two share.
     """
     out = {
         "rollout": m["stage_s"]["rollout"] + m.get("sync_s", 0.0),
         "reference": m["stage_s"]["inference"],
         "actor_train": m["stage_s"]["train"],
     }
-    if overlapped and "inference_work_s" in m:
+    if worker_inference and "inference_work_s" in m:
         out.pop("reference")
         out.update(m["inference_work_s"])
     elif algo == "ppo":
@@ -177,7 +178,7 @@ def run_probe(trainer, plan: GlobalPlan, rlen: int, full_states: dict, repeats: 
         job = trainer._rollout_wait(trainer._rollout_submit(0, rlen=rlen))
         m = trainer._train_on(job)
         m.update(sync)
-        secs = stage_seconds(trainer.cfg.algo, m)
+        secs = stage_seconds(trainer.cfg.algo, m, worker_inference=trainer.cfg.mode == "async")
         step_s = time.perf_counter() - t_step
         if rep > 0:  # the first run pays the layout's one-off costs
             measured.append(secs)

@@ -9,7 +9,14 @@ import torch
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, TrainConfigError, Trainer, train
-from nereus_rl.trainer_calibrate import REPEATS, layouts, next_probe, probe_lengths, run_probe
+from nereus_rl.trainer_calibrate import (
+    REPEATS,
+    layouts,
+    next_probe,
+    probe_lengths,
+    run_probe,
+    stage_seconds,
+)
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
@@ -161,3 +168,19 @@ def test_run_probe_takes_each_stage_at_its_least_after_the_warm_up():
     # one repeat: nothing measured
     one = run_probe(_FakeTrainer([(0.1, 0.1, 0.1)]), p, 6, {}, repeats=1)
     assert one["stage_s"] is None and one["step_s"] is None
+
+
+def test_stage_seconds_reads_the_inference_as_the_driver_or_the_workers_time_it():
+    m = {
+        "stage_s": {"rollout": 0.5, "inference": 0.4, "train": 0.3},
+        "sync_s": 0.1,
+        "inference_work_s": {"reference": 0.15, "critic_inference": 0.2},
+    }
+    # by default the driver's time (it holds the calls' overhead); PPO's is not the
+    # reference's alone
+    assert stage_seconds("grpo", m) == {"rollout": 0.6, "reference": 0.4, "actor_train": 0.3}
+    assert stage_seconds("ppo", m) == {"rollout": 0.6, "actor_train": 0.3}
+    # an async run's: each inference stage as its workers time it (the driver's time
+    # holds the wait behind the next step's rollout on shared workers)
+    got = stage_seconds("ppo", m, worker_inference=True)
+    assert got == {"rollout": 0.6, "actor_train": 0.3, "reference": 0.15, "critic_inference": 0.2}
