@@ -158,14 +158,10 @@ def own_seconds(
     """
     secs = {n: e.seconds for n, e in est.stages.items()}
     _, stretch = overlapped_step(plan, workload, secs, est.sync_s, cluster, with_stretch=True)
-    out = {}
-    for k, v in measured.items():
-        r = stretch.get(k, 1.0)
-        gen = secs.get(k, 0.0) - est.sync_s
-        if k == "rollout" and gen > 0:
-            # measured = gen * r + sync, with sync / gen as priced (q)
-            q = est.sync_s / gen
-            out[k] = v * (1.0 + q) / (r + q)
-        else:
-            out[k] = v / r
+    out = {k: v / stretch.get(k, 1.0) for k, v in measured.items()}
+    gen = secs.get("rollout", 0.0) - est.sync_s
+    if "rollout" in measured and gen > 0:
+        # measured = gen * r + sync, with sync / gen as priced (q)
+        q = est.sync_s / gen
+        out["rollout"] = measured["rollout"] * (1.0 + q) / (stretch["rollout"] + q)
     return out

@@ -27,7 +27,8 @@ lengths by spending memory for speed: bench_e2e ReMax async, where the best fixe
 (the planner's best at the longest length, rollout and reference on devices of their own,
 training pp 2 on two) ran 0.10 s per step, was not among the 176 plans the planner
 enumerates at the first length (training dp 2 on the same two devices beats its pp 2 there
-and fits there, not later), and the start went to a plan the model priced 25% slower.
+and fits there, not later), and the start went to a plan the model itself priced 15-27%
+slower (three diagnostic starts).
 
 The choice is logged as the run's first decision row (``path: "start"``), with the
 lookahead's record and its reason; it is not a transition (``taken`` is False).
