@@ -155,6 +155,9 @@ def execute_move(
     tr = adapter.trainer
     t0 = time.perf_counter()
     try:
+        # the rollout sent ahead of the next step ends on the current plan: not the move's
+        tr.finish_ahead()
+        t0 = time.perf_counter()
         run = tr.transition(cand, dag, step + 1)
     except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
         row.update(

@@ -9,17 +9,24 @@ is the current :class:`~nereus_rl.globalplan.GlobalPlan`.
 
 One RL step (synchronous mode):
 
-    weight sync   actor_train -> rollout layout, nereus_comm reshard (every step)
     rollout       sample responses (+ behaviour log-probs; ReMax: greedy baseline)
     reward        rule-based, on the driver
     reference     reference log-probs (PPO: critic values too)
     advantages    on the driver (GRPO group-normalised, PPO GAE, ReMax greedy baseline)
     training      one optimizer step per training stage, batch split over its units
+    weight sync   actor_train -> rollout layout, nereus_comm reshard (every step)
+    (next rollout sent: it runs while the boundary decides)
     adapt         (safe boundary) controller -> planner -> admission -> transition
 
 Asynchronous mode generates the next step's responses while the current step
 trains (one step stale, the behaviour log-probs come from the rollout
 weights that sampled them); the weight sync is the safe boundary.
+
+In both modes the rollout that follows a boundary's weight sync is sent before
+the boundary decides, since its weights and prompts do not depend on the
+decision (``Trainer._run_ahead``): the deciding overlaps it instead of adding to
+the step. A move waits for it first (``Trainer.finish_ahead``) and carries the
+rollout's synced state; a plan that cannot hold its responses moves first.
 
 The model's state on the workers is held as EMU units
 (:mod:`nereus_rl.trainer_units`), and a plan transition runs as EMU primitives
@@ -57,7 +64,7 @@ from nereus_rl.trainer_config import (
     stage_desc,
     stage_names,
 )
-from nereus_rl.trainer_step import StepWork
+from nereus_rl.trainer_step import StepWork, head_start
 
 __all__ = [
     "ALGOS",
@@ -124,6 +131,10 @@ class Trainer(StepWork):
         # a worker loss at a step's end (its boundary, or the async weight sync): the
         # step is recorded, then recovered from (run)
         self._boundary_loss: Exception | None = None
+        # rollouts sent ahead of their step (oldest first; see _step), and the step whose
+        # weights the last weight sync gave the rollout (sync mode)
+        self._ahead: list[dict[str, Any]] = []
+        self._synced_for: int | None = None
         self.own_driver = driver is None
         self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
 
@@ -286,6 +297,7 @@ class Trainer(StepWork):
         """
         from nereus_rl.transition import TransitionExecutionError
 
+        self.finish_ahead()
         try:
             run = self.units.run(self.plan, new, dag)
         except TransitionExecutionError as e:
@@ -302,6 +314,15 @@ class Trainer(StepWork):
             raise
         self._set_plan(step, new)
         return run
+
+    def finish_ahead(self) -> None:
+        """Wait for the rollouts sent ahead (their responses are kept for their steps).
+
+        One runs on the current plan's rollout workers, so a transition waits for it
+        first (:meth:`transition`; the boundary's move calls this before its clock
+        starts, so that the move is timed alone).
+        """
+        self._ahead = [j if "sequences" in j else self._rollout_wait(j) for j in self._ahead]
 
     def recover(self, step: int, error: Exception) -> None:
         """Continue after a worker died (:func:`nereus_rl.trainer_recover.recover`: a new
@@ -320,51 +341,72 @@ class Trainer(StepWork):
     def run(self) -> TrainResult:
         """Run every step (metrics and decisions are logged as they happen)."""
         cfg = self.cfg
-        ahead = None
+        self._ahead = []
+        self._synced_for = None
         step = 0
         while step < cfg.steps:
             try:
-                ahead = self._step(step, ahead)
+                self._step(step)
             except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+                # the step is run again on the new plan, its rollouts sent again there
+                self._ahead, self._synced_for = [], None
                 self.recover(step, e)
-                ahead = None  # the step is run again on the new plan
                 continue
             step += 1
             lost, self._boundary_loss = self._boundary_loss, None
             if lost is not None:  # the step finished; its boundary's transition did not
-                self.recover(step, lost)  # (an async rollout made before it stays valid)
+                # A finished rollout stays valid (its weights were the ones to use); one
+                # still running may wait on the lost worker, so it is sent again.
+                self._ahead = [j for j in self._ahead if "sequences" in j]
+                self._synced_for = None
+                self.recover(step, lost)
         return self.result
 
-    def _step(self, step: int, ahead):
-        """One RL step (and its safe boundary); returns the next step's rollout (async)."""
+    def _step(self, step: int) -> None:
+        """One RL step and its safe boundary.
+
+        The rollouts sent ahead of their step wait in ``self._ahead`` (oldest first):
+        the next step's rollout runs while this step trains (async), and the rollout
+        that follows the boundary's weight sync is sent before the boundary decides
+        (:meth:`_run_ahead`), so the deciding overlaps it.
+        """
         cfg = self.cfg
         t_step = time.perf_counter()
         sync: dict[str, float] = {}
-        if cfg.mode == "sync" or step == 0:
-            sync = self.weight_sync()
-        job = ahead if ahead is not None else self._rollout_wait(self._rollout_submit(step))
-        nxt = None
-        if cfg.mode == "async" and step + 1 < cfg.steps:
+        ahead = self._ahead
+        if not ahead:  # the first step, the first after a recovery, or none sent ahead
+            if step == 0 or (cfg.mode == "sync" and self._synced_for != step):
+                sync = self.weight_sync()
+            ahead.append(self._rollout_submit(step))
+        job = ahead.pop(0)
+        head = 0.0
+        if cfg.mode == "sync":  # the step's own rollout is its first phase
+            job, head = self._rollout_ready(job, t_step)
+        elif "sequences" not in job:  # async: only the first step waits for its own
+            job = self._rollout_wait(job)
+        if cfg.mode == "async" and step + 1 < cfg.steps and not ahead:
             # The next step's rollout runs on the current rollout weights while this
             # step trains (on disjoint devices the two overlap).
-            nxt = self._rollout_submit(step + 1)
+            ahead.append(self._rollout_submit(step + 1))
         m = self._train_on(job)
         m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read
         try:
             # measured bytes of model state (weights, Adam moments) on the fullest worker
-            # (before the async weight sync, which loads in place: the same bytes)
+            # (before the weight sync, which loads in place: the same bytes)
             m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
-            if nxt is not None:
-                nxt = self._rollout_wait(nxt)
-                sync = self.weight_sync()
+            if ahead:  # async: the next step's rollout ends before the rollout weights change
+                ahead[0], head = self._rollout_ready(ahead[0], t_step)
+            if step + 1 < cfg.steps:
+                # sync: the next step's weights; async: the step after next's (its
+                # rollout is the one sent ahead next)
+                for k, v in self.weight_sync().items():
+                    sync[k] = sync.get(k, 0.0) + v
+                self._synced_for = step + 1
+                self._run_ahead(step + 1 if cfg.mode == "sync" else step + 2)
         except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
             # The step trained already: as a loss at its boundary (below), recovered from
-            # after the step is recorded (recovery syncs the weights); a finished rollout
-            # stays valid.
+            # after the step is recorded (recovery syncs the weights in async mode).
             self._boundary_loss = e
-            if nxt is not None and "sequences" not in nxt:
-                nxt = None
-        ahead = nxt
         m.update(sync)
         m.update(
             step=step,
@@ -374,6 +416,9 @@ class Trainer(StepWork):
             num_devices=len(self.plan.devices),
         )
         m["step_s"] = time.perf_counter() - t_step
+        # the part of the step's critical rollout that ran before the step began, during
+        # the previous boundary: the step as the cost model prices it is step_s + this
+        m["head_start_s"] = head
         m["transition_s"] = 0.0
         # The boundary's whole time, the transition included: what deciding (signals,
         # planner, lookahead, admission, DAG compiles) adds to a step beyond the
@@ -394,7 +439,29 @@ class Trainer(StepWork):
             self.log.metrics(m)
         if self.progress is not None:
             self.progress(step, m)
-        return ahead
+
+    def _run_ahead(self, step: int) -> None:
+        """Send ``step``'s rollout now, before the boundary decides, when the current
+        plan can run it.
+
+        Its weights are the ones it would get after the boundary: the weight sync ran,
+        and a transition carries the rollout's state as it is (``transition`` waits for
+        the rollout first, so the move is timed alone). Its data is the same too (the
+        prompts are sampled in step order, the sampling seed is the step's). A plan
+        the cost model says cannot hold the step's responses must move first (the
+        urgent path), so then the rollout is sent after the boundary, on the new plan.
+        """
+        if step < self.cfg.steps and self.adapter.can_run(self.plan, self._response_len(step)):
+            self._ahead.append(self._rollout_submit(step))
+
+    def _rollout_ready(self, job, t_step: float):
+        """``job`` with its responses (waiting for them if they are not in) and its
+        head start: how much sooner the step's rollout ends than had it been sent when
+        the step began (:func:`~nereus_rl.trainer_step.head_start`)."""
+        t_wait = time.perf_counter()
+        if "sequences" not in job:
+            job = self._rollout_wait(job)
+        return job, head_start(t_step, job["submitted_at"], t_wait, job["rollout_s"])
 
     def close(self) -> None:
         """Release the workers (shut them down when this trainer spawned them)."""

@@ -374,6 +374,11 @@ class Adapter:
             self.workload(b) for b in self.cfg.buckets if b >= bucket_of(rlen, self.cfg.buckets)
         )
 
+    def can_run(self, plan: GlobalPlan, rlen: int) -> bool:
+        """Whether ``plan`` fits the memory budget at responses of ``rlen`` tokens (a
+        fixed plan's run always runs its plan); as the urgent path judges it."""
+        return not self.enabled or not self.admission.problems(plan, self.workload(rlen), None)
+
     def _primitive_cost(self, prim) -> float:
         return primitive_seconds(self.cm, self.mspec, prim)
 
@@ -406,12 +411,15 @@ class Adapter:
         # the step as a whole: the stages' price and the measured unpriced rest
         ovh = self.overhead.predict(plan)
         whole = predicted + ovh
+        # the step as the model prices it: its rollout sent when the step began, not
+        # during the previous boundary (Trainer._run_ahead)
+        step_s = m["step_s"] + m.get("head_start_s", 0.0)
         if self._refined:
             # A prediction from the model refined on earlier steps (the first step's is
             # the unrefined model's, which says nothing about the refined one's error).
-            self.tolerance.observe(whole, m["step_s"])
-        self.overhead.observe(plan, predicted, m["step_s"])
-        self.noise.observe(plan, whole, m["step_s"])
+            self.tolerance.observe(whole, step_s)
+        self.overhead.observe(plan, predicted, step_s)
+        self.noise.observe(plan, whole, step_s)
         self.shapes.observe(plan, wl_now, measured)
         try:
             self.cm.observe(plan, wl_now, measured)
@@ -425,7 +433,7 @@ class Adapter:
         wl = self.workload(nxt)
         peak = max(self.cm.peak_memory(plan, wl).values())
         frac = peak / self.budget
-        eff = m["step_s"] / whole if whole > 0 else None
+        eff = step_s / whole if whole > 0 else None
         out = {
             "predicted_step_s": predicted,
             "predicted_overhead_s": ovh,

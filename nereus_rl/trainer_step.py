@@ -36,6 +36,25 @@ def _stage_seconds(replies: dict[int, Any]) -> float:
     return max((r["seconds"] for r in replies.values() if r is not None), default=0.0)
 
 
+def head_start(t_step: float, submitted_at: float, t_wait: float, rollout_s: float) -> float:
+    """Seconds sooner a step reached the end of its critical rollout because the
+    rollout was sent before the step began (0 when it was not).
+
+    The rollout ran ``rollout_s`` (as its workers time it) from ``submitted_at``; the
+    step began at ``t_step`` and, by ``t_wait``, had nothing left to do but wait for it
+    (sync mode: at once; async: training done). Sent at ``t_step``, it would have ended
+    at ``t_step + rollout_s``; the step goes on at the later of its own work's end and
+    the rollout's, so the difference is what the head start saved: up to the whole
+    rollout when the rollout is the step's critical path, nothing when the step's own
+    work was longer.
+    """
+    if submitted_at >= t_step:
+        return 0.0
+    late = max(t_wait, t_step + rollout_s)
+    early = max(t_wait, submitted_at + rollout_s)
+    return max(0.0, late - early)
+
+
 class StepWork:
     """Mixin of :class:`~nereus_rl.trainer.Trainer`: the rollout and training work of a
     step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``plan``, ``driver`` and its
@@ -65,7 +84,14 @@ class StepWork:
             TOKENIZER.EOS,
             greedy=cfg.algo == "remax",
         )
-        return {"step": step, "problems": problems, "rlen": rlen, "level": level, "pend": pend}
+        return {
+            "step": step,
+            "problems": problems,
+            "rlen": rlen,
+            "level": level,
+            "pend": pend,
+            "submitted_at": time.perf_counter(),
+        }
 
     def _rollout_wait(self, job) -> dict[str, Any]:
         rep = self.driver.wait(job["pend"])

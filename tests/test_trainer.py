@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import threading
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -30,6 +31,7 @@ from nereus_rl.trainer import (
     simple_plan,
     train,
 )
+from nereus_rl.trainer_step import head_start
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
@@ -86,6 +88,20 @@ def test_simple_plans_shape():
 
 
 # ---------------------------------------------------------------- real runs
+
+
+def test_head_start_is_what_sending_the_rollout_early_saved():
+    # sync: the step waits for its rollout at once (t_wait = t_step), 0.05 s of a 0.08 s
+    # rollout ran before the step; all of a rollout that ended before it
+    assert head_start(10.0, 9.95, 10.0, 0.08) == pytest.approx(0.05)
+    assert head_start(10.0, 9.80, 10.0, 0.08) == pytest.approx(0.08)
+    # async: training ran until t_wait; the rollout, longer, saved its head start
+    assert head_start(10.0, 9.95, 10.06, 0.12) == pytest.approx(0.05)
+    # ... a rollout that would have ended 0.02 s after training saves those 0.02 s
+    assert head_start(10.0, 9.95, 10.06, 0.08) == pytest.approx(0.02)
+    # training was the longer: nothing saved; a rollout sent in the step: nothing
+    assert head_start(10.0, 9.95, 10.20, 0.08) == 0.0
+    assert head_start(10.0, 10.01, 10.01, 0.08) == 0.0
 
 
 def _finite(result) -> None:
@@ -246,6 +262,71 @@ def test_rollout_samples_do_not_depend_on_the_rollout_layout(driver):
     for p in (plan(1, (0,)), plan(1, (0, 1)), plan(2, (0, 1))):
         rewards.append(train(driver=driver, plan=p, **common, **FAST).rewards)
     assert rewards[0] == rewards[1] == rewards[2], rewards
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rollout_sent_ahead_of_a_move_keeps_the_run_the_same(driver, mode):
+    # The rollout after a boundary's weight sync is sent before the boundary decides
+    # (sync: the next step's; async: the step after next's), so the deciding overlaps
+    # it; a move at that boundary waits for it, and the run is the run without moves.
+    def plan(rollout, train):
+        return GlobalPlan((
+            _sp("rollout", "actor", False, 1, 1, rollout),
+            _sp("reference", "reference", False, 1, 1, (2,)),
+            _sp("actor_train", "actor", True, 1, 1, train),
+        ))  # fmt: skip
+
+    p0, p1 = plan((0, 1), (2, 3)), plan((3,), (0, 1))
+    cfg = TrainConfig(algo="grpo", steps=4, seed=3, mode=mode, adapt=False, plan=p0, **FAST)
+    cfg = replace(cfg, length_start=6, length_end=14)
+    seen, logp = [], {True: [], False: []}
+
+    def run(moves: bool):
+        tr = Trainer(cfg, driver=driver)
+
+        def boundary(step, m):
+            if moves:
+                seen.append([(j["step"], "sequences" in j) for j in tr._ahead])
+            if moves and step < 2:  # p0 -> p1 -> p0, the rollout sent ahead still running
+                target = (p1, p0)[step]
+                dag, _ = tr.adapter.compile(tr.plan, target)
+                tr.transition(target, dag, step + 1)
+                assert all("sequences" in j for j in tr._ahead)
+            return {}
+
+        train_on = tr._train_on
+
+        def record(job):
+            # each step's behaviour log-probs: the weights its rollout ran on (on the
+            # response tokens: past a row's end the rollout's layout pads)
+            logp[moves].append(job["old_logp"] * job["mask"])
+            return train_on(job)
+
+        tr._train_on = record
+        if not moves:  # the reference: each rollout sent in its own step, as before
+            tr._run_ahead = lambda step: None
+        try:
+            tr.start()
+            tr.adapter.boundary = boundary
+            return tr.run()
+        finally:
+            tr.close()
+
+    static, res = run(False), run(True)
+    if mode == "sync":
+        assert seen == [[(1, False)], [(2, False)], [(3, False)]]
+    else:
+        assert seen == [[(1, True), (2, False)], [(2, True), (3, False)], [(3, True)]]
+    assert [p for _, p in res.plans] == [p0, p1, p0]
+    assert res.rewards == static.rewards
+    assert len(logp[True]) == len(logp[False]) == 4
+    for got, want in zip(logp[True], logp[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for key in ("loss", "kl"):
+        got = torch.tensor([m[key] for m in res.metrics])
+        want = torch.tensor([m[key] for m in static.metrics])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert all(m["head_start_s"] >= 0.0 for m in res.metrics)
 
 
 def _assert_units_are_the_models(tr, driver):

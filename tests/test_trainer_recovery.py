@@ -58,11 +58,14 @@ PLANS = {
 }
 
 
-def _stage_states(tr: Trainer) -> dict[str, dict[str, torch.Tensor]]:
-    """Each stage's full state; every live unit of a stage must hold the same bytes."""
+def _stage_states(tr: Trainer, lost: tuple[int, ...] = ()) -> dict[str, dict[str, torch.Tensor]]:
+    """Each stage's full state; every live unit of a stage (but those on ``lost``
+    workers) must hold the same bytes."""
     m = tr.units.emus
     out: dict[str, dict[str, torch.Tensor]] = {}
     for u in m.units():
+        if set(u.ranks) & set(lost):
+            continue
         got = m.full_state(u)
         ref = out.setdefault(u.stage, got)
         for name, t in ref.items():
@@ -88,14 +91,26 @@ def _instrument(tr: Trainer, d: Driver, kills: dict[int, int], tag: dict) -> Non
     noted first), and note the state after each recovery."""
     tag.update(before=[], after=[], intact=[])
 
+    def kill(step):
+        victim = tr.device_worker[kills[step]]
+        tag["before"].append(_stage_states(tr))
+        tag["intact"].append(
+            {u.uid: u.ranks for u in tr.units.emus.units() if victim not in u.ranks}
+        )
+        tag["victim"] = victim
+        d.kill(victim)
+
     def progress(step, m):
+        if tr._boundary_loss is not None and "victim" in tag:
+            # The step ran after the death (its rollout, sent ahead, finished before
+            # it; the step's end found it): the state at the death is the one after
+            # this step, read from the units on the survivors.
+            tag["before"][-1] = _stage_states(tr, lost=(tag["victim"],))
         if step in kills:
-            victim = tr.device_worker[kills[step]]
-            tag["before"].append(_stage_states(tr))
-            tag["intact"].append(
-                {u.uid: u.ranks for u in tr.units.emus.units() if victim not in u.ranks}
-            )
-            d.kill(victim)
+            if tr._boundary_loss is None:
+                kill(step)
+            else:  # the earlier death is recovered from first
+                tag["deferred"] = step
 
     recover = tr.recover
 
@@ -103,6 +118,8 @@ def _instrument(tr: Trainer, d: Driver, kills: dict[int, int], tag: dict) -> Non
         recover(step, error)
         tag["after"].append(_stage_states(tr))
         tag["live"] = {u.uid for u in tr.units.emus.units()}
+        if tag.get("deferred") is not None:
+            kill(tag.pop("deferred"))
 
     tr.progress = progress
     tr.recover = recover_and_note
@@ -229,7 +246,9 @@ def test_a_worker_joining_after_a_death_takes_the_lost_device_by_extend():
                     joiner = start_joiner(driver.address)
                     assert driver.wait_for_workers(5, timeout=60)[-1] == 4
                     tag["before"].append(_stage_states(tr))
-                    driver.kill(tr.device_worker[1])
+                    tag["victim"] = tr.device_worker[1]
+                    driver.kill(tag["victim"])
+                    return
                 instrumented(step, m)
 
             tr.progress = join_then_kill
