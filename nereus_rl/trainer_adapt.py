@@ -306,16 +306,48 @@ class Adapter:
         signal's own trend forecast (never the length schedule). See
         :mod:`nereus_rl.lookahead`; it keeps ``ranked[0]`` unless that goes over memory
         within the horizon and another candidate scores better."""
-        horizon = (
-            LOOKAHEAD_STEPS if steps_left is None else max(1, min(LOOKAHEAD_STEPS, steps_left))
-        )
-        lengths = (bucket_of(rlen, self.cfg.buckets),)
-        lengths += self.controller.seq_len.forecast_lengths(horizon - 1)
+        lengths = self.horizon_lengths(rlen, steps_left)
         wls = [self.workload(n) for n in lengths]
         return choose_lookahead(
             current, ranked, wls, lengths, self.priced(), self.move_price,
             tie_margin=self.tie_margin(),
         )  # fmt: skip
+
+    def horizon_lengths(self, rlen: int, steps_left: int | None = None) -> tuple[int, ...]:
+        """The lengths :meth:`lookahead` scores over: ``rlen`` (bucketed), then the
+        seq_len signal's forecast, ``LOOKAHEAD_STEPS`` in all or the ``steps_left``."""
+        horizon = (
+            LOOKAHEAD_STEPS if steps_left is None else max(1, min(LOOKAHEAD_STEPS, steps_left))
+        )
+        lengths = (bucket_of(rlen, self.cfg.buckets),)
+        return lengths + tuple(self.controller.seq_len.forecast_lengths(horizon - 1))
+
+    def urgent_candidates(
+        self, ranked: list[GlobalPlan], rlen: int, steps_left: int | None, devices
+    ) -> list[GlobalPlan]:
+        """``ranked`` (the k-best at ``rlen``, the next step's length), then the
+        planner's runnable k-best on ``devices`` at the horizon's longest length that
+        ``ranked`` lacks.
+
+        The planner's search at one length drops a layout that another on the same
+        devices beats there, so the k-best at the next length can lack the plans that
+        hold the lengths the forecast rises to, the ones an urgent move's lookahead is
+        for (the start plan takes every length of its schedule the same way:
+        :func:`nereus_rl.start_plan.start_candidates`). The lookahead drops those that
+        do not fit the next step.
+        """
+        try:
+            longest = max(self.horizon_lengths(rlen, steps_left))
+        except SignalError:  # no length forecast: the lookahead says so
+            return ranked
+        if longest <= bucket_of(rlen, self.cfg.buckets):
+            return ranked
+        try:
+            more = self.ranked_plans(longest, devices=devices)
+        except ValueError:  # nothing fits there: the lookahead cuts its horizon
+            return ranked
+        seen = set(ranked)
+        return [*ranked, *(p for _, p in more if p not in seen)]
 
     def move_price(self, a: GlobalPlan, b: GlobalPlan) -> float:
         """Predicted seconds of the move ``a -> b`` as the lookahead prices it: its DAG's
@@ -508,9 +540,13 @@ class Adapter:
             # target must beat the running plan by more than the step noise, which no
             # plan far down the ranking does, and scoring all 64 over the horizon (their
             # DAGs compiled) was 40-85 ms of a PPO boundary, a third of a step. An urgent
-            # move keeps the whole ranking: a plan that holds longer lengths may rank low.
-            pool = ranked if urgent_now else ranked[:OPPORTUNISTIC_POOL]
-            cands = pool if urgent_now or plan in pool else [*pool, plan]
+            # move keeps the whole ranking (a plan that holds longer lengths may rank
+            # low) and adds the k-best at the horizon's longest length.
+            if urgent_now:
+                cands = self.urgent_candidates(ranked, nxt, steps_left, avail)
+            else:
+                pool = ranked[:OPPORTUNISTIC_POOL]
+                cands = pool if plan in pool else [*pool, plan]
             try:
                 la = self.lookahead(plan, cands, nxt, steps_left)
                 cand = la.plan

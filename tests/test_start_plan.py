@@ -109,3 +109,24 @@ def test_start_candidates_skip_a_length_nothing_fits():
             return [(0.0, "B"), (0.0, f"C{n}")]
 
     assert start_candidates(Ad(), ["A", "B"], [8, 16, 24, 16]) == ["A", "B", "C16"]
+
+
+def test_urgent_candidates_add_the_planners_best_at_the_horizons_longest_length(tmp_path):
+    # An urgent move's lookahead needs the plans that hold the lengths the forecast
+    # rises to; the k-best at the next length can lack them, as at the start.
+    ad = _trainer(tmp_path, adapt=True).adapter
+    for step, n in enumerate((6, 8, 10, 12)):
+        ad.controller.seq_len.update(step, n)
+    devices = [0, 1, 2, 3]
+    ranked = [p for _, p in ad.ranked_plans(12, devices=devices)]
+    longest = max(ad.horizon_lengths(12, steps_left=8))
+    assert longest > 12
+    cands = ad.urgent_candidates(ranked, 12, 8, devices)
+    assert cands[: len(ranked)] == ranked and len(set(cands)) == len(cands)
+    added = set(cands[len(ranked) :])
+    assert added and added == {p for _, p in ad.ranked_plans(longest, devices=devices)} - set(
+        ranked
+    )
+    assert all(p.devices <= set(devices) for p in added)
+    # a horizon of the next step alone (one step left) adds none
+    assert ad.urgent_candidates(ranked, 12, 1, devices) == ranked
