@@ -97,10 +97,15 @@ class ShapeCorrection:
         if ver[2] is not None and ver in self._cache:
             return self._cache[ver]
         out = {}
+        # a step's row is stored under each of its stages' shapes: price it once
+        priced: dict[tuple, dict] = {}
         for key, rows in store.items():
             rs = []
             for plan, wl, t in rows:
-                st = cm.stage_estimates(plan, wl)[0].get(key[0])
+                ests = priced.get((plan, wl))
+                if ests is None:
+                    ests = priced[plan, wl] = cm.stage_estimates(plan, wl)[0]
+                st = ests.get(key[0])
                 if st is not None and st.seconds > 0:
                     rs.append(t / st.seconds)
             if rs:
