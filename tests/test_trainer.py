@@ -329,6 +329,35 @@ def test_a_rollout_sent_ahead_of_a_move_keeps_the_run_the_same(driver, mode):
     assert all(m["head_start_s"] >= 0.0 for m in res.metrics)
 
 
+def test_no_rollout_is_sent_ahead_on_a_plan_that_cannot_hold_it(driver):
+    # PINNED: the colocated plan fits step 0's responses but not step 1's, so step 1's
+    # rollout waits for the boundary's urgent move and runs on the new plan.
+    cfg = replace(
+        TrainConfig(algo="grpo", steps=3, seed=3, adapt=True, **FAST, **PINNED),
+        length_start=6,
+        length_end=14,
+    )
+    tr = Trainer(cfg, driver=driver)
+    seen = []
+    boundary = tr.adapter.boundary
+
+    def spy(step, m):
+        seen.append([j["step"] for j in tr._ahead])
+        return boundary(step, m)
+
+    try:
+        tr.start()
+        tr.adapter.boundary = spy
+        res = tr.run()
+    finally:
+        tr.close()
+    assert res.decisions and any(
+        r["taken"] and r["urgent"] for r in res.decisions if r["step"] == 0
+    )
+    assert seen[0] == []  # nothing sent ahead on the plan that must move
+    assert seen[1] == [2]  # the new plan holds step 2: its rollout overlaps the deciding
+
+
 def _assert_units_are_the_models(tr, driver):
     """Each stage's EMU units sit on the plan's devices and hold its model's shards."""
     for sp in tr.plan.stages:
