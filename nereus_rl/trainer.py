@@ -398,9 +398,9 @@ class Trainer(StepWork):
                 ahead[0], head = self._rollout_ready(ahead[0], t_step)
             if step + 1 < cfg.steps:
                 # sync: the next step's weights; async: the step after next's (its
-                # rollout is the one sent ahead next)
-                for k, v in self.weight_sync().items():
-                    sync[k] = sync.get(k, 0.0) + v
+                # rollout is the one sent ahead next). A step records one sync, as the
+                # cost model prices it (step 0 also ran the first one, before its rollout).
+                sync = self.weight_sync()
                 self._synced_for = step + 1
                 self._run_ahead(step + 1 if cfg.mode == "sync" else step + 2)
         except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
