@@ -338,22 +338,29 @@ def test_no_rollout_is_sent_ahead_on_a_plan_that_cannot_hold_it(driver):
         length_end=14,
     )
     tr = Trainer(cfg, driver=driver)
-    seen = []
-    boundary = tr.adapter.boundary
+    seen, pools = [], []
+    boundary, urgent_candidates = tr.adapter.boundary, tr.adapter.urgent_candidates
 
     def spy(step, m):
         seen.append([j["step"] for j in tr._ahead])
         return boundary(step, m)
 
+    def spy_candidates(ranked, *args):
+        out = urgent_candidates(ranked, *args)
+        pools.append((len(ranked), len(out)))
+        return out
+
     try:
         tr.start()
         tr.adapter.boundary = spy
+        tr.adapter.urgent_candidates = spy_candidates
         res = tr.run()
     finally:
         tr.close()
-    assert res.decisions and any(
-        r["taken"] and r["urgent"] for r in res.decisions if r["step"] == 0
-    )
+    step0 = [r for r in res.decisions if r["step"] == 0]
+    assert any(r["taken"] and r["urgent"] for r in step0), res.decisions
+    # the urgent move's lookahead chose among the k-best at the next length and more
+    assert pools and all(n <= m for n, m in pools), pools
     assert seen[0] == []  # nothing sent ahead on the plan that must move
     assert seen[1] == [2]  # the new plan holds step 2: its rollout overlaps the deciding
 
