@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
-from dataclasses import replace
 
 from nereus_rl.costmodel import ClassShares, StageEstimate, StepEstimate, compose_step
 from nereus_rl.globalplan import GlobalPlan, StagePlan
@@ -163,7 +162,7 @@ class ShapeCorrection:
         if not rs:
             return cm.step_latency(plan, workload)
         stages, sync = cm.stage_estimates(plan, workload)
-        return self._rescaled(cm, plan, workload, stages, sync, rs, None)
+        return self._rescaled(cm, plan, workload, stages, sync, rs)
 
     def correct(self, cm, plan: GlobalPlan, workload, est):
         """``est`` (``cm.step_latency(plan, workload)``) with each measured shape's stage
@@ -172,9 +171,9 @@ class ShapeCorrection:
         rs = self.ratios(cm)
         if not rs:
             return est
-        return self._rescaled(cm, plan, workload, est.stages, est.sync_s, rs, est)
+        return self._rescaled(cm, plan, workload, est.stages, est.sync_s, rs)
 
-    def _rescaled(self, cm, plan, workload, raw: dict, sync_s: float, rs: dict, est):
+    def _rescaled(self, cm, plan, workload, raw: dict, sync_s: float, rs: dict) -> StepEstimate:
         stages = dict(raw)
         for sp in plan.stages:
             st, r = raw.get(sp.stage), rs.get(shape(sp))
@@ -190,6 +189,4 @@ class ShapeCorrection:
                 stages[sp.stage] = StageEstimate(st.stage, st.seconds * r, scaled)
         secs = {n: e.seconds for n, e in stages.items()}
         total, phases = compose_step(plan, workload, secs, sync_s, cm.cluster)
-        if est is None:
-            return StepEstimate(total, phases, stages, sync_s)
-        return replace(est, total_s=total, phase_s=phases, stages=stages)
+        return StepEstimate(total, phases, stages, sync_s)
