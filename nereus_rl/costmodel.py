@@ -256,6 +256,10 @@ class CostModel(PrimitiveCostModel):
         # twice): building it was 70% of a boundary's 30-70 ms on the tiny model
         self._works_cache: dict[tuple, dict[str, np.ndarray]] = {}
         self._stage_work_cache: dict[tuple, np.ndarray] = {}  # one stage's layout -> work
+        # (plan, workload) -> peak bytes per device: the memory model has no fitted
+        # parameter, and a lookahead checks each candidate at every horizon length
+        # (a tenth of a PPO search's time)
+        self._peak_cache: dict[tuple, dict[int, int]] = {}
         self._prior_terms: tuple | None = None  # (diag(lam), lam * x0), built on first solve
 
     # ----- efficiencies -------------------------------------------------------------
@@ -488,14 +492,21 @@ class CostModel(PrimitiveCostModel):
         return stage_memory(sw, dp, tp, pp, dtype)
 
     def peak_memory(self, plan: GlobalPlan, workload: Workload) -> dict[int, int]:
-        """Peak bytes on each device the plan uses (colocated stages summed)."""
-        out: dict[int, int] = {}
-        for sw in workload.planned_stages:
-            sp = plan.stage(sw.stage)
-            m = stage_memory(sw, sp.dp, sp.tp, sp.pp, workload.dtype)
-            for d in sp.devices:
-                out[d] = out.get(d, 0) + m
-        return out
+        """Peak bytes on each device the plan uses (colocated stages summed); a new
+        dict each call."""
+        key = (plan, workload)
+        out = self._peak_cache.get(key)
+        if out is None:
+            out = {}
+            for sw in workload.planned_stages:
+                sp = plan.stage(sw.stage)
+                m = stage_memory(sw, sp.dp, sp.tp, sp.pp, workload.dtype)
+                for d in sp.devices:
+                    out[d] = out.get(d, 0) + m
+            if len(self._peak_cache) >= WORKS_CACHE_SIZE:
+                self._peak_cache.clear()
+            self._peak_cache[key] = out
+        return dict(out)
 
     def memory_violations(self, plan: GlobalPlan, workload: Workload) -> dict[int, int]:
         """Devices whose peak exceeds capacity, with their peak bytes (empty: feasible)."""

@@ -75,18 +75,29 @@ def overlapped_step(
         if phase[j] == 0:
             t -= sync_s  # the sync runs after the rollout, not in it
         work[j] = t if t > 0.0 else 0.0
+    # (Priced for every candidate at every horizon length, a third of a search's
+    # time: the loop tests plain flags, not generators over the stages.)
+    alone = None if cores is None else [min(1.0, cores / w) for w in width]
     left = list(work)
-    start: list[float | None] = [None] * n
+    start: list[float] = [0.0] * n
     end: list[float | None] = [None] * n
+    done = [False] * n
+    infer_left = len(inference)
     now = 0.0
     waiting = list(range(n))
     running: list[int] = []
     while True:
         if waiting:
-            infer_done = all(end[i] is not None for i in inference)
+            infer_done = infer_left == 0
             still = []
             for j in waiting:
-                if (phase[j] != 2 or infer_done) and all(end[i] is not None for i in before[j]):
+                ready = phase[j] != 2 or infer_done
+                if ready:
+                    for i in before[j]:
+                        if not done[i]:
+                            ready = False
+                            break
+                if ready:
                     start[j] = now
                     running.append(j)
                 else:
@@ -94,19 +105,25 @@ def overlapped_step(
             waiting = still
         if not running:
             break
-        if cores is None:
+        if alone is None:
             rate = [1.0] * len(running)
         else:
             # processor sharing: running stages never share a device
-            share = min(1.0, cores / sum(width[j] for j in running))
-            rate = [share / min(1.0, cores / width[j]) for j in running]
-        dt = min(left[j] / r for j, r in zip(running, rate))
+            busy = 0
+            for j in running:
+                busy += width[j]
+            share = min(1.0, cores / busy)
+            rate = [share / alone[j] for j in running]
+        dt = min([left[j] / r for j, r in zip(running, rate)])
         now += dt
         still = []
         for j, r in zip(running, rate):
             left[j] -= r * dt
             if left[j] <= _EPS * max(1.0, work[j]):
                 end[j] = now
+                done[j] = True
+                if phase[j] == 1:
+                    infer_left -= 1
             else:
                 still.append(j)
         running = still

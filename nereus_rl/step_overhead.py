@@ -51,6 +51,9 @@ class StepOverhead:
         self.window = window
         self.obs: deque[tuple[int, float]] = deque(maxlen=window)
         self.version = 0  # bumps on every observation (PricedModel's memo keys on it)
+        # (version, fit): the fit is read once per priced plan, hundreds of times per
+        # boundary, and the observations change once per step
+        self._coef: tuple[int, tuple[float, float]] | None = None
 
     def observe(self, plan: GlobalPlan, predicted_s: float, measured_s: float) -> None:
         """Record one step of ``plan``: measured minus predicted (ignored when either is
@@ -63,6 +66,14 @@ class StepOverhead:
     def coef(self) -> tuple[float, float]:
         """(a, b): the fit; b is 0 when every observation has one call count or the
         slope comes out negative (then a is the mean residual)."""
+        got = self._coef
+        if got is not None and got[0] == self.version:
+            return got[1]
+        fit = self._fit()
+        self._coef = (self.version, fit)
+        return fit
+
+    def _fit(self) -> tuple[float, float]:
         if not self.obs:
             return 0.0, 0.0
         xs = [float(x) for x, _ in self.obs]

@@ -126,6 +126,7 @@ class Adapter:
         # the start plan, admission and lookahead compare plans with it, as the
         # candidates are ranked (empty until the startup probes or a step measure it)
         self.overhead = StepOverhead()
+        self._layout_ok: dict[tuple[int, int, int], bool] = {}  # (dp, tp, pp) -> runnable
         # Stage shapes that ran, priced at their measured ratio to the model
         # (shape_correction): the model misprices some shapes 2-4x on these workers
         self.shapes = ShapeCorrection()
@@ -237,15 +238,25 @@ class Adapter:
     def _runnable(self, plan: GlobalPlan) -> bool:
         # The planner's space is power-of-two degrees; the real model also needs tp to
         # divide its heads and pp no more than its layers.
-        mc = self.trainer.mc
+        # (Judged per stage layout, once: the k-best share a few, and a search asks for
+        # every plan it ranks.)
+        ok = self._layout_ok
         for sp in plan.stages:
-            try:
-                check_tp_divisible(mc, sp.tp)
-            except ValueError:
-                return False
-            if sp.pp > mc.num_layers or sp.dp > self.cfg.batch:
+            key = (sp.dp, sp.tp, sp.pp)
+            got = ok.get(key)
+            if got is None:
+                got = ok[key] = self._layout_runnable(*key)
+            if not got:
                 return False
         return True
+
+    def _layout_runnable(self, dp: int, tp: int, pp: int) -> bool:
+        mc = self.trainer.mc
+        try:
+            check_tp_divisible(mc, tp)
+        except ValueError:
+            return False
+        return pp <= mc.num_layers and dp <= self.cfg.batch
 
     def _rank(self, k_best, wl, pm: PricedModel) -> list[tuple[float, GlobalPlan]]:
         """The runnable plans of ``k_best`` with ``pm``'s latency, fastest first (a

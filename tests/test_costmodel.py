@@ -71,6 +71,9 @@ def test_colocated_memory_sums(cm):
     }
     assert peak[0] == m["rollout"] + m["reference"] + m["actor_train"]
     assert set(peak) == set(range(8))
+    # cached per (plan, workload): a caller's changes to the dict it got stay its own
+    peak[0] = -1
+    assert cm.peak_memory(plan, w)[0] == m["rollout"] + m["reference"] + m["actor_train"]
 
 
 def test_monotonic(cm):
