@@ -189,6 +189,20 @@ def compose_phases(
     return tuple(phases)
 
 
+def compose_total(
+    plan: GlobalPlan,
+    workload: Workload,
+    seconds: Mapping[str, float],
+    sync_s: float,
+    cluster: ClusterSpec,
+) -> float:
+    """:func:`compose_step`'s total alone (the same float operations): what ranking
+    plans needs, without an async step's phases, which it does not read."""
+    if not workload.rollout_ahead:
+        return sum(compose_phases(plan, workload, seconds))
+    return overlapped_step(plan, workload, seconds, sync_s, cluster)[0]
+
+
 def compose_step(
     plan: GlobalPlan,
     workload: Workload,
@@ -466,6 +480,27 @@ class CostModel(PrimitiveCostModel):
         for name, w in works.items():
             stages[name] = StageEstimate(name, float(w @ self._x), ClassShares(w * self._x))
         return stages, sync
+
+    def stage_seconds(self, plan: GlobalPlan, workload: Workload) -> tuple[dict[str, float], float]:
+        """:meth:`stage_estimates`' seconds without the per-class shares: each planned
+        stage's seconds (the rollout's with the sync) and the sync's, the same floats.
+
+        Raises:
+            CostModelError: the plan misses a stage the workload needs.
+        """
+        works = self._stage_works(plan, workload)
+        x = self._x
+        sync = works.pop("_sync", None)
+        return {name: float(w @ x) for name, w in works.items()}, (
+            0.0 if sync is None else float(sync @ x)
+        )
+
+    def step_total(self, plan: GlobalPlan, workload: Workload) -> float:
+        """``step_latency(plan, workload).total_s``, bit for bit, without building the
+        estimate: ranking the planner's k-best and scoring a lookahead read the total
+        only, and building each stage's estimate was a third of their pricing."""
+        secs, sync = self.stage_seconds(plan, workload)
+        return compose_total(plan, workload, secs, sync, self.cluster)
 
     def step_latency(self, plan: GlobalPlan, workload: Workload) -> StepEstimate:
         """Predicted steady-state latency of one step of ``workload`` under ``plan``.

@@ -191,6 +191,13 @@ def _lengths_label(lengths: Sequence[int]) -> str:
     return "[" + ", ".join(f"{n} x{k}" if k > 1 else f"{n}" for n, k in runs) + "]"
 
 
+def _total_of(cm) -> Callable[[GlobalPlan, Workload], float]:
+    """``cm``'s step total: ``step_total`` where it has one (the same float as
+    ``step_latency(...).total_s``, without building the estimate)."""
+    fn = getattr(cm, "step_total", None)
+    return fn if fn is not None else (lambda p, wl: cm.step_latency(p, wl).total_s)
+
+
 def _choose(
     current: GlobalPlan | None,
     candidates: Sequence[GlobalPlan],
@@ -230,7 +237,8 @@ def _choose(
     h = next((j for j in range(h) if not any(f[j] for f in fits_all)), h)
     fits = [f[:h] for f in fits_all]
     # (repeated lengths are priced once by the decisions' PricedModel memo)
-    lat = [[cm.step_latency(c, wl).total_s for wl in workloads[:h]] for c in cands]
+    total = _total_of(cm)
+    lat = [[total(c, wl) for wl in workloads[:h]] for c in cands]
     over = [next((j for j in range(h) if not f[j]), None) for f in fits]
     tcache: dict[tuple[int, int], float] = {}
 

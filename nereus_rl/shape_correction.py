@@ -43,7 +43,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 
-from nereus_rl.costmodel import ClassShares, StageEstimate, StepEstimate, compose_step
+from nereus_rl.costmodel import (
+    ClassShares,
+    StageEstimate,
+    StepEstimate,
+    compose_step,
+    compose_total,
+)
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 
 
@@ -163,6 +169,22 @@ class ShapeCorrection:
             return cm.step_latency(plan, workload)
         stages, sync = cm.stage_estimates(plan, workload)
         return self._rescaled(cm, plan, workload, stages, sync, rs)
+
+    def price_total(self, cm, plan: GlobalPlan, workload) -> float:
+        """``price(cm, plan, workload).total_s``, bit for bit, without building the
+        estimate (see ``CostModel.step_total``)."""
+        rs = self.ratios(cm)
+        if not rs:
+            return cm.step_total(plan, workload)
+        secs, sync = cm.stage_seconds(plan, workload)
+        unmeasured = self.unmeasured_factor
+        for sp in plan.stages:
+            t, r = secs.get(sp.stage), rs.get(shape(sp))
+            if r is None and unmeasured != 1.0:
+                r = unmeasured
+            if t is not None and r is not None:
+                secs[sp.stage] = t * r
+        return compose_total(plan, workload, secs, sync, cm.cluster)
 
     def correct(self, cm, plan: GlobalPlan, workload, est):
         """``est`` (``cm.step_latency(plan, workload)``) with each measured shape's stage

@@ -127,6 +127,7 @@ class PricedModel:
         # price the same candidates at the same lengths again and again (the planner's
         # k-best, the lookahead's horizon, admission), 60-70% of a PPO boundary's time
         self._memo: dict[tuple, Any] = {}
+        self._totals: dict[tuple, float] = {}  # the same, for step_total
         self._token: tuple | None = None
 
     def stage_price(self, plan: GlobalPlan, workload):
@@ -135,17 +136,49 @@ class PricedModel:
             return self._shapes.price(self._cm, plan, workload)
         return self._cm.step_latency(plan, workload)
 
-    def step_latency(self, plan: GlobalPlan, workload):
-        """The corrected estimate with the measured per-call overhead in ``total_s``."""
+    def _current_token(self) -> tuple:
+        """What the memos key on; they are emptied when it changes (or fill up)."""
         shapes = self._shapes
         token = (
             getattr(self._cm, "version", None),
             self._overhead.version,
             None if shapes is None else shapes.version,
         )
-        if token != self._token or token[0] is None or len(self._memo) >= MEMO_SIZE:
+        if (
+            token != self._token
+            or token[0] is None
+            or len(self._memo) >= MEMO_SIZE
+            or len(self._totals) >= MEMO_SIZE
+        ):
             self._memo.clear()
+            self._totals.clear()
             self._token = token
+        return token
+
+    def step_total(self, plan: GlobalPlan, workload) -> float:
+        """``step_latency(plan, workload).total_s``, bit for bit, without building the
+        estimate (ranking and the lookahead read the total only)."""
+        if not hasattr(self._cm, "stage_seconds"):  # a model with step_latency only
+            return self.step_latency(plan, workload).total_s
+        token = self._current_token()
+        key = (plan, workload)
+        total = self._totals.get(key)
+        if total is None:
+            est = self._memo.get(key)
+            if est is not None:
+                return est.total_s
+            if self._shapes is not None:
+                total = self._shapes.price_total(self._cm, plan, workload)
+            else:
+                total = self._cm.step_total(plan, workload)
+            total = total + self._overhead.spread(plan)
+            if token[0] is not None:  # a model without versions is never memoized
+                self._totals[key] = total
+        return total
+
+    def step_latency(self, plan: GlobalPlan, workload):
+        """The corrected estimate with the measured per-call overhead in ``total_s``."""
+        token = self._current_token()
         key = (plan, workload)
         est = self._memo.get(key)
         if est is None:

@@ -261,7 +261,7 @@ class Adapter:
     def _rank(self, k_best, wl, pm: PricedModel) -> list[tuple[float, GlobalPlan]]:
         """The runnable plans of ``k_best`` with ``pm``'s latency, fastest first (a
         stable sort: ties keep the planner's order)."""
-        out = [(pm.step_latency(p, wl).total_s, p) for _, p in k_best if self._runnable(p)]
+        out = [(pm.step_total(p, wl), p) for _, p in k_best if self._runnable(p)]
         out.sort(key=lambda x: x[0])
         return out
 
@@ -600,7 +600,7 @@ class Adapter:
     def _settle(self, step: int, plan: GlobalPlan, wl, urgent: bool) -> None:
         # an opportunistic search that kept the running plan (see _settled_row)
         if not urgent and self.cfg.admission != "always":
-            self._settled = (plan, wl, step, self.priced().step_latency(plan, wl).total_s)
+            self._settled = (plan, wl, step, self.priced().step_total(plan, wl))
 
     def _settled_row(self, step: int, plan: GlobalPlan, wl, triggers) -> dict | None:
         """The decision row of an efficiency trigger that the last search still answers,
@@ -623,7 +623,7 @@ class Adapter:
         s_plan, s_wl, s_step, s_price = last
         if s_plan != plan or s_wl != wl or step - s_step > SETTLED_STEPS:
             return None
-        price = self.priced().step_latency(plan, wl).total_s
+        price = self.priced().step_total(plan, wl)
         if price > s_price * (1.0 + self.tie_margin()):
             return None
         trig = triggers[0]

@@ -104,3 +104,39 @@ def test_priced_model_memo_follows_the_model_the_fit_and_the_shapes():
         assert math.isclose(sum(ref.by_class.values()), ref.seconds, rel_tol=1e-9)
     finally:
         tr.driver.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_step_total_is_the_estimates_total_bit_for_bit_and_follows_its_memo(mode):
+    # Ranking and the lookahead read step_total, which builds no estimate: it must be
+    # the very float step_latency's total is, with measured shapes (and an unmeasured
+    # shape's factor) and the overhead fit, and forget what a change made stale.
+    from nereus_rl.shape_correction import ShapeCorrection
+    from nereus_rl.step_overhead import PricedModel
+    from nereus_rl.trainer import TrainConfig, Trainer
+
+    tr = Trainer(TrainConfig(algo="remax", mode=mode, devices=4, steps=2, calibration_probes=0))
+    try:
+        ad = tr.adapter
+        wl, p = ad.workload(8), _plan(2)
+        ov, shapes = StepOverhead(), ShapeCorrection()
+        pm = PricedModel(ad.cm, ov, shapes)
+        plans = [*[q for _, q in ad.ranked_plans(8)][:8], p]
+
+        def fresh(q):  # each figure from an empty memo
+            return PricedModel(ad.cm, ov, shapes).step_latency(q, wl).total_s
+
+        for q in plans:
+            assert ad.cm.step_total(q, wl) == ad.cm.step_latency(q, wl).total_s
+            assert pm.step_total(q, wl) == fresh(q)
+        first = pm.step_total(p, wl)
+        ad.cm.observe(p, wl, {"actor_train": 0.5})
+        ov.observe(_plan(1), 0.1, 0.2)
+        ov.observe(_plan(2), 0.1, 0.3)
+        shapes.observe(p, wl, {"reference": 0.25})
+        shapes.unmeasured_factor = 1.3
+        assert pm.step_total(p, wl) != first
+        for q in plans:
+            assert pm.step_total(q, wl) == fresh(q)
+    finally:
+        tr.driver.shutdown()
