@@ -142,7 +142,7 @@ _STRUCTURES_SIZE = 8192
 def _structure(plan: GlobalPlan, workload) -> tuple:
     """(names, devices per stage, phases, earlier stages sharing a device, the inference
     stages) of ``plan``'s planned stages in ``workload``'s order."""
-    stages = tuple((sw.stage, sw.phase) for sw in workload.planned_stages)
+    stages = workload.stage_order
     key = (plan, stages)
     got = _STRUCTURES.get(key)
     if got is None:

@@ -109,7 +109,22 @@ class Workload(KeepsHash):
     @property
     def planned_stages(self) -> tuple[StageWork, ...]:
         """The stages that need devices (all but a rule-based reward)."""
-        return tuple(s for s in self.stages if s.kind != "rule")
+        # kept on the (immutable) workload: pricing a plan reads it several times
+        got = self.__dict__.get("_planned")
+        if got is None:
+            got = tuple(s for s in self.stages if s.kind != "rule")
+            object.__setattr__(self, "_planned", got)
+        return got
+
+    @property
+    def stage_order(self) -> tuple[tuple[str, int], ...]:
+        """(stage, phase) of each planned stage, in execution order (kept, as
+        :attr:`planned_stages`)."""
+        got = self.__dict__.get("_order")
+        if got is None:
+            got = tuple((s.stage, s.phase) for s in self.planned_stages)
+            object.__setattr__(self, "_order", got)
+        return got
 
     def _hash_key(self) -> tuple:
         return (
@@ -154,7 +169,8 @@ class Workload(KeepsHash):
         # The per-length memo is a cache: not pickled or copied with the workload (nor is
         # the kept hash: KeepsHash).
         state = super().__getstate__()
-        state.pop("_by_len", None)
+        for k in ("_by_len", "_planned", "_order"):
+            state.pop(k, None)
         return state
 
     def __repr__(self) -> str:
