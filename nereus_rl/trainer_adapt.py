@@ -538,6 +538,12 @@ class Adapter:
                        "current": repr(plan), "measured_transition_s": None})  # fmt: skip
             return out
         cand, la, la_note = ranked[0], None, None
+        if not urgent_now and self.cfg.admission != "always" and cand != plan:
+            row = self._within_noise_row(step, plan, wl, trig, cand)
+            if row is not None:
+                self._log(row)
+                self._settle(step, plan, wl, urgent_now)
+                return out
         # (The replan-on-every-trigger baseline keeps its definition off the urgent
         # path: the planner's best for the next step, no horizon check.)
         if urgent_now or (cand != plan and self.cfg.admission != "always"):
@@ -596,6 +602,36 @@ class Adapter:
             self._settle(step, plan, wl, urgent_now)
         self._log(row)
         return out
+
+    def _within_noise_row(self, step: int, plan: GlobalPlan, wl, trig, fastest) -> dict | None:
+        """The decision row of an opportunistic search whose fastest plan for the next
+        step (``fastest``, the ranking's first) saves no more than the running plan's
+        measured step noise, or None.
+
+        Admission declines a saving within that noise (``Admission.decide``), and every
+        plan the lookahead could choose is one of the ranked plans or the running plan,
+        none faster at the next step than ``fastest``: no move can be taken. So the
+        lookahead (its candidates priced over the horizon and their moves compiled: a
+        third of a PPO search) and admission's pricing of the move are not run; the
+        outcome is the one they would reach. (Only on the opportunistic path, after the
+        noise is measured: the caller returned before both otherwise.)
+        """
+        pm = self.priced()
+        cur, best = pm.step_total(plan, wl), pm.step_total(fastest, wl)
+        noise = self.noise.noise_s(plan)
+        saving = cur - best
+        if saving > noise:
+            return None
+        return {
+            "step": step, "signal": trig.signal, "trigger": trig.reason, "urgent": False,
+            "current": repr(plan), "candidate": repr(fastest), "taken": False,
+            "path": "opportunistic", "predicted_saving_s": saving, "step_noise_s": noise,
+            "predicted_transition_s": 0.0, "measured_transition_s": None,
+            "reason": f"within noise: the fastest plan for the next step saves {saving:.3g} "
+            f"s/step, within the measured step noise ({noise:.3g} s per step on the "
+            "current plan), so admission takes no candidate: none was looked ahead to or "
+            "priced for a move",
+        }  # fmt: skip
 
     def _settle(self, step: int, plan: GlobalPlan, wl, urgent: bool) -> None:
         # an opportunistic search that kept the running plan (see _settled_row)

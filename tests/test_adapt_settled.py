@@ -50,3 +50,39 @@ def test_a_recent_search_answers_an_efficiency_trigger_for_the_same_workload(tmp
     ad._settled = None
     ad._settle(2, plan, wl, urgent=True)
     assert ad._settled is None
+
+
+def test_a_search_whose_fastest_plan_saves_no_more_than_the_noise_moves_nowhere(tmp_path):
+    # Admission declines a saving within the running plan's step noise, and every plan
+    # the lookahead could choose is ranked, none faster than the first: so the search
+    # stops after the ranking (Adapter._within_noise_row) with the outcome admission
+    # would reach, for every candidate.
+    ad = _adapter(tmp_path)
+    ranked = [p for _, p in ad.ranked_plans(16)]
+    plan, fastest, wl = ranked[-1], ranked[0], ad.workload(16)
+    pm = ad.priced()
+    saving = pm.step_total(plan, wl) - pm.step_total(fastest, wl)
+    assert saving > 0
+    for r in (0.0, 2 * saving, 4 * saving):  # residuals scattered beyond the saving
+        ad.noise.observe(plan, 0.1, 0.1 + r)
+    noise = ad.noise.noise_s(plan)
+    assert noise > saving
+    row = ad._within_noise_row(5, plan, wl, _trig("seq_len", 5), fastest)
+    assert row["reason"].startswith("within noise") and not row["taken"]
+    assert row["predicted_saving_s"] == saving and row["step_noise_s"] == noise
+    assert row["candidate"] == repr(fastest) and row["path"] == "opportunistic"
+    for c in ranked:  # a free move, paid back over any horizon: declined all the same
+        dec = ad.admission.decide(plan, c, wl, forecast_steps=1e6, transition_cost=0.0,
+                                  noise_s=noise)  # fmt: skip
+        assert not dec.taken, dec.reason
+    # a quieter plan (scatter 0.7x the saving, or none): the fastest plan's saving is
+    # beyond it, so the search goes on, and admission would take that move
+    for d in (0.7 * saving / 1.4826, 0.0):
+        ad.noise.obs.clear()
+        for r in (0.0, d, 2 * d):
+            ad.noise.observe(plan, 0.1, 0.1 + r)
+        assert 0 <= ad.noise.noise_s(plan) < saving
+        assert ad._within_noise_row(5, plan, wl, _trig("seq_len", 5), fastest) is None
+        dec = ad.admission.decide(plan, fastest, wl, forecast_steps=1e6, transition_cost=0.0,
+                                  noise_s=ad.noise.noise_s(plan))  # fmt: skip
+        assert dec.taken, dec.reason
