@@ -622,15 +622,23 @@ class Adapter:
         saving = cur - best
         if saving > noise:
             return None
+        if saving <= 0:
+            why = (
+                f"not faster: the ranking's fastest plan for the next step prices {best:.4g} "
+                f"s/step against the current plan's {cur:.4g} s"
+            )
+        else:
+            why = (
+                f"within noise: the fastest plan for the next step saves {saving:.3g} s/step, "
+                f"within the measured step noise ({noise:.3g} s per step on the current plan)"
+            )
         return {
             "step": step, "signal": trig.signal, "trigger": trig.reason, "urgent": False,
             "current": repr(plan), "candidate": repr(fastest), "taken": False,
             "path": "opportunistic", "predicted_saving_s": saving, "step_noise_s": noise,
             "predicted_transition_s": 0.0, "measured_transition_s": None,
-            "reason": f"within noise: the fastest plan for the next step saves {saving:.3g} "
-            f"s/step, within the measured step noise ({noise:.3g} s per step on the "
-            "current plan), so admission takes no candidate: none was looked ahead to or "
-            "priced for a move",
+            "reason": why + ", so admission takes no candidate: none was looked ahead to "
+            "or priced for a move",
         }  # fmt: skip
 
     def _settle(self, step: int, plan: GlobalPlan, wl, urgent: bool) -> None:

@@ -71,6 +71,9 @@ def test_a_search_whose_fastest_plan_saves_no_more_than_the_noise_moves_nowhere(
     assert row["reason"].startswith("within noise") and not row["taken"]
     assert row["predicted_saving_s"] == saving and row["step_noise_s"] == noise
     assert row["candidate"] == repr(fastest) and row["path"] == "opportunistic"
+    # running the fastest plan itself, the next one in the ranking is not faster
+    row = ad._within_noise_row(5, fastest, wl, _trig("seq_len", 5), ranked[1])
+    assert row["reason"].startswith("not faster") and row["predicted_saving_s"] <= 0
     for c in ranked:  # a free move, paid back over any horizon: declined all the same
         dec = ad.admission.decide(plan, c, wl, forecast_steps=1e6, transition_cost=0.0,
                                   noise_s=noise)  # fmt: skip

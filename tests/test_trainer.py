@@ -199,7 +199,7 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
         assert early == (ran < 3), (ran, r)
         assert not early or "lookahead_score_s" not in r
         # a search whose fastest plan saves no more than the step noise stops there
-        if r["reason"].startswith("within noise"):
+        if r["reason"].startswith(("within noise", "not faster")):
             assert "lookahead_score_s" not in r
             assert r["predicted_saving_s"] <= r["step_noise_s"]
     for key in ("signal", "predicted_saving_s", "predicted_transition_s"):
