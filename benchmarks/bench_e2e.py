@@ -71,6 +71,10 @@ non-urgent moves where payback and replan-always differ).
     python benchmarks/bench_e2e.py --quick --algos ppo --modes async --json out.json
     python benchmarks/bench_e2e.py --quick --algos grpo,ppo,remax --modes sync,async --json o.json
     python benchmarks/bench_e2e.py --steps 20 --fixed-top 12 --json out.json
+    # the twelfth session's runs: 10 confirmation rounds narrow the goal's 90% range
+    # from +-10-30% (3 rounds) to +-3-9%; ~2-2.5 min per setting idle
+    python benchmarks/bench_e2e.py --steps 20 --fixed-top 2 --confirm 10 --algos ppo \
+        --modes async --json o.json
     python benchmarks/bench_e2e.py --steps 20 --json out.json  # every plan: hours
 
 Three interleaved repeats by default (two were too few: two PPO runs disagreed more than
