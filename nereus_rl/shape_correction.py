@@ -177,11 +177,8 @@ class ShapeCorrection:
         if not rs:
             return cm.step_total(plan, workload)
         secs, sync = cm.stage_seconds(plan, workload)
-        unmeasured = self.unmeasured_factor
         for sp in plan.stages:
-            t, r = secs.get(sp.stage), rs.get(shape(sp))
-            if r is None and unmeasured != 1.0:
-                r = unmeasured
+            t, r = secs.get(sp.stage), self._ratio(sp, rs)
             if t is not None and r is not None:
                 secs[sp.stage] = t * r
         return compose_total(plan, workload, secs, sync, cm.cluster)
@@ -195,12 +192,18 @@ class ShapeCorrection:
             return est
         return self._rescaled(cm, plan, workload, est.stages, est.sync_s, rs)
 
+    def _ratio(self, sp: StagePlan, rs: dict) -> float | None:
+        """The ratio ``sp``'s stage is priced at (its shape's, else the unmeasured
+        factor), or None to keep the model's price."""
+        r = rs.get(shape(sp))
+        if r is None and self.unmeasured_factor != 1.0:
+            r = self.unmeasured_factor
+        return r
+
     def _rescaled(self, cm, plan, workload, raw: dict, sync_s: float, rs: dict) -> StepEstimate:
         stages = dict(raw)
         for sp in plan.stages:
-            st, r = raw.get(sp.stage), rs.get(shape(sp))
-            if r is None and self.unmeasured_factor != 1.0:
-                r = self.unmeasured_factor
+            st, r = raw.get(sp.stage), self._ratio(sp, rs)
             if st is not None and r is not None:  # each class scaled alike
                 parts = st.by_class
                 scaled = (
