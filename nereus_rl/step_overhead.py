@@ -158,8 +158,6 @@ class PricedModel:
     def step_total(self, plan: GlobalPlan, workload) -> float:
         """``step_latency(plan, workload).total_s``, bit for bit, without building the
         estimate (ranking and the lookahead read the total only)."""
-        if not hasattr(self._cm, "stage_seconds"):  # a model with step_latency only
-            return self.step_latency(plan, workload).total_s
         token = self._current_token()
         key = (plan, workload)
         total = self._totals.get(key)

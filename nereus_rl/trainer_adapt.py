@@ -106,6 +106,21 @@ OPPORTUNISTIC_RANK = 24
 SETTLED_STEPS = 3
 
 
+def _kept_row(step: int, trig, plan: GlobalPlan, reason: str, **extra: Any) -> dict[str, Any]:
+    """The decision row of an opportunistic trigger answered without a full search
+    (the running plan kept, nothing to move): the noise not measured yet, a recent
+    search that still answers it (settled), or a ranking whose fastest plan cannot beat
+    the step noise. ``extra`` adds to or overrides its fields."""
+    row = {
+        "step": step, "signal": trig.signal, "trigger": trig.reason, "urgent": trig.urgent,
+        "current": repr(plan), "taken": False, "path": "opportunistic",
+        "predicted_saving_s": 0.0, "predicted_transition_s": 0.0,
+        "measured_transition_s": None, "reason": reason,
+    }  # fmt: skip
+    row.update(extra)
+    return row
+
+
 class Adapter:
     """The decision side of one run (see the module docstring).
 
@@ -512,13 +527,10 @@ class Adapter:
             # noise is measured (adapt_move): searching and pricing candidates for it
             # was most of the deciding in a run's first steps (50-60 ms at step 1 of a
             # bench_e2e run, a third of a step), time no fixed plan pays.
-            self._log({"step": step, "signal": trig.signal, "trigger": trig.reason,
-                       "urgent": trig.urgent, "current": repr(plan), "taken": False,
-                       "path": "opportunistic", "predicted_saving_s": 0.0,
-                       "predicted_transition_s": 0.0, "measured_transition_s": None,
-                       "reason": "the current plan's step noise is not measured yet "
-                       f"({self.noise.steps(plan)} of {self.noise.min_steps} steps on it): "
-                       "no opportunistic move before it, so no plan was searched"})  # fmt: skip
+            self._log(_kept_row(
+                step, trig, plan, "the current plan's step noise is not measured yet "
+                f"({self.noise.steps(plan)} of {self.noise.min_steps} steps on it): "
+                "no opportunistic move before it, so no plan was searched"))  # fmt: skip
             return out
         if not urgent_now and self.cfg.admission != "always":
             row = self._settled_row(step, plan, wl, triggers)
@@ -632,14 +644,11 @@ class Adapter:
                 f"within noise: the fastest plan for the next step saves {saving:.3g} s/step, "
                 f"within the measured step noise ({noise:.3g} s per step on the current plan)"
             )
-        return {
-            "step": step, "signal": trig.signal, "trigger": trig.reason, "urgent": False,
-            "current": repr(plan), "candidate": repr(fastest), "taken": False,
-            "path": "opportunistic", "predicted_saving_s": saving, "step_noise_s": noise,
-            "predicted_transition_s": 0.0, "measured_transition_s": None,
-            "reason": why + ", so admission takes no candidate: none was looked ahead to "
-            "or priced for a move",
-        }  # fmt: skip
+        return _kept_row(
+            step, trig, plan, why + ", so admission takes no candidate: none was looked "
+            "ahead to or priced for a move",
+            candidate=repr(fastest), predicted_saving_s=saving, step_noise_s=noise,
+        )  # fmt: skip
 
     def _settle(self, step: int, plan: GlobalPlan, wl, urgent: bool) -> None:
         # an opportunistic search that kept the running plan (see _settled_row)
@@ -670,16 +679,11 @@ class Adapter:
         price = self.priced().step_total(plan, wl)
         if price > s_price * (1.0 + self.tie_margin()):
             return None
-        trig = triggers[0]
-        return {
-            "step": step, "signal": trig.signal, "trigger": trig.reason, "urgent": False,
-            "current": repr(plan), "taken": False, "path": "opportunistic",
-            "predicted_saving_s": 0.0, "predicted_transition_s": 0.0,
-            "measured_transition_s": None,
-            "reason": f"settled: the search at step {s_step} kept the current plan for "
-            f"the same next workload, and its price ({price:.4g} s) is within the tie "
-            f"band of its price then ({s_price:.4g} s): not searched again",
-        }  # fmt: skip
+        return _kept_row(
+            step, triggers[0], plan, f"settled: the search at step {s_step} kept the "
+            f"current plan for the same next workload, and its price ({price:.4g} s) is "
+            f"within the tie band of its price then ({s_price:.4g} s): not searched again",
+        )  # fmt: skip
 
     def _log(self, row: dict[str, Any]) -> None:
         self.trainer.result.decisions.append(row)
