@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -69,12 +70,19 @@ class LevelSignal:
     ``edges[level] * (1 + hysteresis)`` and down when it falls to
     ``edges[level-1] * (1 - hysteresis)`` or below.
 
+    With ``smooth`` > 1 the level follows the median of the last ``smooth`` values
+    (those since the last :meth:`reset_trend`), not the last value alone: one step
+    that an outside cause slowed or sped up then moves no level, and a change that
+    lasts moves it one or two steps late. The trend and the forecast still use every
+    value.
+
     Arguments:
         name: signal name.
         edges: increasing positive thresholds.
         hysteresis: relative band around each threshold.
         window: values used for the trend.
         horizon: forecast when no crossing is in sight (steps).
+        smooth: values whose median sets the level (1: the last value alone).
     """
 
     def __init__(
@@ -85,16 +93,20 @@ class LevelSignal:
         hysteresis: float = 0.1,
         window: int = 10,
         horizon: float = 200.0,
+        smooth: int = 1,
     ) -> None:
         if not edges or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] <= 0:
             raise SignalError(f"{name}: edges {list(edges)} must be positive and increasing")
         if not 0 <= hysteresis < 1:
             raise SignalError(f"{name}: hysteresis={hysteresis} must be in [0, 1)")
+        if smooth < 1:
+            raise SignalError(f"{name}: smooth={smooth} must be >= 1 (1: no smoothing)")
         self.name = name
         self.edges = tuple(float(e) for e in edges)
         self.hysteresis = hysteresis
         self.horizon = horizon
-        self.history: deque[tuple[int, float]] = deque(maxlen=max(2, window))
+        self.smooth = smooth
+        self.history: deque[tuple[int, float]] = deque(maxlen=max(2, window, smooth))
         self.level: int | None = None
 
     def _raw_level(self, v: float) -> int:
@@ -118,6 +130,9 @@ class LevelSignal:
         if value < 0 or math.isnan(value):
             raise SignalError(f"{self.name}: value {value} at step {step} must be >= 0")
         self.history.append((step, float(value)))
+        if self.smooth > 1:
+            value = statistics.median(v for _, v in itertools.islice(
+                reversed(self.history), self.smooth))  # fmt: skip
         if self.level is None:
             self.level = self._raw_level(value)
             return None
@@ -129,6 +144,7 @@ class LevelSignal:
             return None
         word = "rose above" if self.level > old else "fell below"
         thr = up if self.level > old else down
+        what = self.name if self.smooth == 1 else f"{self.name} (median of the last {self.smooth})"
         return Trigger(
             self.name,
             step,
@@ -136,7 +152,7 @@ class LevelSignal:
             old,
             self.level,
             False,
-            f"{self.name} {value:.4g} {word} {thr:.4g} (level {old} -> {self.level})",
+            f"{what} {value:.4g} {word} {thr:.4g} (level {old} -> {self.level})",
         )
 
     def reset_trend(self) -> None:
@@ -289,6 +305,12 @@ class Controller:
         memory_edges: (low, high) fractions of capacity.
         efficiency_edges: (fast, slow) ratios of measured to predicted time.
         window, horizon: trend window and the forecast cap, in steps.
+        efficiency_smooth: steps whose median ratio sets the efficiency level (see
+            :class:`LevelSignal`). On shared cores one step's ratio crosses a band every
+            second or third step (bench_e2e's settings, 20 steps: 4-11 efficiency
+            triggers per run, each an opportunistic search, of which none moved);
+            the median of 3 leaves 2-4 on the same ratios, and a model that stays off
+            (a mispriced plan) still triggers, one step later.
     """
 
     def __init__(
@@ -300,6 +322,7 @@ class Controller:
         efficiency_edges: tuple[float, float] = (0.85, 1.15),
         window: int = 10,
         horizon: float = 200.0,
+        efficiency_smooth: int = 3,
     ) -> None:
         self.seq_len = SeqLenSignal(buckets, hysteresis=hysteresis, window=window, horizon=horizon)
         self.devices = DevicesSignal(horizon)
@@ -307,8 +330,9 @@ class Controller:
             "memory", memory_edges, hysteresis=0.02, window=window, horizon=horizon
         )
         self.efficiency = LevelSignal(
-            "efficiency", efficiency_edges, hysteresis=0.02, window=window, horizon=horizon
-        )
+            "efficiency", efficiency_edges, hysteresis=0.02, window=window, horizon=horizon,
+            smooth=efficiency_smooth,
+        )  # fmt: skip
         self.triggers: list[Trigger] = []
 
     def update(

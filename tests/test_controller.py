@@ -129,3 +129,29 @@ def test_model_tolerance_is_the_efficiency_band():
     assert Controller().model_tolerance == pytest.approx(0.15)
     assert Controller(efficiency_edges=(0.9, 1.3)).model_tolerance == pytest.approx(0.3)
     assert Controller(efficiency_edges=(0.7, 1.1)).model_tolerance == pytest.approx(0.3)
+
+
+def test_efficiency_level_follows_the_median_of_three_steps():
+    # One step slowed by something else on shared cores moves no level; a model that
+    # stays off moves it at the second slow step; a transition (plan_changed) starts
+    # the median afresh, so the new plan's first ratios are not outvoted by the old's.
+    c = Controller()
+    for i, r in enumerate([1.0, 1.0, 1.0]):
+        assert c.update(i, efficiency_ratio=r) == []
+    assert c.update(3, efficiency_ratio=1.6) == []  # a spike: median 1.0
+    assert c.update(4, efficiency_ratio=1.0) == []
+    assert c.update(5, efficiency_ratio=1.0) == []
+    assert c.update(6, efficiency_ratio=1.4) == []  # one slow step of the last three
+    (t,) = c.update(7, efficiency_ratio=1.5)  # two of three: the median 1.4 is slow
+    assert t.signal == "efficiency" and t.value == pytest.approx(1.4)
+    assert "median of the last 3" in t.reason
+    c.plan_changed()
+    (t,) = c.update(8, efficiency_ratio=0.7)  # the new plan's first ratio alone
+    assert t.new_level == 0 and t.value == pytest.approx(0.7)
+    raw = Controller(efficiency_smooth=1)
+    for i, r in enumerate([1.0, 1.0, 1.0]):
+        raw.update(i, efficiency_ratio=r)
+    (t,) = raw.update(3, efficiency_ratio=1.6)  # unsmoothed, the spike triggers
+    assert t.value == pytest.approx(1.6) and "median" not in t.reason
+    with pytest.raises(SignalError, match="smooth=0"):
+        LevelSignal("z", (1, 2), smooth=0)
