@@ -92,7 +92,9 @@ class Communicator:
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:
-    """Counters of a pool. ``create_seconds`` is the time spent creating communicators."""
+    """Counters of a pool. ``create_seconds`` is the time spent creating communicators:
+    the backend's calls, and in driver-directed mode also the members' builds that the
+    caller waited for and reported (:meth:`CommPool.record_build_seconds`)."""
 
     size: int
     capacity: int
@@ -179,6 +181,7 @@ class CommPool:
         self._next_handle = 0
         self._num_creations = 0
         self._lost: set[int] = set()
+        self._build_seconds = 0.0  # directed mode: reported by record_build_seconds
 
     @property
     def backend(self) -> PoolBackend:
@@ -236,6 +239,21 @@ class CommPool:
         self._dispose(self._core.commit(list(key), handle, seconds))
         return self._communicator(key, handle, action)
 
+    def record_build_seconds(self, seconds: float) -> None:
+        """Count members' build seconds in ``stats.create_seconds``.
+
+        In driver-directed mode the backend's ``init`` only tells the members to build
+        and returns; the build runs on them and its time is known when the caller
+        reads their replies. Without this the pool's counter held the sending alone
+        (microseconds) while the EMU layer's groups took milliseconds to build.
+
+        Raises:
+            PoolError: ``seconds`` is negative or not finite.
+        """
+        if not seconds >= 0 or seconds == float("inf"):
+            raise PoolError(f"build seconds must be finite and >= 0; got {seconds!r}")
+        self._build_seconds += float(seconds)
+
     def release(self, comm: Communicator | Sequence[int]) -> None:
         """Drop one hold on a communicator from ``get``; it may now be evicted.
 
@@ -291,7 +309,7 @@ class CommPool:
             grows=c.grows,
             evictions=c.evictions,
             failures=c.failures,
-            create_seconds=c.create_seconds,
+            create_seconds=c.create_seconds + self._build_seconds,
         )
 
     def cached(self) -> list[tuple[int, ...]]:

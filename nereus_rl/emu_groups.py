@@ -143,4 +143,8 @@ class PooledGroups:
         seconds = getattr(self.pool.backend, "setup_seconds", None)
         if seconds is None:
             return 0.0
-        return float(sum(seconds(c.handle) for c in comms if c is not None and c.how != "hit"))
+        built = float(sum(seconds(c.handle) for c in comms if c is not None and c.how != "hit"))
+        if built:
+            with self._lock:  # the pool's counters count the builds too
+                self.pool.record_build_seconds(built)
+        return built

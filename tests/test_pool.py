@@ -66,6 +66,20 @@ def test_reuse_counts_one_creation():
     assert pool2.get((2, 1, 0)).how == "init"
 
 
+def test_reported_build_seconds_count_in_create_seconds():
+    # Driver-directed mode: the members' builds end after init returned; the caller
+    # reports their seconds and the counter holds them.
+    pool = CommPool(RecordingBackend(), capacity=4)
+    pool.get((0, 1))
+    base = pool.stats.create_seconds
+    pool.record_build_seconds(0.25)
+    assert pool.stats.create_seconds == pytest.approx(base + 0.25)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(PoolError, match="build seconds"):
+            pool.record_build_seconds(bad)
+    assert pool.stats.create_seconds == pytest.approx(base + 0.25)
+
+
 def test_split_from_smallest_covering_parent():
     be = RecordingBackend()
     pool = CommPool(be, capacity=8)
