@@ -35,7 +35,10 @@ tied, and among them the candidate needing the fewest moves over the horizon win
 (staying: 0; a move: 1; a move that goes over within the horizon: 2). The trainer
 passes the cost model's measured step error capped at the controller's efficiency
 band (``Adapter.tie_margin``), so a predicted difference the model cannot resolve
-never buys an extra move.
+never buys an extra move. The start plan (:func:`choose_start`) then prefers the
+candidate on the fewest devices, the planner's best included: no move is at stake
+there, and within the band a plan on fewer devices leaves headroom (see
+:func:`_choose`).
 """
 
 from __future__ import annotations
@@ -160,7 +163,8 @@ def choose_start(
     planner's best at the first step) stands unless it goes over memory within
     ``workloads`` (the run's lengths from its first step); then the lowest score wins,
     the predicted forced move (its price and the plan it goes to) included, and among
-    near ties (``tie_margin``) the candidate that is not forced to move.
+    near ties (``tie_margin``) the candidate that is not forced to move, then the one
+    on the fewest devices (see :func:`_choose`), the planner's best included.
 
     Why: a start plan fast at the first length that rising lengths force off pays the
     forced move and its slower steps before it, which a plan that holds every length
@@ -175,7 +179,9 @@ def choose_start(
         return 0.0 if a is None else transition_cost(a, b)
 
     # current=None: every candidate starts at no cost, and none is "the current plan"
-    ch = _choose(None, candidates, workloads, lengths, costmodel, tcost, tie_margin)
+    ch = _choose(
+        None, candidates, workloads, lengths, costmodel, tcost, tie_margin, fewer_devices=True
+    )
     return replace(ch, reason="start plan: " + ch.reason)
 
 
@@ -206,8 +212,21 @@ def _choose(
     costmodel: CostModel,
     transition_cost: Callable[[GlobalPlan, GlobalPlan], float],
     tie_margin: float,
+    fewer_devices: bool = False,
 ) -> LookaheadChoice:
-    """The choice of :func:`choose` (without ``current_over_at``)."""
+    """The choice of :func:`choose` (without ``current_over_at``).
+
+    With ``fewer_devices`` (the start plan), near ties go to the candidate on the
+    fewest devices (after the fewest moves), and the planner's best that holds every
+    length is itself tied with the candidates that hold them too and score within the
+    band of it. Why: within the band the model cannot say which plan is faster, and the
+    one on fewer devices leaves devices spare: headroom for the lengths to grow into
+    and for a device loss that then forces no move. On the 2-core machine it also
+    measured at least as fast: bench_e2e's 20-step runs (two sessions, every setting)
+    had the fastest fixed plan on 3 devices, or tied with one, in 5 of 6 settings,
+    while four startups of GRPO sync chose 4-device plans in 2 (8% slower than the
+    3-device plan when adaptive started on them over ten rounds).
+    """
     if not tie_margin >= 0:
         raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
     if not workloads or len(lengths) != len(workloads):
@@ -289,6 +308,13 @@ def _choose(
         r = repl(i)
         return tcost(i, r) if r is not None else float("inf")
 
+    def moves(i: int) -> int:
+        # moves over the horizon: to the candidate, and the one its crossing forces
+        return (cands[i] != current) + (over[i] is not None)
+
+    def ndev(i: int) -> int:
+        return len(getattr(cands[i], "devices", ()))
+
     any_fit = h == h_all
     cut = (
         ""
@@ -315,12 +341,32 @@ def _choose(
     if over[0] is None:
         # The old choice holds every plannable forecast length: no churn to avoid, and
         # the planner's ranking (latency) is trusted over a cheaper-looking transition.
-        return LookaheadChoice(
-            cands[0], 0, not any_fit, tuple(lengths), h_all, old, old, old_over_full,
+        kept = (
             f"lookahead over {h_all} steps at lengths {_lengths_label(lengths)}: the planner's "
-            f"best for the next step fits every forecast length{' it can' if cut else ''}; "
-            f"kept{cut}",
-            1, old_over_full,
+            f"best for the next step fits every forecast length{' it can' if cut else ''}"
+        )
+        pick, scored = 0, 1
+        if fewer_devices and tie_margin > 0:
+            # (a candidate with as few moves holds every length too: its score is its
+            # latency sum, no transition to compile)
+            band = old * (1 + tie_margin)
+            near = [i for i in range(len(cands)) if moves(i) <= moves(0) and bound(i) <= band]
+            scored = len(cands)
+            pick = min(near, key=lambda i: (ndev(i), score(i)))
+            if ndev(pick) >= ndev(0):
+                pick = 0
+        if pick == 0:
+            return LookaheadChoice(
+                cands[0], 0, not any_fit, tuple(lengths), h_all, old, old, old_over_full,
+                f"{kept}; kept{cut}", scored, old_over_full,
+            )  # fmt: skip
+        s_pick = score(pick)
+        return LookaheadChoice(
+            cands[pick], pick, not any_fit, tuple(lengths), h_all, s_pick, old, old_over_full,
+            f"{kept}; near tie: candidate {pick} also does and scores {s_pick:.4g} s, within "
+            f"{tie_margin:.0%} of it ({old:.4g} s), on {ndev(pick)} devices instead of "
+            f"{ndev(0)}: taken{cut}",
+            scored, None if any_fit else h, 0.0,
         )  # fmt: skip
     best_i, best_s, scored = 0, old, 1
     for i in sorted(range(1, len(cands)), key=bound):
@@ -344,15 +390,20 @@ def _choose(
                 scored += 1
         near = [i for i, v in sc.items() if v <= band]
 
-        def moves(i: int) -> int:
-            return (cands[i] != current) + (over[i] is not None)
+        def key(i: int) -> tuple:
+            return (moves(i), ndev(i), sc[i]) if fewer_devices else (moves(i), sc[i])
 
-        pick = min(near, key=lambda i: (moves(i), sc[i]))
-        if moves(pick) < moves(best_i):
+        pick = min(near, key=key)
+        if key(pick)[:-1] < key(best_i)[:-1]:
+            how = (
+                f"{moves(pick)} move(s) over the horizon instead of {moves(best_i)}"
+                if moves(pick) < moves(best_i)
+                else f"as many moves ({moves(pick)}) on {ndev(pick)} devices instead of "
+                f"{ndev(best_i)}"
+            )
             tie = (
                 f"; near tie: candidate {pick} scores {sc[pick]:.4g} s, within "
-                f"{tie_margin:.0%} of the best ({best_s:.4g} s, candidate {best_i}), with "
-                f"{moves(pick)} move(s) over the horizon instead of {moves(best_i)}"
+                f"{tie_margin:.0%} of the best ({best_s:.4g} s, candidate {best_i}), with {how}"
             )
             best_i, best_s = pick, sc[pick]
     if best_s == float("inf"):  # not expected once the horizon is cut; kept safe

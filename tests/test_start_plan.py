@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_lookahead import TableCM, move
 
-from nereus_rl.lookahead import LookaheadError, choose_start
+from nereus_rl.lookahead import LookaheadError, choose, choose_start
 from nereus_rl.start_plan import start_candidates, start_lengths
 from nereus_rl.trainer import Trainer
 from nereus_rl.trainer_config import NotEnoughDevicesError, TrainConfig
@@ -43,6 +43,44 @@ def test_start_keeps_the_planners_best_when_it_holds_every_length():
         choose_start(["A"], [9], (64,), cm, move(0.0))
     with pytest.raises(LookaheadError, match="tie_margin"):
         choose_start(["A"], [0], (8,), cm, move(0.0), tie_margin=-1)
+
+
+class Named(str):
+    """A table plan with the devices it uses (the tie rule reads ``plan.devices``)."""
+
+    def __new__(cls, name: str, devices: int):
+        obj = super().__new__(cls, name)
+        obj.devices = frozenset(range(devices))
+        return obj
+
+
+def test_start_near_tie_goes_to_the_fewest_devices():
+    # A (the planner's best, 4 devices) and B (3 devices, 5% slower) both hold every
+    # length: within a 10% band B is taken; C (2 devices) is 30% slower, out of the band;
+    # D (1 device) is within it but goes over at step 2 (a forced move: not a tie).
+    a, b, c, d = Named("A", 4), Named("B", 3), Named("C", 2), Named("D", 1)
+    cm = TableCM({a: 1.0, b: 1.05, c: 1.3, d: 1.0}, {a: 9, b: 9, c: 9, d: 2})
+    args = ([a, b, c, d], [0, 1, 2, 3], (8,) * 4, cm, move(0.1))
+    ch = choose_start(*args, tie_margin=0.1)
+    assert ch.plan == "B" and ch.rank == 1 and ch.score_s == pytest.approx(4.2)
+    assert ch.old_score_s == pytest.approx(4.0) and ch.over_at is None
+    assert "near tie" in ch.reason and "on 3 devices instead of 4" in ch.reason
+    # no band (or a narrower one): the planner's best stands
+    assert choose_start(*args).plan == "A"
+    assert choose_start(*args, tie_margin=0.04).plan == "A"
+    # a move's choice keeps its old rule: the planner's best holds, so it is kept
+    moved = choose(a, [a, b, c, d], [0, 1, 2, 3], (8,) * 4, cm, move(0.1), tie_margin=0.1)
+    assert moved.plan == "A"
+
+
+def test_start_near_tie_after_a_crossing_prefers_fewer_devices_at_equal_moves():
+    # The planner's best A goes over at step 1 (a forced move): among B (4 devices) and
+    # E (2 devices), both holding every length and within 10% of each other, E wins.
+    a, b, e = Named("A", 4), Named("B", 4), Named("E", 2)
+    cm = TableCM({a: 0.5, b: 1.0, e: 1.05}, {a: 1, b: 9, e: 9})
+    ch = choose_start([a, b, e], [0, 1, 2, 3], (8, 12, 16, 16), cm, move(2.0), tie_margin=0.1)
+    assert ch.plan == "E" and "on 2 devices instead of 4" in ch.reason
+    assert choose_start([a, b, e], [0, 1, 2, 3], (8, 12, 16, 16), cm, move(2.0)).plan == "B"
 
 
 def _trainer(tmp_path: Path, adapt: bool, budget=BUDGET) -> Trainer:
