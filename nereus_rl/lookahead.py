@@ -222,10 +222,11 @@ def _choose(
     band of it. Why: within the band the model cannot say which plan is faster, and the
     one on fewer devices leaves devices spare: headroom for the lengths to grow into
     and for a device loss that then forces no move. On the 2-core machine it also
-    measured at least as fast: bench_e2e's 20-step runs (two sessions, every setting)
-    had the fastest fixed plan on 3 devices, or tied with one, in 5 of 6 settings,
-    while four startups of GRPO sync chose 4-device plans in 2 (8% slower than the
-    3-device plan when adaptive started on them over ten rounds).
+    measured as fast or faster: in two 20-step bench_e2e runs of all six settings the
+    fastest fixed plan was on 3 of the 4 devices, or within 2% of a plan on 3, in 9
+    of 12 (ReMax async's was on 4 in both, 9-20% faster than its 3-device rival, which
+    the model also priced out of the band), while GRPO sync's startups chose 4-device
+    plans in 7 of 10 rounds, 8% slower on average than the 3-device best fixed plan.
     """
     if not tie_margin >= 0:
         raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
