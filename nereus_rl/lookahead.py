@@ -226,7 +226,7 @@ def _choose(
     fastest fixed plan was on 3 of the 4 devices, or within 2% of a plan on 3, in 9
     of 12 (ReMax async's was on 4 in both, 9-20% faster than its 3-device rival, which
     the model also priced out of the band), while GRPO sync's startups chose 4-device
-    plans in 7 of 10 rounds, 8% slower on average than the 3-device best fixed plan.
+    plans in 7 of 10 rounds, 9% slower on average than the 3-device best fixed plan.
     """
     if not tie_margin >= 0:
         raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")

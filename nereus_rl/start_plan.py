@@ -34,9 +34,9 @@ Among near ties (scores within the model's measured error, ``Adapter.tie_margin`
 the start goes to the plan on the fewest devices, not to the lowest score: the
 calibration's probes are few and noisy, so which of several near-tied plans scored
 lowest changed from startup to startup (GRPO sync: five different start plans over ten
-rounds, some 8% slower than the best fixed plan), and the plan on fewer devices
-leaves devices spare for the lengths to grow into and for a loss that then forces no
-move (:func:`nereus_rl.lookahead._choose`).
+rounds, the 4-device ones 9% slower on average than the 3-device best fixed plan), and
+the plan on fewer devices leaves devices spare for the lengths to grow into and for a
+loss that then forces no move (:func:`nereus_rl.lookahead._choose`).
 
 The choice is logged as the run's first decision row (``path: "start"``), with the
 lookahead's record and its reason; it is not a transition (``taken`` is False).
