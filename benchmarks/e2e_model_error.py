@@ -35,13 +35,19 @@ def predicted_phases(cm, plan, workloads: list, overhead=None, shapes=None) -> d
     total includes its measured unpriced rest for the plan (``ovh``); with ``shapes``
     (a :class:`~nereus_rl.shape_correction.ShapeCorrection`) measured stage shapes are
     priced at their measured ratio, as the run's decisions price them."""
-    ests = [cm.step_latency(plan, wl) for wl in workloads]
+    ovh = 0.0 if overhead is None else overhead.predict(plan)
+    # an async step's rest is on its chain of stages, where the rollout may hide it
+    # (PricedModel.chain_rest); a synchronous step's is added to its total
+    rests = [max(0.0, ovh) if wl.rollout_ahead else 0.0 for wl in workloads]
+    ests = [cm.step_latency(plan, wl, r) for wl, r in zip(workloads, rests)]
     if shapes is not None:
-        ests = [shapes.correct(cm, plan, wl, e) for wl, e in zip(workloads, ests)]
+        ests = [shapes.correct(cm, plan, wl, e, r) for wl, e, r in zip(workloads, ests, rests)]
     n = len(ests)
     out = {ph: sum(e.phase_s[i] for e in ests) / n for i, ph in enumerate(PHASES)}
-    out["ovh"] = 0.0 if overhead is None else overhead.predict(plan)
-    out["total"] = sum(e.total_s for e in ests) / n + out["ovh"]
+    out["ovh"] = ovh
+    out["total"] = (
+        sum(e.total_s + (0.0 if wl.rollout_ahead else ovh) for wl, e in zip(workloads, ests)) / n
+    )
     return out
 
 

@@ -152,8 +152,8 @@ def enumerate_fixed(ad, lengths: list[int], named: list[GlobalPlan]) -> tuple[li
             continue
         seen.add(c)
         # as the decisions price it: measured shapes at their ratio (shape_correction)
-        pred = _mean([pm.stage_price(p, wls[rl]).total_s for rl in lengths])
-        pred += ad.overhead.predict(p)  # the measured unpriced rest (step_overhead)
+        # with the measured unpriced rest (step_overhead; an async step's on its chain)
+        pred = _mean([pm.step_whole(p, wls[rl]) for rl in lengths])
         out.append((pred, p))
     out.sort(key=lambda x: x[0])
     return out, {"k_best": len(ranked), "duplicates": dup, "same_as_named": dup_named}

@@ -195,12 +195,13 @@ def compose_total(
     seconds: Mapping[str, float],
     sync_s: float,
     cluster: ClusterSpec,
+    rest_s: float = 0.0,
 ) -> float:
     """:func:`compose_step`'s total alone (the same float operations): what ranking
     plans needs, without an async step's phases, which it does not read."""
     if not workload.rollout_ahead:
         return sum(compose_phases(plan, workload, seconds))
-    return overlapped_step(plan, workload, seconds, sync_s, cluster)[0]
+    return overlapped_step(plan, workload, seconds, sync_s, cluster, rest_s=rest_s)[0]
 
 
 def compose_step(
@@ -209,17 +210,20 @@ def compose_step(
     seconds: Mapping[str, float],
     sync_s: float,
     cluster: ClusterSpec,
+    rest_s: float = 0.0,
 ) -> tuple[float, tuple[float, ...]]:
     """A step's seconds and its phases' (:func:`compose_phases`) from its stages'.
 
     Synchronous: the phases one after another. With ``workload.rollout_ahead`` the next
-    step's rollout runs beside this step's work (``costmodel_async.overlapped_step``);
+    step's rollout runs beside this step's work (``costmodel_async.overlapped_step``,
+    with ``rest_s``, the driver's rest, on this step's chain; a synchronous step's rest
+    is added by the caller);
     the phases are then each phase's own seconds, not parts of the total.
     """
     phases = compose_phases(plan, workload, seconds)
     if not workload.rollout_ahead:
         return sum(phases), phases
-    return overlapped_step(plan, workload, seconds, sync_s, cluster)[0], phases
+    return overlapped_step(plan, workload, seconds, sync_s, cluster, rest_s=rest_s)[0], phases
 
 
 class CostModel(PrimitiveCostModel):
@@ -495,15 +499,20 @@ class CostModel(PrimitiveCostModel):
             0.0 if sync is None else float(sync @ x)
         )
 
-    def step_total(self, plan: GlobalPlan, workload: Workload) -> float:
-        """``step_latency(plan, workload).total_s``, bit for bit, without building the
-        estimate: ranking the planner's k-best and scoring a lookahead read the total
+    def step_total(self, plan: GlobalPlan, workload: Workload, rest_s: float = 0.0) -> float:
+        """``step_latency(plan, workload, rest_s).total_s``, bit for bit, without building
+        the estimate: ranking the planner's k-best and scoring a lookahead read the total
         only, and building each stage's estimate was a third of their pricing."""
         secs, sync = self.stage_seconds(plan, workload)
-        return compose_total(plan, workload, secs, sync, self.cluster)
+        return compose_total(plan, workload, secs, sync, self.cluster, rest_s)
 
-    def step_latency(self, plan: GlobalPlan, workload: Workload) -> StepEstimate:
+    def step_latency(
+        self, plan: GlobalPlan, workload: Workload, rest_s: float = 0.0
+    ) -> StepEstimate:
         """Predicted steady-state latency of one step of ``workload`` under ``plan``.
+
+        ``rest_s``: the driver's seconds an asynchronous step spends on its chain of
+        stages (see ``costmodel_async.overlapped_step``); ignored for a synchronous one.
 
         Returns:
             StepEstimate with the total, each phase and each stage (seconds).
@@ -513,7 +522,7 @@ class CostModel(PrimitiveCostModel):
         """
         stages, sync = self.stage_estimates(plan, workload)
         secs = {n: e.seconds for n, e in stages.items()}
-        total, phases = compose_step(plan, workload, secs, sync, self.cluster)
+        total, phases = compose_step(plan, workload, secs, sync, self.cluster, rest_s)
         return StepEstimate(total, phases, stages, sync)
 
     # ----- memory ---------------------------------------------------------------------

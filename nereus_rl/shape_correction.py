@@ -159,38 +159,38 @@ class ShapeCorrection:
             "shape_regime_factor": round(self.factor, 4),
         }
 
-    def price(self, cm, plan: GlobalPlan, workload):
-        """``cm.step_latency(plan, workload)`` corrected as :meth:`correct` does, the
-        step composed once (an async step's composition simulates the stages' order:
+    def price(self, cm, plan: GlobalPlan, workload, rest_s: float = 0.0):
+        """``cm.step_latency(plan, workload, rest_s)`` corrected as :meth:`correct` does,
+        the step composed once (an async step's composition simulates the stages' order:
         composing the model's price first, then the corrected one, was a third of a
         boundary's pricing)."""
         rs = self.ratios(cm)
         if not rs:
-            return cm.step_latency(plan, workload)
+            return cm.step_latency(plan, workload, rest_s)
         stages, sync = cm.stage_estimates(plan, workload)
-        return self._rescaled(cm, plan, workload, stages, sync, rs)
+        return self._rescaled(cm, plan, workload, stages, sync, rs, rest_s)
 
-    def price_total(self, cm, plan: GlobalPlan, workload) -> float:
-        """``price(cm, plan, workload).total_s``, bit for bit, without building the
-        estimate (see ``CostModel.step_total``)."""
+    def price_total(self, cm, plan: GlobalPlan, workload, rest_s: float = 0.0) -> float:
+        """``price(cm, plan, workload, rest_s).total_s``, bit for bit, without building
+        the estimate (see ``CostModel.step_total``)."""
         rs = self.ratios(cm)
         if not rs:
-            return cm.step_total(plan, workload)
+            return cm.step_total(plan, workload, rest_s)
         secs, sync = cm.stage_seconds(plan, workload)
         for sp in plan.stages:
             t, r = secs.get(sp.stage), self._ratio(sp, rs)
             if t is not None and r is not None:
                 secs[sp.stage] = t * r
-        return compose_total(plan, workload, secs, sync, cm.cluster)
+        return compose_total(plan, workload, secs, sync, cm.cluster, rest_s)
 
-    def correct(self, cm, plan: GlobalPlan, workload, est):
-        """``est`` (``cm.step_latency(plan, workload)``) with each measured shape's stage
-        at its measured ratio (its ``stages`` entry too), phases and total recomposed
-        as the cost model does."""
+    def correct(self, cm, plan: GlobalPlan, workload, est, rest_s: float = 0.0):
+        """``est`` (``cm.step_latency(plan, workload, rest_s)``) with each measured
+        shape's stage at its measured ratio (its ``stages`` entry too), phases and total
+        recomposed as the cost model does."""
         rs = self.ratios(cm)
         if not rs:
             return est
-        return self._rescaled(cm, plan, workload, est.stages, est.sync_s, rs)
+        return self._rescaled(cm, plan, workload, est.stages, est.sync_s, rs, rest_s)
 
     def _ratio(self, sp: StagePlan, rs: dict) -> float | None:
         """The ratio ``sp``'s stage is priced at (its shape's, else the unmeasured
@@ -200,7 +200,9 @@ class ShapeCorrection:
             r = self.unmeasured_factor
         return r
 
-    def _rescaled(self, cm, plan, workload, raw: dict, sync_s: float, rs: dict) -> StepEstimate:
+    def _rescaled(
+        self, cm, plan, workload, raw: dict, sync_s: float, rs: dict, rest_s: float = 0.0
+    ) -> StepEstimate:
         stages = dict(raw)
         for sp in plan.stages:
             st, r = raw.get(sp.stage), self._ratio(sp, rs)
@@ -213,5 +215,5 @@ class ShapeCorrection:
                 )
                 stages[sp.stage] = StageEstimate(st.stage, st.seconds * r, scaled)
         secs = {n: e.seconds for n, e in stages.items()}
-        total, phases = compose_step(plan, workload, secs, sync_s, cm.cluster)
+        total, phases = compose_step(plan, workload, secs, sync_s, cm.cluster, rest_s)
         return StepEstimate(total, phases, stages, sync_s)

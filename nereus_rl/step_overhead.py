@@ -111,7 +111,9 @@ MEMO_SIZE = 8192
 class PricedModel:
     """``costmodel`` with measured stage shapes at their measured price (``shapes``, a
     :class:`~nereus_rl.shape_correction.ShapeCorrection`, optional) and
-    :meth:`StepOverhead.spread` added to each step latency's total.
+    :meth:`StepOverhead.spread` added to each step latency's total; an asynchronous
+    step instead holds the whole fitted rest on its chain of stages (:meth:`chain_rest`),
+    where the rollout sent ahead may hide it.
 
     What the decisions compare plans with (the planner's candidates, lookahead's
     scores, admission's saving), so that they rank plans alike; everything else
@@ -130,11 +132,32 @@ class PricedModel:
         self._totals: dict[tuple, float] = {}  # the same, for step_total
         self._token: tuple | None = None
 
-    def stage_price(self, plan: GlobalPlan, workload):
-        """The model's estimate with measured shapes corrected, without the overhead."""
+    def stage_price(self, plan: GlobalPlan, workload, rest_s: float = 0.0):
+        """The model's estimate with measured shapes corrected, without the overhead
+        (with ``rest_s`` on an asynchronous step's chain: see ``overlapped_step``)."""
         if self._shapes is not None:
-            return self._shapes.price(self._cm, plan, workload)
-        return self._cm.step_latency(plan, workload)
+            return self._shapes.price(self._cm, plan, workload, rest_s)
+        return self._cm.step_latency(plan, workload, rest_s)
+
+    def chain_rest(self, plan: GlobalPlan, workload) -> float | None:
+        """The driver's rest an asynchronous step spends on its chain of stages: the
+        whole fitted rest (``StepOverhead.predict``, not below 0), which the rollout
+        sent ahead hides on some plans and not on others, so its common part ``a`` too
+        tells plans apart; None for a synchronous step (there the plan-dependent part,
+        ``spread``, is added to the total).
+        """
+        if not workload.rollout_ahead:
+            return None
+        return max(0.0, self._overhead.predict(plan))
+
+    def step_whole(self, plan: GlobalPlan, workload) -> float:
+        """The step as it is measured: the stages' price and the whole fitted rest
+        (``predict``: ``a`` included), the rest on an asynchronous step's chain.
+        What the efficiency signal compares a measured step with."""
+        rest = self.chain_rest(plan, workload)
+        if rest is None:
+            return self.stage_price(plan, workload).total_s + self._overhead.predict(plan)
+        return self.stage_price(plan, workload, rest).total_s
 
     def _current_token(self) -> tuple:
         """What the memos key on; they are emptied when it changes (or fill up)."""
@@ -165,11 +188,14 @@ class PricedModel:
             est = self._memo.get(key)
             if est is not None:
                 return est.total_s
+            rest = self.chain_rest(plan, workload)
+            r = 0.0 if rest is None else rest
             if self._shapes is not None:
-                total = self._shapes.price_total(self._cm, plan, workload)
+                total = self._shapes.price_total(self._cm, plan, workload, r)
             else:
-                total = self._cm.step_total(plan, workload)
-            total = total + self._overhead.spread(plan)
+                total = self._cm.step_total(plan, workload, r)
+            if rest is None:
+                total = total + self._overhead.spread(plan)
             if token[0] is not None:  # a model without versions is never memoized
                 self._totals[key] = total
         return total
@@ -180,8 +206,12 @@ class PricedModel:
         key = (plan, workload)
         est = self._memo.get(key)
         if est is None:
-            est = self.stage_price(plan, workload)
-            est = replace(est, total_s=est.total_s + self._overhead.spread(plan))
+            rest = self.chain_rest(plan, workload)
+            if rest is None:
+                est = self.stage_price(plan, workload)
+                est = replace(est, total_s=est.total_s + self._overhead.spread(plan))
+            else:
+                est = self.stage_price(plan, workload, rest)
             if token[0] is not None:  # a model without versions is never memoized
                 self._memo[key] = est
         return est

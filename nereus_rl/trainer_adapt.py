@@ -71,7 +71,7 @@ from nereus_rl.auto_budget import auto_budget
 from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
 from nereus_rl.controller import Controller, SignalError
 from nereus_rl.costmodel import CostModel
-from nereus_rl.costmodel_async import own_seconds
+from nereus_rl.costmodel_async import own_seconds, rollout_slack
 from nereus_rl.globalplan import GlobalPlan
 from nereus_rl.lookahead import LookaheadChoice, LookaheadError
 from nereus_rl.lookahead import choose as choose_lookahead
@@ -119,6 +119,23 @@ def _kept_row(step: int, trig, plan: GlobalPlan, reason: str, **extra: Any) -> d
     }  # fmt: skip
     row.update(extra)
     return row
+
+
+def rest_observable(plan: GlobalPlan, workload, est, cluster) -> bool:
+    """Whether a measured step of ``plan`` shows the driver's rest (``step_overhead``):
+    a synchronous step always; an asynchronous one only when its chain of stages ends
+    no sooner than the rollout sent ahead (``est``, the stages' price, says which).
+
+    A step whose rollout ends after its chain says nothing of the rest the chain held:
+    fed to the fit, a run on such a plan fitted the rest to about 0, and a plan whose
+    chain is the whole step then looked as cheap as it (bench_e2e ReMax async started
+    on one in 3 of 10 rounds, 1.27x slower). The startup probes, which run a step's
+    phases one after another, always show it.
+    """
+    if not workload.rollout_ahead:
+        return True
+    secs = {k: v.seconds for k, v in est.stages.items()}
+    return rollout_slack(plan, workload, secs, est.sync_s, cluster) <= 0.0
 
 
 class Adapter:
@@ -466,9 +483,10 @@ class Adapter:
         if wl_now.rollout_ahead:
             # stages measured beside the rollout: their own time refines the model
             measured = own_seconds(plan, wl_now, measured, est, self.cm.cluster)
-        # the step as a whole: the stages' price and the measured unpriced rest
+        # the step as a whole: the stages' price and the measured unpriced rest (an
+        # async step's rest on its chain of stages, where the rollout may hide it)
         ovh = self.overhead.predict(plan)
-        whole = predicted + ovh
+        whole = self.priced().step_whole(plan, wl_now)
         # the step as the model prices it: its rollout sent when the step began, not
         # during the previous boundary (Trainer._run_ahead)
         step_s = m["step_s"] + m.get("head_start_s", 0.0)
@@ -476,7 +494,8 @@ class Adapter:
             # A prediction from the model refined on earlier steps (the first step's is
             # the unrefined model's, which says nothing about the refined one's error).
             self.tolerance.observe(whole, step_s)
-        self.overhead.observe(plan, predicted, step_s)
+        if rest_observable(plan, wl_now, est, self.cm.cluster):
+            self.overhead.observe(plan, predicted, step_s)
         self.noise.observe(plan, whole, step_s)
         self.shapes.observe(plan, wl_now, measured)
         try:

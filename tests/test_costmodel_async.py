@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from nereus_rl.costmodel import CostModel, compose_step
-from nereus_rl.costmodel_async import overlapped_step, own_seconds
+from nereus_rl.costmodel_async import overlapped_step, own_seconds, rollout_slack
 from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.spec import cluster_preset, local_cpu_cluster
 from nereus_rl.workload import make_workload
@@ -146,3 +146,26 @@ def test_the_shape_corrected_price_composes_the_overlap_once_and_the_same():
         got, ref = sc.price(cm, plan, wl), sc.correct(cm, plan, wl, est)
         assert got.total_s != est.total_s  # the ratio moved it
         assert got.total_s == pytest.approx(ref.total_s) and got.phase_s == ref.phase_s
+
+
+def test_the_drivers_rest_is_hidden_behind_a_rollout_of_its_own_not_behind_a_shared_one():
+    # rollout 1.0 alone on device 0; the chain (reference 0.3, training 0.5) ends at 0.8:
+    # up to 0.2 s of the driver's rest hides behind the rollout, the rest of it shows
+    own = _plan([0], [1], [2])
+    assert rollout_slack(own, _wl(), SECS, SYNC, GPU) == pytest.approx(0.2)
+    for rest, step in [(0.0, 1.0), (0.15, 1.0), (0.5, 1.3)]:
+        total, _ = overlapped_step(own, _wl(), SECS, SYNC, GPU, rest_s=rest)
+        assert total == pytest.approx(step + SYNC)
+    # the reference on the rollout's device: the chain runs after the rollout, so the
+    # whole rest is on the step (the model that added the rest beside the overlap
+    # priced both plans alike)
+    shared = _plan([0], [0], [1])
+    assert rollout_slack(shared, _wl(), SECS, SYNC, GPU) == pytest.approx(-0.8)
+    total, _ = overlapped_step(shared, _wl(), SECS, SYNC, GPU, rest_s=0.15)
+    assert total == pytest.approx(1.0 + 0.3 + 0.5 + 0.15 + SYNC)
+    # no rest: the very floats of the step without one
+    for plan in (own, shared):
+        assert (
+            overlapped_step(plan, _wl(), SECS, SYNC, CPU2, rest_s=0.0)[0]
+            == overlapped_step(plan, _wl(), SECS, SYNC, CPU2)[0]
+        )

@@ -140,3 +140,69 @@ def test_step_total_is_the_estimates_total_bit_for_bit_and_follows_its_memo(mode
             assert pm.step_total(q, wl) == fresh(q)
     finally:
         tr.driver.shutdown()
+
+
+def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_hide_it():
+    # Both plans make 3 worker calls, so the fit's spread (b) is 0 and only its common
+    # part a is left: a synchronous price ignores it (common to every plan), an async
+    # one hides it behind a rollout on a device of its own and pays it where the chain
+    # of stages runs after the rollout (reference on the rollout's device).
+    from nereus_rl.costmodel import CostModel
+    from nereus_rl.costmodel_async import rollout_slack
+    from nereus_rl.spec import cluster_preset
+    from nereus_rl.step_overhead import PricedModel
+    from nereus_rl.workload import make_workload
+
+    def sp(stage, model, trains, d):
+        return StagePlan(stage, model, trains, 1, 1, 1, ((d,),))
+
+    own = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 1),
+                      sp("actor_train", "actor", True, 2)))  # fmt: skip
+    shared = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 0),
+                         sp("actor_train", "actor", True, 1)))  # fmt: skip
+    cm = CostModel(cluster_preset("h200x32"))
+
+    def wl(ahead):
+        return make_workload("remax", actor="tiny", batch=4, prompt_len=8, response_len=64,
+                             rollout_ahead=ahead)  # fmt: skip
+
+    est = cm.step_latency(own, wl(True))
+    slack = rollout_slack(own, wl(True), {k: v.seconds for k, v in est.stages.items()},
+                          est.sync_s, cm.cluster)  # fmt: skip
+    assert slack > 0  # the tiny model's rollout outlasts its chain
+    ov = StepOverhead()
+    a = slack / 2  # hidden on ``own``
+    ov.observe(own, 1.0, 1.0 + a)
+    ov.observe(shared, 1.0, 1.0 + a)
+    assert ov.coef == pytest.approx((a, 0.0))
+    pm = PricedModel(cm, ov)
+    assert pm.chain_rest(own, wl(False)) is None
+    for p in (own, shared):  # synchronous: no spread, a is common
+        assert pm.step_total(p, wl(False)) == cm.step_total(p, wl(False))
+    assert pm.step_total(own, wl(True)) == pytest.approx(cm.step_total(own, wl(True)))
+    assert pm.step_total(shared, wl(True)) == pytest.approx(cm.step_total(shared, wl(True)) + a)
+    for p in (own, shared):  # the estimate's total and the total alone agree
+        assert pm.step_total(p, wl(True)) == PricedModel(cm, ov).step_latency(p, wl(True)).total_s
+        # the efficiency signal's whole step: a included (sync: beside; async: on the chain)
+        assert pm.step_whole(p, wl(False)) == pytest.approx(cm.step_total(p, wl(False)) + a)
+        assert pm.step_whole(p, wl(True)) == pm.step_total(p, wl(True))
+
+
+def test_a_step_whose_rollout_outlasts_its_chain_does_not_feed_the_rest():
+    from nereus_rl.costmodel import CostModel
+    from nereus_rl.spec import cluster_preset
+    from nereus_rl.trainer_adapt import rest_observable
+    from nereus_rl.workload import make_workload
+
+    def sp(stage, model, trains, d):
+        return StagePlan(stage, model, trains, 1, 1, 1, ((d,),))
+
+    own = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 1),
+                      sp("actor_train", "actor", True, 2)))  # fmt: skip
+    shared = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 0),
+                         sp("actor_train", "actor", True, 1)))  # fmt: skip
+    cm = CostModel(cluster_preset("h200x32"))
+    for ahead, p, seen in [(True, own, False), (True, shared, True), (False, own, True)]:
+        wl = make_workload("remax", actor="tiny", batch=4, prompt_len=8, response_len=64,
+                           rollout_ahead=ahead)  # fmt: skip
+        assert rest_observable(p, wl, cm.step_latency(p, wl), cm.cluster) is seen
