@@ -142,15 +142,11 @@ def test_step_total_is_the_estimates_total_bit_for_bit_and_follows_its_memo(mode
         tr.driver.shutdown()
 
 
-def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_hide_it():
-    # Both plans make 3 worker calls, so the fit's spread (b) is 0 and only its common
-    # part a is left: a synchronous price ignores it (common to every plan), an async
-    # one hides it behind a rollout on a device of its own and pays it where the chain
-    # of stages runs after the rollout (reference on the rollout's device).
+def _rollout_own_and_shared():
+    """ReMax plans on one device per stage: the rollout on a device of its own (``own``)
+    or sharing it with the reference (``shared``); a GPU cost model; the workload."""
     from nereus_rl.costmodel import CostModel
-    from nereus_rl.costmodel_async import rollout_slack
     from nereus_rl.spec import cluster_preset
-    from nereus_rl.step_overhead import PricedModel
     from nereus_rl.workload import make_workload
 
     def sp(stage, model, trains, d):
@@ -160,11 +156,23 @@ def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_h
                       sp("actor_train", "actor", True, 2)))  # fmt: skip
     shared = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 0),
                          sp("actor_train", "actor", True, 1)))  # fmt: skip
-    cm = CostModel(cluster_preset("h200x32"))
 
-    def wl(ahead):
+    def wl(ahead: bool):
         return make_workload("remax", actor="tiny", batch=4, prompt_len=8, response_len=64,
                              rollout_ahead=ahead)  # fmt: skip
+
+    return own, shared, CostModel(cluster_preset("h200x32")), wl
+
+
+def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_hide_it():
+    # Both plans make 3 worker calls, so the fit's spread (b) is 0 and only its common
+    # part a is left: a synchronous price ignores it (common to every plan), an async
+    # one hides it behind a rollout on a device of its own and pays it where the chain
+    # of stages runs after the rollout (reference on the rollout's device).
+    from nereus_rl.costmodel_async import rollout_slack
+    from nereus_rl.step_overhead import PricedModel
+
+    own, shared, cm, wl = _rollout_own_and_shared()
 
     est = cm.step_latency(own, wl(True))
     slack = rollout_slack(own, wl(True), {k: v.seconds for k, v in est.stages.items()},
@@ -189,20 +197,9 @@ def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_h
 
 
 def test_a_step_whose_rollout_outlasts_its_chain_does_not_feed_the_rest():
-    from nereus_rl.costmodel import CostModel
-    from nereus_rl.spec import cluster_preset
     from nereus_rl.trainer_adapt import rest_observable
-    from nereus_rl.workload import make_workload
 
-    def sp(stage, model, trains, d):
-        return StagePlan(stage, model, trains, 1, 1, 1, ((d,),))
-
-    own = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 1),
-                      sp("actor_train", "actor", True, 2)))  # fmt: skip
-    shared = GlobalPlan((sp("rollout", "actor", False, 0), sp("reference", "reference", False, 0),
-                         sp("actor_train", "actor", True, 1)))  # fmt: skip
-    cm = CostModel(cluster_preset("h200x32"))
+    own, shared, cm, wl = _rollout_own_and_shared()
     for ahead, p, seen in [(True, own, False), (True, shared, True), (False, own, True)]:
-        wl = make_workload("remax", actor="tiny", batch=4, prompt_len=8, response_len=64,
-                           rollout_ahead=ahead)  # fmt: skip
-        assert rest_observable(p, wl, cm.step_latency(p, wl), cm.cluster) is seen
+        w = wl(ahead)
+        assert rest_observable(p, w, cm.step_latency(p, w), cm.cluster) is seen
