@@ -514,6 +514,9 @@ class Adapter:
         out = {
             "predicted_step_s": predicted,
             "predicted_overhead_s": ovh,
+            # what the efficiency signal compares the step with (async: the rest on the
+            # chain, so not always the sum of the two above)
+            "predicted_whole_s": whole,
             "peak_memory_fraction": frac,
             "memory_budget_bytes": self.budget,
         }

@@ -150,6 +150,12 @@ def test_each_algorithm_runs_on_workers(driver, algo, mode, plan, tmp_path, monk
     # cross from the training devices to the rollout devices
     if plan == "disaggregated":
         assert all(m["sync_bytes_sent"] > 0 for m in res.metrics if "sync_bytes_sent" in m)
+    for m in res.metrics[:-1]:  # (the last step has no boundary)
+        pred, ovh, whole = m["predicted_step_s"], m["predicted_overhead_s"], m["predicted_whole_s"]
+        if mode == "sync" or m["step"] == 0:  # (an async run's first step: phase after phase)
+            assert whole == pytest.approx(pred + ovh)
+        else:  # the rest on the chain, hidden up to the rollout's slack
+            assert pred <= whole <= pred + max(0.0, ovh) + 1e-12
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1]
     assert (tmp_path / "summary.txt").exists() and (tmp_path / "reward_kl.png").exists()
