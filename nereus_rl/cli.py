@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy (GRPO on `sort` by default)")
     t.add_argument("--algo", default="grpo", help="grpo, ppo or remax")
-    t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium")
+    t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium, large")
     t.add_argument("--task", default="sort", help="bundled task: sort, reverse, addition")
     t.add_argument("--devices", type=int, default=4, help="worker processes (devices)")
     t.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --quick 8)")

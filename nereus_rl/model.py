@@ -58,8 +58,8 @@ class ShardStateError(ValueError):
 ModelConfig = ModelSpec
 
 #: The presets the trainer runs (tests and the CPU job: tiny ~0.1M parameters;
-#: small ~4.5M; medium ~142M for benchmarks on a device).
-PRESETS: dict[str, ModelSpec] = {n: MODEL_PRESETS[n] for n in ("tiny", "small", "medium")}
+#: small ~4.5M; medium ~142M and large ~280M for benchmarks on a device).
+PRESETS: dict[str, ModelSpec] = {n: MODEL_PRESETS[n] for n in ("tiny", "small", "medium", "large")}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -11,7 +11,7 @@ Presets:
     from 1 to 4,096 (nodes of 8), e.g. ``"h200x32"``, ``"h100x1024"``,
     ``"a100x4096"``; ``"local-cpu"`` (see :func:`local_cpu_cluster`).
     models: ``"llama-3.1-8b"``, ``"llama-3.1-70b"``, and the trainer's
-    ``"tiny"``, ``"small"``, ``"medium"``.
+    ``"tiny"``, ``"small"``, ``"medium"``, ``"large"``.
 """
 
 from __future__ import annotations
@@ -316,6 +316,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("tiny", 2, 64, 4, 2, 176, 64, 128),
         ModelSpec("small", 6, 256, 8, 4, 688, 256, 256),
         ModelSpec("medium", 12, 1024, 16, 8, 2816, 256, 1024),
+        ModelSpec("large", 24, 1024, 16, 8, 2816, 256, 1024),
     )
 }
 

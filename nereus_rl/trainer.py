@@ -496,7 +496,7 @@ def train(
 
     Arguments:
         algo: ``"grpo"``, ``"ppo"`` or ``"remax"``.
-        model: model preset (``"tiny"``, ``"small"``, ``"medium"``).
+        model: model preset (``"tiny"``, ``"small"``, ``"medium"``, ``"large"``).
         task: bundled task (``"sort"``, ``"reverse"``, ``"addition"``).
         devices: worker processes (one per device), spawned locally unless ``driver``
             already has them.

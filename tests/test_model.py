@@ -37,6 +37,11 @@ def test_presets_and_param_counts():
     assert critic == 100_672 - 4096 + 64
     assert 3e6 < PRESETS["small"].num_params < 6e6
     assert 1e8 < PRESETS["medium"].num_params < 3e8
+    # the "a few hundred million" for benchmarks; its state specs hold exactly
+    # the parameters the cost model counts
+    large = PRESETS["large"]
+    assert 2e8 < large.num_params < 1e9
+    assert sum(math.prod(s.shape) for s in state_specs(large)) == large.num_params
     assert repr(TINY) == "ModelSpec(tiny: 0.1M params, L2 h64 heads 4/2 ffn176 V64)"
     assert TINY.num_params == 100_672  # the cost model's count equals the real state's
     with pytest.raises(UnknownPresetError, match="tiny"):
