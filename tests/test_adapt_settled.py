@@ -52,6 +52,34 @@ def test_a_recent_search_answers_an_efficiency_trigger_for_the_same_workload(tmp
     assert ad._settled is None
 
 
+def test_a_search_answers_an_efficiency_trigger_across_prompt_lengths_of_one_bucket(tmp_path):
+    # The bundled tasks lengthen prompts with responses: the workloads of one
+    # response-length bucket differ in their prompt length only, and a search that kept
+    # the plan for one of them answers an efficiency trigger for another (while the
+    # running plan's price stays within the tie band of its price then).
+    ad = _adapter(tmp_path)
+    plan = ad.ranked_plans(16)[0][1]
+    wl16, wl14, wl12 = ad.workload(16), ad.workload(14), ad.workload(12)
+    assert wl16.response_len == wl14.response_len and wl16.prompt_len != wl14.prompt_len
+    assert wl12.response_len != wl16.response_len  # another bucket
+    ad._settle(2, plan, wl16, urgent=False)
+    row = ad._settled_row(3, plan, wl14, [_trig("efficiency", 3)])
+    assert row is not None and not row["taken"]
+    assert "same response bucket (16 -> 14-token prompts)" in row["reason"]
+    assert ad._settled_row(3, plan, wl12, [_trig("efficiency", 3)]) is None
+    assert ad._settled_row(3, plan, wl14, [_trig("seq_len", 3)]) is None
+    # the longer prompt's price against the shorter one's search: settled only within
+    # the tie band
+    pm = ad.priced()
+    ad._settled = None
+    ad._settle(2, plan, wl14, urgent=False)
+    inside = pm.step_total(plan, wl16) <= pm.step_total(plan, wl14) * (1 + ad.tie_margin())
+    assert (ad._settled_row(3, plan, wl16, [_trig("efficiency", 3)]) is not None) == inside
+    p, w, s, _ = ad._settled
+    ad._settled = (p, w, s, pm.step_total(plan, wl16) / (1.0 + 2 * ad.tie_margin()))
+    assert ad._settled_row(3, plan, wl16, [_trig("efficiency", 3)]) is None
+
+
 def test_a_search_whose_fastest_plan_saves_no_more_than_the_noise_moves_nowhere(tmp_path):
     # Admission declines a saving within the running plan's step noise, and every plan
     # the lookahead could choose is ranked, none faster than the first: so the search
