@@ -157,6 +157,7 @@ def choose_start(
     costmodel: CostModel,
     transition_cost: Callable[[GlobalPlan, GlobalPlan], float],
     tie_margin: float = 0.0,
+    unmeasured: Callable[[GlobalPlan], int] | None = None,
 ) -> LookaheadChoice:
     """The run's first plan, chosen as :func:`choose` chooses a move, with no plan
     running yet (so no transition to the candidate is paid): ``candidates[0]`` (the
@@ -164,7 +165,9 @@ def choose_start(
     ``workloads`` (the run's lengths from its first step); then the lowest score wins,
     the predicted forced move (its price and the plan it goes to) included, and among
     near ties (``tie_margin``) the candidate that is not forced to move, then the one
-    on the fewest devices (see :func:`_choose`), the planner's best included.
+    with the fewest stages of a shape the startup calibration did not measure
+    (``unmeasured(plan)``, None: none counted), then the one on the fewest devices (see
+    :func:`_choose`), the planner's best included.
 
     Why: a start plan fast at the first length that rising lengths force off pays the
     forced move and its slower steps before it, which a plan that holds every length
@@ -180,8 +183,9 @@ def choose_start(
 
     # current=None: every candidate starts at no cost, and none is "the current plan"
     ch = _choose(
-        None, candidates, workloads, lengths, costmodel, tcost, tie_margin, fewer_devices=True
-    )
+        None, candidates, workloads, lengths, costmodel, tcost, tie_margin,
+        fewer_devices=True, unmeasured=unmeasured,
+    )  # fmt: skip
     return replace(ch, reason="start plan: " + ch.reason)
 
 
@@ -195,6 +199,17 @@ def _lengths_label(lengths: Sequence[int]) -> str:
         else:
             runs.append([n, 1])
     return "[" + ", ".join(f"{n} x{k}" if k > 1 else f"{n}" for n, k in runs) + "]"
+
+
+def _tie_how(unm: Callable[[int], int], ndev: Callable[[int], int], pick: int, other: int) -> str:
+    """Why near-tied candidate ``pick`` was taken over ``other`` (start plan: fewer
+    unmeasured stage shapes, else fewer devices), for a decision's reason."""
+    if unm(pick) < unm(other):
+        return (
+            f"with {unm(pick)} stage(s) of a shape the calibration did not run instead of "
+            f"{unm(other)}"
+        )
+    return f"on {ndev(pick)} devices instead of {ndev(other)}"
 
 
 def _total_of(cm) -> Callable[[GlobalPlan, Workload], float]:
@@ -213,6 +228,7 @@ def _choose(
     transition_cost: Callable[[GlobalPlan, GlobalPlan], float],
     tie_margin: float,
     fewer_devices: bool = False,
+    unmeasured: Callable[[GlobalPlan], int] | None = None,
 ) -> LookaheadChoice:
     """The choice of :func:`choose` (without ``current_over_at``).
 
@@ -227,6 +243,17 @@ def _choose(
     of 12 (ReMax async's was on 4 in both, 9-20% faster than its 3-device rival, which
     the model also priced out of the band), while GRPO sync's startups chose 4-device
     plans in 7 of 10 rounds, 9% slower on average than the 3-device best fixed plan.
+
+    Before the devices, with ``unmeasured`` (the start plan: stages of a shape no
+    calibration probe ran), near ties go to the candidate with the fewest such stages:
+    within the band the model's error is what decides, and it is known (the tie band
+    itself) only for the shapes it measured; an unmeasured one is extrapolated. In three
+    20-step bench_e2e runs of GRPO sync (16 confirmation rounds each), adaptive started
+    in 15 of 48 rounds on the 3-device plan with each stage alone on a device (the
+    plan two of eight startups chose with every shape probed), which measured 1.01x,
+    1.01x and 1.20x the best fixed plan per run, and in 29 on four other plans,
+    0.83-0.98x per plan and run; six of the eight startups chose a plan with a stage
+    shape no probe had run.
     """
     if not tie_margin >= 0:
         raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
@@ -316,6 +343,9 @@ def _choose(
     def ndev(i: int) -> int:
         return len(getattr(cands[i], "devices", ()))
 
+    def unm(i: int) -> int:
+        return unmeasured(cands[i]) if unmeasured is not None else 0
+
     any_fit = h == h_all
     cut = (
         ""
@@ -353,8 +383,8 @@ def _choose(
             band = old * (1 + tie_margin)
             near = [i for i in range(len(cands)) if moves(i) <= moves(0) and bound(i) <= band]
             scored = len(cands)
-            pick = min(near, key=lambda i: (ndev(i), score(i)))
-            if ndev(pick) >= ndev(0):
+            pick = min(near, key=lambda i: (unm(i), ndev(i), score(i)))
+            if (unm(pick), ndev(pick)) >= (unm(0), ndev(0)):
                 pick = 0
         if pick == 0:
             return LookaheadChoice(
@@ -365,8 +395,8 @@ def _choose(
         return LookaheadChoice(
             cands[pick], pick, not any_fit, tuple(lengths), h_all, s_pick, old, old_over_full,
             f"{kept}; near tie: candidate {pick} also does and scores {s_pick:.4g} s, within "
-            f"{tie_margin:.0%} of it ({old:.4g} s), on {ndev(pick)} devices instead of "
-            f"{ndev(0)}: taken{cut}",
+            f"{tie_margin:.0%} of it ({old:.4g} s), {_tie_how(unm, ndev, pick, 0)}: "
+            f"taken{cut}",
             scored, None if any_fit else h, 0.0,
         )  # fmt: skip
     best_i, best_s, scored = 0, old, 1
@@ -392,15 +422,14 @@ def _choose(
         near = [i for i, v in sc.items() if v <= band]
 
         def key(i: int) -> tuple:
-            return (moves(i), ndev(i), sc[i]) if fewer_devices else (moves(i), sc[i])
+            return (moves(i), unm(i), ndev(i), sc[i]) if fewer_devices else (moves(i), sc[i])
 
         pick = min(near, key=key)
         if key(pick)[:-1] < key(best_i)[:-1]:
             how = (
                 f"{moves(pick)} move(s) over the horizon instead of {moves(best_i)}"
                 if moves(pick) < moves(best_i)
-                else f"as many moves ({moves(pick)}) on {ndev(pick)} devices instead of "
-                f"{ndev(best_i)}"
+                else f"as many moves ({moves(pick)}), {_tie_how(unm, ndev, pick, best_i)}"
             )
             tie = (
                 f"; near tie: candidate {pick} scores {sc[pick]:.4g} s, within "

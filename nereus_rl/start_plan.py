@@ -102,7 +102,7 @@ def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, di
     try:
         ch = choose_start(
             ranked, [wls[n] for n in lengths], lengths, adapter.priced(), adapter.move_price,
-            tie_margin=adapter.tie_margin(),
+            tie_margin=adapter.tie_margin(), unmeasured=adapter.unmeasured_stages,
         )  # fmt: skip
     except (LookaheadError, SignalError) as e:
         row.update(candidate=repr(ranked[0]), reason=f"the planner's best: lookahead not used: {e}")

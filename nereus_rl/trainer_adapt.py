@@ -78,7 +78,7 @@ from nereus_rl.lookahead import choose as choose_lookahead
 from nereus_rl.model import check_tp_divisible
 from nereus_rl.planner import PlanInfeasibleError, planner_for
 from nereus_rl.planner import plan as plan_best
-from nereus_rl.shape_correction import ShapeCorrection
+from nereus_rl.shape_correction import ShapeCorrection, shape
 from nereus_rl.spec import local_cpu_cluster, model_preset
 from nereus_rl.start_plan import choose_start_plan
 from nereus_rl.step_overhead import PricedModel, StepOverhead
@@ -424,6 +424,13 @@ class Adapter:
         the calibrated transition price is the guard there.)
         """
         return self.tolerance.margin
+
+    def unmeasured_stages(self, plan: GlobalPlan) -> int:
+        """Stages of ``plan`` whose shape (stage, dp, tp, pp) no measurement priced: the
+        startup probes' and the run's (``ShapeCorrection``); the start plan's near ties
+        prefer fewer (``lookahead.choose_start``)."""
+        rs = self.shapes.ratios(self.cm)
+        return sum(shape(sp) not in rs for sp in plan.stages)
 
     def initial_plan(self, rlen: int) -> GlobalPlan:
         """The first plan: the planner's (``plan="auto"``), a fixed colocated/disaggregated

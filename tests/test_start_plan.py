@@ -83,6 +83,42 @@ def test_start_near_tie_after_a_crossing_prefers_fewer_devices_at_equal_moves():
     assert choose_start([a, b, e], [0, 1, 2, 3], (8, 12, 16, 16), cm, move(2.0)).plan == "B"
 
 
+def test_start_near_tie_prefers_stage_shapes_the_calibration_measured():
+    # Within the band, the candidate with fewer stages of an unmeasured shape wins
+    # before the devices count: after a crossing (A goes over at step 1; B the best
+    # score, on 2 devices, E within 10% of it on 4) and when the planner's best holds
+    # every length (C and D below).
+    a, b, e = Named("A", 4), Named("B", 2), Named("E", 4)
+    cm = TableCM({a: 0.5, b: 1.0, e: 1.05}, {a: 1, b: 9, e: 9})
+    unm = {a: 0, b: 1, e: 0}.__getitem__
+    args = ([a, b, e], [0, 1, 2, 3], (8, 12, 16, 16), cm, move(2.0))
+    ch = choose_start(*args, tie_margin=0.1, unmeasured=unm)
+    assert ch.plan == "E" and "near tie" in ch.reason
+    assert "with 0 stage(s) of a shape the calibration did not run instead of 1" in ch.reason
+    # every shape measured (or none counted): the best score, on the fewest devices
+    assert choose_start(*args, tie_margin=0.1, unmeasured=lambda p: 0).plan == "B"
+    assert choose_start(*args, tie_margin=0.1).plan == "B"
+    # out of the band, the score decides whatever was measured
+    assert choose_start(*args, tie_margin=0.01, unmeasured=unm).plan == "B"
+    c, d = Named("C", 4), Named("D", 3)  # C: the planner's best, holding every length
+    cm2 = TableCM({c: 1.0, d: 1.05}, {c: 9, d: 9})
+    args2 = ([c, d], [0, 1, 2, 3], (8,) * 4, cm2, move(0.1))
+    assert choose_start(*args2, tie_margin=0.1, unmeasured={c: 1, d: 0}.__getitem__).plan == "D"
+    kept = choose_start(*args2, tie_margin=0.1, unmeasured={c: 0, d: 1}.__getitem__)
+    assert kept.plan == "C" and "kept" in kept.reason  # fewer devices, but extrapolated
+    assert choose_start(*args2, tie_margin=0.1).plan == "D"  # on 3 devices
+
+
+def test_unmeasured_stages_counts_shapes_no_probe_or_step_priced(tmp_path):
+    ad = _trainer(tmp_path, adapt=True).adapter
+    plan = ad.ranked_plans(12)[0][1]
+    assert ad.unmeasured_stages(plan) == len(plan.stages)  # nothing measured yet
+    wl = ad.workload(12)
+    first = plan.stages[0]
+    ad.shapes.observe(plan, wl, {first.stage: 0.01}, startup=True)
+    assert ad.unmeasured_stages(plan) == len(plan.stages) - 1
+
+
 def _trainer(tmp_path: Path, adapt: bool, budget=BUDGET) -> Trainer:
     trace = tmp_path / "trace.csv"
     trace.write_text("step,response_len\n" + "".join(f"{i},{n}\n" for i, n in enumerate(TRACE)))
