@@ -250,8 +250,8 @@ def _choose(
     itself) only for the shapes it measured; an unmeasured one is extrapolated. In three
     20-step bench_e2e runs of GRPO sync (16 confirmation rounds each) before this rule,
     six of eight startups chose a plan with a stage shape no probe had run, and the
-    plan with a tp 2 reference no probe ran measured 0.83x and 0.87x the best fixed
-    plan in the rounds that started on it. With the rule, seven of eight startups chose
+    plan with a tp 2 reference measured 0.83x and 0.87x the best fixed plan in the
+    rounds that started on it. With the rule, seven of eight startups chose
     a plan with every shape probed, no round of a 16-round run started on that plan,
     and the run's confirmed ratio was 0.97x [0.94..1.01] (0.93-0.97x in the three runs
     before: within the noise).

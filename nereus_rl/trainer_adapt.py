@@ -708,9 +708,9 @@ class Adapter:
 
         The prompt length may differ: the workloads of one response-length bucket
         differ only in it where the curriculum lengthens prompts with responses (the
-        bundled tasks' prompts grow a token per level), and keyed on the whole workload
-        the check missed 4 of the 9 searches of a bench_e2e PPO async run, each of
-        which kept the plan. A longer prompt that changes the running plan's price by
+        ``sort`` task's prompt is as long as its response), and keyed on the whole
+        workload the check missed 4 of the 9 searches of a PPO async run on bench_e2e's
+        trace, each of which kept the plan. A longer prompt that changes the running plan's price by
         more than the tie band searches again (the price check below).
         """
         last = self._settled
