@@ -14,6 +14,7 @@ Every collective and point-to-point call made here is counted in
 
 from __future__ import annotations
 
+import datetime
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class ParallelGroups:
 
 
 def init_parallel_groups(
-    tp: int, pp: int, dp: int, ranks: Sequence[int] | None = None
+    tp: int, pp: int, dp: int, ranks: Sequence[int] | None = None, timeout: float | None = None
 ) -> ParallelGroups | None:
     """Create the tp/pp/dp groups of a (dp, pp, tp) layout; collective over the whole world.
 
@@ -94,6 +95,8 @@ def init_parallel_groups(
     Arguments:
         tp, pp, dp: degrees.
         ranks: global ranks of the layout (default: 0 .. tp*pp*dp-1).
+        timeout: seconds an op of these groups may wait for a peer (default: torch's
+            ``new_group`` default, 30 minutes for gloo, whatever the default group's).
 
     Returns:
         The calling rank's groups, or None if it is not in ``ranks``.
@@ -109,11 +112,12 @@ def init_parallel_groups(
     def at(d: int, p: int, t: int) -> int:
         return ranks[(d * pp + p) * tp + t]
 
+    wait = None if timeout is None else datetime.timedelta(seconds=timeout)
     found: dict[str, object] = {}
     coords = {at(d, p, t): (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)}
 
     def make(kind: str, members: list[int]) -> None:
-        group = dist.new_group(members) if len(members) > 1 else None
+        group = dist.new_group(members, timeout=wait) if len(members) > 1 else None
         if me in members:
             found[kind] = group
             found[kind + "_members"] = members

@@ -69,10 +69,17 @@ def _rl(ctx: WorkerContext) -> dict[str, Any]:
 
 @register("rl.init")
 def init_world(
-    ctx: WorkerContext, rank: int, world_size: int, prefix: str, timeout: float = 60.0
+    ctx: WorkerContext, rank: int, world_size: int, prefix: str, timeout: float | None = None
 ) -> int:
-    """Join the job's default process group as ``rank`` of ``world_size`` (gloo)."""
+    """Join the job's default process group as ``rank`` of ``world_size`` (gloo).
+
+    ``timeout``: seconds a collective may wait for a peer, on the default group and on
+    every stage model's groups (default: the worker's ``group_timeout``). It is what
+    ends a survivor's wait on a peer that is alive but has left the collective.
+    """
     torch.set_num_threads(1)
+    if timeout is None:
+        timeout = ctx.group_timeout
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.PrefixStore(prefix, ctx.store)
@@ -87,6 +94,7 @@ def init_world(
         timeout=datetime.timedelta(seconds=timeout),
     )
     _rl(ctx)["rank"] = rank
+    _rl(ctx)["timeout"] = timeout
     _warm_optimizer()
     return rank
 
@@ -169,9 +177,12 @@ def _replace_stage(rl: dict[str, Any], stage: str, entry: dict[str, Any] | None)
         _release_groups(old)
 
 
-def _build_model(desc: dict[str, Any], config: ModelConfig, rank: int):
+def _build_model(desc: dict[str, Any], config: ModelConfig, rl: dict[str, Any]):
     ranks = [r for u in desc["units"] for r in u]
-    groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks)
+    # The default group's timeout, not new_group's own default (30 minutes for gloo): a
+    # survivor waiting in a stage's all-reduce on a peer that left it after another
+    # worker died is released only by it (tests/test_trainer_recovery_hang.py)
+    groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks, rl["timeout"])
     if groups is None:
         return None
     return Decoder(config, groups, value_head=desc["model"] == "critic")
@@ -234,10 +245,9 @@ def setup(
     """
     rl = _rl(ctx)
     rl["config"], rl["hp"] = config, hp
-    rank = rl["rank"]
     held = {}
     for desc in stages:
-        model = _build_model(desc, config, rank)
+        model = _build_model(desc, config, rl)
         if model is None:
             # not a member: drop what an earlier setup (a calibration probe) left here
             _replace_stage(rl, desc["stage"], None)
@@ -277,7 +287,7 @@ def rebind(ctx: WorkerContext, stages: list[tuple[dict[str, Any], list[int]]]) -
     held = 0
     for desc, uids in stages:
         stage = desc["stage"]
-        model = _build_model(desc, rl["config"], rl["rank"])
+        model = _build_model(desc, rl["config"], rl)
         if model is None:
             _replace_stage(rl, stage, None)
             continue
@@ -331,7 +341,7 @@ def move(
         src_state = _state_of(src_entry)
         if params_only:
             src_state = {s.name: src_state[s.name] for s in specs if s.name in src_state}
-    new_model = _build_model(dst_desc, config, rl["rank"]) if replace else None
+    new_model = _build_model(dst_desc, config, rl) if replace else None
     t0 = time.perf_counter()
     plan = _plan(specs, _layout(src_desc, config.num_layers), _layout(dst_desc, config.num_layers))
     result = reshard(plan, rl["rank"], src_state, GlooTransport(), timeout=timeout)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 from test_trainer_recovery import FAST, P4, _assert_same, _plan, _recoveries, _stage_states
 
+from nereus_rl.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer import TrainConfig, Trainer
 
@@ -42,19 +43,20 @@ def _workers(n: int) -> Iterator[Driver]:
 AFTER = _plan((0, 1), (3, 1), (0, 3))
 
 
-def _run_with_death_before(fn: str) -> tuple:
-    """Run 3 steps on P4; device 2's worker dies as its first ``fn`` after step 0 starts.
+def _run_with_death_before(fn: str, plan: GlobalPlan = P4, after: GlobalPlan = AFTER) -> tuple:
+    """Run 3 steps on ``plan``; device 2's worker dies as its first ``fn`` after step 0
+    starts, and the recovery plans ``after``.
 
     Returns (the result, every stage's final state, tag: the state at the death, after
-    the recovery, and when the death was armed and noticed).
+    the recovery, and when the death was armed, noticed and recovered from).
     """
-    cfg = TrainConfig(steps=3, adapt=False, plan=P4, devices=4, seed=5, **FAST)
+    cfg = TrainConfig(steps=3, adapt=False, plan=plan, devices=4, seed=5, **FAST)
     tag: dict = {"before": [], "after": []}
     with _workers(4) as driver:
         tr = Trainer(cfg, driver=driver)
         try:
             tr.start()
-            tr.adapter.best_plan = lambda rlen, devices=None: (AFTER, 0.0)
+            tr.adapter.best_plan = lambda rlen, devices=None: (after, 0.0)
             victim = tr.device_worker[2]
 
             def progress(step, m):
@@ -69,6 +71,7 @@ def _run_with_death_before(fn: str) -> tuple:
             def recover_and_note(step, error):
                 tag["noticed"] = time.monotonic()
                 recover(step, error)
+                tag["recovered"] = time.monotonic()
                 tag["after"].append(_stage_states(tr))
 
             tr.progress = progress
@@ -110,4 +113,44 @@ def test_a_death_while_measuring_held_memory_after_training_does_not_train_twice
     (rec,) = _recoveries(res)
     assert rec["trigger"].startswith("lost devices [2]") and rec["step"] == 2, rec
     assert res.plans[-1] == (2, AFTER)
+    assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once
+
+
+def _sp(stage, model, trains, pp, units) -> StagePlan:
+    return StagePlan(stage, model, trains, len(units), 1, pp, tuple(units))
+
+
+# actor_train is dp 2 x pp 2: unit A on devices (0, 1), unit B on (2, 3); the gradient
+# all-reduce of pipeline stage 1 pairs device 1 with device 3.
+CHAIN = GlobalPlan((
+    _sp("rollout", "actor", False, 1, [(1,), (3,)]),
+    _sp("reference", "reference", False, 1, [(0,), (3,)]),
+    _sp("actor_train", "actor", True, 2, [(0, 1), (2, 3)]),
+))  # fmt: skip
+# After device 2's loss every stage keeps its intact units: unit A, rollout, reference.
+CHAIN_AFTER = GlobalPlan((
+    _sp("rollout", "actor", False, 1, [(1,), (3,)]),
+    _sp("reference", "reference", False, 1, [(0,), (3,)]),
+    _sp("actor_train", "actor", True, 2, [(0, 1)]),
+))  # fmt: skip
+
+
+def test_a_survivor_left_waiting_on_another_survivor_is_released_and_recovered():
+    # Device 2's worker dies as step 1's rl.train starts. Device 3 (unit B's second
+    # pipeline stage) fails at once: its activations were to come from device 2. Unit
+    # A runs its pipeline, then device 0 fails in its all-reduce with device 2 (dead),
+    # while device 1 waits in its all-reduce with device 3, a survivor that has
+    # already left the command: no connection closes, so only the group timeout ends
+    # that wait. The recovery must wait for it (its first calls queue behind it on
+    # device 1), keep unit A's state bitwise, and train step 1 once.
+    res, final, tag = _run_with_death_before("rl.train", CHAIN, CHAIN_AFTER)
+    (rec,) = _recoveries(res)
+    assert rec["trigger"].startswith("lost devices [2]") and rec["step"] == 1, rec
+    assert rec["recovery"] == "emu", rec
+    assert res.plans[-1] == (1, CHAIN_AFTER)
+    # Bounded: the death is seen from the process's exit, and device 1's wait ends at
+    # the group timeout (room left for a loaded machine).
+    assert tag["recovered"] - tag["armed"] < 2 * GROUP_TIMEOUT_S + 30.0, tag
+    (before,), (after_state,) = tag["before"], tag["after"]
+    _assert_same(before, after_state)
     assert final["actor_train"]["adam_step"].tolist() == [3.0]  # three steps, each once

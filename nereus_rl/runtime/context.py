@@ -59,6 +59,11 @@ class WorkerContext:
         self._groups: dict[int, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
         self._group_timeout = group_timeout
 
+    @property
+    def group_timeout(self) -> float:
+        """Seconds a collective or p2p op of this worker's groups may wait by default."""
+        return self._group_timeout
+
     def group(
         self, group_id: int, ranks: tuple[int, ...], timeout: float | None = None
     ) -> tuple[dist.ProcessGroup, float]:
