@@ -7,7 +7,8 @@ gloo collective with it: the gradient all-reduce of a dp=2 training stage. The
 survivor's op fails when the dead peer's connection closes, or at the latest when
 the group timeout (short here) runs out; either way the job must notice within a
 bounded time, keep every intact unit's state, and go on without training a step
-twice.
+twice. The last test chains the wait: a survivor waits on another survivor that has
+left the command, which only the stage groups' timeout ends.
 """
 
 from __future__ import annotations
