@@ -710,8 +710,8 @@ class Adapter:
         differ only in it where the curriculum lengthens prompts with responses (the
         ``sort`` task's prompt is as long as its response), and keyed on the whole
         workload the check missed 4 of the 9 searches of a PPO async run on bench_e2e's
-        trace, each of which kept the plan. A longer prompt that changes the running plan's price by
-        more than the tie band searches again (the price check below).
+        trace, each of which kept the plan. A longer prompt that changes the running
+        plan's price by more than the tie band searches again (the price check below).
         """
         last = self._settled
         if last is None or any(t.signal != "efficiency" for t in triggers):

@@ -177,7 +177,9 @@ def _replace_stage(rl: dict[str, Any], stage: str, entry: dict[str, Any] | None)
         _release_groups(old)
 
 
-def _build_model(desc: dict[str, Any], config: ModelConfig, rl: dict[str, Any]):
+def _build_model(desc: dict[str, Any], rl: dict[str, Any]):
+    """This rank's model of the stage ``desc`` (None: not a member), for the config and
+    the group timeout ``rl.init`` and ``rl.setup`` left in ``rl``."""
     ranks = [r for u in desc["units"] for r in u]
     # The default group's timeout, not new_group's own default (30 minutes for gloo): a
     # survivor waiting in a stage's all-reduce on a peer that left it after another
@@ -185,7 +187,7 @@ def _build_model(desc: dict[str, Any], config: ModelConfig, rl: dict[str, Any]):
     groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks, rl["timeout"])
     if groups is None:
         return None
-    return Decoder(config, groups, value_head=desc["model"] == "critic")
+    return Decoder(rl["config"], groups, value_head=desc["model"] == "critic")
 
 
 def _state_of(entry: dict[str, Any] | None) -> dict[str, torch.Tensor]:
@@ -247,7 +249,7 @@ def setup(
     rl["config"], rl["hp"] = config, hp
     held = {}
     for desc in stages:
-        model = _build_model(desc, config, rl)
+        model = _build_model(desc, rl)
         if model is None:
             # not a member: drop what an earlier setup (a calibration probe) left here
             _replace_stage(rl, desc["stage"], None)
@@ -287,7 +289,7 @@ def rebind(ctx: WorkerContext, stages: list[tuple[dict[str, Any], list[int]]]) -
     held = 0
     for desc, uids in stages:
         stage = desc["stage"]
-        model = _build_model(desc, rl["config"], rl)
+        model = _build_model(desc, rl)
         if model is None:
             _replace_stage(rl, stage, None)
             continue
@@ -341,7 +343,7 @@ def move(
         src_state = _state_of(src_entry)
         if params_only:
             src_state = {s.name: src_state[s.name] for s in specs if s.name in src_state}
-    new_model = _build_model(dst_desc, config, rl) if replace else None
+    new_model = _build_model(dst_desc, rl) if replace else None
     t0 = time.perf_counter()
     plan = _plan(specs, _layout(src_desc, config.num_layers), _layout(dst_desc, config.num_layers))
     result = reshard(plan, rl["rank"], src_state, GlooTransport(), timeout=timeout)
