@@ -14,12 +14,17 @@ exits 0. Well under 3 minutes on an H200.
    the same bytes (the device's copy bandwidth; goal: >= 0.8x for large regions), and
    the end-to-end pack() (Python table build + upload + kernel).
 3. If nereus_comm.nccl_check is importable: run_one_rank_checks(), result printed.
+4. The trainer on the GPU: a short GRPO run with ``device="cuda"`` on as many
+   workers as there are GPUs (at most 2; NCCL puts one rank on each), and the same
+   run on CPU workers beside it: every step's loss and reward finite, and the GPU
+   run's seconds per step over the CPU run's (``--skip-trainer`` leaves it out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -221,6 +226,43 @@ def nccl_checks() -> dict:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
+def trainer_check(steps: int = 3) -> dict:
+    """A short GRPO run on GPU workers and the same run on CPU workers, side by side."""
+    try:
+        import nereus_rl
+    except ImportError as e:
+        return {"skipped": f"nereus_rl not importable: {e}"}
+    devices = min(2, torch.cuda.device_count())
+    out: dict = {"devices": devices, "steps": steps}
+    opts = {"warm_steps": 30, "batch": 4, "group_size": 2, "calibration_probes": 0}
+    for kind in ("cuda", "cpu"):
+        t0 = time.perf_counter()
+        try:
+            res = nereus_rl.train(devices=devices, steps=steps, device=kind, **opts)
+        except Exception as e:
+            out[kind] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            continue
+        ms = res.metrics
+        out[kind] = {
+            "error": res.error,
+            "wall_s": round(time.perf_counter() - t0, 2),
+            "steps_done": len(ms),
+            "step_s": [round(m["step_s"], 4) for m in ms],
+            "reward": [round(m["reward_mean"], 4) for m in ms],
+            "loss": [m["loss"] for m in ms],
+            "finite": all(math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"]) for m in ms),
+        }
+    gpu, cpu = out.get("cuda", {}), out.get("cpu", {})
+    out["ok"] = bool(
+        gpu.get("error") is None and gpu.get("steps_done") == steps and gpu.get("finite")
+    )
+    if out["ok"] and cpu.get("step_s"):
+        out["gpu_over_cpu_step_x"] = round(
+            statistics.median(gpu["step_s"]) / statistics.median(cpu["step_s"]), 3
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write {'benchmark', 'rows', ...} here")
@@ -228,6 +270,7 @@ def main() -> int:
         "--quick", action="store_true", help="64 MiB per timed call instead of 256 MiB"
     )
     parser.add_argument("--skip-nccl", action="store_true", help="skip the NCCL one-rank checks")
+    parser.add_argument("--skip-trainer", action="store_true", help="skip the GPU trainer run")
     args = parser.parse_args()
     report: dict = {"benchmark": "gpu_check", "rows": []}
 
@@ -267,9 +310,13 @@ def main() -> int:
     report["rows"] = speed(device, (64 if args.quick else 256) * MIB)
     report["nccl"] = {"skipped": "--skip-nccl"} if args.skip_nccl else nccl_checks()
     print("nccl:", json.dumps(report["nccl"], default=str)[:4000])
+    report["trainer"] = {"skipped": "--skip-trainer"} if args.skip_trainer else trainer_check()
+    print("trainer:", json.dumps(report["trainer"], default=str)[:4000])
     report["seconds"] = round(time.perf_counter() - t0, 1)
     failed = [c["case"] for c in report["correctness"] if not c["ok"]]
     failed += [f"speed {r['region_bytes']}" for r in report["rows"] if not r["bytes_ok"]]
+    if not args.skip_trainer and not report["trainer"].get("ok"):
+        failed.append("trainer on cuda")
     verdict = "FAILED: " + ", ".join(failed) if failed else "all bytes equal"
     print(f"done in {report['seconds']} s; {verdict}")
     return finish(1 if failed or "error" in report["nccl"] else 0)

@@ -44,10 +44,11 @@ def _progress_bar(total: int):
 def _train(args: argparse.Namespace) -> int:
     from nereus_rl.report import summary_table
     from nereus_rl.runtime import Driver
-    from nereus_rl.trainer import TrainConfigError, train
+    from nereus_rl.trainer import TrainConfig, TrainConfigError, train
+    from nereus_rl.trainer_config import check_local_devices
 
     options = dict(QUICK) if args.quick else {}
-    for name in ("steps", "batch", "group_size", "lr", "trace", "plan", "admission"):
+    for name in ("steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device"):
         v = getattr(args, name)
         if v is not None:
             options[name] = v
@@ -59,6 +60,7 @@ def _train(args: argparse.Namespace) -> int:
             driver = Driver(args.host, args.port or 0, heartbeat_timeout=30.0, call_timeout=600.0)
             local = args.devices if args.local_workers is None else args.local_workers
             if local:
+                check_local_devices(TrainConfig(devices=local, device=args.device))
                 driver.spawn_local(local)
             if local < args.devices:
                 print(
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=int, default=None, help="prompts per step")
     t.add_argument("--group-size", type=int, default=None, help="GRPO responses per prompt")
     t.add_argument("--lr", type=float, default=None, help="learning rate")
+    t.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per worker)")
     t.add_argument("--quick", action="store_true", help="a short run (CI)")
     t.add_argument("--host", default="127.0.0.1", help="address the job's store listens on")
     t.add_argument("--port", type=int, default=None, help="store port (for remote workers)")

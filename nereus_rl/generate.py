@@ -214,5 +214,5 @@ def generate(
             finished = finished | (tok == eos_id)
             if bool(finished.all()):
                 break
-    mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0)
+    mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0, device=prompts.device)
     return GenerationOutput(seq, mask, prompt_len)

@@ -60,6 +60,7 @@ from nereus_rl.trainer_config import (
     TrainResult,
     UnknownAlgorithmError,
     check_config,
+    check_local_devices,
     simple_plan,
     stage_desc,
     stage_names,
@@ -114,6 +115,8 @@ class Trainer(StepWork):
     ) -> None:
         self.cfg = cfg
         self.mc = check_config(cfg)
+        if driver is None:  # its workers will be spawned here: can this machine host them?
+            check_local_devices(cfg)
         self.task = get_task(cfg.task)
         self.lengths = _lengths(cfg)
         self.log = log
@@ -200,7 +203,8 @@ class Trainer(StepWork):
         # a fresh prefix per run: workers reused by another run must not meet old keys
         prefix = f"rl.world.{uuid.uuid4().hex[:12]}/"
         pend = [
-            self.driver.submit([w], "rl.init", i, n, prefix) for i, w in enumerate(self.workers)
+            self.driver.submit([w], "rl.init", i, n, prefix, device=self.cfg.device)
+            for i, w in enumerate(self.workers)
         ]
         for p in pend:
             self.driver.wait(p)
@@ -512,7 +516,9 @@ def train(
         driver: a runtime Driver whose workers to use (they are kept running).
         progress: called after every step with (step, metrics).
         options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
-            admission, transitions, length_start, length_end, ...).
+            admission, transitions, length_start, length_end, device, ...). ``device="cuda"``
+            puts each worker's stages on its own GPU (NCCL for the models' collectives);
+            the default ``"cpu"`` keeps them in host memory.
 
     Returns:
         A :class:`TrainResult`; if a worker failed mid-run, ``error`` says so and the

@@ -12,6 +12,7 @@ from nereus_rl.tasks import LengthTrace, get_task
 
 ALGOS = ("grpo", "ppo", "remax")
 MODES = ("sync", "async")
+DEVICE_KINDS = ("cpu", "cuda")
 
 
 class TrainConfigError(ValueError):
@@ -61,6 +62,9 @@ class TrainConfig:
     # plan decision (nereus_rl.trainer_calibrate); 0 turns the calibration off. It runs
     # only where the planner decides something (adapt, or plan="auto").
     calibration_probes: int = 3
+    # Where the workers hold their stages: "cpu" (host memory, gloo) or "cuda" (one GPU
+    # per worker, NCCL for the models' collectives; see nereus_rl.trainer_worker).
+    device: str = "cpu"
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -142,6 +146,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
             f"calibration_probes={cfg.calibration_probes!r} must be an int >= 0 "
             "(0 turns the startup calibration off)"
         )
+    if cfg.device not in DEVICE_KINDS:
+        raise TrainConfigError(
+            f"unknown device {cfg.device!r}; use 'cpu' (worker processes on host memory) or "
+            "'cuda' (one GPU per worker)"
+        )
     mc = get_preset(cfg.model)
     get_task(cfg.task)
     if isinstance(cfg.plan, GlobalPlan):
@@ -170,6 +179,32 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
     if cfg.memory_budget is not None and cfg.memory_budget <= 0:
         raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
     return mc
+
+
+def check_local_devices(cfg: TrainConfig) -> None:
+    """Check that this machine can host ``cfg.devices`` workers on ``cfg.device``
+    (before spawning them here).
+
+    Raises:
+        TrainConfigError: ``device="cuda"`` without a GPU, or with fewer GPUs than
+            workers (NCCL cannot put two ranks of one communicator on one GPU).
+    """
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TrainConfigError(
+            "device='cuda' but this machine has no GPU torch can use "
+            "(torch.cuda.is_available() is False); use device='cpu'"
+        )
+    have = torch.cuda.device_count()
+    if cfg.devices > have:
+        raise NotEnoughDevicesError(
+            f"devices={cfg.devices} workers on device='cuda' need one GPU each, and this "
+            f"machine has {have} (NCCL cannot put two ranks on one GPU); use devices<={have} "
+            "or device='cpu'"
+        )
 
 
 def stage_desc(sp: StagePlan) -> dict[str, Any]:

@@ -4,10 +4,20 @@ Imported on every worker by :class:`nereus_rl.trainer.Trainer` (through
 ``Driver.import_module``). A worker is one device. It joins a default gloo (or
 NCCL) process group over all the job's workers so that the model's tensor,
 pipeline and data parallel groups (``torch.distributed.new_group``) can be
-built for any layout the plan asks for. Shards are in host memory (gloo); placing
-them on accelerators (NCCL, NcclTransport for the reshards) is not wired yet. Per
-model-stage the worker keeps a :class:`~nereus_rl.model.Decoder` of its shard (and
-AdamW for training stages).
+built for any layout the plan asks for. Per model-stage the worker keeps a
+:class:`~nereus_rl.model.Decoder` of its shard (and AdamW for training stages) on
+its device: host memory with ``device="cpu"`` (a gloo default group), or its GPU
+with ``device="cuda"`` (``cpu:gloo,cuda:nccl``: the models' tensor, pipeline and
+data parallel collectives go over NCCL). The CPU run is the ``device="cpu"`` case
+of the same code: every command moves what the driver sends onto the worker's
+device (:func:`_on_device`) and what it returns back to host memory.
+
+State moves (the weight sync, a transition's reshards and EMU primitives) go
+over gloo from host memory: on a GPU worker they are staged through a host copy
+of the shards (:func:`_host`), and the received shards are copied onto the device
+as they are loaded (:func:`_load_state`). Moving them device to device over
+:class:`~nereus_comm.transport.NcclTransport` instead is the next step; the bytes
+are the same either way.
 
 The stage's state on this rank is also the shard of an EMU unit
 (:mod:`nereus_rl.emu_worker`): the driver adopts each unit with the state owner
@@ -33,6 +43,7 @@ on the rollout layout (dp split or tp/pp degrees; see nereus_rl.generate).
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any
 
@@ -59,6 +70,7 @@ from nereus_rl.model_parallel import (
 )
 from nereus_rl.model_pipeline import pipeline_forward, pipeline_forward_backward
 from nereus_rl.runtime.context import WorkerContext, register
+from nereus_rl.trainer_config import DEVICE_KINDS
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -67,25 +79,58 @@ def _rl(ctx: WorkerContext) -> dict[str, Any]:
     return ctx.state.setdefault("rl", {"stages": {}})
 
 
+def worker_device(kind: str, rank: int) -> torch.device:
+    """The device a worker of rank ``rank`` holds its stages on, for ``kind``.
+
+    ``"cuda"``: the GPU ``LOCAL_RANK`` names (torchrun-style, for workers started by
+    hand on a cluster node), else ``rank`` modulo the GPUs this process sees (workers
+    spawned on one machine, one per GPU).
+
+    Raises:
+        ValueError: an unknown kind, or ``"cuda"`` where this process sees no GPU.
+    """
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"unknown device kind {kind!r}; use one of {DEVICE_KINDS}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device='cuda' but worker {rank} sees no GPU (torch.cuda.is_available() is "
+            "False); run it where one is, or use device='cpu'"
+        )
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", (int(local) if local else rank) % torch.cuda.device_count())
+
+
 @register("rl.init")
 def init_world(
-    ctx: WorkerContext, rank: int, world_size: int, prefix: str, timeout: float | None = None
+    ctx: WorkerContext,
+    rank: int,
+    world_size: int,
+    prefix: str,
+    timeout: float | None = None,
+    device: str = "cpu",
 ) -> int:
-    """Join the job's default process group as ``rank`` of ``world_size`` (gloo).
+    """Join the job's default process group as ``rank`` of ``world_size``.
 
     ``timeout``: seconds a collective may wait for a peer, on the default group and on
     every stage model's groups (default: the worker's ``group_timeout``). It is what
     ends a survivor's wait on a peer that is alive but has left the collective.
+    ``device``: ``"cpu"`` (a gloo group; shards in host memory) or ``"cuda"`` (shards
+    on :func:`worker_device`'s GPU; gloo for host tensors and NCCL for device ones).
     """
     torch.set_num_threads(1)
     if timeout is None:
         timeout = ctx.group_timeout
+    dev = worker_device(device, rank)  # before leaving a group: a bad kind changes nothing
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.PrefixStore(prefix, ctx.store)
-    # The stage shards live in host memory for now (device placement is not wired
-    # yet), so the group is gloo even where a GPU exists.
-    backend = "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    # Host tensors (the driver's batches, staged shards) always have gloo; a stage
+    # model's collectives take NCCL when its tensors are on the GPU.
+    backend = "gloo" if dev.type == "cpu" else "cpu:gloo,cuda:nccl"
     dist.init_process_group(
         backend,
         store=store,
@@ -95,8 +140,34 @@ def init_world(
     )
     _rl(ctx)["rank"] = rank
     _rl(ctx)["timeout"] = timeout
+    _rl(ctx)["device"] = dev
     _warm_optimizer()
     return rank
+
+
+def _device(rl: dict[str, Any]) -> torch.device:
+    return rl.get("device", _CPU)
+
+
+_CPU = torch.device("cpu")
+
+
+def _on_device(x: Any, device: torch.device) -> Any:
+    """``x`` (a tensor, or a dict or list of them and of plain values) on ``device``;
+    the same objects when they are there already (every CPU run)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _on_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_device(v, device) for v in x)
+    return x
+
+
+def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Shards in host memory, for gloo: the tensors themselves when they are there (a
+    CPU run moves and reads the live shards, no copy), else host copies."""
+    return {k: v.cpu() for k, v in state.items()}
 
 
 _OPTIMIZER_WARM = False
@@ -187,7 +258,7 @@ def _build_model(desc: dict[str, Any], rl: dict[str, Any]):
     groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks, rl["timeout"])
     if groups is None:
         return None
-    return Decoder(rl["config"], groups, value_head=desc["model"] == "critic")
+    return Decoder(rl["config"], groups, value_head=desc["model"] == "critic", device=_device(rl))
 
 
 def _state_of(entry: dict[str, Any] | None) -> dict[str, torch.Tensor]:
@@ -226,7 +297,8 @@ def _load_state(entry: dict[str, Any], state: dict[str, torch.Tensor], hp: dict[
             for name, p in params.items():
                 opt.state[p] = {
                     "step": torch.tensor(step),
-                    **{k: state[f"{k}.{name}"].clone() for k in ADAM_KEYS},
+                    # a copy on the parameter's device (received shards are in host memory)
+                    **{k: state[f"{k}.{name}"].to(p.device, copy=True) for k in ADAM_KEYS},
                 }
         entry["opt"] = opt
 
@@ -259,7 +331,7 @@ def setup(
         for spec in model.local_specs():
             shards[spec.name] = shard_tensor(
                 full[spec.name], spec.split_dim, model.groups.tp_rank, model.groups.tp_size
-            ).clone()
+            ).to(_device(rl), copy=True)
         entry = {"model": model, "desc": desc, "trains": desc["trains"]}
         _load_state(entry, shards, hp)
         _replace_stage(rl, desc["stage"], entry)
@@ -269,7 +341,8 @@ def setup(
 
 def _reader(ctx: WorkerContext, stage: str):
     # Looked up at each read: a rebind or a weight sync changes what the stage holds.
-    return lambda: _state_of(_rl(ctx)["stages"].get(stage))
+    # EMU primitives move host memory over gloo: a GPU worker's units read host copies.
+    return lambda: _host(_state_of(_rl(ctx)["stages"].get(stage)))
 
 
 register_state_owner("trainer", _reader)
@@ -340,7 +413,7 @@ def move(
     src_entry = rl["stages"].get(src_desc["stage"])
     src_state: dict[str, torch.Tensor] = {}
     if src_entry is not None and rl["rank"] in _layout(src_desc, config.num_layers):
-        src_state = _state_of(src_entry)
+        src_state = _host(_state_of(src_entry))
         if params_only:
             src_state = {s.name: src_state[s.name] for s in specs if s.name in src_state}
     new_model = _build_model(dst_desc, rl) if replace else None
@@ -371,7 +444,8 @@ def _mine(rl: dict[str, Any], stage: str, per_unit: list[Any]):
     if entry is None:
         return None, None, None
     g = entry["model"].groups
-    return entry, g, per_unit[g.dp_rank]
+    # the driver's tensors are in host memory: this unit's share goes onto the device
+    return entry, g, _on_device(per_unit[g.dp_rank], _device(rl))
 
 
 def _is_reporter(g) -> bool:
@@ -417,7 +491,7 @@ def rl_generate(
         return None
     # Generation stops when every sequence ended; pad to the limit so units concatenate.
     pad = max_new_tokens - out.response_mask.shape[1]
-    return {
+    res = {
         "unit": g.dp_rank,
         "sequences": F.pad(out.sequences, (0, pad)),
         "mask": F.pad(out.response_mask, (0, pad)),
@@ -425,6 +499,7 @@ def rl_generate(
         "greedy": None if best is None else F.pad(best, (0, max_new_tokens - best.shape[1])),
         "seconds": secs,
     }
+    return _on_device(res, _CPU)  # the driver reads host memory
 
 
 def _micro(t: torch.Tensor, num_micro: int) -> list[torch.Tensor]:
@@ -455,7 +530,7 @@ def rl_infer(
         res = torch.cat(parts)
     if not _is_reporter(g):
         return None
-    return {"unit": g.dp_rank, "out": res, "seconds": time.perf_counter() - t0}
+    return {"unit": g.dp_rank, "out": res.cpu(), "seconds": time.perf_counter() - t0}
 
 
 @register("rl.train")
@@ -478,7 +553,11 @@ def rl_train(
     seqs, mask = b["sequences"], b["mask"]
     prompt_len = int(b["prompt_len"])
     num_tokens = float(b["num_tokens"]) / g.dp_size
-    idx = list(torch.arange(seqs.shape[0]).chunk(max(1, min(hp["num_micro"], seqs.shape[0]))))
+    idx = list(
+        torch.arange(seqs.shape[0], device=seqs.device).chunk(
+            max(1, min(hp["num_micro"], seqs.shape[0]))
+        )
+    )
     mbs = [seqs[i] for i in idx]
     stats: dict[str, float] = {}
 
@@ -541,7 +620,7 @@ def held_bytes(ctx: WorkerContext) -> int:
 @register("rl.shards")
 def shards(ctx: WorkerContext, stage: str) -> dict[str, torch.Tensor]:
     """This worker's shards of a stage's state (tests compare them across layouts)."""
-    return {k: v.clone() for k, v in _state_of(_rl(ctx)["stages"].get(stage)).items()}
+    return {k: v.cpu().clone() for k, v in _state_of(_rl(ctx)["stages"].get(stage)).items()}
 
 
 @register("rl.close")

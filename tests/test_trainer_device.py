@@ -1,0 +1,83 @@
+"""Where the trainer's workers hold their stages: the ``device`` option.
+
+The CPU run is the ``device="cpu"`` case of the GPU code (nereus_rl.trainer_worker):
+these tests check the option's bad input before any process starts, how a worker
+picks its GPU, that the CPU path neither copies nor stages (so the EMU units read
+the live shards), and, where a GPU exists, a short run on it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nereus_rl.cli import main
+from nereus_rl.trainer import NotEnoughDevicesError, TrainConfig, TrainConfigError, train
+from nereus_rl.trainer_config import check_local_devices
+from nereus_rl.trainer_worker import _CPU, _host, _on_device, worker_device
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_unknown_device_is_refused_before_any_process():
+    with pytest.raises(TrainConfigError, match=r"unknown device 'tpu'.*'cuda'"):
+        train(steps=1, device="tpu")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message of a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_before_any_process(tmp_path):
+    with pytest.raises(TrainConfigError, match=r"no GPU.*device='cpu'"):
+        train(steps=1, device="cuda", run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
+
+
+def test_cli_device_is_passed_and_checked(capsys):
+    assert main(["train", "--device", "tpu", "--steps", "1"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_more_workers_than_gpus_is_refused(monkeypatch):
+    # torch's answers stand in for a machine with two GPUs; the check is what is tested
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_local_devices(TrainConfig(devices=2, device="cuda"))
+    check_local_devices(TrainConfig(devices=8, device="cpu"))  # host workers: any number
+    with pytest.raises(NotEnoughDevicesError, match=r"devices=4.*has 2.*devices<=2"):
+        check_local_devices(TrainConfig(devices=4, device="cuda"))
+
+
+def test_worker_device_choice(monkeypatch):
+    assert worker_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device kind 'xpu'"):
+        worker_device("xpu", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="worker 1 sees no GPU"):
+        worker_device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert worker_device("cuda", 6) == torch.device("cuda", 2)  # rank modulo the GPUs
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert worker_device("cuda", 6) == torch.device("cuda", 1)  # torchrun's word wins
+
+
+def test_the_cpu_path_neither_copies_nor_stages():
+    # A CPU worker's EMU units read the live shards through _host, and its commands
+    # take the driver's tensors through _on_device: both must be the same objects.
+    t = torch.arange(6.0)
+    batch = {"sequences": t, "prompt_len": 3, "parts": [t, (t, None)]}
+    moved = _on_device(batch, _CPU)
+    assert moved["sequences"] is t and moved["prompt_len"] == 3
+    assert moved["parts"][0] is t and moved["parts"][1][0] is t and moved["parts"][1][1] is None
+    assert isinstance(moved["parts"][1], tuple)
+    assert _host({"w": t})["w"] is t
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_a_short_run_on_the_gpu():
+    res = train(devices=1, steps=2, device="cuda", warm_steps=30, batch=4, group_size=2)
+    assert res.error is None, res.error
+    assert len(res.metrics) == 2
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"]) for m in res.metrics)
