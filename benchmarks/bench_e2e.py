@@ -11,6 +11,10 @@ the warm-up runs' transition times are printed:
     adaptive         starts on the plan chosen with lookahead over the trace's lengths
                      (nereus_rl.start_plan), adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
+    adaptive_blind   adaptive without reading the trace at startup: it starts on the
+                     planner's best at the first step's length (start_lookahead=False)
+                     and learns the lengths only as the steps ask for them; how much of
+                     adaptive's result its start plan's knowledge of the trace explains
     colocated        verl-like: every stage on every device, fixed; each stage's
                      (dp, tp, pp) chosen at startup by the planner's cost model (before
                      any measurement): the fastest predicted colocated layout at the
@@ -116,6 +120,12 @@ from nereus_rl.tasks import LengthTrace
 from nereus_rl.trainer import TrainConfig, Trainer, train
 
 FIXED = ("colocated", "disaggregated", "planner_fixed")
+# The adaptive variants and their train() options beside the bench's common ones
+ADAPTIVE_VARIANTS: dict[str, dict] = {
+    "adaptive": {},
+    "replan_always": {"admission": "always"},
+    "adaptive_blind": {"start_lookahead": False},
+}
 # Enumerated fixed plans --quick runs (the best by predicted mean latency over the trace):
 # each adds ~8 s (three repeats of 10 steps) on an idle machine; two keep a setting near
 # 100 s idle with three repeats of all 10 variants.
@@ -281,7 +291,7 @@ def run_setting(
     # visits other layouts), and what they paid is reported.
     train(adapt=False, plan=plans["planner_fixed"][0], **{**kw, "steps": 2})
     warm_trans = {}
-    for v, extra in (("adaptive", {}), ("replan_always", {"admission": "always"})):
+    for v, extra in ADAPTIVE_VARIANTS.items():
         warm = train(adapt=True, **extra, **kw)
         warm_trans[v] = [d["measured_transition_s"] for d in warm.decisions if d.get("taken")]
         if v == "adaptive":
@@ -296,16 +306,14 @@ def run_setting(
     for i, (pred, p) in enumerate(picked):
         plans[f"enum{i:02d}"] = (p, True)
         print(f"  enum{i:02d} predicted {pred:.3f} s/step: {p!r}")
-    variants = ["adaptive", "replan_always"] + [v for f in FIXED for v in (f, f + "_max")]
+    variants = list(ADAPTIVE_VARIANTS) + [v for f in FIXED for v in (f, f + "_max")]
     variants += [v for v in plans if v.startswith("enum")]
     runs = {v: [] for v in variants}
     starts: list[float] = []
 
     def run(v):
-        if v == "adaptive":
-            return train(adapt=True, **kw)
-        if v == "replan_always":
-            return train(adapt=True, admission="always", **kw)
+        if v in ADAPTIVE_VARIANTS:
+            return train(adapt=True, **ADAPTIVE_VARIANTS[v], **kw)
         return train(adapt=False, plan=plans[v][0], **kw)
 
     for rep in range(repeats):
@@ -320,7 +328,7 @@ def run_setting(
     base = [r["step_latency_s"] for r in runs["adaptive"]]
     for v in variants:
         rs = runs[v]
-        adaptive = v in ("adaptive", "replan_always")
+        adaptive = v in ADAPTIVE_VARIANTS
         plan = None if adaptive else repr(plans[v][0])
         row = variant_row(algo, mode, v, plan, rs, base, budget)
         # the unrecorded warm-up run's transitions (first use of layouts)
@@ -343,11 +351,22 @@ def run_setting(
     # The selection figure above is the least of several noisy means (biased low): the
     # goal is scored on fresh, held-out rounds of adaptive against the selected plan
     t_confirm = time.perf_counter()
-    picked = {"adaptive": "adaptive", "fixed": best["variant"]}
-    rows += confirm_best_fixed(rows[-1], confirm, lambda w: _run_row(run(picked[w])))
+    picked = {"adaptive": "adaptive", "fixed": best["variant"], "adaptive_blind": "adaptive_blind"}
+    rows += confirm_best_fixed(
+        rows[-1], confirm, lambda w: _run_row(run(picked[w])), extra=("adaptive_blind",)
+    )
     t_confirm = time.perf_counter() - t_confirm
     verdicts = goal_verdicts(rows)
     print_verdicts(algo, mode, verdicts)
+    for r in rows:
+        vb = r.get("vs_best_fixed")
+        if vb:  # not a goal: how much the start plan's reading of the trace is worth
+            print(
+                f"{algo} {mode}: {r['variant']}: its latency over adaptive's "
+                f"{r['paired_geomean_x']:.2f}x [{r['ci_lo_x']:.2f}..{r['ci_hi_x']:.2f}]; "
+                f"the best fixed plan's over its {vb['paired_geomean_x']:.2f}x "
+                f"[{vb['ci_lo_x']:.2f}..{vb['ci_hi_x']:.2f}] (not a goal)"
+            )
     loss = print_breakdown(algo, mode, rows, best["variant"])
     over = sum(x > 1.0 for x in starts)
     constrained = bool(starts) and over == len(starts)

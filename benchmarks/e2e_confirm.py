@@ -18,7 +18,7 @@ rounds only (``e2e_verdict``). Its rows:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from e2e_verdict import CONFIRMED, SELECTION, paired_range
@@ -93,22 +93,31 @@ def variant_row(
 
 
 def run_rounds(
-    num_rounds: int, run: Callable[[str], dict[str, Any]]
+    num_rounds: int,
+    run: Callable[[str], dict[str, Any]],
+    names: Sequence[str] = ("adaptive", "fixed"),
 ) -> dict[str, list[dict[str, Any]]]:
-    """``num_rounds`` interleaved rounds of ``run("adaptive")`` and ``run("fixed")``:
-    adaptive first in even rounds, the fixed plan first in odd ones. Returns each one's
-    runs in round order (index i of both lists is round i)."""
+    """``num_rounds`` interleaved rounds of ``run(name)`` for each of ``names``, the
+    order rotated by one each round (two names: adaptive first in even rounds, the fixed
+    plan first in odd ones), so that no variant always meets the machine's state after
+    the same other one. Returns each one's runs in round order (index i of every list is
+    round i)."""
     if num_rounds < 0:
         raise ValueError(f"confirmation rounds must be >= 0 (0 disables), got {num_rounds}")
-    out: dict[str, list[dict[str, Any]]] = {"adaptive": [], "fixed": []}
+    names = tuple(names)
+    out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for i in range(num_rounds):
-        for which in ("adaptive", "fixed") if i % 2 == 0 else ("fixed", "adaptive"):
+        k = i % len(names)
+        for which in names[k:] + names[:k]:
             out[which].append(run(which))
     return out
 
 
 def confirm_best_fixed(
-    selected: dict[str, Any], num_rounds: int, run: Callable[[str], dict[str, Any]]
+    selected: dict[str, Any],
+    num_rounds: int,
+    run: Callable[[str], dict[str, Any]],
+    extra: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Measure the selected best fixed plan again against adaptive (:func:`run_rounds`)
     and return the confirmation rows, ``[adaptive_confirmed, best_fixed_confirmed
@@ -120,6 +129,10 @@ def confirm_best_fixed(
         num_rounds: confirmation rounds (0 disables).
         run: ``run("adaptive")`` / ``run("fixed")`` runs adaptive / the selected plan
             once and returns bench_e2e's per-run dict.
+        extra: further adaptive variants to run in the same rounds (``run(name)``);
+            each adds a row ``<name>_confirmed``, paired with adaptive like the others,
+            whose ``vs_best_fixed`` holds its paired ratio to the selected plan
+            (geometric mean, 90% range: its own "within 5% of the best" figure).
 
     Raises ValueError when ``selected`` is not a best_fixed selection row or
     ``num_rounds`` is negative, before anything runs.
@@ -130,7 +143,7 @@ def confirm_best_fixed(
             f"confirm_best_fixed needs the best_fixed selection row (variant "
             f"'{SELECTION}<name>)' with a plan), got variant {name!r}"
         )
-    runs = run_rounds(num_rounds, run)
+    runs = run_rounds(num_rounds, run, ("adaptive", "fixed", *extra))
     if not num_rounds:
         return []
     base = [r["step_latency_s"] for r in runs["adaptive"]]
@@ -148,6 +161,14 @@ def confirm_best_fixed(
             budget,
         ),
     ]
+    fixed = [r["step_latency_s"] for r in runs["fixed"]]
+    for name in extra:
+        row = variant_row(a, m, f"{name}_confirmed", None, runs[name], base, budget)
+        lat = [r["step_latency_s"] for r in runs[name]]
+        geo, lo, hi = paired_range([f / x for f, x in zip(fixed, lat, strict=True)])
+        # the selected plan's latency over this variant's, round by round (as the goal)
+        row["vs_best_fixed"] = {"paired_geomean_x": geo, "ci_lo_x": lo, "ci_hi_x": hi}
+        rows.append(row)
     for r in rows:
         r["phase"] = "confirmation"  # held out from the selection repeats
     return rows

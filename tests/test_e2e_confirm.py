@@ -145,3 +145,25 @@ def test_best_fixed_goal_is_judged_on_the_confirmed_row(sel, conf, want, capsys)
     # without confirmation rounds the selection row is the goal's, said to be biased low
     plain = goal_verdicts([*base, _row("best_fixed (enum00)", *sel)])
     assert _goal(plain)["verdict"] == other and "biased low" in _goal(plain)["note"]
+
+
+def test_three_variants_rotate_and_an_extra_row_is_paired_with_both():
+    calls = []
+    out = run_rounds(3, lambda w: calls.append(w) or _run(len(calls)), ("a", "f", "b"))
+    assert calls == ["a", "f", "b", "f", "b", "a", "b", "a", "f"]  # each first once
+    assert [r["step_latency_s"] for r in out["b"]] == [3, 5, 7]
+    sel = _selection_row()
+    ad, fx, bl = [0.20, 0.25, 0.16], [0.19, 0.26, 0.18], [0.22, 0.30, 0.16]
+    lat = {"adaptive": list(ad), "fixed": list(fx), "adaptive_blind": list(bl)}
+    rows = confirm_best_fixed(sel, 3, lambda w: _run(lat[w].pop(0)), extra=("adaptive_blind",))
+    assert [r["variant"] for r in rows] == [
+        "adaptive_confirmed", "best_fixed_confirmed (enum00)", "adaptive_blind_confirmed",
+    ]  # fmt: skip
+    b = rows[2]
+    assert b["plan"] is None and b["phase"] == "confirmation" and b["repeats"] == 3
+    assert b["paired_geomean_x"] == paired_range([x / a for x, a in zip(bl, ad)])[0]
+    vb = b["vs_best_fixed"]
+    assert (vb["paired_geomean_x"], vb["ci_lo_x"], vb["ci_hi_x"]) == paired_range(
+        [f / x for f, x in zip(fx, bl)]
+    )
+    assert "vs_best_fixed" not in rows[0] and "vs_best_fixed" not in rows[1]

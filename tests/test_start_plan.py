@@ -119,12 +119,12 @@ def test_unmeasured_stages_counts_shapes_no_probe_or_step_priced(tmp_path):
     assert ad.unmeasured_stages(plan) == len(plan.stages) - 1
 
 
-def _trainer(tmp_path: Path, adapt: bool, budget=BUDGET) -> Trainer:
+def _trainer(tmp_path: Path, adapt: bool, budget=BUDGET, **extra) -> Trainer:
     trace = tmp_path / "trace.csv"
     trace.write_text("step,response_len\n" + "".join(f"{i},{n}\n" for i, n in enumerate(TRACE)))
     cfg = TrainConfig(
         algo="grpo", devices=4, warm_steps=20, batch=4, group_size=4, seed=0,
-        steps=len(TRACE), trace=str(trace), memory_budget=budget, adapt=adapt,
+        steps=len(TRACE), trace=str(trace), memory_budget=budget, adapt=adapt, **extra,
     )  # fmt: skip
     return Trainer(cfg, driver=object())  # planner only: nothing is spawned
 
@@ -152,6 +152,9 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
     )
     # a fixed run (adapt=False) cannot move: it keeps the planner's best
     assert _trainer(tmp_path, adapt=False).first_plan == best
+    # and an adaptive run told not to read its schedule starts there too, with no row
+    blind = _trainer(tmp_path, adapt=True, start_lookahead=False)
+    assert blind.first_plan == best and blind.adapter.start_row is None
 
 
 def test_no_budget_keeps_the_auto_budgets_sized_plan(tmp_path):
