@@ -11,10 +11,11 @@ the warm-up runs' transition times are printed:
     adaptive         starts on the plan chosen with lookahead over the trace's lengths
                      (nereus_rl.start_plan), adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
-    adaptive_blind   adaptive without reading the trace at startup: it starts on the
-                     planner's best at the first step's length (start_lookahead=False)
-                     and learns the lengths only as the steps ask for them; how much of
-                     adaptive's result its start plan's knowledge of the trace explains
+    adaptive_blind   adaptive without reading the trace at startup: its start plan is
+                     chosen by the same rules over the first step's length only
+                     (start_lookahead=False), and it learns the lengths only as the
+                     steps ask for them; how much of adaptive's result its start
+                     plan's knowledge of the trace explains
     colocated        verl-like: every stage on every device, fixed; each stage's
                      (dp, tp, pp) chosen at startup by the planner's cost model (before
                      any measurement): the fastest predicted colocated layout at the

@@ -54,9 +54,12 @@ from nereus_rl.workload import bucket_of
 
 
 def start_lengths(adapter) -> list[int]:
-    """The run's configured response length of every step (bucketed), step 0 first."""
+    """The run's configured response length of every step (bucketed), step 0 first;
+    only step 0's when ``start_lookahead`` is off (a run that does not read its
+    schedule: the same choice, near-tie rules included, over what step 0 asks)."""
     tr, cfg = adapter.trainer, adapter.cfg
-    return [bucket_of(tr._response_len(s), cfg.buckets) for s in range(cfg.steps)]
+    steps = cfg.steps if cfg.start_lookahead else 1
+    return [bucket_of(tr._response_len(s), cfg.buckets) for s in range(steps)]
 
 
 def start_candidates(adapter, ranked: list[GlobalPlan], lengths: list[int]) -> list[GlobalPlan]:
@@ -90,7 +93,11 @@ def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, di
     row: dict[str, Any] = {
         "step": -1,  # decided before step 0
         "signal": "start_plan",
-        "trigger": f"start: the configured lengths of {len(lengths)} steps",
+        "trigger": (
+            f"start: the configured lengths of {len(lengths)} steps"
+            if adapter.cfg.start_lookahead
+            else "start: the first step's length only (start_lookahead off)"
+        ),
         "urgent": False,
         "path": "start",
         "taken": False,  # not a transition: the run starts on the plan

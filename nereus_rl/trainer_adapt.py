@@ -437,8 +437,8 @@ class Adapter:
         one, or the GlobalPlan given as ``plan``. An adaptive run's planner's plan is
         chosen among the k-best at ``rlen`` with lookahead over the run's configured
         lengths (:mod:`nereus_rl.start_plan`; its decision row is logged at the first
-        boundary), unless the automatic budget was sized on a plan (``_auto_budget``) or
-        ``start_lookahead`` is off (then the planner's best at ``rlen``)."""
+        boundary; with ``start_lookahead`` off, over the first step's length only),
+        unless the automatic budget was sized on a plan (``_auto_budget``)."""
         from nereus_rl.trainer import simple_plan
 
         if isinstance(self.cfg.plan, GlobalPlan):
@@ -448,10 +448,8 @@ class Adapter:
             self.start_row = None
             if self.cfg.memory_budget is None and self.sized_plan in [p for _, p in ranked]:
                 return self.sized_plan  # the automatic budget's plan (see _auto_budget)
-            if not self.enabled or not self.cfg.start_lookahead:
-                # a fixed run cannot move, and a run told not to read its schedule
-                # (start_lookahead=False) starts on what the first step alone asks
-                return ranked[0][1]
+            if not self.enabled:
+                return ranked[0][1]  # a fixed run cannot move: the planner's best
             # chosen over the run's configured lengths, forced moves priced (start_plan)
             plan, self.start_row = choose_start_plan(self, [p for _, p in ranked])
             return plan

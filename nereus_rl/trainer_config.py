@@ -64,8 +64,8 @@ class TrainConfig:
     calibration_probes: int = 3
     # Whether an adaptive run's first plan is chosen with lookahead over the configured
     # length schedule (nereus_rl.start_plan; the trace's or the curriculum's length limit
-    # of every step) or is the planner's best at the first step's length (False: a run
-    # that does not know how its responses will grow; bench_e2e's adaptive_blind).
+    # of every step) or over the first step's length only (False: a run that does not
+    # know how its responses will grow; bench_e2e's adaptive_blind).
     start_lookahead: bool = True
     # Where the workers hold their stages: "cpu" (host memory, gloo) or "cuda" (one GPU
     # per worker, NCCL for the models' collectives; see nereus_rl.trainer_worker).

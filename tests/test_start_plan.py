@@ -152,9 +152,15 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
     )
     # a fixed run (adapt=False) cannot move: it keeps the planner's best
     assert _trainer(tmp_path, adapt=False).first_plan == best
-    # and an adaptive run told not to read its schedule starts there too, with no row
+    # an adaptive run told not to read its schedule chooses by the same rules over the
+    # first step's length only: a plan that fits it, not one that holds the trace
     blind = _trainer(tmp_path, adapt=True, start_lookahead=False)
-    assert blind.first_plan == best and blind.adapter.start_row is None
+    ad = blind.adapter
+    assert _peak(ad, blind.first_plan, TRACE[0]) <= ad.budget
+    assert max(_peak(ad, blind.first_plan, n) for n in TRACE) > ad.budget
+    assert ad.start_row["lookahead_horizon"] == 1
+    assert "start: the first step's length only" in ad.start_row["trigger"]
+    assert "lookahead over 1 steps at lengths [8]" in ad.start_row["reason"]
 
 
 def test_no_budget_keeps_the_auto_budgets_sized_plan(tmp_path):
