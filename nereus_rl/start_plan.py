@@ -54,12 +54,19 @@ from nereus_rl.workload import bucket_of
 
 
 def start_lengths(adapter) -> list[int]:
-    """The run's configured response length of every step (bucketed), step 0 first;
-    only step 0's when ``start_lookahead`` is off (a run that does not read its
-    schedule: the same choice, near-tie rules included, over what step 0 asks)."""
+    """The lengths the start plan is chosen over (bucketed), step 0 first, as
+    ``TrainConfig.start_lengths`` says: the run's configured length of every step
+    (``"schedule"``); step 0's, then the schedule's longest at every later step
+    (``"cap"``: a run that knows its response cap, not how its responses will grow);
+    or step 0's only (``"first"``). The same choice, near-tie rules included, runs
+    over whichever it is."""
     tr, cfg = adapter.trainer, adapter.cfg
-    steps = cfg.steps if cfg.start_lookahead else 1
-    return [bucket_of(tr._response_len(s), cfg.buckets) for s in range(steps)]
+    every = [bucket_of(tr._response_len(s), cfg.buckets) for s in range(cfg.steps)]
+    if cfg.start_lengths == "first":
+        return every[:1]
+    if cfg.start_lengths == "cap":
+        return every[:1] + [max(every)] * (len(every) - 1)
+    return every
 
 
 def start_candidates(adapter, ranked: list[GlobalPlan], lengths: list[int]) -> list[GlobalPlan]:
@@ -93,11 +100,11 @@ def choose_start_plan(adapter, ranked: list[GlobalPlan]) -> tuple[GlobalPlan, di
     row: dict[str, Any] = {
         "step": -1,  # decided before step 0
         "signal": "start_plan",
-        "trigger": (
-            f"start: the configured lengths of {len(lengths)} steps"
-            if adapter.cfg.start_lookahead
-            else "start: the first step's length only (start_lookahead off)"
-        ),
+        "trigger": {
+            "schedule": f"start: the configured lengths of {len(lengths)} steps",
+            "cap": f"start: the first step's length, then the longest ({len(lengths)} steps)",
+            "first": "start: the first step's length only",
+        }[adapter.cfg.start_lengths],
         "urgent": False,
         "path": "start",
         "taken": False,  # not a transition: the run starts on the plan

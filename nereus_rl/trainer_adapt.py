@@ -437,7 +437,7 @@ class Adapter:
         one, or the GlobalPlan given as ``plan``. An adaptive run's planner's plan is
         chosen among the k-best at ``rlen`` with lookahead over the run's configured
         lengths (:mod:`nereus_rl.start_plan`; its decision row is logged at the first
-        boundary; with ``start_lookahead`` off, over the first step's length only),
+        boundary; ``start_lengths`` says which lengths it looks over),
         unless the automatic budget was sized on a plan (``_auto_budget``)."""
         from nereus_rl.trainer import simple_plan
 

@@ -13,6 +13,7 @@ from nereus_rl.tasks import LengthTrace, get_task
 ALGOS = ("grpo", "ppo", "remax")
 MODES = ("sync", "async")
 DEVICE_KINDS = ("cpu", "cuda")
+START_LENGTHS = ("schedule", "cap", "first")
 
 
 class TrainConfigError(ValueError):
@@ -62,11 +63,12 @@ class TrainConfig:
     # plan decision (nereus_rl.trainer_calibrate); 0 turns the calibration off. It runs
     # only where the planner decides something (adapt, or plan="auto").
     calibration_probes: int = 3
-    # Whether an adaptive run's first plan is chosen with lookahead over the configured
-    # length schedule (nereus_rl.start_plan; the trace's or the curriculum's length limit
-    # of every step) or over the first step's length only (False: a run that does not
-    # know how its responses will grow; bench_e2e's adaptive_blind).
-    start_lookahead: bool = True
+    # What an adaptive run's start plan is chosen over (nereus_rl.start_plan): "schedule",
+    # the configured length limit of every step (the trace's or the curriculum's); "cap",
+    # the first step's length and then the schedule's longest at every later step (what
+    # a run that knows only its response cap can assume, as a startup configuration
+    # does); "first", the first step's length only. bench_e2e: adaptive_cap, _blind.
+    start_lengths: str = "schedule"
     # Where the workers hold their stages: "cpu" (host memory, gloo) or "cuda" (one GPU
     # per worker, NCCL for the models' collectives; see nereus_rl.trainer_worker).
     device: str = "cpu"
@@ -150,6 +152,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             f"calibration_probes={cfg.calibration_probes!r} must be an int >= 0 "
             "(0 turns the startup calibration off)"
+        )
+    if cfg.start_lengths not in START_LENGTHS:
+        raise TrainConfigError(
+            f"unknown start_lengths {cfg.start_lengths!r}; use 'schedule' (every step's "
+            "configured length), 'cap' (the first, then the longest) or 'first'"
         )
     if cfg.device not in DEVICE_KINDS:
         raise TrainConfigError(

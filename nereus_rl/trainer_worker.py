@@ -145,11 +145,11 @@ def init_world(
     return rank
 
 
+_CPU = torch.device("cpu")
+
+
 def _device(rl: dict[str, Any]) -> torch.device:
     return rl.get("device", _CPU)
-
-
-_CPU = torch.device("cpu")
 
 
 def _on_device(x: Any, device: torch.device) -> Any:

@@ -12,7 +12,7 @@ from test_lookahead import TableCM, move
 from nereus_rl.lookahead import LookaheadError, choose, choose_start
 from nereus_rl.start_plan import start_candidates, start_lengths
 from nereus_rl.trainer import Trainer
-from nereus_rl.trainer_config import NotEnoughDevicesError, TrainConfig
+from nereus_rl.trainer_config import NotEnoughDevicesError, TrainConfig, TrainConfigError
 
 # bench_e2e --quick's trace (rise 6 -> 20, hold, fall) and its GRPO startup budget
 TRACE = [6, 9, 12, 16, 20, 20, 20, 20, 17, 13]
@@ -154,13 +154,19 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
     assert _trainer(tmp_path, adapt=False).first_plan == best
     # an adaptive run told not to read its schedule chooses by the same rules over the
     # first step's length only: a plan that fits it, not one that holds the trace
-    blind = _trainer(tmp_path, adapt=True, start_lookahead=False)
+    blind = _trainer(tmp_path, adapt=True, start_lengths="first")
     ad = blind.adapter
     assert _peak(ad, blind.first_plan, TRACE[0]) <= ad.budget
     assert max(_peak(ad, blind.first_plan, n) for n in TRACE) > ad.budget
     assert ad.start_row["lookahead_horizon"] == 1
     assert "start: the first step's length only" in ad.start_row["trigger"]
     assert "lookahead over 1 steps at lengths [8]" in ad.start_row["reason"]
+    # knowing the cap, it looks over the first length and then the longest at every step
+    cap = _trainer(tmp_path, adapt=True, start_lengths="cap").adapter.start_row
+    assert "lookahead over 10 steps at lengths [8, 24 x9]" in cap["reason"]
+    assert "then the longest (10 steps)" in cap["trigger"]
+    with pytest.raises(TrainConfigError, match="unknown start_lengths 'all'"):
+        _trainer(tmp_path, adapt=True, start_lengths="all")
 
 
 def test_no_budget_keeps_the_auto_budgets_sized_plan(tmp_path):
