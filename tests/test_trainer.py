@@ -228,6 +228,32 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
     assert adaptive.metrics[-1]["boundary_s"] == 0.0 == adaptive.metrics[-1]["decision_s"]
 
 
+def test_staged_state_moves_keep_an_adaptive_run_on_the_static_path(driver):
+    # A GPU worker reads its shards for every state move as host copies and gets the
+    # driver's tensors as device copies (trainer_worker._host, _on_device). Making them
+    # copy on these CPU workers too runs that data flow here: an adaptive run, its
+    # transitions and weight syncs included, must still match the static run. (Two
+    # adaptive runs need not take the same moves: the efficiency signal is measured.)
+    common = dict(algo="grpo", steps=4, seed=3, driver=driver, length_start=6, length_end=14)
+    static = train(adapt=False, **PINNED, **common, **FAST)
+    driver.import_module("tests.worker_staging")
+    try:
+        driver.call(driver.workers, "staging.copy", True)
+        staged = train(adapt=True, **PINNED, **common, **FAST)
+    finally:
+        copies = driver.call(driver.workers, "staging.copy", False)
+    _finite(staged)
+    assert staged.num_transitions >= 1 and staged.num_fallbacks == 0, staged.decisions
+    assert all(c["host"] > 0 and c["device"] > 0 for c in copies.values()), copies
+    assert len({repr(p) for _, p in staged.plans}) >= 2
+    # the same samples and rewards; losses and KL equal up to fp32 reduction order
+    assert staged.rewards == static.rewards
+    for key, rtol in (("loss", 1e-4), ("kl", 1e-3)):
+        a = torch.tensor([m[key] for m in staged.metrics])
+        s = torch.tensor([m[key] for m in static.metrics])
+        torch.testing.assert_close(a, s, rtol=rtol, atol=1e-5)
+
+
 def test_state_lives_in_units_and_unmapped_kinds_fall_back(driver):
     # No primitive kind run live: every changed stage moves by the per-stage reshard
     # fallback (which kinds a transition needs depends on the cost model's choice, so
