@@ -509,6 +509,15 @@ class NcclTransport(Transport):
             self.lib.comm_abort(self.comm)
             self.comm = 0
 
+    def abort(self) -> None:
+        """Abort the communicator (if this transport created it) without waiting on peers.
+
+        For a group that lost a member: ``close`` (ncclCommDestroy) may wait on work
+        a dead peer never finishes, ncclCommAbort does not. The transport is unusable
+        after.
+        """
+        self._abort_comm()
+
     def close(self) -> None:
         """Destroy the communicator (if this transport created it)."""
         if self._owns_comm and self.comm and self._broken is None:

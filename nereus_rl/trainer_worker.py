@@ -12,12 +12,17 @@ data parallel collectives go over NCCL). The CPU run is the ``device="cpu"`` cas
 of the same code: every command moves what the driver sends onto the worker's
 device (:func:`_on_device`) and what it returns back to host memory.
 
-State moves (the weight sync, a transition's reshards and EMU primitives) go
-over gloo from host memory: on a GPU worker they are staged through a host copy
-of the shards (:func:`_host`), and the received shards are copied onto the device
-as they are loaded (:func:`_load_state`). Moving them device to device over
-:class:`~nereus_comm.transport.NcclTransport` instead is the next step; the bytes
-are the same either way.
+State moves come in two kinds. ``rl.move`` (the per-step weight sync, and the
+fallback reshard of a whole stage) goes over the worker's *move transport*
+(:func:`_move_transport`): :class:`~nereus_comm.transport.GlooTransport` on the
+default group on CPU, and on GPU an
+:class:`~nereus_comm.transport.NcclTransport` (NCCL loaded from its wheel) over
+all the job's workers, built collectively at the first move after each
+``rl.init``, so the shards go device to device with no host copy. EMU primitives
+move their units' host memory over the runtime's gloo groups (the units live in
+the host arenas of :mod:`nereus_rl.emu_worker`): on a GPU worker a unit reads a
+host copy of the shards (:func:`_host`), and ``_load_state`` copies what a new
+unit received onto the device. The bytes are the same either way.
 
 The stage's state on this rank is also the shard of an EMU unit
 (:mod:`nereus_rl.emu_worker`): the driver adopts each unit with the state owner
@@ -54,7 +59,7 @@ import torch.nn.functional as F
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import reshard
-from nereus_comm.transport import GlooTransport
+from nereus_comm.transport import GlooTransport, NcclTransport, Transport
 from nereus_rl.algos.common import clipped_policy_loss, masked_sum
 from nereus_rl.algos.grpo import grpo_loss
 from nereus_rl.algos.ppo import value_loss
@@ -123,6 +128,13 @@ def init_world(
     if timeout is None:
         timeout = ctx.group_timeout
     dev = worker_device(device, rank)  # before leaving a group: a bad kind changes nothing
+    if dev.type == "cuda":
+        # The moves' NcclTransport loads NCCL from its wheel: a missing library is
+        # reported here, at start, not at the first weight sync.
+        from nereus_comm.nccl import load_nccl
+
+        load_nccl()
+    _drop_move_transport(_rl(ctx))
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.PrefixStore(prefix, ctx.store)
@@ -141,6 +153,7 @@ def init_world(
     _rl(ctx)["rank"] = rank
     _rl(ctx)["timeout"] = timeout
     _rl(ctx)["device"] = dev
+    _rl(ctx)["world"] = (store, world_size)
     _warm_optimizer()
     return rank
 
@@ -168,6 +181,40 @@ def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Shards in host memory, for gloo: the tensors themselves when they are there (a
     CPU run moves and reads the live shards, no copy), else host copies."""
     return {k: v.cpu() for k, v in state.items()}
+
+
+def _move_transport(rl: dict[str, Any]) -> Transport:
+    """The transport ``rl.move`` reshards over, for the worker's device.
+
+    CPU: gloo on the default group (a new object per move costs nothing; the group is
+    the connection). GPU: one :class:`NcclTransport` over every worker of the world,
+    created at the first move after ``rl.init`` (every move is collective over all
+    workers, so all of them create it together) and kept until the next ``rl.init``.
+    A transport that broke (a peer timed out) is not rebuilt here: the peers would not
+    rebuild theirs at the same moment; the run's recovery calls ``rl.init`` instead.
+    """
+    dev = _device(rl)
+    if dev.type == "cpu":
+        return GlooTransport()
+    t = rl.get("nccl_move")
+    if t is None:
+        store, world_size = rl["world"]
+        # The store carries this init's fresh prefix, so the key is unique per world.
+        t = rl["nccl_move"] = NcclTransport(
+            store, rl["rank"], range(world_size), dev, key="nereus_rl/move",
+            init_timeout=rl["timeout"],
+        )  # fmt: skip
+    return t
+
+
+def _drop_move_transport(rl: dict[str, Any]) -> None:
+    """Abort the GPU move transport of the last world (``rl.init`` builds a new one).
+
+    Abort, not destroy: when a worker died, a destroy could wait on it.
+    """
+    t = rl.pop("nccl_move", None)
+    if t is not None:
+        t.abort()
 
 
 _OPTIMIZER_WARM = False
@@ -276,7 +323,8 @@ def _state_of(entry: dict[str, Any] | None) -> dict[str, torch.Tensor]:
                 out[f"{k}.{name}"] = st[k] if k in st else torch.zeros_like(p)
             if "step" in st:
                 step = float(st["step"])
-        out["adam_step"] = torch.tensor([step])
+        # beside the moments, so a device-to-device move has every shard on the device
+        out["adam_step"] = torch.tensor([step], device=next(model.parameters()).device)
     return out
 
 
@@ -297,7 +345,8 @@ def _load_state(entry: dict[str, Any], state: dict[str, torch.Tensor], hp: dict[
             for name, p in params.items():
                 opt.state[p] = {
                     "step": torch.tensor(step),
-                    # a copy on the parameter's device (received shards are in host memory)
+                    # a copy on the parameter's device: a unit's shards are in host memory, and
+                    # an arena block is not the optimizer's to keep
                     **{k: state[f"{k}.{name}"].to(p.device, copy=True) for k in ADAM_KEYS},
                 }
         entry["opt"] = opt
@@ -410,16 +459,19 @@ def move(
     config = rl["config"]
     critic = src_desc["model"] == "critic"
     specs = tensor_specs(config, critic, with_adam=not params_only)
+    transport = _move_transport(rl)
     src_entry = rl["stages"].get(src_desc["stage"])
     src_state: dict[str, torch.Tensor] = {}
     if src_entry is not None and rl["rank"] in _layout(src_desc, config.num_layers):
-        src_state = _host(_state_of(src_entry))
+        src_state = _state_of(src_entry)
+        if transport.device_type == "cpu":
+            src_state = _host(src_state)  # no copy on a CPU worker
         if params_only:
             src_state = {s.name: src_state[s.name] for s in specs if s.name in src_state}
     new_model = _build_model(dst_desc, rl) if replace else None
     t0 = time.perf_counter()
     plan = _plan(specs, _layout(src_desc, config.num_layers), _layout(dst_desc, config.num_layers))
-    result = reshard(plan, rl["rank"], src_state, GlooTransport(), timeout=timeout)
+    result = reshard(plan, rl["rank"], src_state, transport, timeout=timeout)
     if result.tensors:
         if replace:
             entry = {"model": new_model, "desc": dst_desc, "trains": dst_desc["trains"]}

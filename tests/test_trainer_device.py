@@ -3,20 +3,30 @@
 The CPU run is the ``device="cpu"`` case of the GPU code (nereus_rl.trainer_worker):
 these tests check the option's bad input before any process starts, how a worker
 picks its GPU, that the CPU path neither copies nor stages (so the EMU units read
-the live shards), and, where a GPU exists, a short run on it.
+the live shards), which transport ``rl.move`` reshards over (gloo on CPU, one NCCL
+communicator per world on GPU), and, where a GPU exists, a short run on it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import pytest
 import torch
 
+from nereus_rl import trainer_worker
 from nereus_rl.cli import main
 from nereus_rl.trainer import NotEnoughDevicesError, TrainConfig, TrainConfigError, train
 from nereus_rl.trainer_config import check_local_devices
-from nereus_rl.trainer_worker import _CPU, _host, _on_device, worker_device
+from nereus_rl.trainer_worker import (
+    _CPU,
+    _drop_move_transport,
+    _host,
+    _move_transport,
+    _on_device,
+    worker_device,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -75,8 +85,51 @@ def test_the_cpu_path_neither_copies_nor_stages():
     assert _host({"w": t})["w"] is t
 
 
+class _RecordedNccl:
+    """Stands in for NcclTransport (which needs a GPU) to test when the worker builds,
+    keeps and aborts its move transport; the transport itself is tested on a GPU."""
+
+    device_type = "cuda"
+    made: ClassVar[list] = []
+
+    def __init__(self, store, rank, ranks, device, *, key, init_timeout):
+        self.args = (store, rank, tuple(ranks), device, key, init_timeout)
+        self.aborted = False
+        _RecordedNccl.made.append(self)
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_a_gpu_worker_moves_over_one_nccl_transport_per_world(monkeypatch):
+    monkeypatch.setattr(trainer_worker, "NcclTransport", _RecordedNccl)
+    _RecordedNccl.made = []
+    gpu = torch.device("cuda", 1)
+    rl = {"device": gpu, "rank": 2, "world": ("store", 3), "timeout": 7.0}
+    first = _move_transport(rl)
+    assert first.args == ("store", 2, (0, 1, 2), gpu, "nereus_rl/move", 7.0)
+    assert _move_transport(rl) is first  # built once, at the first move of the world
+    _drop_move_transport(rl)  # what rl.init does before it joins the next world
+    assert first.aborted and "nccl_move" not in rl
+    rl["world"] = ("store2", 2)
+    second = _move_transport(rl)
+    assert second is not first and second.args[:3] == ("store2", 2, (0, 1))
+    _drop_move_transport({})  # a CPU worker (or a first init) has none: nothing to do
+
+
+def test_a_cpu_worker_moves_over_gloo(monkeypatch):
+    monkeypatch.setattr(trainer_worker, "NcclTransport", _RecordedNccl)
+    monkeypatch.setattr(trainer_worker, "GlooTransport", lambda: "gloo on the default group")
+    _RecordedNccl.made = []
+    rl = {"device": _CPU, "rank": 0, "world": ("store", 2), "timeout": 7.0}
+    assert _move_transport(rl) == "gloo on the default group"
+    assert _RecordedNccl.made == [] and "nccl_move" not in rl
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 def test_a_short_run_on_the_gpu():
+    # rl.move's weight sync goes over NcclTransport here: it refuses host tensors and
+    # gloo refuses device ones, so finishing the run means the device path ran.
     res = train(devices=1, steps=2, device="cuda", warm_steps=30, batch=4, group_size=2)
     assert res.error is None, res.error
     assert len(res.metrics) == 2
