@@ -131,6 +131,8 @@ ADAPTIVE_VARIANTS: dict[str, dict] = {
     "adaptive_cap": {"start_lengths": "cap"},
     "adaptive_blind": {"start_lengths": "first"},
 }
+# The variants the goals need (the rest measure what the start plan's knowledge is worth)
+GOAL_VARIANTS = ("adaptive", "replan_always")
 # Enumerated fixed plans --quick runs (the best by predicted mean latency over the trace):
 # each adds ~8 s (three repeats of 10 steps) on an idle machine; two keep a setting near
 # 100 s idle with three repeats of all 10 variants.
@@ -218,6 +220,7 @@ def run_setting(
     budget_rule="startup",
     fixed_top=None,
     confirm=CONFIRM_ROUNDS,
+    start_variants=True,
 ):
     """Every variant of one (algo, mode) setting, ``repeats`` interleaved rounds.
 
@@ -233,6 +236,8 @@ def run_setting(
     bench used before the startup calibration existed). ``fixed_top``: how many
     enumerated fixed plans to run (None: all). ``confirm``: held-out rounds of adaptive
     against the selected best fixed plan after the repeats (``e2e_confirm``; 0: none).
+    ``start_variants``: run adaptive_cap and adaptive_blind too (False: only the
+    variants the goals need, so the same time buys more confirmation rounds).
 
     Returns the rows (one per variant, best_fixed: the selection, then adaptive_confirmed
     and best_fixed_confirmed) and the setting's info (budget, whether memory constrains
@@ -243,6 +248,7 @@ def run_setting(
     # priced tp 2 layouts it never ran too well), so they are the same baselines as
     # before, not weaker ones.
     load0, t0 = os.getloadavg()[0], time.perf_counter()
+    adaptive_variants = [v for v in ADAPTIVE_VARIANTS if start_variants or v in GOAL_VARIANTS]
     trace = LengthTrace.from_file(common["trace"])
     lengths = [int(trace.response_len(i)) for i in range(common["steps"])]
     probe, chooser, note = _choose_budget(driver, algo, mode, common, budget_rule, max_len, lengths)
@@ -296,8 +302,8 @@ def run_setting(
     # visits other layouts), and what they paid is reported.
     train(adapt=False, plan=plans["planner_fixed"][0], **{**kw, "steps": 2})
     warm_trans = {}
-    for v, extra in ADAPTIVE_VARIANTS.items():
-        warm = train(adapt=True, **extra, **kw)
+    for v in adaptive_variants:
+        warm = train(adapt=True, **ADAPTIVE_VARIANTS[v], **kw)
         warm_trans[v] = [d["measured_transition_s"] for d in warm.decisions if d.get("taken")]
         if v == "adaptive":
             # adaptive's start is chosen after its startup calibration (measured on
@@ -311,7 +317,7 @@ def run_setting(
     for i, (pred, p) in enumerate(picked):
         plans[f"enum{i:02d}"] = (p, True)
         print(f"  enum{i:02d} predicted {pred:.3f} s/step: {p!r}")
-    variants = list(ADAPTIVE_VARIANTS) + [v for f in FIXED for v in (f, f + "_max")]
+    variants = adaptive_variants + [v for f in FIXED for v in (f, f + "_max")]
     variants += [v for v in plans if v.startswith("enum")]
     runs = {v: [] for v in variants}
     starts: list[float] = []
@@ -357,7 +363,7 @@ def run_setting(
     # goal is scored on fresh, held-out rounds of adaptive against the selected plan
     t_confirm = time.perf_counter()
     # the start-knowledge variants run in the same held-out rounds (not goals)
-    extra = tuple(v for v in ADAPTIVE_VARIANTS if v not in ("adaptive", "replan_always"))
+    extra = tuple(v for v in adaptive_variants if v not in GOAL_VARIANTS)
     picked = {"adaptive": "adaptive", "fixed": best["variant"], **{v: v for v in extra}}
     rows += confirm_best_fixed(rows[-1], confirm, lambda w: _run_row(run(picked[w])), extra=extra)
     t_confirm = time.perf_counter() - t_confirm
@@ -436,6 +442,12 @@ def main(argv=None) -> int:
         help="held-out rounds of adaptive vs the selected best fixed plan, on which the "
         f"best_fixed goal is scored (default {CONFIRM_ROUNDS}, also --quick; 0: none)",
     )
+    ap.add_argument(
+        "--skip-start-variants",
+        action="store_true",
+        help="run only the adaptive variants the goals need (adaptive, replan_always), not "
+        "adaptive_cap and adaptive_blind: the same time then buys more --confirm rounds",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
     if args.confirm < 0:
@@ -454,7 +466,8 @@ def main(argv=None) -> int:
     lt = LengthTrace.from_file(trace)
     max_len = max(lt.response_len(i) for i in range(steps))
     common.update(steps=steps, trace=trace)
-    opts = (args.budget_rule, fixed_top, args.confirm)  # run_setting's, per setting
+    # run_setting's, per setting
+    opts = (args.budget_rule, fixed_top, args.confirm, not args.skip_start_variants)
     load_start = os.getloadavg()
     t0 = time.perf_counter()
     driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
@@ -535,6 +548,7 @@ def main(argv=None) -> int:
             "budget_rule": args.budget_rule,
             "repeats": repeats,
             "confirm_rounds": args.confirm,
+            "start_variants": not args.skip_start_variants,
             "settings": infos,
             "loadavg_start": load_start,
             "loadavg_end": load_end,
