@@ -490,24 +490,18 @@ class NcclTransport(Transport):
         while not done.query():
             code = self.lib.comm_get_async_error(self.comm)
             if code not in (0, NCCL_IN_PROGRESS):
-                self._abort_comm()
+                self.abort()
                 raise TransportError(
                     f"rank {self.rank}: NCCL reported {self.lib.error_string(code)} during an "
                     f"exchange with peers {_peer_list(peers)}"
                 )
             if time.monotonic() > deadline:
-                self._abort_comm()
+                self.abort()
                 raise PeerTimeoutError(
                     f"rank {self.rank}: transfers with peers {_peer_list(peers)} did not finish "
                     f"within {timeout:g} s; the communicator was aborted"
                 )
             time.sleep(0.0002)
-
-    def _abort_comm(self) -> None:
-        self._break("communicator aborted")
-        if self._owns_comm and self.comm:
-            self.lib.comm_abort(self.comm)
-            self.comm = 0
 
     def abort(self) -> None:
         """Abort the communicator (if this transport created it) without waiting on peers.
@@ -516,7 +510,10 @@ class NcclTransport(Transport):
         a dead peer never finishes, ncclCommAbort does not. The transport is unusable
         after.
         """
-        self._abort_comm()
+        self._break("communicator aborted")
+        if self._owns_comm and self.comm:
+            self.lib.comm_abort(self.comm)
+            self.comm = 0
 
     def close(self) -> None:
         """Destroy the communicator (if this transport created it)."""
