@@ -13,7 +13,7 @@ step's actual response-length bucket. All three policies share the controller
     every    replan on every trigger and move whenever the plan differs;
     payback  urgent path as static; on other triggers, move only when the saving per
              step x the controller's forecast of steps until the next crossing repays
-             the transition (nereus_rl.admission).
+             the transition (nereus_rl.policy.admission).
 
 Transition cost (a stand-in until the transition DAG predicts completion times): the
 sum over stages whose layout or devices change of one Extend's predicted cost
@@ -32,12 +32,12 @@ import math
 
 import numpy as np
 
-from nereus_rl.admission import Admission
-from nereus_rl.controller import Controller
-from nereus_rl.costmodel import CostModel, UnitLayout
-from nereus_rl.planner import Planner
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import bucket_of, make_workload
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import bucket_of, make_workload
+from nereus_rl.costmodel.costmodel import CostModel, UnitLayout
+from nereus_rl.planner.planner import Planner
+from nereus_rl.policy.admission import Admission
+from nereus_rl.policy.controller import Controller
 
 BUCKETS = (512, 1024, 2048, 4096, 8192)
 

@@ -2,7 +2,7 @@
 
 It measures what can run on the local CPU: one training step (forward + backward over
 all micro-batches, then one ``torch.optim.AdamW(foreach=False)`` step) of the project's
-model, ``nereus_rl.model.Decoder``, in the ``tiny`` and ``small`` presets, fp32, one
+model, ``nereus_rl.models.model.Decoder``, in the ``tiny`` and ``small`` presets, fp32, one
 thread per process. A "plan" is (preset,
 processes, micro-batch, sequence length); 8 sequences per step are split over the
 processes (data parallel, no gradient all-reduce: compute only). Process layouts:
@@ -92,9 +92,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nereus_rl.costmodel_work import CLASS_INDEX, stage_work
-from nereus_rl.spec import local_cpu_cluster, model_preset
-from nereus_rl.workload import StageWork
+from nereus_rl.core.spec import local_cpu_cluster, model_preset
+from nereus_rl.core.workload import StageWork
+from nereus_rl.costmodel.work import CLASS_INDEX, stage_work
 
 # The scoring and the measuring live beside this script (benchmarks/).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

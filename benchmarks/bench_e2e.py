@@ -9,7 +9,7 @@ on no recorded variant (a fixed plan pays those in its setup, outside its steps)
 the warm-up runs' transition times are printed:
 
     adaptive         starts on the plan chosen with lookahead over the trace's lengths
-                     (nereus_rl.start_plan), adaptation with payback admission
+                     (nereus_rl.policy.start_plan), adaptation with payback admission
     replan_always    adaptation that executes every candidate (replan on each trigger)
     adaptive_cap     adaptive whose start plan knows only the trace's first and longest
                      lengths, as the startup configurations do (start_lengths="cap":
@@ -118,10 +118,10 @@ from e2e_plans import (
 )
 from e2e_verdict import goal_verdicts, print_verdicts
 
-from nereus_rl.costmodel import CostModel
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.data.tasks import LengthTrace
 from nereus_rl.runtime import Driver
-from nereus_rl.tasks import LengthTrace
-from nereus_rl.trainer import TrainConfig, Trainer, train
+from nereus_rl.trainer.trainer import TrainConfig, Trainer, train
 
 FIXED = ("colocated", "disaggregated", "planner_fixed")
 # The adaptive variants and their train() options beside the bench's common ones

@@ -28,7 +28,7 @@ store).
 
 Destination memory (``--arena``, default ``prefault``): each worker reserves its
 memory budget when the EMU manager sets it up, before anything is timed, as a GPU
-worker reserves its device memory (:mod:`nereus_rl.emu_arena`; the budget is what
+worker reserves its device memory (:mod:`nereus_rl.emu.arena`; the budget is what
 the scenarios need at their peak, 1.7x one replica's state: a tp=1 unit beside the
 tp=2 one it splits from, and the padding that keeps huge pages). Every way's new
 layout is built in that memory by the same code (``emu_worker.carve_shards``): the
@@ -82,8 +82,8 @@ if ROOT not in sys.path:
 # so on the workers too: they import this module).
 from benchmarks.extend_baselines import STAGE, TensorStore  # noqa: E402
 from nereus_comm.layout import Layout  # noqa: E402
-from nereus_rl.emu import EMUManager  # noqa: E402
-from nereus_rl.emu_state import stage_state_specs  # noqa: E402
+from nereus_rl.emu.manager import EMUManager  # noqa: E402
+from nereus_rl.emu.state import stage_state_specs  # noqa: E402
 from nereus_rl.runtime import Driver  # noqa: E402
 
 # ------------------------------------------------------------------ driver side
@@ -280,10 +280,10 @@ def run(args) -> list[dict]:
 
 def run_concurrent(args) -> list[dict]:
     """Serial vs concurrent execution of one transition of two independent extends."""
-    from nereus_rl.emu_dag import live_impls
-    from nereus_rl.globalplan import GlobalPlan, StagePlan
-    from nereus_rl.transition_compile import compile_transition
-    from nereus_rl.transition_exec import execute_dag
+    from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+    from nereus_rl.emu.dag import live_impls
+    from nereus_rl.transition.compile import compile_transition
+    from nereus_rl.transition.execute import execute_dag
 
     # A small state (round trips dominate) and larger ones (copies dominate).
     sizes = [
@@ -367,10 +367,10 @@ def run_concurrent(args) -> list[dict]:
 def predicted_rows() -> list[dict]:
     """Cost-model Extend predictions for the 8B actor/critic units on H200 clusters."""
     try:
-        from nereus_rl.costmodel import CostModel, UnitLayout
-        from nereus_rl.spec import cluster_preset, model_preset
+        from nereus_rl.core.spec import cluster_preset, model_preset
+        from nereus_rl.costmodel.costmodel import CostModel, UnitLayout
     except ImportError:
-        print("(no nereus_rl.costmodel on this branch: no predicted rows)")
+        print("(no nereus_rl.costmodel.costmodel on this branch: no predicted rows)")
         return []
     model = model_preset("llama-3.1-8b")
     rows = []

@@ -43,12 +43,12 @@ import json
 import statistics
 import time
 
-from nereus_rl import planner_native
-from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import Planner
-from nereus_rl.planner_milp import solve_cpsat, solve_scip
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.baselines.planner_milp import solve_cpsat, solve_scip
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner import native as planner_native
+from nereus_rl.planner.planner import Planner
 
 REFINE_CPU_MS: list[float] = []  # CPU of each refinement made by _calls, in order
 

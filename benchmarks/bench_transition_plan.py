@@ -1,6 +1,6 @@
 """Transition-DAG planning time and completion time against an OR-Tools CP-SAT schedule.
 
-Planning runs the native compiler (``nereus_rl.transition_native``: plan diff,
+Planning runs the native compiler (``nereus_rl.transition.native``: plan diff,
 simulation, refinement and completion time in C++) unless a column says python
 (``compile_transition(native=False)``, the reference, which gives the same DAG). The
 native DAG's object fields (units, primitives, edges, order, funding, anchors, early
@@ -9,7 +9,7 @@ result on first access: the native ``plan_*`` times include everything that deci
 the DAG and its predicted completion time, not those Python objects;
 ``plan_materialized_cpu_ms`` adds building all of them.
 
-Table 1 (scale): the scaled rebalance of ``nereus_rl.transition_scenarios.scaled_scenario``
+Table 1 (scale): the scaled rebalance of ``nereus_rl.baselines.scenarios.scaled_scenario``
 at 32, 128, 512, 1,024 and 4,096 devices: the actor side takes an eighth of the
 devices from the critic side and rollout re-lays-out from tp2 to tp1 (in-place
 splits, extends onto the new devices, destroys that must come first). Columns:
@@ -23,7 +23,7 @@ splits, extends onto the new devices, destroys that must come first). Columns:
   plan_cpu_norefine_ms  CPU time with refine=False: the sequential simulation alone
                 (diff, safe order, funded resource edges), without the list-schedule
                 refinement; dag_norefine_makespan_s its completion time
-  cpsat_*       the CP-SAT interval/reservoir model (nereus_rl.transition_milp) of the same
+  cpsat_*       the CP-SAT interval/reservoir model (baselines.transition_milp) of the same
                 primitives and data edges, minimizing completion time: build and solve
                 seconds, status (OPTIMAL = proven; FEASIBLE = stopped at the time limit
                 without proof), makespan and proven bound
@@ -63,15 +63,7 @@ import random
 import statistics
 import time
 
-from nereus_rl.transition import (
-    Placement,
-    default_primitive_cost,
-    diff_plans,
-    predicted_completion_time,
-)
-from nereus_rl.transition_milp import schedule_cpsat
-from nereus_rl.transition_native import LAZY_FIELDS
-from nereus_rl.transition_scenarios import (
+from nereus_rl.baselines.scenarios import (
     SCALED_CAPACITY,
     TRANSITION_TYPES,
     compile_scenario,
@@ -79,6 +71,14 @@ from nereus_rl.transition_scenarios import (
     scaled_scenario,
     write_benchmark_json,
 )
+from nereus_rl.baselines.transition_milp import schedule_cpsat
+from nereus_rl.transition import (
+    Placement,
+    default_primitive_cost,
+    diff_plans,
+    predicted_completion_time,
+)
+from nereus_rl.transition.native import LAZY_FIELDS
 
 SCALES = (32, 128, 512, 1024, 4096)
 

@@ -2,7 +2,7 @@
 
 For each transition type (scale_up, scale_down, rebalance, tp_pp_change,
 device_loss) and each trial, a random current/target pair is drawn on a 12-device
-cluster shared by six model-stages (``nereus_rl.transition_scenarios``: random
+cluster shared by six model-stages (``nereus_rl.baselines.scenarios``: random
 device assignment; 40 GB devices, 8 GB per inference replica and 24 GB per training
 replica at tp1 pp1; the current plan fills at least half of its devices' memory on
 average, so stages share devices densely). Both methods
@@ -36,16 +36,16 @@ import statistics
 import threading
 import time
 
-from nereus_rl.transition import TransitionError
-from nereus_rl.transition_baseline import run_per_component
-from nereus_rl.transition_exec import execute_dag
-from nereus_rl.transition_scenarios import (
+from nereus_rl.baselines.migration import run_per_component
+from nereus_rl.baselines.scenarios import (
     SCENARIO_CAPACITY,
     TRANSITION_TYPES,
     draw_reachable,
     scenario_unit_memory,
     write_benchmark_json,
 )
+from nereus_rl.transition import TransitionError
+from nereus_rl.transition.execute import execute_dag
 
 NUM_DEVICES = 12
 MIN_FILL = 0.5  # current plans fill at least half of their devices' memory on average

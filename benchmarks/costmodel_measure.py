@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from nereus_rl.model import Decoder, get_preset
+from nereus_rl.models.model import Decoder, get_preset
 
 BATCH = 8
 MIN_REPS = 2  # timed repetitions of a plan per round, at least

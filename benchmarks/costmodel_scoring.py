@@ -24,9 +24,9 @@ import math
 
 import numpy as np
 
-from nereus_rl.costmodel import CostModel
-from nereus_rl.costmodel_work import CLASS_INDEX
-from nereus_rl.spec import local_cpu_cluster
+from nereus_rl.core.spec import local_cpu_cluster
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.costmodel.work import CLASS_INDEX
 
 EFF_CLASSES = ("gemm", "attention", "mem", "elementwise", "launch", "interference", "contention")
 

@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from nereus_rl import trainer as trainer_mod
-from nereus_rl import trainer_adapt
+import nereus_rl.trainer.trainer as trainer_mod
 from nereus_rl.runtime import Driver
-from nereus_rl.trainer import train
+from nereus_rl.trainer.adapt import adapter as trainer_adapt
+from nereus_rl.trainer.trainer import train
 
 _TCK = os.sysconf("SC_CLK_TCK")
 

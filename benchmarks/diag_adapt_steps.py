@@ -30,7 +30,7 @@ from pathlib import Path
 from bench_e2e import enumerate_fixed, write_trace
 
 from nereus_rl.runtime import Driver
-from nereus_rl.trainer import TrainConfig, Trainer, train
+from nereus_rl.trainer.trainer import TrainConfig, Trainer, train
 
 
 def _rows(res) -> list[dict]:

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from nereus_rl.model import Decoder, get_preset
+from nereus_rl.models.model import Decoder, get_preset
 
 BATCH = 8
 

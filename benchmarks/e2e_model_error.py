@@ -31,9 +31,9 @@ def measured_phases(m: dict[str, Any]) -> dict[str, float]:
 
 def predicted_phases(cm, plan, workloads: list, overhead=None, shapes=None) -> dict[str, float]:
     """The model's mean predicted seconds per phase and in total over ``workloads``;
-    with ``overhead`` (a fitted :class:`~nereus_rl.step_overhead.StepOverhead`) the
+    with ``overhead`` (a fitted :class:`~nereus_rl.costmodel.step_overhead.StepOverhead`) the
     total includes its measured unpriced rest for the plan (``ovh``); with ``shapes``
-    (a :class:`~nereus_rl.shape_correction.ShapeCorrection`) measured stage shapes are
+    (a :class:`~nereus_rl.costmodel.shape_correction.ShapeCorrection`) measured stage shapes are
     priced at their measured ratio, as the run's decisions price them."""
     ovh = 0.0 if overhead is None else overhead.predict(plan)
     # an async step's rest is on its chain of stages, where the rollout may hide it

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.trainer_config import stage_names
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.trainer.config import stage_names
 
 # The planner's k for the enumeration: larger than the Pareto-pruned plan space at a few
 # devices (grpo / ppo / remax on 4 workers: 77 / 55 / 32 plans), so k-best is all of it.

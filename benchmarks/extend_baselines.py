@@ -17,9 +17,9 @@ from multiprocessing.connection import Client, Listener
 import torch
 
 from nereus_comm.layout import Layout
-from nereus_rl.emu_comm import box_slices
-from nereus_rl.emu_state import synthetic
-from nereus_rl.emu_worker import carve_shards, release
+from nereus_rl.emu.comm import box_slices
+from nereus_rl.emu.state import synthetic
+from nereus_rl.emu.worker import carve_shards, release
 from nereus_rl.runtime.context import WorkerContext, register
 
 STAGE = "actor"

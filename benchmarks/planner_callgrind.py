@@ -18,10 +18,10 @@ shim script into its child.
 import ctypes
 import sys
 
-from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import Planner
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner.planner import Planner
 
 # bench_planner.SIGNALS[:6]: (response bucket, devices lost, refine before the call)
 SIGNALS = [

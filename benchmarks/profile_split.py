@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from nereus_rl.emu import EMUManager  # noqa: E402
-from nereus_rl.emu_state import stage_state_specs  # noqa: E402
+from nereus_rl.emu.manager import EMUManager  # noqa: E402
+from nereus_rl.emu.state import stage_state_specs  # noqa: E402
 from nereus_rl.runtime import Driver  # noqa: E402
 from nereus_rl.runtime.context import WorkerContext, register  # noqa: E402
 

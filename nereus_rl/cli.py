@@ -42,10 +42,10 @@ def _progress_bar(total: int):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from nereus_rl.report import summary_table
     from nereus_rl.runtime import Driver
-    from nereus_rl.trainer import TrainConfig, TrainConfigError, train
-    from nereus_rl.trainer_config import check_local_devices
+    from nereus_rl.trainer.config import check_local_devices
+    from nereus_rl.trainer.report import summary_table
+    from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, train
 
     options = dict(QUICK) if args.quick else {}
     for name in ("steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device"):

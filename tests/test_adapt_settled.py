@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nereus_rl.controller import Trigger
-from nereus_rl.trainer import Trainer
-from nereus_rl.trainer_adapt import SETTLED_STEPS
-from nereus_rl.trainer_config import TrainConfig
+from nereus_rl.policy.controller import Trigger
+from nereus_rl.trainer.adapt.adapter import SETTLED_STEPS
+from nereus_rl.trainer.config import TrainConfig
+from nereus_rl.trainer.trainer import Trainer
 
 TRACE = [6, 9, 12, 16, 20, 20, 20, 20, 17, 13]
 

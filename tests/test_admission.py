@@ -2,13 +2,13 @@
 
 import pytest
 
-from nereus_rl.admission import Admission, AdmissionError
-from nereus_rl.controller import Forecast
-from nereus_rl.costmodel import CostModel
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.planner import plan
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner.planner import plan
+from nereus_rl.policy.admission import Admission, AdmissionError
+from nereus_rl.policy.controller import Forecast
 
 
 def _sp(stage, model, trains, dp, tp, pp, start=0):

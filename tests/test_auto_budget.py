@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from nereus_rl.cli import QUICK
-from nereus_rl.trainer import Trainer
-from nereus_rl.trainer_config import TrainConfig
+from nereus_rl.trainer.config import TrainConfig
+from nereus_rl.trainer.trainer import Trainer
 
 
 @pytest.fixture()

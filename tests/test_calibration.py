@@ -2,7 +2,7 @@
 
 import pytest
 
-from nereus_rl.calibration import ModelTolerance, StepNoise, TransitionCalibration
+from nereus_rl.costmodel.calibration import ModelTolerance, StepNoise, TransitionCalibration
 
 
 def test_transition_calibration_is_the_recent_median_excess():

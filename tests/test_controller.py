@@ -1,6 +1,6 @@
 import pytest
 
-from nereus_rl.controller import Controller, LevelSignal, SignalError
+from nereus_rl.policy.controller import Controller, LevelSignal, SignalError
 
 
 def test_seq_len_hysteresis_and_trigger():

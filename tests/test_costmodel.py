@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import nereus_rl.costmodel_work as cw
-from nereus_rl.costmodel import DEFAULT_EFFICIENCY, CostModel, CostModelError, UnitLayout
-from nereus_rl.costmodel_work import CLASS_INDEX, NUM_CLASSES
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.model import Decoder, get_preset
-from nereus_rl.spec import cluster_preset, local_cpu_cluster, model_preset
-from nereus_rl.workload import StageWork, make_workload
+import nereus_rl.costmodel.work as cw
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.spec import cluster_preset, local_cpu_cluster, model_preset
+from nereus_rl.core.workload import StageWork, make_workload
+from nereus_rl.costmodel.costmodel import DEFAULT_EFFICIENCY, CostModel, CostModelError, UnitLayout
+from nereus_rl.costmodel.work import CLASS_INDEX, NUM_CLASSES
+from nereus_rl.models.model import Decoder, get_preset
 
 GIB = 2**30
 

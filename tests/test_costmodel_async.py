@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from nereus_rl.costmodel import CostModel, compose_step
-from nereus_rl.costmodel_async import overlapped_step, own_seconds, rollout_slack
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.spec import cluster_preset, local_cpu_cluster
-from nereus_rl.workload import make_workload
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.spec import cluster_preset, local_cpu_cluster
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel, compose_step
+from nereus_rl.costmodel.overlap import overlapped_step, own_seconds, rollout_slack
 
 GPU = cluster_preset("h200x32")
 CPU2 = local_cpu_cluster(4, workers_per_core=2.0)  # 4 workers on 2 cores
@@ -134,7 +134,7 @@ def test_the_cost_model_prices_the_overlap_only_when_the_rollout_runs_ahead():
 
 
 def test_the_shape_corrected_price_composes_the_overlap_once_and_the_same():
-    from nereus_rl.shape_correction import ShapeCorrection
+    from nereus_rl.costmodel.shape_correction import ShapeCorrection
 
     cm = CostModel(CPU2)
     plan = _plan([0], [1], [2, 3])

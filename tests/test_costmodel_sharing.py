@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-import nereus_rl.costmodel_work as cw
-from nereus_rl.costmodel import DEFAULT_EFFICIENCY, CostModel
-from nereus_rl.costmodel_work import CLASS_INDEX, stage_work
-from nereus_rl.spec import LocalCpuClusterSpec, cluster_preset, local_cpu_cluster, model_preset
-from nereus_rl.workload import StageWork
+import nereus_rl.costmodel.work as cw
+from nereus_rl.core.spec import LocalCpuClusterSpec, cluster_preset, local_cpu_cluster, model_preset
+from nereus_rl.core.workload import StageWork
+from nereus_rl.costmodel.costmodel import DEFAULT_EFFICIENCY, CostModel
+from nereus_rl.costmodel.work import CLASS_INDEX, stage_work
 
 COMPUTE = [CLASS_INDEX[c] for c in ("gemm", "attention", "mem", "elementwise", "launch")]
 INTERF = CLASS_INDEX["interference"]

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from nereus_rl import costmodel_vec
-from nereus_rl.costmodel_work import stage_memory, stage_work
-from nereus_rl.planner_tables import _layout_arrays, _layouts, _layouts_of
-from nereus_rl.spec import MODEL_PRESETS, cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.core.spec import MODEL_PRESETS, cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel import vec as costmodel_vec
+from nereus_rl.costmodel.work import stage_memory, stage_work
+from nereus_rl.planner.tables import _layout_arrays, _layouts, _layouts_of
 
 CLUSTERS = ("h200x8", "h200x32", "h100x256", "a100x1024", "h100x4096", "local-cpu")
 RESPONSE_LENS = (0, 1, 256, 1024, 4096)

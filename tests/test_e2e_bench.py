@@ -24,8 +24,8 @@ from e2e_plans import (
 )
 from e2e_verdict import T95, goal_verdicts, paired_range, verdict
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.trainer import TrainConfig, Trainer
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.trainer.trainer import TrainConfig, Trainer
 
 
 def _plan(rollout, ref, train):

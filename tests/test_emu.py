@@ -9,11 +9,11 @@ import torch
 
 from nereus_comm.plan import plan_reshard
 from nereus_comm.pool import CommPool
-from nereus_rl.costmodel import CostModel
-from nereus_rl.emu import DriverGroupBackend, EMUError, EMUManager
-from nereus_rl.emu_state import stage_state_specs, synthetic, with_training_state
+from nereus_rl.core.spec import local_cpu_cluster
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.emu.manager import DriverGroupBackend, EMUError, EMUManager
+from nereus_rl.emu.state import stage_state_specs, synthetic, with_training_state
 from nereus_rl.runtime import Driver
-from nereus_rl.spec import local_cpu_cluster
 
 
 @pytest.fixture(scope="module")

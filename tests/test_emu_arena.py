@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from nereus_rl.emu import ArenaExhaustedError, EMUManager
-from nereus_rl.emu_arena import Arena, arena_config, parse_bytes
-from nereus_rl.emu_state import stage_state_specs
+from nereus_rl.emu.arena import Arena, arena_config, parse_bytes
+from nereus_rl.emu.manager import ArenaExhaustedError, EMUManager
+from nereus_rl.emu.state import stage_state_specs
 from nereus_rl.runtime import Driver
 
 SHAPES = {

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_rl.emu import EMUManager
-from nereus_rl.emu_dag import live_impls
-from nereus_rl.emu_state import stage_state_specs
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.emu.dag import live_impls
+from nereus_rl.emu.manager import EMUManager
+from nereus_rl.emu.state import stage_state_specs
 from nereus_rl.runtime import Driver
-from nereus_rl.transition_compile import compile_transition
-from nereus_rl.transition_exec import execute_dag
+from nereus_rl.transition.compile import compile_transition
+from nereus_rl.transition.execute import execute_dag
 
 # Big enough that one extend takes tens of milliseconds even on an idle machine.
 SPECS = stage_state_specs(4, hidden=192, ffn=768, vocab=512)

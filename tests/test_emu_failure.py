@@ -10,8 +10,8 @@ import pytest
 import torch
 from joiner import reap, start_joiner
 
-from nereus_rl.emu import EMUError, EMUManager, EMUStateLostError
-from nereus_rl.emu_state import stage_state_specs
+from nereus_rl.emu.manager import EMUError, EMUManager, EMUStateLostError
+from nereus_rl.emu.state import stage_state_specs
 from nereus_rl.runtime import Driver, WorkerLostError
 
 

@@ -12,11 +12,11 @@ import torch
 
 from nereus_comm import _C
 from nereus_comm.remap import move_ranges
-from nereus_rl import emu_worker
-from nereus_rl.emu import EMUManager
-from nereus_rl.emu_arena import HUGE_PAGE, Arena, _layout
-from nereus_rl.emu_comm import Layout
-from nereus_rl.emu_state import stage_state_specs, synthetic
+from nereus_rl.emu import worker as emu_worker
+from nereus_rl.emu.arena import HUGE_PAGE, Arena, _layout
+from nereus_rl.emu.comm import Layout
+from nereus_rl.emu.manager import EMUManager
+from nereus_rl.emu.state import stage_state_specs, synthetic
 from nereus_rl.runtime import Driver
 from nereus_rl.runtime.context import register
 

@@ -12,11 +12,11 @@ from nereus_comm import _C
 from nereus_comm.layout import Layout
 from nereus_comm.remap import MIN_MOVE_BYTES, PAGE_BYTES, move_ranges
 from nereus_comm.reshard import shards_from_full
-from nereus_rl import emu_worker
-from nereus_rl.emu import EMUManager
-from nereus_rl.emu_arena import PAGE_ALIGN_MIN, Arena
-from nereus_rl.emu_comm import move_state
-from nereus_rl.emu_state import stage_state_specs, synthetic
+from nereus_rl.emu import worker as emu_worker
+from nereus_rl.emu.arena import PAGE_ALIGN_MIN, Arena
+from nereus_rl.emu.comm import move_state
+from nereus_rl.emu.manager import EMUManager
+from nereus_rl.emu.state import stage_state_specs, synthetic
 from nereus_rl.runtime import Driver
 
 # Big enough that most kept halves span whole pages; vocab 1001 splits unevenly (501 /

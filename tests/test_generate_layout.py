@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_rl.generate import generate, make_generator, make_row_generators
-from nereus_rl.model import Decoder, get_preset
-from nereus_rl.model_parallel import ParallelGroups
+from nereus_rl.models.generate import generate, make_generator, make_row_generators
+from nereus_rl.models.model import Decoder, get_preset
+from nereus_rl.models.parallel import ParallelGroups
 
 TINY = get_preset("tiny")
 KW = {"temperature": 1.0, "eos_id": 1, "max_new_tokens": 12}

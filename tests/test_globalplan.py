@@ -1,6 +1,6 @@
 import pytest
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 
 
 def _sp(stage, dp, tp, pp, start, model="actor", trains=False):
@@ -32,7 +32,7 @@ def test_bad_units_rejected():
 
 
 def test_fmt_bytes_picks_a_readable_unit():
-    from nereus_rl.globalplan import fmt_bytes
+    from nereus_rl.core.globalplan import fmt_bytes
 
     assert fmt_bytes(100) == "100 B"
     assert fmt_bytes(int(3.61 * 2**20)) == "3.61 MiB"
@@ -47,8 +47,8 @@ def test_a_pickled_plan_hashes_anew_in_a_process_with_other_string_hashing():
     import subprocess
     import sys
 
-    from nereus_rl.spec import model_preset
-    from nereus_rl.workload import make_workload
+    from nereus_rl.core.spec import model_preset
+    from nereus_rl.core.workload import make_workload
 
     a = StagePlan("rollout", "actor", False, 1, 1, 1, ((0,),))
     plan = GlobalPlan((a,))
@@ -57,9 +57,9 @@ def test_a_pickled_plan_hashes_anew_in_a_process_with_other_string_hashing():
     hash(plan), hash(a), hash(wl)
     code = (
         "import pickle, sys\n"
-        "from nereus_rl.globalplan import GlobalPlan, StagePlan\n"
-        "from nereus_rl.workload import make_workload\n"
-        "from nereus_rl.spec import model_preset\n"
+        "from nereus_rl.core.globalplan import GlobalPlan, StagePlan\n"
+        "from nereus_rl.core.workload import make_workload\n"
+        "from nereus_rl.core.spec import model_preset\n"
         "plan, wl = pickle.loads(sys.stdin.buffer.read())\n"
         "a = StagePlan('rollout', 'actor', False, 1, 1, 1, ((0,),))\n"
         "w = make_workload('grpo', actor=model_preset('tiny'), batch=4, prompt_len=8,"

@@ -4,13 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from nereus_rl.controller import Controller
-from nereus_rl.costmodel import CostModel
-from nereus_rl.lookahead import LookaheadError, choose
-from nereus_rl.planner import plan as plan_best
-from nereus_rl.spec import local_cpu_cluster, model_preset
-from nereus_rl.trainer_adapt import compile_priced
-from nereus_rl.workload import bucket_of, make_workload
+from nereus_rl.core.spec import local_cpu_cluster, model_preset
+from nereus_rl.core.workload import bucket_of, make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner.planner import plan as plan_best
+from nereus_rl.policy.controller import Controller
+from nereus_rl.policy.lookahead import LookaheadError, choose
+from nereus_rl.trainer.adapt.adapter import compile_priced
 
 BUCKETS = (8, 12, 16, 24, 32, 48, 64)
 # bench_e2e's default rise (6 -> 20 tokens) and a budget (bytes per worker) at which the

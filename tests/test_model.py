@@ -1,4 +1,4 @@
-"""Single-process checks of nereus_rl.model: presets, specs and shard naming, state
+"""Single-process checks of nereus_rl.models.model: presets, specs and shard naming, state
 dicts, deterministic init, KV-cache generation, vocab-parallel log-probs."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from nereus_rl.generate import KVCache, generate, make_generator
-from nereus_rl.model import (
+from nereus_rl.models.generate import KVCache, generate, make_generator
+from nereus_rl.models.model import (
     PRESETS,
     Decoder,
     ModelConfig,
@@ -17,7 +17,7 @@ from nereus_rl.model import (
     get_preset,
     state_specs,
 )
-from nereus_rl.model_parallel import (
+from nereus_rl.models.parallel import (
     ParallelGroups,
     response_logprobs,
     response_values,

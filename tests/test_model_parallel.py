@@ -1,4 +1,4 @@
-"""TP / PP / DP equivalence of nereus_rl.model against the single-process model.
+"""TP / PP / DP equivalence of nereus_rl.models.model against the single-process model.
 
 One module-scoped pool of 4 gloo processes runs every case; each case runs on all
 4 ranks (new_group is collective over the world), computes the single-process
@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nereus_rl.generate import generate, make_generator
-from nereus_rl.model import Decoder, ModelConfig, shard_tensor
-from nereus_rl.model_parallel import (
+from nereus_rl.models.generate import generate, make_generator
+from nereus_rl.models.model import Decoder, ModelConfig, shard_tensor
+from nereus_rl.models.parallel import (
     COMM_COUNTS,
     allreduce_gradients,
     init_parallel_groups,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from nereus_rl.model_pipeline import LAST_PASS, pipeline_forward, pipeline_forward_backward
+from nereus_rl.models.pipeline import LAST_PASS, pipeline_forward, pipeline_forward_backward
 
 WORLD = 4
 # Three layers, so pp=2 splits them 2 + 1 (earlier stage takes the remainder).
@@ -264,7 +264,7 @@ def test_wrong_grads_are_detected(pool):
 
 
 def case_train_no_dp_reduce():
-    import nereus_rl.model_parallel as mpar
+    import nereus_rl.models.parallel as mpar
 
     saved = mpar.allreduce_gradients
     globals()["allreduce_gradients"] = lambda model, groups: None

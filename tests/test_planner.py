@@ -5,9 +5,12 @@ import itertools
 import numpy as np
 import pytest
 
-from nereus_rl.costmodel import CostModel
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.planner import (
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner.place import place
+from nereus_rl.planner.planner import (
     PlanInfeasibleError,
     Planner,
     PlanSpaceError,
@@ -16,9 +19,6 @@ from nereus_rl.planner import (
     planner_for,
     set_partitions,
 )
-from nereus_rl.planner_place import place
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
 
 
 def brute_force(workload, cluster, cm, *, prune_dominated=False, N=None, per_partition=False):
@@ -143,7 +143,7 @@ def test_infeasible_says_memory_needed():
 
 def test_matches_scip_on_random_instances():
     pytest.importorskip("ortools")
-    from nereus_rl.planner_milp import solve_scip
+    from nereus_rl.baselines.planner_milp import solve_scip
 
     rng = np.random.default_rng(7)
     for cluster, algo in (("h200x8", "grpo"), ("h100x16", "remax"), ("h100x8", "ppo")):
@@ -261,7 +261,7 @@ def test_random_efficiencies_and_device_losses_equal_brute_force(cluster, lost):
 
 def test_partition_bounds_never_exceed_the_partitions_best():
     """The cheap bound of every partition is at most its best plan (brute force)."""
-    from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
+    from nereus_rl.planner.bounds import partition_bounds_of as _partition_bounds
 
     c = cluster_preset("a100x8")  # memory-bound: the bound must ignore memory soundly
     cm = CostModel(c, efficiencies={"gemm": 0.4, "mem": 0.7})

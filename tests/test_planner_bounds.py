@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from nereus_rl.planner_bounds import PartitionBounds, cheap_table, maximal_assignments
+from nereus_rl.planner.bounds import PartitionBounds, cheap_table, maximal_assignments
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 5, 7, 12, 24, 32, 40])

@@ -4,11 +4,11 @@ for training and forward stages; vLLM's KV-head replication also for the rollout
 
 import pytest
 
-from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import PlanInfeasibleError, Planner
-from nereus_rl.planner_tables import _layouts_of, tp_allowed
-from nereus_rl.spec import ModelSpec, cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.core.spec import ModelSpec, cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner.planner import PlanInfeasibleError, Planner
+from nereus_rl.planner.tables import _layouts_of, tp_allowed
 
 
 def _tps(max_d, heads, kv, replicate):

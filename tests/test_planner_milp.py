@@ -1,10 +1,10 @@
 import pytest
 
-from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import plan
-from nereus_rl.planner_milp import solve_cpsat, solve_scip
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.baselines.planner_milp import solve_cpsat, solve_scip
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner.planner import plan
 
 
 def test_scip_and_cpsat_agree_with_planner():

@@ -4,12 +4,12 @@ plans, objectives (bit for bit), k-best order, node counts and bounds, call by c
 import numpy as np
 import pytest
 
-from nereus_rl import planner_native
-from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import PlanInfeasibleError, Planner
-from nereus_rl.planner_bounds import partition_bounds_of as _partition_bounds
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner import native as planner_native
+from nereus_rl.planner.bounds import partition_bounds_of as _partition_bounds
+from nereus_rl.planner.planner import PlanInfeasibleError, Planner
 
 pytestmark = pytest.mark.skipif(
     not planner_native.AVAILABLE, reason="nereus_rl._native built without the planner"
@@ -124,7 +124,7 @@ def test_index_built_natively_equals_the_marshalled_one(S):
 def test_native_decision_at_a_new_device_count_builds_no_python_bounds(monkeypatch):
     """The compiled search's index comes from C++: PartitionBounds (7-14 ms in Python) is
     not built on the decision path, and the plan is the reference's."""
-    from nereus_rl import planner_bounds
+    from nereus_rl.planner import bounds as planner_bounds
 
     c = cluster_preset("h200x32")
     cm = CostModel(c)
@@ -167,7 +167,7 @@ def test_native_errors_as_python():
 def test_placed_stage_plans_pass_validation():
     """place() skips StagePlan's checks (valid by construction): rebuilding every placed
     StagePlan through the checking constructor gives an equal object, holes included."""
-    from nereus_rl.globalplan import StagePlan
+    from nereus_rl.core.globalplan import StagePlan
 
     c = cluster_preset("h200x64")
     cm = CostModel(c)

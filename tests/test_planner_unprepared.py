@@ -8,12 +8,12 @@ import pickle
 import numpy as np
 import pytest
 
-from nereus_rl import planner_native
-from nereus_rl.costmodel import CostModel
-from nereus_rl.planner import Planner
-from nereus_rl.planner_reference import pareto_lists
-from nereus_rl.spec import cluster_preset
-from nereus_rl.workload import make_workload
+from nereus_rl.core.spec import cluster_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.planner import native as planner_native
+from nereus_rl.planner.planner import Planner
+from nereus_rl.planner.reference import pareto_lists
 
 native = pytest.mark.skipif(
     not planner_native.AVAILABLE, reason="nereus_rl._native built without the planner"

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from nereus_rl.costmodel import CostModel
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.shape_correction import ShapeCorrection, shape
-from nereus_rl.spec import local_cpu_cluster, model_preset
-from nereus_rl.step_overhead import PricedModel, StepOverhead
-from nereus_rl.workload import make_workload
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.spec import local_cpu_cluster, model_preset
+from nereus_rl.core.workload import make_workload
+from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.costmodel.shape_correction import ShapeCorrection, shape
+from nereus_rl.costmodel.step_overhead import PricedModel, StepOverhead
 
 
 def _plan(train_dp: int, ref_devs=(1,)) -> GlobalPlan:

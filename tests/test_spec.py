@@ -1,7 +1,7 @@
 import pytest
 
-from nereus_rl.spec import SpecError, cluster_preset, local_cpu_cluster, model_preset
-from nereus_rl.workload import WorkloadError, bucket_of, make_workload, response_bucket
+from nereus_rl.core.spec import SpecError, cluster_preset, local_cpu_cluster, model_preset
+from nereus_rl.core.workload import WorkloadError, bucket_of, make_workload, response_bucket
 
 
 def test_model_presets_sizes():

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from test_lookahead import TableCM, move
 
-from nereus_rl.lookahead import LookaheadError, choose, choose_start
-from nereus_rl.start_plan import start_candidates, start_lengths
-from nereus_rl.trainer import Trainer
-from nereus_rl.trainer_config import NotEnoughDevicesError, TrainConfig, TrainConfigError
+from nereus_rl.policy.lookahead import LookaheadError, choose, choose_start
+from nereus_rl.policy.start_plan import start_candidates, start_lengths
+from nereus_rl.trainer.config import NotEnoughDevicesError, TrainConfig, TrainConfigError
+from nereus_rl.trainer.trainer import Trainer
 
 # bench_e2e --quick's trace (rise 6 -> 20, hold, fall) and its GRPO startup budget
 TRACE = [6, 9, 12, 16, 20, 20, 20, 20, 17, 13]

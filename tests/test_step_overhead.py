@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.step_overhead import StepOverhead, worker_calls
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.costmodel.step_overhead import StepOverhead, worker_calls
 
 
 def _plan(ref_dp: int) -> GlobalPlan:
@@ -54,8 +54,8 @@ def test_window_must_hold_a_line():
 
 
 def test_priced_model_adds_the_spread_only_to_the_total():
-    from nereus_rl.step_overhead import PricedModel
-    from nereus_rl.trainer import TrainConfig, Trainer
+    from nereus_rl.costmodel.step_overhead import PricedModel
+    from nereus_rl.trainer.trainer import TrainConfig, Trainer
 
     tr = Trainer(TrainConfig(algo="remax", devices=4, steps=2, calibration_probes=0))
     try:
@@ -76,9 +76,9 @@ def test_priced_model_adds_the_spread_only_to_the_total():
 def test_priced_model_memo_follows_the_model_the_fit_and_the_shapes():
     # The memo (one boundary's decisions price the same pairs again) must never serve an
     # estimate made before the model, the overhead fit or the shape ratios changed.
-    from nereus_rl.shape_correction import ShapeCorrection
-    from nereus_rl.step_overhead import PricedModel
-    from nereus_rl.trainer import TrainConfig, Trainer
+    from nereus_rl.costmodel.shape_correction import ShapeCorrection
+    from nereus_rl.costmodel.step_overhead import PricedModel
+    from nereus_rl.trainer.trainer import TrainConfig, Trainer
 
     tr = Trainer(TrainConfig(algo="remax", devices=4, steps=2, calibration_probes=0))
     try:
@@ -111,9 +111,9 @@ def test_step_total_is_the_estimates_total_bit_for_bit_and_follows_its_memo(mode
     # Ranking and the lookahead read step_total, which builds no estimate: it must be
     # the very float step_latency's total is, with measured shapes (and an unmeasured
     # shape's factor) and the overhead fit, and forget what a change made stale.
-    from nereus_rl.shape_correction import ShapeCorrection
-    from nereus_rl.step_overhead import PricedModel
-    from nereus_rl.trainer import TrainConfig, Trainer
+    from nereus_rl.costmodel.shape_correction import ShapeCorrection
+    from nereus_rl.costmodel.step_overhead import PricedModel
+    from nereus_rl.trainer.trainer import TrainConfig, Trainer
 
     tr = Trainer(TrainConfig(algo="remax", mode=mode, devices=4, steps=2, calibration_probes=0))
     try:
@@ -145,9 +145,9 @@ def test_step_total_is_the_estimates_total_bit_for_bit_and_follows_its_memo(mode
 def _rollout_own_and_shared():
     """ReMax plans on one device per stage: the rollout on a device of its own (``own``)
     or sharing it with the reference (``shared``); a GPU cost model; the workload."""
-    from nereus_rl.costmodel import CostModel
-    from nereus_rl.spec import cluster_preset
-    from nereus_rl.workload import make_workload
+    from nereus_rl.core.spec import cluster_preset
+    from nereus_rl.core.workload import make_workload
+    from nereus_rl.costmodel.costmodel import CostModel
 
     def sp(stage, model, trains, d):
         return StagePlan(stage, model, trains, 1, 1, 1, ((d,),))
@@ -169,8 +169,8 @@ def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_h
     # part a is left: a synchronous price ignores it (common to every plan), an async
     # one hides it behind a rollout on a device of its own and pays it where the chain
     # of stages runs after the rollout (reference on the rollout's device).
-    from nereus_rl.costmodel_async import rollout_slack
-    from nereus_rl.step_overhead import PricedModel
+    from nereus_rl.costmodel.overlap import rollout_slack
+    from nereus_rl.costmodel.step_overhead import PricedModel
 
     own, shared, cm, wl = _rollout_own_and_shared()
 
@@ -197,7 +197,7 @@ def test_an_async_step_holds_the_whole_rest_on_its_chain_where_the_rollout_may_h
 
 
 def test_a_step_whose_rollout_outlasts_its_chain_does_not_feed_the_rest():
-    from nereus_rl.trainer_adapt import rest_observable
+    from nereus_rl.trainer.adapt.adapter import rest_observable
 
     own, shared, cm, wl = _rollout_own_and_shared()
     for ahead, p, seen in [(True, own, False), (True, shared, True), (False, own, True)]:

@@ -7,9 +7,7 @@ import time
 import pytest
 import torch
 
-from nereus_rl.model import Decoder, get_preset
-from nereus_rl.model_parallel import ParallelGroups
-from nereus_rl.tasks import (
+from nereus_rl.data.tasks import (
     DEFAULT_TRACE,
     TOKENIZER,
     LengthCurriculum,
@@ -23,6 +21,8 @@ from nereus_rl.tasks import (
     score_responses,
     warm_start,
 )
+from nereus_rl.models.model import Decoder, get_preset
+from nereus_rl.models.parallel import ParallelGroups
 
 
 def test_tokenizer():

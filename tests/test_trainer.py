@@ -16,13 +16,14 @@ from functools import partial
 import pytest
 import torch
 
-from nereus_rl.emu_types import EMUError
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.model import UnknownPresetError
-from nereus_rl.report import RunLog
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.data.tasks import TraceFormatError, UnknownTaskError
+from nereus_rl.emu.types import EMUError
+from nereus_rl.models.model import UnknownPresetError
 from nereus_rl.runtime import Driver
-from nereus_rl.tasks import TraceFormatError, UnknownTaskError
-from nereus_rl.trainer import (
+from nereus_rl.trainer.report import RunLog
+from nereus_rl.trainer.step import head_start
+from nereus_rl.trainer.trainer import (
     NotEnoughDevicesError,
     TrainConfig,
     TrainConfigError,
@@ -31,7 +32,6 @@ from nereus_rl.trainer import (
     simple_plan,
     train,
 )
-from nereus_rl.trainer_step import head_start
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
-from nereus_rl.trainer import TrainConfig, TrainConfigError, Trainer, train
-from nereus_rl.trainer_calibrate import (
+from nereus_rl.trainer.calibrate import (
     REPEATS,
     layouts,
     next_probe,
@@ -17,6 +16,7 @@ from nereus_rl.trainer_calibrate import (
     run_probe,
     stage_seconds,
 )
+from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, Trainer, train
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 
@@ -131,7 +131,7 @@ class _FakeTrainer:
     """Just what run_probe calls: each step's stage seconds come from ``times`` in turn."""
 
     def __init__(self, times):
-        from nereus_rl.trainer_config import TrainConfig
+        from nereus_rl.trainer.config import TrainConfig
 
         self.cfg, self.mc, self.plan, self.setups = TrainConfig(algo="grpo"), None, None, 0
         self._times = iter(times)

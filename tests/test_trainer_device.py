@@ -1,6 +1,6 @@
 """Where the trainer's workers hold their stages: the ``device`` option.
 
-The CPU run is the ``device="cpu"`` case of the GPU code (nereus_rl.trainer_worker):
+The CPU run is the ``device="cpu"`` case of the GPU code (nereus_rl.trainer.worker):
 these tests check the option's bad input before any process starts, how a worker
 picks its GPU, that the CPU path neither copies nor stages (so the EMU units read
 the live shards), which transport ``rl.move`` reshards over (gloo on CPU, one NCCL
@@ -15,11 +15,11 @@ from typing import ClassVar
 import pytest
 import torch
 
-from nereus_rl import trainer_worker
 from nereus_rl.cli import main
-from nereus_rl.trainer import NotEnoughDevicesError, TrainConfig, TrainConfigError, train
-from nereus_rl.trainer_config import check_local_devices
-from nereus_rl.trainer_worker import (
+from nereus_rl.trainer import worker as trainer_worker
+from nereus_rl.trainer.config import check_local_devices
+from nereus_rl.trainer.trainer import NotEnoughDevicesError, TrainConfig, TrainConfigError, train
+from nereus_rl.trainer.worker import (
     _CPU,
     _drop_move_transport,
     _host,

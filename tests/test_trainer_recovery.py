@@ -20,10 +20,10 @@ import pytest
 import torch
 from joiner import reap, start_joiner
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
-from nereus_rl.report import RunLog
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver, WorkerLostError
-from nereus_rl.trainer import TrainConfig, Trainer, train
+from nereus_rl.trainer.report import RunLog
+from nereus_rl.trainer.trainer import TrainConfig, Trainer, train
 
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
 

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 
 from test_trainer_recovery import FAST, P4, _assert_same, _plan, _recoveries, _stage_states
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
-from nereus_rl.trainer import TrainConfig, Trainer
+from nereus_rl.trainer.trainer import TrainConfig, Trainer
 
 GROUP_TIMEOUT_S = 10.0
 # Long enough that a loaded machine's busy worker never looks dead (a 3 s timeout did

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from nereus_rl.report import RunLog, summary_table
-from nereus_rl.trainer import TrainConfig, TrainResult, simple_plan
+from nereus_rl.trainer.report import RunLog, summary_table
+from nereus_rl.trainer.trainer import TrainConfig, TrainResult, simple_plan
 
 
 def _metrics(step: int) -> dict:

@@ -8,7 +8,15 @@ import re
 
 import pytest
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.baselines.scenarios import (
+    SCENARIO_CAPACITY,
+    TRANSITION_TYPES,
+    compile_scenario,
+    draw_reachable,
+    random_scenario,
+    scenario_unit_memory,
+)
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.transition import (
     Edge,
     InfeasibleTargetError,
@@ -23,15 +31,7 @@ from nereus_rl.transition import (
     topo_order,
     transition_cost,
 )
-from nereus_rl.transition_safety import check_dag
-from nereus_rl.transition_scenarios import (
-    SCENARIO_CAPACITY,
-    TRANSITION_TYPES,
-    compile_scenario,
-    draw_reachable,
-    random_scenario,
-    scenario_unit_memory,
-)
+from nereus_rl.transition.safety import check_dag
 
 MEM = 10.0  # every unit takes 10 bytes per device in the worked examples
 
@@ -376,7 +376,7 @@ def test_dense_pairs_with_and_without_refinement(kind):
 
 
 def test_cpsat_schedule_matches_the_chain_and_never_beats_its_bound():
-    from nereus_rl.transition_milp import schedule_cpsat
+    from nereus_rl.baselines.transition_milp import schedule_cpsat
 
     dag = _chain_dag()
     res = schedule_cpsat(dag, lambda p: 1.0, time_limit_s=10.0, quantum_s=1.0)
@@ -436,8 +436,8 @@ def test_random_pairs_without_stage_slots(kind):
 def test_makespan_lower_bound_never_beats_a_schedule():
     # The bound lets refinement stop early; it must hold for every safe schedule: the
     # compiled DAGs (refined or not) and CP-SAT's proven optimum.
-    from nereus_rl.transition_milp import schedule_cpsat
-    from nereus_rl.transition_refine import makespan_lower_bound
+    from nereus_rl.baselines.transition_milp import schedule_cpsat
+    from nereus_rl.transition.refine import makespan_lower_bound
 
     def cost(p):
         return max(1, round(default_primitive_cost(p) / 0.01)) * 0.01
@@ -467,11 +467,11 @@ def test_makespan_lower_bound_never_beats_a_schedule():
 def test_scaled_rebalance_meets_the_lower_bound():
     # The destroys that free the new devices must end before the extends there start:
     # that chain is the bound, and the compiled DAG meets it (so refinement is skipped).
-    from nereus_rl.transition_refine import makespan_lower_bound
-    from nereus_rl.transition_scenarios import (
+    from nereus_rl.baselines.scenarios import (
         SCALED_CAPACITY,
         scaled_scenario,
     )
+    from nereus_rl.transition.refine import makespan_lower_bound
 
     sc = scaled_scenario(128)
     dag = compile_scenario(sc, capacity=SCALED_CAPACITY, refine=False)
@@ -545,7 +545,7 @@ _GAP_CASES = {
 
 @pytest.mark.parametrize("kind", sorted(_GAP_CASES))
 def test_refinement_reserves_memory_for_critical_primitives(kind):
-    from nereus_rl.transition_milp import schedule_cpsat
+    from nereus_rl.baselines.transition_milp import schedule_cpsat
 
     def cost(p):
         return max(1, round(default_primitive_cost(p) / 0.01)) * 0.01
@@ -569,7 +569,7 @@ def test_planning_time_grows_about_linearly_with_devices():
     # work gives ~4x; a per-primitive scan over all units would give ~16x).
     import time
 
-    from nereus_rl.transition_scenarios import SCALED_CAPACITY, scaled_scenario
+    from nereus_rl.baselines.scenarios import SCALED_CAPACITY, scaled_scenario
 
     def cpu(n):
         sc = scaled_scenario(n)

@@ -8,20 +8,20 @@ import threading
 
 import pytest
 
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.baselines.migration import run_per_component
+from nereus_rl.baselines.scenarios import (
+    TRANSITION_TYPES,
+    compile_scenario,
+    draw_reachable,
+)
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.transition import (
     TransitionExecutionError,
     compile_transition,
     longest_path,
 )
-from nereus_rl.transition_baseline import run_per_component
-from nereus_rl.transition_exec import execute_dag, sleeping_impls
-from nereus_rl.transition_safety import check_dag
-from nereus_rl.transition_scenarios import (
-    TRANSITION_TYPES,
-    compile_scenario,
-    draw_reachable,
-)
+from nereus_rl.transition.execute import execute_dag, sleeping_impls
+from nereus_rl.transition.safety import check_dag
 
 MEM = 10.0
 
@@ -143,7 +143,7 @@ def test_per_component_timeout_and_success():
 
 
 def test_scaled_rebalance_executes_to_target():
-    from nereus_rl.transition_scenarios import SCALED_CAPACITY, scaled_scenario
+    from nereus_rl.baselines.scenarios import SCALED_CAPACITY, scaled_scenario
 
     sc = scaled_scenario(128)
     dag = compile_scenario(sc, capacity=SCALED_CAPACITY)

@@ -22,9 +22,9 @@ import sys
 
 import pytest
 
-from nereus_rl import transition_native
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.transition import TransitionDAG, TransitionError, compile_transition
+from nereus_rl.transition import native as transition_native
 
 GOLDEN = pathlib.Path(__file__).with_name("transition_golden.json")
 
@@ -94,7 +94,7 @@ def outcome(case: dict, options: dict, native: bool | None = None) -> str:
 
 def _cases() -> list[dict]:
     """The recorded inputs: scaled rebalances and random transitions of every type."""
-    from nereus_rl.transition_scenarios import (
+    from nereus_rl.baselines.scenarios import (
         SCALED_CAPACITY,
         SCENARIO_CAPACITY,
         TRANSITION_TYPES,

@@ -14,8 +14,15 @@ import random
 
 import pytest
 
-from nereus_rl import transition_native
-from nereus_rl.globalplan import GlobalPlan, StagePlan
+from nereus_rl.baselines.scenarios import (
+    SCALED_CAPACITY,
+    SCENARIO_CAPACITY,
+    TRANSITION_TYPES,
+    random_scenario,
+    scaled_scenario,
+    scenario_unit_memory,
+)
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.transition import (
     Placement,
     TransitionDAG,
@@ -25,14 +32,7 @@ from nereus_rl.transition import (
     default_primitive_cost,
     predicted_completion_time,
 )
-from nereus_rl.transition_scenarios import (
-    SCALED_CAPACITY,
-    SCENARIO_CAPACITY,
-    TRANSITION_TYPES,
-    random_scenario,
-    scaled_scenario,
-    scenario_unit_memory,
-)
+from nereus_rl.transition import native as transition_native
 
 pytestmark = pytest.mark.skipif(
     not transition_native.available(), reason="nereus_rl._native has no transition compiler"

@@ -1,6 +1,6 @@
 """Worker-side switch for the trainer's GPU staging semantics, on CPU workers.
 
-On a GPU worker (``device="cuda"``) ``nereus_rl.trainer_worker._host`` returns host
+On a GPU worker (``device="cuda"``) ``nereus_rl.trainer.worker._host`` returns host
 copies of the shards (for the weight sync, reshards and EMU primitives) and
 ``_on_device`` copies the driver's tensors onto the device; on CPU both return the
 very tensors they get. ``staging.copy`` makes them copy on CPU too, so that a CPU run
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-import nereus_rl.trainer_worker as tw
+import nereus_rl.trainer.worker as tw
 from nereus_rl.runtime.context import WorkerContext, register
 
 _REAL = {"_host": tw._host, "_on_device": tw._on_device}

@@ -1,0 +1,218 @@
+"""Autoregressive generation with a KV cache, under tensor and pipeline parallelism.
+
+Sampling never gathers the full logits: with ``temperature > 0`` each tp rank adds
+Gumbel noise to its vocab shard of ``logits / temperature`` and the token is the
+vocab-parallel argmax (the Gumbel-max trick draws exactly from
+softmax(logits / temperature)); ``temperature == 0`` is greedy. The noise for the
+whole vocabulary is drawn from the caller's generator on every tp rank and each
+keeps its slice, so a sharded run picks the same tokens as a single process
+with the same seed. With one generator per row (:func:`make_row_generators`,
+keyed by the sample's index in the whole batch), a sample's noise does not depend
+on which rows share its batch either, so any split of a batch over data-parallel
+replicas draws the same samples (the trainer relies on this: its rollout layout
+changes with the plan). The last pipeline stage picks the token and broadcasts it
+to the other stages. Generation does not pipeline micro-batches: the whole batch
+walks the stages one step at a time (fine for the rollout sizes used here).
+
+Prompts in a batch share one length (the bundled tasks pad them to a fixed
+width), so no attention padding mask is needed; finished sequences are padded
+after their EOS token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nereus_rl.models.parallel import ParallelGroups, vocab_parallel_argmax
+from nereus_rl.models.pipeline import broadcast_from_last, recv, send
+
+
+class KVCache:
+    """Keys and values of this rank's layers (its stage, its kv-head shard).
+
+    Arguments:
+        model: this rank's Decoder stage.
+        batch: batch size.
+        max_len: longest prompt + response the cache will hold.
+    """
+
+    def __init__(self, model, batch: int, max_len: int) -> None:
+        c = model.config
+        heads = c.num_kv_heads // model.groups.tp_size
+        dev = next(model.parameters()).device
+        shape = (batch, heads, max_len, c.head_dim)
+        self.keys = {i: torch.empty(shape, dtype=model.dtype, device=dev) for i in model.layer_ids}
+        self.values = {
+            i: torch.empty(shape, dtype=model.dtype, device=dev) for i in model.layer_ids
+        }
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, heads, T, d] after the cached ones; return all keys and values so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, t: int) -> None:
+        """Mark ``t`` more positions as cached (after every layer of the stage stored them)."""
+        self.length += t
+
+
+@dataclass
+class GenerationOutput:
+    """``sequences`` [B, P + N]: prompts then responses; ``response_mask`` [B, N] (float):
+    1 for generated tokens up to and including EOS, 0 for the padding after it."""
+
+    sequences: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_len: int
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_len :]
+
+
+def make_generator(
+    seed: int, groups: ParallelGroups | None = None, device="cpu"
+) -> torch.Generator:
+    """A sampling generator for this rank: same stream on every tp/pp rank of a replica,
+    a different one per data-parallel replica (so replicas do not sample alike).
+
+    One stream serves the whole local batch, so what a row samples depends on the
+    replica and on its place in the replica's batch: use :func:`make_row_generators`
+    where the same samples must come out of any data-parallel split.
+    """
+    groups = groups or ParallelGroups.single()
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + groups.dp_rank)
+
+
+def make_row_generators(seed: int, rows: Sequence[int], device="cpu") -> list[torch.Generator]:
+    """One sampling generator per row, seeded by (``seed``, the row's global index).
+
+    Arguments:
+        seed: the call's sampling seed (the same on every rank).
+        rows: global sample indices of this rank's batch rows, in order (for rows
+            ``first .. first + n - 1`` of the whole batch: ``range(first, first + n)``).
+        device: where the noise is drawn.
+
+    Every tp/pp rank of a replica must pass the same rows. Row ``i`` gets the same
+    stream whichever replica holds it and whatever its batch-mates are, which makes
+    sampling invariant to how the batch is split over data-parallel replicas.
+    """
+    return [torch.Generator(device=device).manual_seed(seed * 1_000_003 + r) for r in rows]
+
+
+def _stage_forward(model, x: torch.Tensor, batch: int, cache, groups: ParallelGroups):
+    if not model.is_first:
+        x = recv(
+            (batch, x.shape[1], model.config.hidden),
+            model.dtype,
+            x.device,
+            groups.pp_rank - 1,
+            groups,
+        )
+    y = model(x, cache=cache)
+    if not model.is_last:
+        send(y, groups.pp_rank + 1, groups)
+        return None
+    return y
+
+
+def _noise(generator, batch: int, vocab: int, device) -> torch.Tensor:
+    if isinstance(generator, torch.Generator):
+        return torch.rand((batch, vocab), generator=generator, device=device)
+    # one draw per row from the row's own stream (see make_row_generators)
+    return torch.stack([torch.rand(vocab, generator=g, device=device) for g in generator])
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator, groups: ParallelGroups, vocab: int):
+    scores = logits.float()
+    if temperature > 0:
+        u = _noise(generator, scores.shape[0], vocab, scores.device)
+        gumbel = -torch.log(-torch.log(u.clamp_(min=1e-20)))
+        width = scores.shape[-1]
+        scores = (
+            scores / temperature + gumbel[:, groups.tp_rank * width : (groups.tp_rank + 1) * width]
+        )
+    return vocab_parallel_argmax(scores, groups)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    groups: ParallelGroups | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    use_cache: bool = True,
+) -> GenerationOutput:
+    """Generate up to ``max_new_tokens`` tokens after ``prompts``; collective over tp and pp.
+
+    Arguments:
+        model: this rank's Decoder stage (policy).
+        prompts: token ids [B, P], the same on every rank of the replica.
+        max_new_tokens: response length limit.
+        groups: this rank's groups (default: single process).
+        temperature: 0 for greedy, > 0 to sample from softmax(logits / temperature).
+        generator: sampling generator (see :func:`make_generator`), or one per row of
+            ``prompts`` (see :func:`make_row_generators`); required if sampling.
+        eos_id: stop a sequence after this token (all stop -> generation stops early).
+        pad_id: written after a sequence's EOS.
+        use_cache: keep a KV cache (otherwise recompute the whole prefix every step).
+
+    Returns:
+        The same :class:`GenerationOutput` on every rank of the replica.
+
+    Raises:
+        ValueError: the sequence would exceed ``max_seq_len``, a critic model, sampling
+            without a generator, or per-row generators that do not match the rows.
+    """
+    groups = groups or model.groups
+    if model.is_critic:
+        raise ValueError("generate() needs the policy model; got the value-head (critic) variant")
+    batch, prompt_len = prompts.shape
+    if prompt_len + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(
+            f"prompt {prompt_len} + {max_new_tokens} new tokens exceeds max_seq_len="
+            f"{model.config.max_seq_len} of {model.config.name!r}; shorten the response limit"
+        )
+    if temperature > 0 and generator is None:
+        raise ValueError("sampling (temperature > 0) needs a generator; see make_generator()")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        generator = list(generator)
+        if len(generator) != batch:
+            raise ValueError(
+                f"{len(generator)} per-row generators for {batch} prompt rows; pass one per "
+                "row (make_row_generators(seed, rows) with this batch's global row indices)"
+            )
+    cache = KVCache(model, batch, prompt_len + max_new_tokens) if use_cache else None
+    seq = prompts
+    finished = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
+    masks = []
+    for step in range(max_new_tokens):
+        x = seq[:, -1:] if (use_cache and step > 0) else seq
+        logits = _stage_forward(model, x, batch, cache, groups)
+        tok = None
+        if model.is_last:
+            tok = _pick(logits[:, -1], temperature, generator, groups, model.config.vocab)
+            tok = tok.masked_fill(finished, pad_id)
+        tok = broadcast_from_last(tok, (batch,), torch.long, groups, prompts.device)
+        masks.append((~finished).float())
+        seq = torch.cat([seq, tok[:, None]], 1)
+        if eos_id is not None:
+            finished = finished | (tok == eos_id)
+            if bool(finished.all()):
+                break
+    mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0, device=prompts.device)
+    return GenerationOutput(seq, mask, prompt_len)

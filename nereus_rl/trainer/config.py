@@ -1,0 +1,278 @@
+"""Options, results, errors and fixed plans of the trainer (see :mod:`.trainer`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.data.tasks import LengthTrace, get_task
+from nereus_rl.models.model import ModelConfig, get_preset
+
+ALGOS = ("grpo", "ppo", "remax")
+MODES = ("sync", "async")
+DEVICE_KINDS = ("cpu", "cuda")
+START_LENGTHS = ("schedule", "cap", "first")
+
+
+class TrainConfigError(ValueError):
+    """An option of ``train`` is invalid (unknown name, impossible value)."""
+
+
+class UnknownAlgorithmError(TrainConfigError):
+    """``algo`` is not one of :data:`ALGOS`."""
+
+
+class NotEnoughDevicesError(TrainConfigError):
+    """Fewer devices than the smallest feasible plan needs."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one run (see :func:`train` for their meaning)."""
+
+    algo: str = "grpo"
+    model: str = "tiny"
+    task: str = "sort"
+    devices: int = 4
+    steps: int = 60
+    adapt: bool = True
+    seed: int = 0
+    mode: str = "sync"
+    memory_budget: int | None = None
+    batch: int = 8
+    group_size: int = 4
+    lr: float = 1e-4
+    warmup_steps: int = 3
+    kl_coef: float = 0.02
+    temperature: float = 1.0
+    num_micro: int = 2
+    warm_steps: int = 300
+    length_start: int = 6
+    length_end: int = 14
+    trace: str | None = None
+    fixed_level: bool = True
+    plan: str | GlobalPlan = "auto"
+    admission: str = "payback"
+    # "emu": a transition runs its DAG as live EMU primitives; "reshard": the earlier
+    # execution, one nereus_comm reshard per changed stage (a baseline to compare with).
+    transitions: str = "emu"
+    buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
+    # Probe plans run at startup to measure this machine's efficiencies before the first
+    # plan decision (nereus_rl.trainer.calibrate); 0 turns the calibration off. It runs
+    # only where the planner decides something (adapt, or plan="auto").
+    calibration_probes: int = 3
+    # What an adaptive run's start plan is chosen over (nereus_rl.policy.start_plan): "schedule",
+    # the configured length limit of every step (the trace's or the curriculum's); "cap",
+    # the first step's length and then the schedule's longest at every later step (what
+    # a run that knows only its response cap can assume, as a startup configuration
+    # does); "first", the first step's length only. bench_e2e: adaptive_cap, _blind.
+    start_lengths: str = "schedule"
+    # Where the workers hold their stages: "cpu" (host memory, gloo) or "cuda" (one GPU
+    # per worker, NCCL for the models' collectives; see nereus_rl.trainer.worker).
+    device: str = "cpu"
+
+    def hyper(self) -> dict[str, Any]:
+        return {
+            "algo": self.algo,
+            "lr": self.lr,
+            "kl_coef": self.kl_coef,
+            "num_micro": self.num_micro,
+        }
+
+
+@dataclass
+class TrainResult:
+    """What a run produced.
+
+    Attributes:
+        config: the options.
+        metrics: one dict per RL step (reward, loss, kl, times, plan, ...).
+        plans: (step, GlobalPlan) each time the plan was set or changed.
+        decisions: one dict per admission decision.
+        run_dir: the run folder (None when not written).
+        error: the message of the error that ended the run early, else None.
+        timings: seconds of the start-up parts (spawn_s, warm_start_s, calibration_s,
+            setup_s).
+        calibration: the startup calibration's record (probes, measured stage seconds,
+            predictions before and after), or None when it did not run.
+    """
+
+    config: TrainConfig
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    plans: list[tuple[int, GlobalPlan]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: Path | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [m["reward_mean"] for m in self.metrics]
+
+    @property
+    def num_transitions(self) -> int:
+        return sum(1 for d in self.decisions if d.get("taken"))
+
+    @property
+    def num_primitives(self) -> int:
+        """EMU primitives the taken transitions ran live."""
+        return sum(len(d.get("executed_primitives", ())) for d in self.decisions if d.get("taken"))
+
+    @property
+    def num_fallbacks(self) -> int:
+        """Stages the taken transitions moved by a per-stage reshard instead of primitives."""
+        return sum(d.get("fallbacks", 0) for d in self.decisions if d.get("taken"))
+
+
+def check_config(cfg: TrainConfig) -> ModelConfig:
+    """Validate options before any process starts. Returns the model config.
+
+    Raises:
+        UnknownAlgorithmError, UnknownPresetError, UnknownTaskError, TraceFormatError,
+        TrainConfigError: with what is wrong and what to do.
+    """
+    if cfg.algo not in ALGOS:
+        raise UnknownAlgorithmError(f"unknown algorithm {cfg.algo!r}; choose one of {ALGOS}")
+    if cfg.mode not in MODES:
+        raise TrainConfigError(f"unknown mode {cfg.mode!r}; choose one of {MODES}")
+    if cfg.transitions not in ("emu", "reshard"):
+        raise TrainConfigError(
+            f"unknown transitions {cfg.transitions!r}; use 'emu' (the DAG's primitives) or "
+            "'reshard' (one reshard per changed stage)"
+        )
+    if cfg.admission not in ("payback", "always"):
+        raise TrainConfigError(
+            f"unknown admission {cfg.admission!r}; use 'payback' or 'always' (replan on every "
+            "trigger)"
+        )
+    if not (isinstance(cfg.calibration_probes, int) and cfg.calibration_probes >= 0):
+        raise TrainConfigError(
+            f"calibration_probes={cfg.calibration_probes!r} must be an int >= 0 "
+            "(0 turns the startup calibration off)"
+        )
+    if cfg.start_lengths not in START_LENGTHS:
+        raise TrainConfigError(
+            f"unknown start_lengths {cfg.start_lengths!r}; use 'schedule' (every step's "
+            "configured length), 'cap' (the first, then the longest) or 'first'"
+        )
+    if cfg.device not in DEVICE_KINDS:
+        raise TrainConfigError(
+            f"unknown device {cfg.device!r}; use 'cpu' (worker processes on host memory) or "
+            "'cuda' (one GPU per worker)"
+        )
+    mc = get_preset(cfg.model)
+    get_task(cfg.task)
+    if isinstance(cfg.plan, GlobalPlan):
+        want = [n for n, _, _ in stage_names(cfg.algo)]
+        if sorted(cfg.plan.stage_names) != sorted(want):
+            raise TrainConfigError(
+                f"plan has stages {list(cfg.plan.stage_names)}; {cfg.algo} needs {want}"
+            )
+        if not cfg.plan.devices <= set(range(cfg.devices)):
+            raise NotEnoughDevicesError(
+                f"plan uses devices {sorted(cfg.plan.devices)} but only 0..{cfg.devices - 1} "
+                "exist; raise devices or plan over fewer"
+            )
+    elif cfg.plan not in ("auto", "colocated", "disaggregated"):
+        raise TrainConfigError(
+            f"unknown plan {cfg.plan!r}; use auto, colocated, disaggregated or a GlobalPlan"
+        )
+    if cfg.trace is not None:
+        LengthTrace.from_file(cfg.trace)
+    if cfg.steps < 1:
+        raise TrainConfigError(f"steps={cfg.steps} must be >= 1")
+    if cfg.devices < 1:
+        raise NotEnoughDevicesError(f"devices={cfg.devices}; a run needs at least 1 device")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise TrainConfigError("GRPO needs group_size >= 2 (responses per prompt)")
+    if cfg.memory_budget is not None and cfg.memory_budget <= 0:
+        raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
+    return mc
+
+
+def check_local_devices(cfg: TrainConfig) -> None:
+    """Check that this machine can host ``cfg.devices`` workers on ``cfg.device``
+    (before spawning them here).
+
+    Raises:
+        TrainConfigError: ``device="cuda"`` without a GPU, or with fewer GPUs than
+            workers (NCCL cannot put two ranks of one communicator on one GPU).
+    """
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TrainConfigError(
+            "device='cuda' but this machine has no GPU torch can use "
+            "(torch.cuda.is_available() is False); use device='cpu'"
+        )
+    have = torch.cuda.device_count()
+    if cfg.devices > have:
+        raise NotEnoughDevicesError(
+            f"devices={cfg.devices} workers on device='cuda' need one GPU each, and this "
+            f"machine has {have} (NCCL cannot put two ranks on one GPU); use devices<={have} "
+            "or device='cpu'"
+        )
+
+
+def stage_desc(sp: StagePlan) -> dict[str, Any]:
+    """A StagePlan as the plain dict the worker commands take."""
+    return {
+        "stage": sp.stage,
+        "model": sp.model,
+        "trains": sp.trains,
+        "dp": sp.dp,
+        "tp": sp.tp,
+        "pp": sp.pp,
+        "units": [list(u) for u in sp.units],
+    }
+
+
+def stage_names(algo: str) -> list[tuple[str, str, bool]]:
+    """(stage, model, trains) of the planned stages of an algorithm, in workload order."""
+    out = [("rollout", "actor", False), ("reference", "reference", False)]
+    if algo == "ppo":
+        out.append(("critic_inference", "critic", False))
+    out.append(("actor_train", "actor", True))
+    if algo == "ppo":
+        out.append(("critic_train", "critic", True))
+    return out
+
+
+# Inference copies refreshed from their training stage every step (weights only).
+SYNC_PAIRS = (("actor_train", "rollout"), ("critic_train", "critic_inference"))
+
+
+def simple_plan(algo: str, devices: int, kind: str, tp: int = 1, pp: int = 1) -> GlobalPlan:
+    """A fixed plan: ``colocated`` (every stage on every device, as verl) or
+    ``disaggregated`` (rollout on the first half, the rest on the second, as OpenRLHF).
+
+    Raises:
+        TrainConfigError: unknown kind; NotEnoughDevicesError: too few devices for it.
+    """
+    names = stage_names(algo)
+    if kind == "colocated":
+        groups = {n: list(range(devices)) for n, _, _ in names}
+    elif kind == "disaggregated":
+        if devices < 2:
+            raise NotEnoughDevicesError("a disaggregated plan needs at least 2 devices")
+        half = devices // 2
+        groups = {
+            n: list(range(half)) if n == "rollout" else list(range(half, devices))
+            for n, _, _ in names
+        }
+    else:
+        raise TrainConfigError(f"unknown plan {kind!r}; use auto, colocated or disaggregated")
+    stages = []
+    for n, model, trains in names:
+        devs = groups[n]
+        width = tp * pp if len(devs) % (tp * pp) == 0 else 1
+        t, p = (tp, pp) if width > 1 else (1, 1)
+        dp = len(devs) // (t * p)
+        units = tuple(tuple(devs[u * t * p : (u + 1) * t * p]) for u in range(dp))
+        stages.append(StagePlan(n, model, trains, dp, t, p, units))
+    return GlobalPlan(tuple(stages))

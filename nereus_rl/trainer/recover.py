@@ -1,0 +1,383 @@
+"""Recovery of a run after a worker died: the trainer's :meth:`Trainer.recover
+<nereus_rl.trainer.trainer.Trainer.recover>` (kept apart from the RL loop it interrupts).
+
+A recovery runs in rounds. Each round takes the trainer's workers that are lost
+*now* (losses recovered from earlier in the run are no longer the trainer's
+workers, so they never count again), drops their devices from the device ->
+worker map, joins the survivors in a new default group, plans over the
+remaining devices and rebuilds every stage from the units that lost no shard.
+If another worker dies while a round runs (re-forming the group, an Extend, the
+rebind), the round stops where it is and the next one starts over the
+survivors: every EMU unit still live holds its stage's whole state (a
+primitive commits only after all its ranks succeeded, and the recovery's rebind
+loads each unit's own bytes), so the next round extends from whatever is
+intact, including units the cut-short round made.
+
+A death may also cut a transition short (the boundary's, or an async weight sync):
+
+* during its live primitives: the models are untouched until the rebind, and
+  every live unit (the current plan's, or one a primitive made) holds the state;
+* during its rebind: the DAG ended, so every live unit is a target unit, each rank
+  of which reads its received tensors or a model loaded from them;
+* during its fallback reshard (``rl.move`` of a whole stage): the survivors that
+  finished swapped their stage model for the new layout's, so the stage's old
+  units read the wrong shards there.
+
+So each round first asks the survivors which live units hold, on every rank, the
+shards they claim (:mod:`nereus_rl.trainer.recover_check`), forgets the others,
+and on the first round adopts the units of the layouts the models are on now
+(the finished part of a fallback reshard). The models may then be off the
+current plan, so the per-stage reshard (``transitions="reshard"``, or the EMU
+recovery refused) reads them through the units found read through them
+(``_model_sources``), not as that plan's. In
+async mode a weight sync cut short leaves rollout units with different weights
+and the next rollout runs before any other sync, so a round ends with a weight
+sync on the new plan (``recovery_rounds[i]["weight_sync"]``). The decision log's
+recovery row says what was cut short (``interrupted``) and which units were
+forgotten (``unsound_units``) or adopted (``adopted_units``).
+
+Tests inject faults through ``trainer.on_recovery_phase`` (a callable, absent by
+default), called as ``hook(phase, attempt)`` at each phase of a round:
+``"start"`` (devices dropped, group not re-formed), ``"world"`` (new group
+formed, nothing planned), and, on the EMU path, ``"destroyed"`` (broken units
+destroyed) and ``"extended"`` (extends done, rebind not sent), from
+:meth:`TrainerUnits.recover <nereus_rl.trainer.units.TrainerUnits.recover>`.
+Deaths inside a transition are injected on the worker side (a worker armed to
+die right after a command, ``tests/worker_faults.py``) or by the test's own
+boundary / weight sync (tests/test_trainer_recovery.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from nereus_rl.core.globalplan import StagePlan
+from nereus_rl.emu.types import EMUError, EMUStateLostError
+from nereus_rl.runtime import RemoteError, WorkerLostError, WorkerTimeoutError
+
+_LOG = logging.getLogger("nereus_rl.trainer.trainer")
+
+# Seconds to wait for a death to show after an error that may come from one (a gloo
+# peer's closed connection can reach a survivor before the driver sees the death).
+NOTICE_S = 10.0
+_CUT = (WorkerLostError, WorkerTimeoutError, RemoteError, EMUError, EMUStateLostError)
+
+
+class RecoveryStateLostError(RuntimeError):
+    """A stage has no unit left that lost no shard: its state is gone from memory."""
+
+
+def lost_workers(trainer) -> list[int]:
+    """The trainer's current workers known lost now (sorted).
+
+    Losses the run already recovered from are not the trainer's workers any more, so
+    a second death is told apart from the first.
+    """
+    lost = set(trainer.driver.check_liveness())
+    return [w for w in trainer.workers if w in lost]
+
+
+def _wait_lost(trainer, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        lost = lost_workers(trainer)
+        if lost or time.monotonic() > deadline:
+            return lost
+        time.sleep(0.05)
+
+
+def _phase(trainer, phase: str, attempt: int) -> None:
+    hook = getattr(trainer, "on_recovery_phase", None)
+    if hook is not None:
+        hook(phase, attempt)
+
+
+def recover(trainer, step: int, error: Exception) -> None:
+    """Continue after a worker died: a new default group over the survivors, a plan
+    over the remaining devices, and every stage's state rebuilt from its units that
+    lost no shard, through the EMU runtime where it can
+    (:meth:`TrainerUnits.recover <nereus_rl.trainer.units.TrainerUnits.recover>`:
+    Destroy the broken units, keep the intact ones that fit the new plan, Extend
+    from them onto the remaining devices and onto workers that joined the driver,
+    which take the lost device ids), else by the per-stage reshard from one intact
+    unit of the current plan (logged with the reason). A worker dying while this runs
+    starts the recovery over the survivors, and a death that cut a transition or a
+    weight sync short is recovered from the units that still hold the state (see the
+    module docstring). Nothing is reloaded from disk.
+
+    Raises:
+        the original error: no worker was lost (it was something else).
+        RecoveryStateLostError: some stage has no intact unit left (its state is gone;
+            the message says which stage and what to do), raised before anything moves
+            (off the current plan: no unit read through the stage's models is left).
+        RuntimeError: a worker died while the per-stage reshard was moving state (the
+            survivors' models may be on two layouts).
+    """
+    if not _wait_lost(trainer, NOTICE_S):
+        raise error
+    t0 = time.perf_counter()
+    # The current plan's devices are these workers' (a round may give a lost device's
+    # id to a joiner, which holds none of the plan's state).
+    plan_workers = dict(trainer.device_worker)
+    old = trainer.plan
+    rounds: list[dict[str, Any]] = []
+    lost_devices: list[int] = []
+    # off_plan: the stage models may not be the current plan's layout (a transition's
+    # rebind or fallback reshard, or a recovery's rebind, was cut short), so the
+    # per-stage reshard must read them through the units found sound, not that plan's.
+    ctx: dict[str, Any] = {"off_plan": False, "interrupted": None, "unsound": [], "adopted": []}
+    ctx["readable"] = []
+    while True:
+        lost = set(lost_workers(trainer))
+        dead = sorted(d for d, w in trainer.device_worker.items() if w in lost)
+        lost_devices += dead
+        rounds.append({"lost_devices": dead, "joined": {}, "error": None})
+        try:
+            new, run, why = _round(
+                trainer, step, error, dead, plan_workers, rounds[-1], len(rounds) - 1, ctx
+            )
+            ctx["off_plan"] = False  # every stage model is now ``new``'s
+            if trainer.cfg.mode == "async":
+                # Rollout units rebuilt from survivors that a cut-short weight sync
+                # reached or not hold different weights; the next rollout is generated
+                # before any other sync, so every rollout unit gets actor_train's now.
+                trainer.plan = new  # (logged once, below)
+                plan_workers = dict(trainer.device_worker)
+                trainer.weight_sync()
+                rounds[-1]["weight_sync"] = True
+            break
+        except _CUT as e:
+            # Another worker died during this round (else it is not ours to handle).
+            if isinstance(e, EMUStateLostError) or not _wait_lost(trainer, NOTICE_S):
+                raise
+            rounds[-1]["error"] = f"{type(e).__name__}: {e}"
+            _LOG.warning("a worker died during recovery (%s); starting over the survivors", e)
+    trainer._set_plan(step, new)
+    row = {
+        "step": step,
+        "signal": "devices",
+        "trigger": f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
+        "urgent": True,
+        "current": repr(old),
+        "candidate": repr(new),
+        "taken": True,
+        "path": "urgent",
+        "reason": "recovery from the intact units after a worker died",
+        "cause": str(error),
+        "interrupted": ctx["interrupted"],
+        "unsound_units": ctx["unsound"],
+        "adopted_units": ctx["adopted"],
+        "recovery": "emu" if run is not None else "reshard",
+        "recovery_fallback": why,
+        "recovery_rounds": rounds,
+        "executed_primitives": run.primitives if run is not None else [],
+        "bytes_moved": run.bytes_moved if run is not None else None,
+        "predicted_saving_s": None,
+        "predicted_transition_s": None,
+        "measured_transition_s": time.perf_counter() - t0,
+    }
+    trainer.adapter._log(row)
+
+
+def _round(
+    trainer,
+    step: int,
+    error: Exception,
+    dead: list[int],
+    plan_workers: dict[int, int],
+    row: dict[str, Any],
+    attempt: int,
+    ctx: dict[str, Any],
+):
+    """One recovery round over the devices whose workers are alive now (and workers
+    admitted in their place, noted in ``row["joined"]``).
+
+    Returns:
+        (the new plan, the EMU :class:`TransitionRun` or None, why the reshard was used).
+
+    Raises:
+        WorkerLostError, WorkerTimeoutError, RemoteError, EMUError: cut short (the
+            caller tells a new death from another failure).
+        RecoveryStateLostError: a stage has no intact unit left.
+    """
+    units = trainer.units
+    if units is not None and units.moving is not None:
+        raise RuntimeError(
+            f"a worker died while the recovery's per-stage reshard was moving stage "
+            f"{units.moving!r}: the survivors' copies may be on two layouts, so the state "
+            "cannot be rebuilt from memory; restart the run from a checkpoint"
+        ) from error
+    emu_path = units is not None and {"extend", "destroy"} <= units.live_kinds
+    if units is not None:
+        _check(trainer, attempt, ctx)
+    if ctx["off_plan"]:
+        # The models are not the current plan's: the reshard reads them through the
+        # units found read through them (``None``: the stage has none left).
+        sources = _model_sources(trainer, ctx["readable"])
+    else:
+        sources = _sources(trainer, plan_workers, emu_path, error)
+    device_worker = {d: w for d, w in trainer.device_worker.items() if d not in dead}
+    joined = row["joined"] = _admit(trainer, device_worker)
+    alive = sorted(device_worker)
+    trainer.device_worker = {d: device_worker[d] for d in alive}
+    trainer.workers = [device_worker[d] for d in alive]
+    # plan device id -> rank in the new default group (the group is formed next)
+    trainer.world_rank = {d: i for i, d in enumerate(alive)}
+    _phase(trainer, "start", attempt)
+    if lost_workers(trainer):  # one more died: form the group over fewer
+        raise WorkerLostError("a worker died before the default group was formed", ())
+    trainer._init_world()
+    if joined:
+        # A joiner holds no stage yet: it learns the model and the hyper-parameters (no
+        # stage is built, nothing is collective); its units come by Extend.
+        trainer.driver.call(list(joined.values()), "rl.setup", [], trainer.mc, {},
+                            trainer.cfg.hyper())  # fmt: skip
+    _phase(trainer, "world", attempt)
+    new, _ = trainer.adapter.best_plan(trainer._response_len(step), devices=alive)
+    run, why = None, None
+    if emu_path:
+        try:
+            units.on_recovery_phase = lambda p: _phase(trainer, p, attempt)
+            run = units.recover(new)
+        except (EMUError, EMUStateLostError) as e:
+            if lost_workers(trainer):  # refused because one more died: a new round
+                raise
+            why = f"EMU recovery refused: {e}"  # refused before the models changed
+    else:
+        why = f"transitions={trainer.cfg.transitions!r}: EMU primitives are not run live"
+    if run is None:
+        _LOG.warning("recovery by per-stage reshard: %s", why)
+        missing = sorted(s for s, sp in sources.items() if sp is None)
+        if missing:
+            raise RecoveryStateLostError(
+                f"stage(s) {missing} keep no unit of the current plan that lost no device "
+                + (
+                    "nor one read through their models, which a death left mid-change "
+                    f"({ctx['interrupted'] or 'a recovery rebind'}) "
+                    if ctx["off_plan"]
+                    else ""
+                )
+                + f"(lost now: {sorted(dead)}), and the EMU recovery refused ({why}): the "
+                "state cannot be rebuilt by the per-stage reshard. Use a plan with dp >= 2 "
+                "for every stage"
+            ) from error
+        _reshard(trainer, sources, new)
+    return new, run, why
+
+
+def _check(trainer, attempt: int, ctx: dict[str, Any]) -> None:
+    """Keep only the live units that hold their stage's state on every surviving rank
+    (:func:`nereus_rl.trainer.recover_check.check_units`), and note in ``ctx`` what the
+    death cut short and which units were forgotten or adopted.
+
+    A transition's rebind cut short leaves its target units sound (the DAG ended
+    before it), so the rebind flag is lowered here for the EMU recovery to start from
+    them; the models are then off the current plan (``ctx["off_plan"]``).
+    """
+    from nereus_rl.trainer.recover_check import check_units
+
+    units = trainer.units
+    rebinding, units._rebinding = units._rebinding, None
+    # The models' group numbering is the current default group's only before any
+    # recovery round re-formed it.
+    res = check_units(trainer, adopt_layouts=attempt == 0)
+    ctx["unsound"] += res["unsound"]
+    ctx["adopted"] += res["adopted"]
+    ctx["readable"] = res["readable"]
+    if attempt == 0:
+        if rebinding == "transition":
+            ctx["interrupted"] = "transition rebind"
+        elif res["unsound"] or res["adopted"]:
+            ctx["interrupted"] = "transition fallback reshard"
+    if rebinding is not None or res["unsound"] or res["adopted"]:
+        ctx["off_plan"] = True
+
+
+def _admit(trainer, device_worker: dict[int, int]) -> dict[int, int]:
+    """Give free device ids (lost ones, up to ``cfg.devices``) to workers of the driver
+    that the run does not use (joined with ``nereus-rl worker --store``, or idle), so
+    that recovery extends onto them. Updates ``device_worker``; returns device -> worker
+    of the admitted ones."""
+    used = set(device_worker.values())
+    spare = [w for w in trainer.driver.workers if w not in used]
+    free = [d for d in range(trainer.cfg.devices) if d not in device_worker]
+    joined = dict(zip(free, spare))
+    device_worker.update(joined)
+    if joined and trainer.units is not None:
+        # the cost model prices the joiners' primitives on their device ids
+        trainer.units.emus.rank_devices.update({w: d for d, w in joined.items()})
+    if joined:
+        _LOG.warning("recovery admits joined worker(s) %s", joined)
+    return joined
+
+
+def _sources(
+    trainer, plan_workers: dict[int, int], emu_path: bool, error: Exception
+) -> dict[str, Any]:
+    """Per stage of the current plan, one intact unit as a single-unit StagePlan (None
+    when the plan has none but a live EMU unit holds the state).
+
+    Every loss counts, this round's and the cut-short rounds' (whose broken units may
+    not have been destroyed yet).
+
+    Raises:
+        RecoveryStateLostError: a stage has no intact holder at all (nothing moved yet).
+    """
+    lost = set(trainer.driver.check_liveness())
+    gone = sorted(d for d, w in plan_workers.items() if w in lost)
+    live = {}
+    if emu_path:
+        live = {u.stage: u for u in trainer.units.emus.units() if not lost & set(u.ranks)}
+    out = {}
+    for sp in trainer.plan.stages:
+        intact = [u for u in sp.units if not set(gone).intersection(u)]
+        if not intact and sp.stage not in live:
+            raise RecoveryStateLostError(
+                f"worker(s) on devices {gone} died and stage {sp.stage!r} "
+                f"({sp!r}) has no unit left without them: its state is lost. Use a plan "
+                "with dp >= 2 for every stage to survive a device loss"
+            ) from error
+        out[sp.stage] = (
+            StagePlan(sp.stage, sp.model, sp.trains, 1, sp.tp, sp.pp, (intact[0],))
+            if intact
+            else None
+        )
+    return out
+
+
+def _model_sources(trainer, readable) -> dict[str, StagePlan | None]:
+    """Per stage of the current plan, a live unit read through the stage models on
+    every rank (after :func:`_check`), as a single-unit StagePlan of its devices."""
+    dev_of = {w: d for d, w in trainer.device_worker.items()}
+    out: dict[str, StagePlan | None] = {}
+    for sp in trainer.plan.stages:
+        us = [u for u in readable if u.stage == sp.stage and all(r in dev_of for r in u.ranks)]
+        out[sp.stage] = None
+        if us:
+            devs = tuple(dev_of[r] for r in us[0].ranks)
+            out[sp.stage] = StagePlan(sp.stage, sp.model, sp.trains, 1, us[0].tp, us[0].pp, (devs,))
+    return out
+
+
+def _reshard(trainer, sources: dict[str, StagePlan], new) -> None:
+    """The fallback: every stage moved from one intact unit of the current plan."""
+    units = trainer.units
+    for sp in new.stages:
+        # Until every stage moved, a death leaves some models on the new layout: flagged
+        # so that a next round refuses instead of reading them as the old one's.
+        if units is not None:
+            units.moving = sp.stage
+        trainer._all(
+            "rl.move",
+            trainer._desc(sources[sp.stage]),
+            trainer._desc(sp),
+            params_only=not sp.trains,
+            replace=True,
+        )
+    if units is not None:
+        # the units of the lost layout are gone; the rebuilt state is adopted anew
+        units.forget_all()
+        units.adopt(new)
+        units.moving = None

@@ -1,0 +1,563 @@
+"""The RL trainer: PPO, GRPO and ReMax on worker processes, adapting their layout as they run.
+
+``train(...)`` is the project's main job. A driver (this process) runs the RL
+loop's control; one worker process per device (``nereus_rl.runtime``) holds
+the shards of every model-stage placed on it (:mod:`nereus_rl.trainer.worker`)
+and runs that stage's work: rollout generation, reference / critic
+inference, training. Where each stage runs and how it is split (dp, tp, pp)
+is the current :class:`~nereus_rl.core.globalplan.GlobalPlan`.
+
+One RL step (synchronous mode):
+
+    rollout       sample responses (+ behaviour log-probs; ReMax: greedy baseline)
+    reward        rule-based, on the driver
+    reference     reference log-probs (PPO: critic values too)
+    advantages    on the driver (GRPO group-normalised, PPO GAE, ReMax greedy baseline)
+    training      one optimizer step per training stage, batch split over its units
+    weight sync   actor_train -> rollout layout, nereus_comm reshard (every step)
+    (next rollout sent: it runs while the boundary decides)
+    adapt         (safe boundary) controller -> planner -> admission -> transition
+
+Asynchronous mode generates the next step's responses while the current step
+trains (one step stale, the behaviour log-probs come from the rollout
+weights that sampled them); the weight sync is the safe boundary.
+
+In both modes the rollout that follows a boundary's weight sync is sent before
+the boundary decides, since its weights and prompts do not depend on the
+decision (``Trainer._run_ahead``): the deciding overlaps it instead of adding to
+the step. A move waits for it first (``Trainer.finish_ahead``) and carries the
+rollout's synced state; a plan that cannot hold its responses moves first.
+
+The model's state on the workers is held as EMU units
+(:mod:`nereus_rl.trainer.units`), and a plan transition runs as EMU primitives
+on them. The adaptation loop lives in :mod:`nereus_rl.trainer.adapt.adapter`; a step's
+rollout and training work in :mod:`nereus_rl.trainer.step`; the run folder in
+:mod:`nereus_rl.trainer.report`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.data.tasks import LengthCurriculum, LengthTrace, get_task, warm_start
+from nereus_rl.models.model import Decoder
+from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
+from nereus_rl.trainer.config import (
+    ALGOS,
+    MODES,
+    SYNC_PAIRS,
+    NotEnoughDevicesError,
+    TrainConfig,
+    TrainConfigError,
+    TrainResult,
+    UnknownAlgorithmError,
+    check_config,
+    check_local_devices,
+    simple_plan,
+    stage_desc,
+    stage_names,
+)
+from nereus_rl.trainer.step import StepWork, head_start
+
+__all__ = [
+    "ALGOS",
+    "MODES",
+    "NotEnoughDevicesError",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
+    "Trainer",
+    "UnknownAlgorithmError",
+    "check_config",
+    "simple_plan",
+    "stage_desc",
+    "stage_names",
+    "train",
+]
+
+# Warm-started initial states by (critic, model, task, seed, warm steps): runs in one
+# process (tests, benchmarks) that differ only in plan or algorithm share the warm start.
+_WARM_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
+
+
+def _lengths(cfg: TrainConfig):
+    if cfg.trace is not None:
+        return LengthTrace.from_file(cfg.trace)
+    return LengthCurriculum(cfg.length_start, cfg.length_end, cfg.steps)
+
+
+class Trainer(StepWork):
+    """The driver side of one run: workers, plan, and the RL loop (see the module docstring).
+
+    Arguments:
+        cfg: the options (checked with :func:`check_config`).
+        driver: a runtime Driver with at least ``cfg.devices`` workers (tests reuse one);
+            None spawns local workers and shuts them down in :meth:`close`.
+        log: a :class:`nereus_rl.trainer.report.RunLog` (or None): metrics and decisions go there
+            as they happen.
+        progress: called after every step with (step, metrics).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        driver: Driver | None = None,
+        log=None,
+        progress: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.mc = check_config(cfg)
+        if driver is None:  # its workers will be spawned here: can this machine host them?
+            check_local_devices(cfg)
+        self.task = get_task(cfg.task)
+        self.lengths = _lengths(cfg)
+        self.log = log
+        self.progress = progress
+        self.result = TrainResult(cfg)
+        self.rng = random.Random(cfg.seed)
+        from nereus_rl.trainer.adapt.adapter import Adapter
+
+        # Planned before any process starts, so that too few devices or too little
+        # memory is reported at once.
+        self.adapter = Adapter(self, enabled=cfg.adapt)
+        self.first_plan = self.adapter.initial_plan(self._response_len(0))
+        self.plan: GlobalPlan | None = None
+        self.units = None  # TrainerUnits, once the workers hold the state
+        # a worker loss at a step's end (its boundary, or the async weight sync): the
+        # step is recorded, then recovered from (run)
+        self._boundary_loss: Exception | None = None
+        # rollouts sent ahead of their step (oldest first; see _step), and the step whose
+        # weights the last weight sync gave the rollout (sync mode)
+        self._ahead: list[dict[str, Any]] = []
+        self._synced_for: int | None = None
+        self.own_driver = driver is None
+        self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self, plan: GlobalPlan | None = None) -> None:
+        """Spawn/attach workers, warm-start the policy, choose the first plan, build stages."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self.own_driver:
+            self.driver.spawn_local(cfg.devices)
+        workers = sorted(self.driver.workers)[: cfg.devices]
+        if len(workers) < cfg.devices:
+            raise NotEnoughDevicesError(
+                f"{cfg.devices} devices asked but only {len(workers)} workers joined"
+            )
+        self.workers = workers
+        # plan device id -> rank in the workers' default group (changes after a loss)
+        self.world_rank = {d: d for d in range(len(workers))}
+        self.device_worker = dict(enumerate(workers))
+        self.driver.import_module("nereus_rl.trainer.worker")
+        self._init_world()
+        self.result.timings["spawn_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        full = self._initial_states()
+        self.result.timings["warm_start_s"] = time.perf_counter() - t0
+        if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
+            self._calibrate(full)
+        t0 = time.perf_counter()
+        if cfg.adapt:
+            # After calibration: the model (and budget) the run's decisions start from.
+            self.adapter.prepare_buckets(self._response_len(0))
+        self._set_plan(0, plan or self.first_plan)
+        descs = [self._desc(sp) for sp in self.plan.stages]
+        self._all("rl.setup", descs, self.mc, full, cfg.hyper())
+        from nereus_rl.trainer.units import TrainerUnits
+        from nereus_rl.transition import KINDS
+
+        # From here on each stage's shards are EMU units' tensors (no copy is made).
+        live = KINDS if cfg.transitions == "emu" else ()
+        self.units = TrainerUnits(self, self.adapter.cm, live_kinds=live)
+        self.units.adopt(self.plan)
+        self.result.timings["setup_s"] = time.perf_counter() - t0
+
+    def _calibrate(self, full: dict[str, dict[str, torch.Tensor]]) -> None:
+        # Measured on these workers before the first decision (nereus_rl.trainer.calibrate);
+        # the planner's first plan is then chosen again with what was measured.
+        from nereus_rl.trainer.calibrate import calibrate
+
+        rec, observed = calibrate(self, full, self.cfg.calibration_probes)
+        self.result.calibration = rec
+        self.result.timings["calibration_s"] = rec["seconds"]
+        self.adapter.calibrated(observed)
+        self.first_plan = self.adapter.initial_plan(self._response_len(0))
+
+    def _desc(self, sp: StagePlan) -> dict[str, Any]:
+        d = stage_desc(sp)
+        d["units"] = [[self.world_rank[x] for x in u] for u in d["units"]]
+        return d
+
+    def _init_world(self) -> None:
+        n = len(self.workers)
+        # a fresh prefix per run: workers reused by another run must not meet old keys
+        prefix = f"rl.world.{uuid.uuid4().hex[:12]}/"
+        pend = [
+            self.driver.submit([w], "rl.init", i, n, prefix, device=self.cfg.device)
+            for i, w in enumerate(self.workers)
+        ]
+        for p in pend:
+            self.driver.wait(p)
+
+    def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        key = (cfg.algo == "ppo", cfg.model, cfg.task, cfg.seed, cfg.warm_steps)
+        if key not in _WARM_CACHE:
+            if len(_WARM_CACHE) > 8:
+                _WARM_CACHE.clear()
+            _WARM_CACHE[key] = self._warm_start()
+        return _WARM_CACHE[key]
+
+    def _warm_start(self) -> dict[str, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        policy = Decoder(self.mc, seed=cfg.seed)
+        warm_start(policy, self.task, steps=cfg.warm_steps, seed=cfg.seed)
+        actor = {k: v.detach().clone() for k, v in policy.shard_state_dict().items()}
+        out = {"actor": actor, "reference": actor}
+        if cfg.algo == "ppo":
+            critic = Decoder(self.mc, value_head=True, seed=cfg.seed + 1)
+            critic.load_shard_state_dict(
+                {k: v for k, v in actor.items() if k != "lm_head.weight"}, strict=False
+            )
+            out["critic"] = {k: v.detach().clone() for k, v in critic.shard_state_dict().items()}
+        return out
+
+    def _set_plan(self, step: int, plan: GlobalPlan) -> None:
+        self.plan = plan
+        self.result.plans.append((step, plan))
+        if self.log is not None:
+            self.log.plan(step, plan)
+
+    def _all(self, fn: str, *args, **kwargs) -> dict[int, Any]:
+        # Every worker runs every stage command (non-members return at once), so that
+        # collectives over the default group and new_group calls stay in step.
+        return self.driver.call(self.workers, fn, *args, **kwargs)
+
+    def _submit(self, fn: str, *args, **kwargs):
+        return self.driver.submit(self.workers, fn, *args, **kwargs)
+
+    def _submit_stage(self, fn: str, stage: str, *args, **kwargs):
+        """Send a stage command (``rl.generate``, ``rl.infer``, ``rl.train``) to the
+        stage's own workers only; do not wait.
+
+        Its collectives are over the stage's groups alone, so no other worker needs the
+        command. Sent to every worker (as it once was), a worker running another stage's
+        command answers only after that command: the async rollout's workers held every
+        reference and training reply back until the next step's rollout ended, so
+        rollout overlapped nothing on disjoint devices. Every worker still sees the
+        commands it gets in the driver's one order, so collectives stay in step.
+        """
+        ranks = [self.device_worker[d] for d in sorted(self.plan.stage(stage).devices)]
+        return self.driver.submit(ranks, fn, stage, *args, **kwargs)
+
+    def _response_len(self, step: int) -> int:
+        return int(self.lengths.response_len(step))
+
+    # ------------------------------------------------------------------ work
+
+    def weight_sync(self) -> dict[str, float]:
+        """actor_train -> rollout (PPO: critic_train -> critic_inference too) through
+        nereus_comm reshard, collective over the workers; never a gather on one rank."""
+        t0 = time.perf_counter()
+        sent = 0.0
+        names = self.plan.stage_names
+        for src, dst in SYNC_PAIRS:
+            if src in names and dst in names:
+                rep = self._all(
+                    "rl.move",
+                    self._desc(self.plan.stage(src)),
+                    self._desc(self.plan.stage(dst)),
+                    params_only=True,
+                    replace=False,
+                )
+                sent += sum(r["bytes_sent"] for r in rep.values())
+        return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent}
+
+    def transition(self, new: GlobalPlan, dag, step: int):
+        """Move every changed stage's state to its new layout by running the transition
+        DAG's EMU primitives on the units holding it (:meth:`TrainerUnits.run`).
+
+        Weights (and a training stage's Adam moments and step) travel by nereus_comm
+        reshard inside the primitives; nothing is rebuilt from scratch.
+
+        Arguments:
+            new: the target plan.
+            dag: its compiled transition DAG (None: per-stage reshards).
+            step: the first step run on ``new``.
+
+        Returns:
+            The :class:`~nereus_rl.trainer.units.TransitionRun`.
+        """
+        from nereus_rl.transition import TransitionExecutionError
+
+        self.finish_ahead()
+        try:
+            run = self.units.run(self.plan, new, dag)
+        except TransitionExecutionError as e:
+            # A worker lost mid-transition is handled as one lost mid-step: the models
+            # of the current plan are untouched until the rebind, so :meth:`recover`
+            # rebuilds from their intact units.
+            if isinstance(e.__cause__, (WorkerLostError, WorkerTimeoutError, RemoteError)):
+                raise e.__cause__ from e
+            lost = tuple(w for w in self.driver.check_liveness() if w in self.workers)
+            if lost:  # a primitive refused the lost worker's ranks before moving anything
+                raise WorkerLostError(
+                    f"worker(s) {list(lost)} died during a transition: {e}", lost
+                ) from e
+            raise
+        self._set_plan(step, new)
+        return run
+
+    def finish_ahead(self) -> None:
+        """Wait for the rollouts sent ahead (their responses are kept for their steps).
+
+        One runs on the current plan's rollout workers, so a transition waits for it
+        first (:meth:`transition`; the boundary's move calls this before its clock
+        starts, so that the move is timed alone).
+        """
+        self._ahead = [j if "sequences" in j else self._rollout_wait(j) for j in self._ahead]
+
+    def recover(self, step: int, error: Exception) -> None:
+        """Continue after a worker died (:func:`nereus_rl.trainer.recover.recover`: a new
+        default group over the survivors, a plan over the remaining devices, every
+        stage's state rebuilt from its units that lost no device).
+
+        Raises:
+            the original error: no worker was lost, or some stage lost its state.
+        """
+        from nereus_rl.trainer.recover import recover
+
+        recover(self, step, error)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> TrainResult:
+        """Run every step (metrics and decisions are logged as they happen)."""
+        cfg = self.cfg
+        self._ahead = []
+        self._synced_for = None
+        step = 0
+        while step < cfg.steps:
+            try:
+                self._step(step)
+            except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+                # the step is run again on the new plan, its rollouts sent again there
+                self._ahead, self._synced_for = [], None
+                self.recover(step, e)
+                continue
+            step += 1
+            lost, self._boundary_loss = self._boundary_loss, None
+            if lost is not None:  # the step finished; its boundary's transition did not
+                # A finished rollout stays valid (its weights were the ones to use); one
+                # still running may wait on the lost worker, so it is sent again.
+                self._ahead = [j for j in self._ahead if "sequences" in j]
+                self._synced_for = None
+                self.recover(step, lost)
+        return self.result
+
+    def _step(self, step: int) -> None:
+        """One RL step and its safe boundary.
+
+        The rollouts sent ahead of their step wait in ``self._ahead`` (oldest first):
+        the next step's rollout runs while this step trains (async), and the rollout
+        that follows the boundary's weight sync is sent before the boundary decides
+        (:meth:`_run_ahead`), so the deciding overlaps it.
+        """
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        sync: dict[str, float] = {}
+        ahead = self._ahead
+        if not ahead:  # the first step, the first after a recovery, or none sent ahead
+            if step == 0 or (cfg.mode == "sync" and self._synced_for != step):
+                sync = self.weight_sync()
+            ahead.append(self._rollout_submit(step))
+        job = ahead.pop(0)
+        head = 0.0
+        if cfg.mode == "sync":  # the step's own rollout is its first phase
+            job, head = self._rollout_ready(job, t_step)
+        elif "sequences" not in job:  # async: only the first step waits for its own
+            job = self._rollout_wait(job)
+        if cfg.mode == "async" and step + 1 < cfg.steps and not ahead:
+            # The next step's rollout runs on the current rollout weights while this
+            # step trains (on disjoint devices the two overlap).
+            ahead.append(self._rollout_submit(step + 1))
+        m = self._train_on(job)
+        m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read
+        try:
+            # measured bytes of model state (weights, Adam moments) on the fullest worker
+            # (before the weight sync, which loads in place: the same bytes)
+            m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
+            if ahead:  # async: the next step's rollout ends before the rollout weights change
+                ahead[0], head = self._rollout_ready(ahead[0], t_step)
+            if step + 1 < cfg.steps:
+                # sync: the next step's weights; async: the step after next's (its
+                # rollout is the one sent ahead next). A step records one sync, as the
+                # cost model prices it (step 0 also ran the first one, before its rollout).
+                sync = self.weight_sync()
+                self._synced_for = step + 1
+                self._run_ahead(step + 1 if cfg.mode == "sync" else step + 2)
+        except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+            # The step trained already: as a loss at its boundary (below), recovered from
+            # after the step is recorded (recovery syncs the weights in async mode).
+            self._boundary_loss = e
+        m.update(sync)
+        m.update(
+            step=step,
+            response_len=job["rlen"],
+            level=job["level"],
+            plan=repr(self.plan),
+            num_devices=len(self.plan.devices),
+        )
+        m["step_s"] = time.perf_counter() - t_step
+        # the part of the step's critical rollout that ran before the step began, during
+        # the previous boundary: the step as the cost model prices it is step_s + this
+        m["head_start_s"] = head
+        m["transition_s"] = 0.0
+        # The boundary's whole time, the transition included: what deciding (signals,
+        # planner, lookahead, admission, DAG compiles) adds to a step beyond the
+        # transition is decision_s; a fixed plan's boundary only observes.
+        m["boundary_s"] = 0.0
+        if step + 1 < cfg.steps and self._boundary_loss is None:
+            t_boundary = time.perf_counter()
+            try:
+                m.update(self.adapter.boundary(step, m))
+            except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+                # The step trained already: it is recorded and recovered from after, not
+                # run again (its update would be applied twice).
+                self._boundary_loss = e
+            m["boundary_s"] = time.perf_counter() - t_boundary
+        m["decision_s"] = max(0.0, m["boundary_s"] - m["transition_s"])
+        self.result.metrics.append(m)
+        if self.log is not None:
+            self.log.metrics(m)
+        if self.progress is not None:
+            self.progress(step, m)
+
+    def _run_ahead(self, step: int) -> None:
+        """Send ``step``'s rollout now, before the boundary decides, when the current
+        plan can run it.
+
+        Its weights are the ones it would get after the boundary: the weight sync ran,
+        and a transition carries the rollout's state as it is (``transition`` waits for
+        the rollout first, so the move is timed alone). Its data is the same too (the
+        prompts are sampled in step order, the sampling seed is the step's). A plan
+        the cost model says cannot hold the step's responses must move first (the
+        urgent path), so then the rollout is sent after the boundary, on the new plan.
+        """
+        if step < self.cfg.steps and self.adapter.can_run(self.plan, self._response_len(step)):
+            self._ahead.append(self._rollout_submit(step))
+
+    def _rollout_ready(self, job, t_step: float):
+        """``job`` with its responses (waiting for them if they are not in) and its
+        head start: how much sooner the step's rollout ends than had it been sent when
+        the step began (:func:`~nereus_rl.trainer.step.head_start`)."""
+        t_wait = time.perf_counter()
+        if "sequences" not in job:
+            job = self._rollout_wait(job)
+        return job, head_start(t_step, job["submitted_at"], t_wait, job["rollout_s"])
+
+    def close(self) -> None:
+        """Release the workers (shut them down when this trainer spawned them)."""
+        try:
+            if getattr(self, "units", None) is not None:
+                self.units.close()
+            if self.driver.workers:
+                self.driver.call(self.workers, "rl.close", timeout=30.0)
+        except Exception:
+            pass
+        if self.own_driver:
+            self.driver.shutdown()
+
+
+def train(
+    algo: str = "grpo",
+    model: str = "tiny",
+    task: str = "sort",
+    devices: int = 4,
+    steps: int = 60,
+    adapt: bool = True,
+    seed: int = 0,
+    run_dir: str | Path | None = None,
+    mode: str = "sync",
+    memory_budget: int | None = None,
+    *,
+    driver: Driver | None = None,
+    progress: Callable[[int, dict[str, Any]], None] | None = None,
+    **options: Any,
+) -> TrainResult:
+    """Train a policy with PPO, GRPO or ReMax on ``devices`` worker processes.
+
+    Arguments:
+        algo: ``"grpo"``, ``"ppo"`` or ``"remax"``.
+        model: model preset (``"tiny"``, ``"small"``, ``"medium"``, ``"large"``).
+        task: bundled task (``"sort"``, ``"reverse"``, ``"addition"``).
+        devices: worker processes (one per device), spawned locally unless ``driver``
+            already has them.
+        steps: RL steps.
+        adapt: run the adaptation loop (False: keep the first plan).
+        seed: seeds the warm start, the prompts and the sampling.
+        run_dir: folder for metrics.jsonl, decisions.jsonl, plots and summary (None: none).
+        mode: ``"sync"`` or ``"async"`` (rollout one step ahead of training).
+        memory_budget: bytes per worker the plan must fit. None: the automatic budget
+            (:func:`~nereus_rl.policy.auto_budget.auto_budget`), which a fast start plan fits
+            at the first
+            response length and not at the run's longest, while another plan does, so
+            that growing responses force a move (the situation Nereus is for).
+        driver: a runtime Driver whose workers to use (they are kept running).
+        progress: called after every step with (step, metrics).
+        options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
+            admission, transitions, length_start, length_end, device, ...). ``device="cuda"``
+            puts each worker's stages on its own GPU (NCCL for the models' collectives);
+            the default ``"cpu"`` keeps them in host memory.
+
+    Returns:
+        A :class:`TrainResult`; if a worker failed mid-run, ``error`` says so and the
+        metrics hold every step finished before.
+
+    Raises:
+        TrainConfigError (and the model/task/trace errors, all ValueError): bad options,
+        raised before any process starts.
+    """
+    from nereus_rl.trainer.report import RunLog
+
+    try:
+        cfg = TrainConfig(
+            algo=algo,
+            model=model,
+            task=task,
+            devices=devices,
+            steps=steps,
+            adapt=adapt,
+            seed=seed,
+            mode=mode,
+            memory_budget=memory_budget,
+            **options,
+        )
+    except TypeError as e:
+        raise TrainConfigError(f"{e}; see TrainConfig for the options") from None
+    trainer = Trainer(cfg, driver=driver, progress=progress)  # checks every option
+    log = RunLog(run_dir, cfg) if run_dir is not None else None
+    trainer.log = log
+    try:
+        trainer.start()
+        trainer.run()
+    except (KeyboardInterrupt, RuntimeError, OSError) as e:
+        trainer.result.error = f"{type(e).__name__}: {e}"
+        if log is not None:
+            log.error(trainer.result.error)
+    finally:
+        trainer.close()
+        if log is not None:
+            trainer.result.run_dir = log.finish(trainer.result)
+    return trainer.result
