@@ -13,7 +13,7 @@ Columns:
   view1_ms    building one rank's Python views (local_copies + sends + recvs), the
               most loaded destination rank: what one worker does
   viewall_ms  the same for every rank (only where marked; Python object construction)
-  ref_ms      tests/reference_planner.py on the same input (small scales or a layer
+  ref_ms      tests/support/reference_planner.py on the same input (small scales or a layer
               subset only, as the state column says); speedup_x = ref_ms / plan_ms
 Every figure is measured here; nothing is extrapolated. Times are the minimum of
 the repeats.
@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the reference planner lives with the tests
 
-from reference_planner import reference_plan  # noqa: E402
+from support.reference_planner import reference_plan  # noqa: E402
 
 from nereus_comm import _C  # noqa: E402
 from nereus_comm.layout import Layout  # noqa: E402

@@ -8,7 +8,7 @@ Why bytes through a same-width integer view: the widest power-of-two alignment (
 16 bytes) that divides every address, row length and stride of the table is chosen on
 the host; the kernel moves 1/2/4-byte integers and is told (tl.multiple_of on the row
 pointers) that each row starts on that boundary, so a fully 16-byte aligned table
-compiles to 128-bit loads and stores (checked in the sm_90 PTX by tests/test_pack.py),
+compiles to 128-bit loads and stores (checked in the sm_90 PTX by tests/comm/test_pack.py),
 the widest a thread can issue, which is what it takes to reach copy bandwidth.
 Misaligned tables still work, with narrower accesses; note that one odd-sized region
 in a pack shifts every later offset in the buffer and so narrows the whole table.

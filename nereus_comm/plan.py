@@ -17,7 +17,7 @@ compact plan and wraps it in a `ReshardPlan` whose per-rank views
 - all pieces between two ranks form one `Message`, the same on both sides.
 
 Every rank computes the same plan independently: no communication.
-tests/reference_planner.py states the source-choice rules in plain Python.
+tests/support/reference_planner.py states the source-choice rules in plain Python.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ bucket; one scalar call per layout made that 95-98 % of such a call. Here every
 expression of the scalar code is evaluated on float64/int64 arrays with the same
 operands in the same order: IEEE element-wise operations round exactly like Python
 floats when the association is the same (and ints below 2**53 convert exactly), so
-the results are identical, not merely close. ``tests/test_costmodel_vec.py`` checks
+the results are identical, not merely close. ``tests/rl/costmodel/test_costmodel_vec.py`` checks
 that with ``np.array_equal``; any change to the scalar code must be mirrored here.
 """
 

@@ -90,7 +90,7 @@ CLASS_INDEX = {c: i for i, c in enumerate(CLASSES)}
 NUM_CLASSES = len(CLASSES)
 TRAIN_STATE_BYTES_PER_PARAM = 16
 # Eager ops dispatched by ``nereus_rl.models.model.Decoder`` (counted with TorchDispatchMode,
-# checked by tests/test_costmodel.py): per layer, and for the rest of the model
+# checked by tests/rl/costmodel/test_costmodel.py): per layer, and for the rest of the model
 # (embedding, final norm, head, loss). Each costs a launch / dispatch whatever its size;
 # on small steps these, not the FLOPs, set the time.
 KERNELS_PER_LAYER_FWD = 118

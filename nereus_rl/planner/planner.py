@@ -60,7 +60,7 @@ Compiled search (``planner_native``, csrc/rl/planner/): steps 1 to 3 run in C++ 
 flat arrays when ``nereus_rl._native`` is built (``Planner(native=None)``, the default);
 ``native=False`` runs them in Python, the reference. The port follows the Python step by
 step (summation orders, stable sorts, heapq's sift order), so both return the same plans,
-objectives bit for bit and k-best order; tests/test_planner_native.py checks it call by
+objectives bit for bit and k-best order; tests/rl/planner/test_planner_native.py checks it call by
 call. The compiled search computes a partition's bound only when that partition may be
 the next to search: every partition starts with a cheap lower bound (its largest group
 at the largest size, the others at the largest size left), refined by a branch and bound

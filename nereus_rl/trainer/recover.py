@@ -43,8 +43,8 @@ formed, nothing planned), and, on the EMU path, ``"destroyed"`` (broken units
 destroyed) and ``"extended"`` (extends done, rebind not sent), from
 :meth:`TrainerUnits.recover <nereus_rl.trainer.units.TrainerUnits.recover>`.
 Deaths inside a transition are injected on the worker side (a worker armed to
-die right after a command, ``tests/worker_faults.py``) or by the test's own
-boundary / weight sync (tests/test_trainer_recovery.py).
+die right after a command, ``tests/support/worker_faults.py``) or by the test's own
+boundary / weight sync (tests/rl/trainer/test_trainer_recovery.py).
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ def _build_model(desc: dict[str, Any], rl: dict[str, Any]):
     ranks = [r for u in desc["units"] for r in u]
     # The default group's timeout, not new_group's own default (30 minutes for gloo): a
     # survivor waiting in a stage's all-reduce on a peer that left it after another
-    # worker died is released only by it (tests/test_trainer_recovery_hang.py)
+    # worker died is released only by it (tests/rl/trainer/test_trainer_recovery_hang.py)
     groups = init_parallel_groups(desc["tp"], desc["pp"], desc["dp"], ranks, rl["timeout"])
     if groups is None:
         return None

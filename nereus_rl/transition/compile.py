@@ -16,11 +16,11 @@ Planning time. The goal is the paper's 1.22 ms at 1,024 devices. The Python
 compiler here is the exact one (indexes local to the devices a primitive touches,
 C-level iteration, the DAG's own order reused as its topological order, the cyclic
 garbage collector paused), pinned to the DAGs it gave before by fingerprints
-(``tests/test_transition_golden.py``); in CPython it cannot reach the goal (merely
+(``tests/rl/transition/test_transition_golden.py``); in CPython it cannot reach the goal (merely
 building the returned objects at 1,024 devices costs about a millisecond). So by
 default the same algorithm runs in C++ (:mod:`nereus_rl.transition.native`,
 ``csrc/rl/transition/``), step for step, giving the same DAG field by field (the golden
-fingerprints and ``tests/test_transition_native.py`` check both paths), with the DAG's
+fingerprints and ``tests/rl/transition/test_transition_native.py`` check both paths), with the DAG's
 Python objects built on first access; ``native=False`` keeps this module's Python
 compiler as the reference. Compiling one block of a symmetric transition and
 replicating it was not taken: the compiler's choices couple blocks that share no device

@@ -5,7 +5,8 @@ in ``nereus_rl._native`` (``csrc/rl/transition/``): the device checks, the plan 
 the sequential simulation that orders, funds and anchors the primitives, the
 list-schedule refinement and the predicted completion time. The C++ mirrors the Python
 step for step (same orders, same float operations), so the DAG is identical field by
-field; the golden fingerprints and ``tests/test_transition_native.py`` check both paths.
+field; the golden fingerprints and ``tests/rl/transition/test_transition_native.py``
+check both paths.
 Inputs are read once from the current plan (or Placement) and the target plan.
 
 What is lazy. The returned :class:`NativeTransitionDAG` is a :class:`TransitionDAG`

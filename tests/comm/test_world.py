@@ -1,0 +1,198 @@
+"""Live membership across real processes: a late joiner, a SIGKILLed member, and
+an unreachable store."""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+from nereus_comm.errors import MembershipError
+from nereus_comm.pool import CommPool, GlooBackend
+from nereus_comm.world import World
+
+# Multi-process: out of the fast lane (-m "not slow").
+pytestmark = pytest.mark.slow
+
+INTERVAL = 0.25  # heartbeat seconds
+HB_TIMEOUT = 3.0  # seconds without a heartbeat before a member is dead
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _all_reduce(world: World, value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value])
+    dist.all_reduce(t, group=world.process_group())
+    return t.item()
+
+
+def _report(out, role, world, value, **extra):
+    out.put(
+        {
+            "role": role,
+            "pid": os.getpid(),
+            "member": world.member_id,
+            "generation": world.generation,
+            "members": world.members,
+            "rank": world.rank,
+            "sum": value,
+            **extra,
+        }
+    )
+
+
+def _wait_dead(world: World, deadline_s: float) -> tuple[frozenset, float]:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        dead = world.dead_members()
+        if dead:
+            return dead, time.time()
+        time.sleep(0.05)
+    raise AssertionError(f"no member was seen dead in {deadline_s} s")
+
+
+def _member(role: str, port: int, out) -> None:
+    """Roles: "a" creates, "b" joins at start, "c" joins later; b is killed after gen 2."""
+    torch.set_num_threads(1)
+    # A hung member prints where it is stuck, so a failure says more than "timed out".
+    faulthandler.dump_traceback_later(40, exit=False)
+    world = None
+    try:
+        if role == "a":
+            world = World.create(
+                "127.0.0.1",
+                port,
+                min_members=2,
+                heartbeat_interval=INTERVAL,
+                heartbeat_timeout=HB_TIMEOUT,
+                timeout=30,
+            )
+        else:
+            world = World.join("127.0.0.1", port, timeout=30)
+        if role in ("a", "b"):
+            _report(out, role, world, _all_reduce(world, world.member_id + 1.0))
+            # Generation 2: the late joiner is in; these two never restart.
+            world.wait_for_members(3, timeout=30)
+            assert world.pending_joiners() == {2}, world.pending_joiners()
+            t0 = time.perf_counter()
+            world.next_generation()
+            print(f"{role}: next_generation to 2 took {time.perf_counter() - t0:.3f} s")
+        _report(out, role, world, _all_reduce(world, world.member_id + 1.0))
+        if role == "b":
+            time.sleep(120)  # until the test kills it
+            return
+        dead, seen_at = _wait_dead(world, deadline_s=30)
+        t0 = time.perf_counter()
+        world.next_generation()
+        print(f"{role}: next_generation to 3 took {time.perf_counter() - t0:.3f} s")
+        value = _all_reduce(world, 10.0 * world.rank + 1)
+        # The pool's gloo groups are made inside the new generation's default group.
+        pool = CommPool(GlooBackend(timeout=30), capacity=2)
+        comm = pool.get((1, 0))
+        t = torch.tensor([float(world.member_id)])
+        torch.distributed.broadcast(t, group_src=0, group=comm.handle)  # from rank 1 = "c"
+        pool.destroy_all()
+        _report(out, role, world, value, dead=dead, at=seen_at, pool_rank=comm.rank, bcast=t.item())
+        if role == "c":
+            world.leave()
+            out.put({"role": role, "at": time.time()})
+        else:
+            # A member that leaves is gone at once, not after the heartbeat timeout.
+            dead, seen_at = _wait_dead(world, deadline_s=30)
+            out.put({"role": role, "dead": dead, "at": seen_at})
+            world.leave()
+    except BaseException:
+        out.put({"role": role, "error": traceback.format_exc()})
+        if world is not None:
+            world.leave()
+
+
+def _next(out, waiting_for: str, timeout: float = 45.0) -> dict:
+    try:
+        msg = out.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(
+            f"no report within {timeout} s while waiting for {waiting_for}"
+        ) from None
+    assert "error" not in msg, f"{msg['role']}: {msg['error']}"
+    return msg
+
+
+@pytest.mark.timeout(150)
+def test_late_join_and_sigkill_form_new_generations():
+    ctx = mp.get_context("spawn")
+    # One queue per member: a process killed while writing to a shared queue
+    # could die holding its lock and block everyone else's reports.
+    outs = {r: ctx.Queue() for r in "abc"}
+    port = _free_port()
+    procs = {r: ctx.Process(target=_member, args=(r, port, outs[r])) for r in "abc"}
+
+    def reports(what: str, roles: str) -> dict:
+        return {r: _next(outs[r], f"{what} from {r}") for r in roles}
+
+    try:
+        procs["a"].start()
+        procs["b"].start()
+        gen1 = reports("gen 1", "ab")
+        assert {m["generation"] for m in gen1.values()} == {1}
+        assert gen1["a"]["members"] == (0, 1) and gen1["a"]["sum"] == 3.0
+        assert (gen1["a"]["rank"], gen1["b"]["rank"]) == (0, 1)
+
+        procs["c"].start()
+        gen2 = reports("gen 2", "abc")
+        for m in gen2.values():
+            assert m["generation"] == 2 and m["members"] == (0, 1, 2), m
+            assert m["sum"] == 6.0
+        for role in "ab":  # same processes as in generation 1
+            assert gen2[role]["pid"] == gen1[role]["pid"] == procs[role].pid
+
+        killed_at = time.time()
+        os.kill(procs["b"].pid, signal.SIGKILL)
+        gen3 = reports("gen 3", "ac")
+        for role in "ac":
+            m = gen3[role]
+            assert m["dead"] == {1}
+            assert m["generation"] == 3 and m["members"] == (0, 2)
+            assert m["sum"] == 1.0 + 11.0  # ranks 0 and 1 of the new group
+            assert m["pid"] == gen2[role]["pid"]
+            waited = m["at"] - killed_at
+            print(f"{role} saw member 1 dead after {waited:.2f} s")
+            # Seen dead by the heartbeat timeout, not sooner (no false alarm) and
+            # not much later (interval + polling + a loaded machine's slack).
+            assert HB_TIMEOUT - 2 * INTERVAL <= waited <= HB_TIMEOUT + 2.0, waited
+        assert (gen3["a"]["rank"], gen3["c"]["rank"]) == (0, 1)
+        assert (gen3["a"]["pool_rank"], gen3["c"]["pool_rank"]) == (1, 0)
+        assert gen3["a"]["bcast"] == gen3["c"]["bcast"] == 2.0  # c's member id
+
+        leave = reports("leave", "ac")
+        assert leave["a"]["dead"] == {2}
+        assert leave["a"]["at"] - leave["c"]["at"] < HB_TIMEOUT / 2
+    finally:
+        for p in procs.values():
+            if p.pid is not None:
+                p.join(timeout=10 if p is not procs["b"] else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+
+
+def test_join_unreachable_store_fails_in_bounded_time():
+    port = _free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(MembershipError, match=rf"127\.0\.0\.1:{port}"):
+        World.join("127.0.0.1", port, timeout=2.0)
+    assert time.monotonic() - start < 10.0
