@@ -1,9 +1,17 @@
 """nereus_rl: elastic RL post-training on top of nereus_comm.
 
 ``nereus_rl.train(...)`` runs PPO, GRPO or ReMax on worker processes and adapts the
-job's layout as it runs (see :mod:`nereus_rl.trainer.trainer`). The decision layer (spec,
-workload, costmodel, planner, admission, controller) and the transition DAG are pure
-computation and import without starting anything.
+job's layout as it runs (see :mod:`nereus_rl.trainer`).
+
+Subpackages, by layer (dependencies point one way; tests/test_layering.py checks it):
+
+- the decision layer, pure computation that imports without starting anything:
+  ``core`` (plans, specs, workloads) <- ``costmodel`` <- ``planner`` <- ``policy``;
+  ``core`` <- ``transition`` (the DAG of primitives); ``baselines`` (MILP and
+  per-component baselines, for tests and benchmarks);
+- the worker side: ``runtime`` (processes and commands), ``emu`` (Elastic Model Units),
+  ``models`` (the TP/PP decoder), ``data`` (tasks), ``algos`` (PPO, GRPO, ReMax);
+- ``trainer``: the RL loop that uses all of them, and ``cli``.
 """
 
 from typing import TYPE_CHECKING, Any
