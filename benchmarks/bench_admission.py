@@ -15,7 +15,7 @@ step's actual response-length bucket. All three policies share the controller
              step x the controller's forecast of steps until the next crossing repays
              the transition (nereus_rl.policy.admission).
 
-Transition cost (a stand-in until the transition DAG predicts completion times): the
+Transition cost (a simple stand-in for the transition DAG's completion time): the
 sum over stages whose layout or devices change of one Extend's predicted cost
 (CostModel.primitive_cost), plus a fixed cost per transition of 0 s or 30 s (a
 sensitivity case standing for engine re-initialisation and warm-up, which the primitive

@@ -3,9 +3,9 @@
 It measures what can run on the local CPU: one training step (forward + backward over
 all micro-batches, then one ``torch.optim.AdamW(foreach=False)`` step) of the project's
 model, ``nereus_rl.models.model.Decoder``, in the ``tiny`` and ``small`` presets, fp32, one
-thread per process. A "plan" is (preset,
-processes, micro-batch, sequence length); 8 sequences per step are split over the
-processes (data parallel, no gradient all-reduce: compute only). Process layouts:
+thread per process. A "plan" is (preset, processes, micro-batch, sequence length); 8
+sequences per step are split over the processes (data parallel, no gradient all-reduce:
+compute only). Process layouts:
 
     1p        one process on core 0                  (local-cpu, 1 worker per core)
     2p-2core  two processes, one on each core        (2 workers, 1 per core)
@@ -15,28 +15,29 @@ The cost model's efficiencies (gemm, attention, mem, elementwise, launch and the
 co-runner classes, interference and contention) are fitted with
 ``CostModel.observe_work`` on the ``fit`` plans only: half of the 1p plans (a
 checkerboard over micro-batch x sequence length) and a quarter of each 2-process
-layout's (every other cell of that checkerboard; ``--fit 1p`` leaves them out, the
-earlier split). Co-runners cannot be learnt from one process. Every other plan is held
-out and only predicted; the split is fixed by the grid, not chosen by the errors.
-Measures, each fitted and scored on its own:
+layout's (every other cell of that checkerboard; ``--fit 1p`` leaves them out).
+Co-runners cannot be learnt from one process. Every other plan is held out and only
+predicted; the split is fixed by the grid, not chosen by the errors. Measures, each
+fitted and scored on its own:
 
-    wall  wall-clock step time; predicted with the local-cpu sharing model (two
-          workers on one core get half a core each);
-    cpu   the process's CPU time for the step (time.thread_time); predicted as the
-          layout's work times the share of a core a worker gets (time-slicing adds
-          wall time, not CPU time), so the model still tells co-runners that share a
-          core (interference) from those on the other core (contention);
+    wall    wall-clock step time; predicted with the local-cpu sharing model (two
+            workers on one core get half a core each);
+    cpu     the process's CPU time for the step (time.thread_time); predicted as the
+            layout's work times the share of a core a worker gets (time-slicing adds
+            wall time, not CPU time), so the model still tells co-runners that share a
+            core (interference) from those on the other core (contention);
     cpuraw  the same, on the CPU figures as measured (no host-speed probe, see below);
-    cpu1  the CPU figures scored by the earlier model: every worker priced as if it
-          had a core, one co-runner class for both 2-process layouts (an A/B on the
-          same measurements).
+    cpu1    the CPU figures scored by a simpler model: every worker priced as if it
+            had a core, one co-runner class for both 2-process layouts (an A/B on the
+            same measurements).
 
-Measurement (costmodel_measure.py; a 2-vCPU KVM guest shared by ~5 engineers): each
-repetition is *clean* with no steal, no other runnable task and (a worker per core) no
-preemption. With ``--across min`` a plan's figures come from its clean repetitions when
-it has ``MIN_CLEAN``, else its steal-free ones, else all; the median over rounds takes
-every repetition (filtering changed neither spread nor error:
-results/bench_costmodel_2026-12-01-steal.md).
+Measurement (``benchmarks.lib.costmodel_measure``): on a shared machine identical work
+takes 1-2x its fastest CPU time from one repetition to the next, so each repetition
+records whether it is *clean*: no steal, no other runnable task and (a worker per core)
+no preemption. With ``--across min`` a plan's figures come from its clean repetitions
+when it has ``MIN_CLEAN``, else its steal-free ones, else all; the median over rounds
+takes every repetition.
+
 The grid is measured in rounds (4 with --quick, 32 without), a plan at a time, in a
 new order each round (seeded: a plan does not always follow the same neighbours, whose
 disturbances then average out instead of sticking to it): a warm-up step, then as many
@@ -46,22 +47,17 @@ parts (each micro-batch's forward + backward, the optimizer step) of the part's 
 repetition in that round, then the slower process (``--estimator step``: each
 process's fastest whole step). Per process, not the slower process per repetition: the
 maximum of two independent noises would bias every 2-process figure up against the
-1-process ones, and the model learnt that bias as interference. The plan's figure is
-the median of its rounds' figures (``--across median``, the default). The noise of this
-VM is per round (slow phases last longer than a plan's repetitions), and a median over
-rounds is robust to it, whereas the earlier figure (``--across min``: the sum of each
-part's fastest repetition over all rounds) is a minimum over more draws the more
-repetitions a plan has (cheap plans, many micro-batches), a bias that grows with the
-rounds: re-scoring blocks of the 44 rounds of eleven earlier --quick runs
-(results/bench_costmodel_2026-12-02.md), 16 rounds scored 9.7% mean held-out error by
-the minimum and 5.1% by the median, 32 rounds 11.0% and 3.6% (max 30% and 10%).
-Every repetition counts (the clean ones alone left a median over 3-4 rounds).
+1-process ones, and the model would learn that bias as interference. The plan's figure
+is the median of its rounds' figures (``--across median``, the default). A shared
+machine's noise is per round (slow phases last longer than a plan's repetitions), and a
+median over rounds is robust to it, whereas ``--across min`` (the sum of each part's
+fastest repetition over all rounds) is a minimum over more draws the more repetitions a
+plan has (cheap plans, many micro-batches): a bias that grows with the rounds.
+
 Host speed (``--speed probe``, the default): the host moves a step's CPU time 1.5-2x
-between moments (other guests; no trace in the guest's counters), and 32 rounds need not
-sample it alike for every plan: the seventh session's 19.7% outlier was a plan whose
-rounds fell in fast moments more often than its neighbours' (its optimizer step ran
-10-28% faster too; interleaved, its ratios to its neighbours match the model within
-1-4%: results/bench_costmodel_2026-12-02b.md). The optimizer step is the same work in
+between moments (other guests; no trace in the guest's counters), and the rounds need
+not sample it alike for every plan: a plan whose rounds fall in fast moments more often
+than its neighbours' would look mispredicted. The optimizer step is the same work in
 every plan of a preset and layout and runs inside the step, so each round's figure is
 scaled, per process, by a reference optimizer time (``costmodel_figures.speed_refs``)
 over that round's fastest optimizer part (what the micro-batches leave in the caches
@@ -70,10 +66,10 @@ the raw figures beside it. Wall time (raw): per round the slower process per rep
 the fastest of those, then the median over rounds. The rounds' spread is kept to show
 the noise, and the load average.
 
-Beside the error it prints a noise floor that needs no model (costmodel_scoring.py):
-identical-work twins, even against odd rounds, and, given several runs' outputs, what
-persists across runs (the model's error) against what averages out (noise), and the
-error on each plan's least figure over the runs.
+Beside the error it prints a noise floor that needs no model
+(``benchmarks.lib.costmodel_scoring``): identical-work twins, even against odd rounds,
+and, given several runs' outputs, what persists across runs (the model's error) against
+what averages out (noise), and the error on each plan's least figure over the runs.
 
     python benchmarks/bench_costmodel.py --quick --json out.json
     python benchmarks/bench_costmodel.py --measurements out.json   # re-score, no measuring
@@ -92,15 +88,15 @@ from pathlib import Path
 
 import numpy as np
 
+# The repo root on sys.path, so that `benchmarks.lib` imports (see benchmarks/__init__.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib import costmodel_figures as figures
+from benchmarks.lib import costmodel_scoring as scoring
+from benchmarks.lib.costmodel_measure import BATCH, LAYOUTS, measure
 from nereus_rl.core.spec import local_cpu_cluster, model_preset
 from nereus_rl.core.workload import StageWork
 from nereus_rl.costmodel.work import CLASS_INDEX, stage_work
-
-# The scoring and the measuring live beside this script (benchmarks/).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import costmodel_figures as figures
-import costmodel_scoring as scoring
-from costmodel_measure import BATCH, LAYOUTS, measure
 
 MIN_CLEAN = 3  # a plan's figures come from its clean repetitions when it has this many
 
@@ -125,7 +121,7 @@ def _rows(measured, estimator: str, across: str = "median", speed: str = "probe"
 
     ``speed``: ``probe`` (with the median over rounds) scales each round's CPU figure to
     the run's typical host speed (``costmodel_figures.speed_refs``); ``raw`` takes it as
-    measured (the earlier figure, kept beside it as ``cpuraw``). Wall time is always raw.
+    measured (scored beside it as ``cpuraw``). Wall time is always raw.
     """
     refs = figures.speed_refs(measured) if speed == "probe" and across == "median" else {}
     rows = []
@@ -139,10 +135,9 @@ def _rows(measured, estimator: str, across: str = "median", speed: str = "probe"
             cpu_s, wall_s = figures.cpu_estimate(use, estimator), min(r["wall"] for r in use)
             raw_s = cpu_s
         else:
-            # Every round counts: clean repetitions are rare (0-10%), so keeping only them
-            # left a median over 3-4 rounds (7.0% held-out error on 44 pooled rounds,
-            # against 3.1% over every round's repetitions); the median over rounds is
-            # what makes a disturbed round harmless.
+            # Every round counts: clean repetitions are rare, so keeping only them would
+            # leave a median over a few rounds; the median over rounds is what makes a
+            # disturbed round harmless.
             use = reps
             cpu_s, wall_s = figures.median_over_rounds(use, estimator, ref)
             raw_s = figures.median_over_rounds(use, estimator)[0] if ref is not None else cpu_s
@@ -196,7 +191,7 @@ def _works(rows: list[dict]) -> dict:
         # co-runners share a core and which run beside it on another.
         works["cpu"].append(w / wpc)
         works["cpuraw"].append(w / wpc)  # the same model on the raw CPU figures
-        # The earlier model, scored on the same figures: every worker priced as if it
+        # A simpler model, scored on the same figures: every worker priced as if it
         # had a core, so both 2-process layouts alike and one co-runner class (all of
         # it lands in ``contention``; ``interference`` stays at its start, unused).
         works["cpu1"].append(_work(r["preset"], dp, 1.0, r["micro_batch"], r["seq_len"]))
@@ -249,7 +244,7 @@ def main() -> None:
         "--measurements",
         metavar="PATH",
         nargs="+",
-        help="re-score the measured rows of earlier --json outputs instead of measuring; "
+        help="re-score the measured rows of saved --json outputs instead of measuring; "
         "with several, also each run alone, the runs pooled and what persists across them",
     )
     ap.add_argument(
@@ -257,7 +252,7 @@ def main() -> None:
         choices=("mixed", "1p"),
         default="mixed",
         help="fit set: 'mixed' (default) half of the 1p plans and a quarter of each "
-        "2-process layout's; '1p' half of the 1p plans only (the earlier split)",
+        "2-process layout's; '1p' half of the 1p plans only",
     )
     ap.add_argument(
         "--estimator",
@@ -271,7 +266,7 @@ def main() -> None:
         choices=("median", "min"),
         default="median",
         help="a plan's figure over its rounds: 'median' (default) of the rounds' figures; "
-        "'min' the earlier one, each part's fastest repetition over every round",
+        "'min' each part's fastest repetition over every round",
     )
     ap.add_argument(
         "--speed",
@@ -279,7 +274,7 @@ def main() -> None:
         default="probe",
         help="CPU figures: 'probe' (default) each round's scaled to the run's typical host "
         "speed, measured by the optimizer step (the same work in every plan of a preset "
-        "and layout); 'raw' as measured (the earlier figure). Both are scored either way "
+        "and layout); 'raw' as measured. Both are scored either way "
         "(cpu, cpuraw); with --across min, raw",
     )
     ap.add_argument("--rounds", type=int, help="rounds of the grid (default 4 quick, 32 full)")
@@ -293,10 +288,9 @@ def main() -> None:
         "tiny": ([1, 2, 4, 8], [32, 64, 128]),
         "small": ([1, 2, 4, 8], [32, 64, 128]) if args.wide else ([2, 8], [32, 64]),
     }
-    # The noise is per round (slow phases of the VM last longer than a plan's
+    # The noise is per round (slow phases of a shared machine last longer than a plan's
     # repetitions), so the full run is 8x the rounds of --quick, each as short, on the
-    # same 48 plans: with the median over rounds, 32 rounds re-scored from earlier runs
-    # reached the error of twelve pooled --quick runs (see the module docstring).
+    # same 48 plans: more rounds, not longer ones, are what narrow the median.
     rounds, budget_s, max_reps = (4, 0.1, 8) if args.quick else (32, 0.1, 8)
     if args.rounds is not None:
         if args.rounds < 1:

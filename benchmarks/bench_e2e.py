@@ -48,10 +48,10 @@ disaggregated; planner_fixed_max then fits too) has a layout that fits at every 
 the trace: the comparison is at equal memory on devices where every startup
 configuration runs, and the budget depends on the model, batch and trace only, not on
 a run's calibration. ``calibrated``: a run's own rule (1.08x the predicted peak of its
-calibrated start plan); ``uncalibrated``: the same before the calibration (the bench's
-rule before the calibration existed). The bench then says
-whether memory still constrains adaptive: whether its start plan's predicted peak over
-the trace exceeds the budget (it must then change plan as responses grow).
+calibrated start plan); ``uncalibrated``: the same rule on the plan the default
+(uncalibrated) cost model picks. The bench then says whether memory still constrains
+adaptive: whether its start plan's predicted peak over the trace exceeds the budget (it
+must then change plan as responses grow).
 
 A fixed plan whose predicted peak exceeds the budget at some step could not run on
 devices with that memory: its row says "NO" under "fits" and it is never best_fixed and
@@ -79,20 +79,20 @@ non-urgent moves where payback and replan-always differ).
     python benchmarks/bench_e2e.py --quick --algos ppo --modes async --json out.json
     python benchmarks/bench_e2e.py --quick --algos grpo,ppo,remax --modes sync,async --json o.json
     python benchmarks/bench_e2e.py --steps 20 --fixed-top 12 --json out.json
-    # the twelfth session's runs: 10 confirmation rounds narrow the goal's 90% range
-    # from +-10-30% (3 rounds) to +-3-9%; ~2-2.5 min per setting idle
+    # 10 confirmation rounds narrow the best_fixed goal's 90% range (about 3x narrower
+    # than 3 rounds); ~2-2.5 min per setting on an idle 2-core machine
     python benchmarks/bench_e2e.py --steps 20 --fixed-top 2 --confirm 10 --algos ppo \
         --modes async --json o.json
     python benchmarks/bench_e2e.py --steps 20 --json out.json  # every plan: hours
 
-Three interleaved repeats by default (two were too few: two PPO runs disagreed more than
-the variants within one), then three confirmation rounds (12-19 s at --quick, idle). --quick
-runs 10 steps and the top 2 enumerated plans, so 10 variants of ~3 s per run each
-(97-116 s per GRPO or ReMax setting idle with the confirmation rounds, 127-143 s per PPO
-setting; --quick alone runs GRPO sync); a full run runs every
-enumerated plan (on 4 workers under the startup budget: ~30 for GRPO and ReMax, ~500
-for PPO, whose disaggregated layouts need a large budget; ~18 s each at 20 steps and
-three repeats: 10 min per GRPO setting, hours for PPO).
+Three interleaved repeats by default (fewer leave two runs of one setting disagreeing
+more than the variants within one), then three confirmation rounds. --quick runs 10
+steps and the top 2 enumerated plans, so 10 variants of ~3 s per run each (about 2 min
+per setting on an idle 2-core machine with the confirmation rounds; --quick alone runs
+GRPO sync); a full run runs every enumerated plan (on 4 workers under the startup
+budget: ~30 for GRPO and ReMax, ~500 for PPO, whose disaggregated layouts need a large
+budget; ~18 s each at 20 steps and three repeats: 10 min per GRPO setting, hours for
+PPO).
 """
 
 from __future__ import annotations
@@ -100,14 +100,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from e2e_breakdown import print_breakdown, run_moves, run_steps
-from e2e_confirm import CONFIRM_ROUNDS, confirm_best_fixed, variant_row
-from e2e_model_error import mean_phases, predicted_phases, print_table
-from e2e_plans import (
+# The repo root on sys.path, so that `benchmarks.lib` imports (see benchmarks/__init__.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.e2e_breakdown import print_breakdown, run_moves, run_steps
+from benchmarks.lib.e2e_confirm import CONFIRM_ROUNDS, confirm_best_fixed, variant_row
+from benchmarks.lib.e2e_model_error import mean_phases, predicted_phases, print_table
+from benchmarks.lib.e2e_plans import (
     STRUCTURES,
     canonical,
     enumerate_fixed,
@@ -116,8 +120,7 @@ from e2e_plans import (
     structured_plan,
     write_trace,
 )
-from e2e_verdict import goal_verdicts, print_verdicts
-
+from benchmarks.lib.e2e_verdict import goal_verdicts, print_verdicts
 from nereus_rl.costmodel.costmodel import CostModel
 from nereus_rl.data.tasks import LengthTrace
 from nereus_rl.runtime import Driver
@@ -148,7 +151,7 @@ def _mean(xs):
 def _run_row(res) -> dict:
     m = res.metrics
     # each step and its boundary: the transition and the deciding around it (a fixed
-    # plan's boundary only observes); adaptive's deciding was 2-16% of a tiny step
+    # plan's boundary only observes)
     lat = [x["step_s"] + x.get("boundary_s", x.get("transition_s", 0.0)) for x in m]
     frac = max((x.get("peak_memory_fraction") or 0.0) for x in m) if m else float("nan")
     return {
@@ -205,8 +208,8 @@ def _choose_budget(driver, algo, mode, common, rule, max_len, lengths):
             # device, and 1.08x its peak held nothing at 20 tokens
             print(f"{algo} {mode}: nothing fits {max_len} tokens under the calibrated budget")
             note += "; nothing fits the longest length, so the uncalibrated rule"
-    # uncalibrated: the same rule on the plan the default cost model picks (main's budget
-    # before the startup calibration); a planner-only trainer chooses the fixed layouts
+    # uncalibrated: the same rule on the plan the default cost model picks; a
+    # planner-only trainer chooses the fixed layouts
     return probe, Trainer(TrainConfig(algo=algo, mode=mode, **common)), note
 
 
@@ -232,8 +235,8 @@ def run_setting(
     ``"calibrated"``: the rule a run without a budget uses
     (1.08x the predicted peak of the plan it starts on, after its startup calibration);
     it falls back to ``"uncalibrated"`` when nothing fits the longest responses.
-    ``"uncalibrated"``: the same rule on the plan the default cost model picks (what the
-    bench used before the startup calibration existed). ``fixed_top``: how many
+    ``"uncalibrated"``: the same rule on the plan the default cost model picks, before
+    any measurement. ``fixed_top``: how many
     enumerated fixed plans to run (None: all). ``confirm``: held-out rounds of adaptive
     against the selected best fixed plan after the repeats (``e2e_confirm``; 0: none).
     ``start_variants``: run adaptive_cap and adaptive_blind too (False: only the
@@ -243,10 +246,10 @@ def run_setting(
     and best_fixed_confirmed) and the setting's info (budget, whether memory constrains
     adaptive, goal verdicts, confirmation rounds).
     """
-    # The fixed layouts are chosen as on main: by the planner's cost model before any
-    # measurement (a run of the calibrated model's choices measured 1.5-2x slower: it
-    # priced tp 2 layouts it never ran too well), so they are the same baselines as
-    # before, not weaker ones.
+    # The fixed layouts are chosen by the planner's default cost model before any
+    # measurement, as a startup configuration is: the calibrated model prices layouts it
+    # never ran (tp 2) too well, and its choices measure 1.5-2x slower, which would make
+    # weaker baselines.
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     adaptive_variants = [v for v in ADAPTIVE_VARIANTS if start_variants or v in GOAL_VARIANTS]
     trace = LengthTrace.from_file(common["trace"])
@@ -310,8 +313,9 @@ def run_setting(
             # these workers), so planner_fixed is the plan the warm-up run started on
             plans["planner_fixed"] = (warm.plans[0][1], True)
     # Enumerated plans the same (up to relabeling) as that start are not run twice under
-    # two names: the next ones run instead (a ReMax run's best_fixed was adaptive's own
-    # start plan, measured 0.142 s as enum01 and 0.170 s as planner_fixed)
+    # two names (the same plan would be measured twice, once as best_fixed's candidate
+    # and once as planner_fixed, and the noise would pick between them): the next ones
+    # run instead
     pf = canonical(plans["planner_fixed"][0], common["devices"])
     picked = [x for x in enum if canonical(x[1], common["devices"]) != pf][:top]
     for i, (pred, p) in enumerate(picked):

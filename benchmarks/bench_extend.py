@@ -31,15 +31,14 @@ memory budget when the EMU manager sets it up, before anything is timed, as a GP
 worker reserves its device memory (:mod:`nereus_rl.emu.arena`; the budget is what
 the scenarios need at their peak, 1.7x one replica's state: a tp=1 unit beside the
 tp=2 one it splits from, and the padding that keeps huge pages). Every way's new
-layout is built in that memory by the same code (``emu_worker.carve_shards``): the
-EMU units' blocks, and the tensors the DCP, UCP-style, tensor-store and restart
+layout is built in that memory by the same code (``nereus_rl.emu.worker.carve_shards``):
+the EMU units' blocks, and the tensors the DCP, UCP-style, tensor-store and restart
 loaders load into (DCP loads in place; checked). ``lazy``: the arena's blocks are
-made on first use and kept;
-``off``: plain allocations (the old behaviour) for every way. The restart path
+made on first use and kept; ``off``: plain allocations for every way. The restart path
 starts new worker processes: their arenas are lazy (``arena_prefault=False``), so
 checkpoint/restart pays the first touch of the memory its loads write, and not a
-prefault of the whole budget (on this VM that prefault alone took 34-53 s under
-load, a cost of fresh host memory that a GPU's cudaMalloc does not have).
+prefault of the whole budget (on a loaded 2-core machine that prefault alone takes tens
+of seconds, a cost of fresh host memory that a GPU's cudaMalloc does not have).
 
 The first run of a way is cold (the EMU's first extend builds its gloo groups and
 probes cross-memory attach); every run is printed and kept in the rows.
@@ -52,8 +51,8 @@ With ``--concurrent``, instead: one transition with independent primitives
 (two stages at dp=1 on workers 0 and 2, each extended to dp=2 onto workers 1
 and 3: two extends on disjoint workers, no edge between them) compiled to a
 DAG and run live by the concurrent executor, once one primitive at a time
-(the executor with one thread: what the trainer did before primitives on
-disjoint workers could run at once) and once concurrently; the transition's
+(the executor with one thread: primitives on disjoint workers one after the
+other) and once concurrently; the transition's
 seconds side by side, every run's state checked.
 
     python benchmarks/bench_extend.py --quick [--json PATH]
@@ -65,26 +64,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-
-# Before torch allocates anything: the tensor store in this process gets huge pages
-# as the workers do (Driver.spawn_local sets the same default for them).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# Before torch allocates anything: the tensor store in this process gets huge pages
+# as the workers do (Driver.spawn_local sets the same default for them).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# The repo root on sys.path, so that `benchmarks.lib` imports (see benchmarks/__init__.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The storage-based ways' worker commands and the tensor store (registered on import,
 # so on the workers too: they import this module).
-from benchmarks.extend_baselines import STAGE, TensorStore  # noqa: E402
-from nereus_comm.layout import Layout  # noqa: E402
-from nereus_rl.emu.manager import EMUManager  # noqa: E402
-from nereus_rl.emu.state import stage_state_specs  # noqa: E402
-from nereus_rl.runtime import Driver  # noqa: E402
+from benchmarks.lib.extend_baselines import STAGE, TensorStore
+from nereus_comm.layout import Layout
+from nereus_rl.emu.manager import EMUManager
+from nereus_rl.emu.state import stage_state_specs
+from nereus_rl.runtime import Driver
 
 # ------------------------------------------------------------------ driver side
 
@@ -112,7 +110,7 @@ def run(args) -> list[dict]:
     both = Layout(2, 1, 1, (0, 1), num_layers=nl)  # tp2 -> two tp1 units
     # Each worker's budget: its peak in these scenarios (a tp=1 replica beside the tp=2
     # half it splits from: 1.5x), plus slack for alignment (tensors of 2 MiB or more are
-    # placed to keep huge pages across Split's page moves: ~5% padding, emu_arena).
+    # placed to keep huge pages across Split's page moves: ~5% padding, emu.arena).
     arena = dict(
         arena_bytes=0 if args.arena == "off" else int(1.7 * state_bytes),
         arena_prefault=args.arena == "prefault",
@@ -366,12 +364,9 @@ def run_concurrent(args) -> list[dict]:
 
 def predicted_rows() -> list[dict]:
     """Cost-model Extend predictions for the 8B actor/critic units on H200 clusters."""
-    try:
-        from nereus_rl.core.spec import cluster_preset, model_preset
-        from nereus_rl.costmodel.costmodel import CostModel, UnitLayout
-    except ImportError:
-        print("(no nereus_rl.costmodel.costmodel on this branch: no predicted rows)")
-        return []
+    from nereus_rl.core.spec import cluster_preset, model_preset
+    from nereus_rl.costmodel.costmodel import CostModel, UnitLayout
+
     model = model_preset("llama-3.1-8b")
     rows = []
     for n in (48, 256, 1024, 3264):

@@ -13,7 +13,7 @@ caches are kept across calls, as in a running job), and reports the median decis
 time: wall (``plan_ms``) and CPU time of the process (``plan_cpu_ms``, less sensitive to
 a shared machine's load). ``plan_prepared_ms``/``plan_prepared_cpu_ms``: the same with
 ``Planner.prepare`` called at start-up for the sequence's response buckets (a job knows
-its bucket edges), so a bucket change no longer prices every layout on the decision
+its bucket edges), so a bucket change does not price every layout on the decision
 path. It also reports the median of the same calls made cold (a fresh Planner each
 time: nothing cached). Each sequence runs ``--repeats`` times (a fresh Planner each
 time) and the medians are over every call of every repeat after each one's first (one
@@ -22,7 +22,7 @@ gives the median CPU time of each call of the sequence and how many set partitio
 searched. SCIP and CP-SAT solve the first call's problem with a time limit; a solver
 that stops without proof is reported as such.
 
-A refinement now also rebuilds the persistent planner's latest context (the cost
+A refinement also rebuilds the persistent planner's latest context (the cost
 model's refine listener), so each refinement's CPU is timed and printed apart
 (``refine_cpu_ms``) beside the call right after it (``after_refine_prepared_cpu_ms``),
 and a loop of refine-then-decide on one bucket and device count (a job's steps) gives
@@ -319,7 +319,7 @@ def _compare(path: str, rows: list[dict]) -> None:
         o = old.get(r["devices"])
         if o is None:
             continue
-        # The Python search's own figures, when both runs have them (older outputs don't).
+        # The Python search's own figures, when both runs have them.
         keys = _COMPARED + tuple(k for k in _COMPARED_PY + _COMPARED_NEW if o.get(k) and r.get(k))
         cells = [f"{k}: {o[k]:.2f} -> {r[k]:.2f} ({o[k] / r[k]:.1f}x)" for k in keys]
         same = abs(o["objective_s"] - r["objective_s"]) <= 1e-9 * r["objective_s"]

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the reference planner lives with the tests
+# The reference planner lives with the tests (tests/support/reference_planner.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from support.reference_planner import reference_plan  # noqa: E402
+from support.reference_planner import reference_plan
 
-from nereus_comm import _C  # noqa: E402
-from nereus_comm.layout import Layout  # noqa: E402
-from nereus_comm.plan import plan_reshard, prepare_plan  # noqa: E402
-from nereus_comm.specs import LLAMA_PRESETS, llama_state_specs, transformer_state_specs  # noqa: E402
+from nereus_comm import _C
+from nereus_comm.layout import Layout
+from nereus_comm.plan import plan_reshard, prepare_plan
+from nereus_comm.specs import LLAMA_PRESETS, llama_state_specs, transformer_state_specs
 
 RANKS_PER_NODE = 8
 

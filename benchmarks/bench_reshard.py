@@ -7,7 +7,7 @@ ranks: sends, receives, packing and local copies) and "sync" (training layout
 on half the ranks -> a rollout layout on the other half: nothing is local).
 
 Three reshard variants: "reshard" (route="transport": every byte through the
-GlooTransport, as before), "shm" (route="shm": the workers share this host, so
+GlooTransport), "shm" (route="shm": the workers share this host, so
 every byte goes through shared-memory segments, packed straight into them; see
 nereus_comm.transport_shm) and "cma" (route="cma": each receiver reads the
 senders' shards straight into its own by cross-memory attach, one copy; see
@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 
 from nereus_comm.layout import Layout, box_shape
-from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import Workspace, reshard
 from nereus_comm.specs import transformer_state_specs
+from nereus_comm.testing import LocalWorkers, WorkerContext
 from nereus_comm.transport import GlooTransport
 from nereus_comm.transport_shm import ShmTransport
 

@@ -1,16 +1,11 @@
 """bench_costmodel's figures from repetitions: per-process minima, the cleanest set."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_costmodel.py"
-_spec = importlib.util.spec_from_file_location("bench_costmodel", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
-scoring = bench.scoring
+from benchmarks import bench_costmodel as bench
+from benchmarks.lib import costmodel_figures as figures
+from benchmarks.lib import costmodel_scoring as scoring
 
 
 def _rep(each, rnd=0, clean=False, steal=0):
@@ -31,16 +26,16 @@ def test_cpu_figure_is_per_process_minimum_then_slower_process():
     # Each process is slow in the other's fastest repetition: the slower process per
     # repetition would give 2.0; each one's own fastest is 1.0 and 1.1.
     reps = [_rep((1.0, 2.0)), _rep((2.0, 1.1))]
-    assert bench.figures.cpu_estimate(reps, "step") == pytest.approx(1.1)
-    assert bench.figures.cpu_estimate(reps, "parts") == pytest.approx(1.1)
+    assert figures.cpu_estimate(reps, "step") == pytest.approx(1.1)
+    assert figures.cpu_estimate(reps, "parts") == pytest.approx(1.1)
 
 
 def test_parts_sum_each_parts_fastest_repetition():
     reps = [_rep((1.0,)), _rep((1.0,))]
     reps[0]["parts_each"] = [[0.3, 0.9]]  # (micro-batch, optimizer step)
     reps[1]["parts_each"] = [[0.5, 0.6]]
-    assert bench.figures.cpu_estimate(reps, "parts") == pytest.approx(0.9)
-    assert bench.figures.cpu_estimate(reps, "step") == pytest.approx(1.0)
+    assert figures.cpu_estimate(reps, "parts") == pytest.approx(0.9)
+    assert figures.cpu_estimate(reps, "step") == pytest.approx(1.0)
 
 
 def test_figure_from_cleanest_set_with_enough_repetitions():
@@ -161,7 +156,7 @@ def test_probe_rescales_each_round_to_the_runs_host_speed():
     assert got[8]["cpu_measured_ms"] == pytest.approx(12.0 * 1.7 / 2.0 * 1e3)
     assert got[8]["cpuraw_measured_ms"] == pytest.approx(8.4e3)
     assert got[8]["speed"] == "probe"
-    # The earlier estimate over every repetition takes the figures as measured.
+    # The minimum over every repetition (--across min) takes the figures as measured.
     assert bench._rows(measured, "parts", "min")[0]["speed"] == "raw"
 
 

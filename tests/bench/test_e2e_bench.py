@@ -6,14 +6,10 @@ noise-aware goal verdicts."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from e2e_plans import (
+from benchmarks.lib.e2e_plans import (
     STRUCTURES,
     canonical,
     enumerate_fixed,
@@ -22,8 +18,7 @@ from e2e_plans import (
     structured_plan,
     write_trace,
 )
-from e2e_verdict import T95, goal_verdicts, paired_range, verdict
-
+from benchmarks.lib.e2e_verdict import T95, goal_verdicts, paired_range, verdict
 from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.trainer.trainer import TrainConfig, Trainer
 

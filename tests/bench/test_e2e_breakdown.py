@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from e2e_breakdown import print_breakdown, run_moves, run_steps
+from benchmarks.lib.e2e_breakdown import print_breakdown, run_moves, run_steps
 
 
 def test_steps_moves_and_loss_split(capsys):

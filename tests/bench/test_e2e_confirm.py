@@ -4,15 +4,10 @@ best_fixed goal judged on them (synthetic runs, no workers)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from e2e_confirm import confirm_best_fixed, run_rounds, variant_row
-from e2e_verdict import goal_verdicts, paired_range, print_verdicts
+from benchmarks.lib.e2e_confirm import confirm_best_fixed, run_rounds, variant_row
+from benchmarks.lib.e2e_verdict import goal_verdicts, paired_range, print_verdicts
 
 PLAN = "GlobalPlan(rollout[dp1 tp1 pp1 @ 0] | reference[dp1 tp1 pp1 @ 1] | actor[...])"
 BUDGET = 2_560_000

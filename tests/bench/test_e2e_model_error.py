@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from e2e_model_error import mean_phases, measured_phases, spearman, summarize
+from benchmarks.lib.e2e_model_error import mean_phases, measured_phases, spearman, summarize
 
 
 def test_measured_phases_rest_is_what_no_phase_holds():

@@ -1,16 +1,16 @@
 """bench_costmodel's measuring: worker processes, rounds over the grid, repetitions.
 
-Split out of bench_costmodel.py (which scores what this measures; see its docstring for
-the protocol). A plan is ``(preset, micro_batch, seq_len, layout)``; ``LAYOUTS`` maps a
-layout to (processes, workers per core, the core of each process). Each repetition of a
-plan records, per process, its wall and CPU seconds, the CPU seconds of each part of the
-step (each micro-batch's forward + backward, then the optimizer step, which is the same
-work in every plan of a preset and layout and so also tells how fast the host ran in
-that round), the steal ticks of its core (/proc/stat), its involuntary context switches
-and the runnable tasks at its ends (/proc/loadavg). On this shared 2-vCPU KVM guest
-identical work takes 1x-2x its fastest CPU time from one repetition to the next; the
+bench_costmodel.py scores what this measures (its docstring gives the protocol). A plan
+is ``(preset, micro_batch, seq_len, layout)``; ``LAYOUTS`` maps a layout to (processes,
+workers per core, the core of each process). Each repetition of a plan records, per
+process, its wall and CPU seconds, the CPU seconds of each part of the step (each
+micro-batch's forward + backward, then the optimizer step, which is the same work in
+every plan of a preset and layout and so also tells how fast the host ran in that
+round), the steal ticks of its core (/proc/stat), its involuntary context switches and
+the runnable tasks at its ends (/proc/loadavg). On a shared virtual machine identical
+work takes 1x-2x its fastest CPU time from one repetition to the next, and the
 slow-downs that matter last longer than a repetition and leave no trace in these
-counters (results/bench_costmodel_2026-12-01-steal.md).
+counters: hence rounds, and the median over them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def cpu_estimate(reps, estimator: str, ref: float | None = None) -> float:
     ``ref`` over that process's fastest optimizer part in these repetitions, i.e. to the
     figure it would have had at the run's typical host speed.
     """
-    if any("cpu_each" not in r for r in reps):  # older outputs: per-repetition slower process
+    if any("cpu_each" not in r for r in reps):  # saved outputs without per-process figures
         return min(r["cpu"] for r in reps)
     num = len(reps[0]["cpu_each"])
     if estimator == "step":

@@ -1,5 +1,5 @@
 """bench_e2e's noise-aware verdicts: a confidence range of each variant's paired ratio to
-adaptive, and per goal of issue 6 whether it is met, missed or within noise.
+adaptive, and per goal whether it is met, missed or within noise.
 
 Each repeat runs every variant once, interleaved, so a repeat's ratio (variant's mean
 step latency / adaptive's in the same repeat) pairs runs made under the same load. The

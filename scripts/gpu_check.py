@@ -4,7 +4,7 @@ Run whenever a GPU is available (builds nothing beyond Triton's JIT; needs the
 native core built, e.g. `pip install .`); on a machine without CUDA it says so and
 exits 0. Well under 3 minutes on an H200.
 
-    python benchmarks/gpu_check.py --json /tmp/gpu_check.json
+    python scripts/gpu_check.py --json out.json
 
 1. Correctness: pack/unpack/copy_regions on CUDA tensors (fp32, bf16, int64, uint8,
    odd sizes, empty regions, misaligned bytes, 16-byte aligned long rows) equal, byte
@@ -13,7 +13,7 @@ exits 0. Well under 3 minutes on an H200.
    call), the copy kernel's bandwidth against torch copy_ of one contiguous buffer of
    the same bytes (the device's copy bandwidth; goal: >= 0.8x for large regions), and
    the end-to-end pack() (Python table build + upload + kernel).
-3. If nereus_comm.nccl_check is importable: run_one_rank_checks(), result printed.
+3. If nereus_comm.testing.nccl_check is importable: run_one_rank_checks(), result printed.
 4. The trainer on the GPU: a short GRPO run with ``device="cuda"`` on as many
    workers as there are GPUs (at most 2; NCCL puts one rank on each), and the same
    run on CPU workers beside it: every step's loss and reward finite, and the GPU
@@ -217,9 +217,9 @@ def speed(device: torch.device, total_bytes: int) -> list[dict]:
 
 def nccl_checks() -> dict:
     try:
-        from nereus_comm import nccl_check
+        from nereus_comm.testing import nccl_check
     except ImportError as e:
-        return {"skipped": f"nereus_comm.nccl_check not importable: {e}"}
+        return {"skipped": f"nereus_comm.testing.nccl_check not importable: {e}"}
     try:
         return {"result": nccl_check.run_one_rank_checks()}
     except Exception as e:

@@ -1,7 +1,7 @@
 """Is a bench_costmodel outlier the model's or the machine's? Interleaved 1-process steps.
 
 bench_costmodel measures each plan for ~0.1 s per round, one plan after another, so a
-plan's rounds sample the host's speed at different moments; on this VM the same step's
+plan's rounds sample the host's speed at different moments; on a shared VM the same step's
 CPU time moves 1.5-2x between moments (other guests; no trace in /proc/stat). Here one
 process pinned to core 0 cycles through a few tiny-preset plans many times, in a new
 order each cycle, a warm-up step and ``--reps`` timed steps each: plans measured within
@@ -10,7 +10,7 @@ median over cycles) are what the model must reproduce, whatever the host does. E
 step is also split into its micro-batches' part and its optimizer part: the optimizer
 step is the same work in every plan, so it doubles as a probe of the host's speed.
 
-    python benchmarks/diag_costmodel_mb.py --cycles 60 --json out.json   # ~2 min idle
+    python tools/diag_costmodel_mb.py --cycles 60 --json out.json   # ~2 min idle
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Where adaptive loses against the best fixed plan, step by step.
 
-bench_e2e --quick measured the best fixed plan at 0.84-0.90x adaptive's step latency
-(GRPO async, GRPO sync, PPO sync). This runs adaptive (a first unrecorded run, then
-``--runs - 1`` recorded ones) on bench_e2e's quick trace and sizes, prints each step's
-plan, step_s and transition_s and each decision (taken or not, predicted saving,
-forecast steps, predicted and measured transition), then runs the same trace fixed on
-every plan adaptive used and on the ``--top`` fixed plans the calibrated model ranks
-best (bench_e2e's enumeration), and splits adaptive's excess over the best of them:
+This runs adaptive (a first unrecorded run, then ``--runs - 1`` recorded ones) on
+bench_e2e's quick trace and sizes, prints each step's plan, step_s and transition_s and
+each decision (taken or not, predicted saving, forecast steps, predicted and measured
+transition), then runs the same trace fixed on every plan adaptive used and on the
+``--top`` fixed plans the calibrated model ranks best (bench_e2e's enumeration), and
+splits adaptive's excess over the best of them:
 
     adaptive - best = transitions (measured, per step)
                     + plan choice (per step: the fixed run of the plan adaptive ran at
@@ -15,7 +14,7 @@ best (bench_e2e's enumeration), and splits adaptive's excess over the best of th
 
 The startup calibration (probes) runs outside the steps; its seconds are printed.
 
-    PYTHONPATH=. python benchmarks/diag_adapt_steps.py [--algo grpo] [--mode sync]
+    python tools/diag_adapt_steps.py [--algo grpo] [--mode sync]
         [--runs 2] [--top 4] [--json F]
 """
 
@@ -24,11 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
-from bench_e2e import enumerate_fixed, write_trace
+# The repo root on sys.path, so that `benchmarks.lib` imports (see benchmarks/__init__.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lib.e2e_plans import enumerate_fixed, write_trace
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer.trainer import TrainConfig, Trainer, train
 

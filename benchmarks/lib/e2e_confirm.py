@@ -21,12 +21,11 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from e2e_verdict import CONFIRMED, SELECTION, paired_range
+from benchmarks.lib.e2e_verdict import CONFIRMED, SELECTION, paired_range
 
 # Default confirmation rounds per setting (--confirm), --quick included: three like the
-# selection repeats, so the confirmed range is no wider than the selection one's. Idle,
-# they took 12-19 s of a --quick setting (97-116 s per GRPO or ReMax setting in all, so
-# --quick, GRPO sync alone, stays under two minutes; PPO settings 127-143 s)
+# selection repeats, so the confirmed range is no wider than the selection one's, and
+# --quick (GRPO sync alone) stays near two minutes on an idle 2-core machine.
 CONFIRM_ROUNDS = 3
 
 

@@ -5,7 +5,7 @@ module): the commands that save, consolidate and load checkpoints (DCP, UCP-styl
 checkpoint/restart), push and fetch a Tenplex-style in-memory tensor store, and check
 a loaded layout against the reference; and :class:`TensorStore`, the store itself
 (a server thread in the driver process, reached over TCP). Every loader writes into
-the same kind of memory as the EMU units (``emu_worker.carve_shards``).
+the same kind of memory as the EMU units (``nereus_rl.emu.worker.carve_shards``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Why
     and whether page moves keep transparent huge pages needs many rounds of Split
     and Merge on the same workers, with each worker's AnonHugePages after each.
 
-    PYTHONPATH=. python benchmarks/profile_split.py [--quick] [--rounds N] [--copy]
+    python tools/profile_split.py [--quick] [--rounds N] [--copy]
 """
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# The repo root on sys.path: the workers import this module as ``tools.profile_split``.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from nereus_rl.emu.manager import EMUManager  # noqa: E402
-from nereus_rl.emu.state import stage_state_specs  # noqa: E402
-from nereus_rl.runtime import Driver  # noqa: E402
-from nereus_rl.runtime.context import WorkerContext, register  # noqa: E402
+from nereus_rl.emu.manager import EMUManager
+from nereus_rl.emu.state import stage_state_specs
+from nereus_rl.runtime import Driver
+from nereus_rl.runtime.context import WorkerContext, register
 
 
 @register("profile.huge_mib")
@@ -72,7 +71,7 @@ def main() -> None:
     d = Driver(call_timeout=600)
     try:
         d.spawn_local(2, num_threads=1)
-        d.import_module("benchmarks.profile_split")
+        d.import_module("tools.profile_split")
         if args.cma_threads:
             d.call([0, 1], "profile.cma_threads", args.cma_threads)
         m = EMUManager(d, arena_bytes=int(1.7 * state), arena_prefault=True,

@@ -3,9 +3,9 @@
 Each measured ``Planner.plan`` runs inside a ctypes callback, so that callgrind, told to
 count only inside ``ffi_call``, dumps one profile per measured call::
 
-    PYTHONPATH=. valgrind --tool=callgrind --collect-atstart=no \\
+    valgrind --tool=callgrind --collect-atstart=no \\
         --toggle-collect=ffi_call --dump-after=ffi_call \\
-        python benchmarks/planner_callgrind.py 32 12345 3 1
+        python tools/planner_callgrind.py 32 12345 3 1
     grep -h ^totals callgrind.out.*.*
 
 Arguments: devices, which calls of the sequence to measure (digits, 0-5), runs (a fresh

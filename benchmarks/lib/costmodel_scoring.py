@@ -1,10 +1,10 @@
 """Scoring of bench_costmodel's measurements: the fit/held-out split, the model's errors,
 and how large the measurement noise is beside them (see bench_costmodel.py).
 
-Why a noise floor: on the shared 2-vCPU VM a plan's figure moves by ~25-35% from one round
-to the next, and the held-out error of a single run mixes the model's own (systematic)
-error with that noise, twice: in the held-out plan's figure and in the fit set's. Three
-estimates are printed beside the error, none of which needs a model:
+Why a noise floor: on a shared 2-vCPU virtual machine a plan's figure moves by ~25-35%
+from one round to the next, and the held-out error of a single run mixes the model's own
+(systematic) error with that noise, twice: in the held-out plan's figure and in the fit
+set's. Three estimates are printed beside the error, none of which needs a model:
 
 * twins: plans whose work is identical (on 2 processes, micro-batch 8 is capped at the 4
   sequences a process gets, so ``mb 4`` and ``mb 8`` run the same steps): how far apart

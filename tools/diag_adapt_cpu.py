@@ -8,8 +8,8 @@ medians. Per step it reports wall step_s and CPU seconds (the workers' from
 boundary (which no step latency counts). CPU time is the figure to compare on a
 shared machine; wall time follows the load.
 
-    python benchmarks/diag_adapt_cpu.py --quick --json out.json   # ~1 min idle
-    python benchmarks/diag_adapt_cpu.py --algo remax --runs 8
+    python tools/diag_adapt_cpu.py --quick --json out.json   # ~1 min idle
+    python tools/diag_adapt_cpu.py --algo remax --runs 8
 """
 
 from __future__ import annotations
