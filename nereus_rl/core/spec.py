@@ -167,10 +167,10 @@ class LocalCpuClusterSpec(ClusterSpec):
     cores: float = 1.0
 
 
-# gloo between local worker processes goes over loopback TCP; on the 2-vCPU dev VM a
-# 1 KiB to 64 KiB all-reduce took a median of 0.5-3.7 ms (2 ranks on 2 cores, 2 on 1
-# core, 4 on 2 cores; /tmp probe, 2026-12-01): a waiting rank's wake-up, not the bytes,
-# sets it. 0.5 ms per ring step (2(n-1) steps) sits inside that range.
+# gloo between local worker processes goes over loopback TCP; on a 2-core machine a
+# 1 KiB to 64 KiB all-reduce takes about 0.5 to 4 ms (2 or 4 ranks on 1 or 2 cores): a
+# waiting rank's wake-up, not the bytes, sets it. 0.5 ms per ring step (2(n-1) steps)
+# sits inside that range.
 LOCAL_LINK = LinkTier("gloo-loopback", 2e9, 500e-6)
 
 

@@ -26,15 +26,15 @@ class TransitionCalibration:
 
     The DAG's predicted completion prices the primitives; a transition also rebuilds
     the changed stages' models on their new units and runs the executor, a fixed part
-    per transition that the price leaves out (bench_e2e's decision logs on 2 shared
-    cores: measured minus predicted 0.02-0.13 s, whether the price was 0.007 s or
-    0.046 s, so a ratio fits badly and an excess fits well). Priced low, moves look
+    per transition that the price leaves out (on 2 shared cores it is about a tenth of
+    a second whatever the price, so a ratio fits badly and an excess fits well).
+    Priced low, moves look
     cheap: the urgent path's lookahead prefers a plan that forces a second move soon,
     and payback takes moves whose saving never repays them. The excess is the lower
     median of measured - predicted over the last ``window`` transitions and one prior
     value of 0 (the model's own price): one slow transition alone, such as the first
-    use of a layout in a fresh process (its communicators: 2.4-3.9 s here, against
-    ~0.1 s once made), moves nothing, so it cannot price every later move out of
+    use of a layout in a fresh process (its communicators take seconds to make, a
+    tenth of a second once made), moves nothing, so it cannot price every later move out of
     reach (a job that then never moves again would never learn otherwise); two
     transitions that agree set the excess. Nothing here is tuned to a trace: with a
     cost model that prices transitions well the excess stays near 0.
@@ -63,11 +63,11 @@ class TransitionCalibration:
         transitions (0.0 before any).
 
         The excess (:attr:`excess_s`) needs two transitions that agree before it moves
-        off its prior of 0, and a 10-step run makes one or two: diag_adapt_steps (GRPO
-        async quick, load 8-15) priced a 5-primitive move at 0.04-0.11 s after an earlier
-        move of the same run had measured 0.06 s a primitive; it took 0.56-0.58 s, with 2
-        steps left to repay it. Admission's opportunistic path prices a move at no less
-        than this (a move it may decline; urgent moves are taken whatever they cost)."""
+        off its prior of 0, and a short run makes one or two: without a floor, a move
+        whose primitives an earlier move of the same job showed to be slow is still
+        priced at the model's (possibly several times lower) price, with too few steps
+        left to repay it. Admission's opportunistic path prices a move at no less than
+        this (a move it may decline; urgent moves are taken whatever they cost)."""
         if primitives <= 0 or not self.per_primitive:
             return 0.0
         r = sorted(self.per_primitive)

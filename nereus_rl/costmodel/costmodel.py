@@ -271,7 +271,7 @@ class CostModel(PrimitiveCostModel):
         # (plan, workload) -> the stages' ideal work: it depends on the cluster only, never
         # on the efficiencies, and the decisions at one boundary price the same pairs many
         # times (the lookahead over a horizon of repeated lengths, the k-best re-ranked
-        # twice): building it was 70% of a boundary's 30-70 ms on the tiny model
+        # twice): building it is most of a boundary's decision time on the tiny model
         self._works_cache: dict[tuple, dict[str, np.ndarray]] = {}
         self._stage_work_cache: dict[tuple, np.ndarray] = {}  # one stage's layout -> work
         # (plan, workload) -> peak bytes per device: the memory model has no fitted
@@ -404,7 +404,7 @@ class CostModel(PrimitiveCostModel):
             return
         # One solve and one version bump for the whole step: the solution depends only on
         # the accumulated normal equations, so it is bit for bit the one a solve after
-        # each stage would end with (each solve was ~0.1 ms; a PPO step measures six).
+        # each stage would end with (a solve costs about 0.1 ms; a PPO step measures six).
         for name, t in measured.items():
             self._add(works[name], t)
         self._solve()
@@ -438,9 +438,9 @@ class CostModel(PrimitiveCostModel):
                 ) from e
             tiers = stage_tiers(self.cluster, sp)
             # A stage's work depends on its own layout only, and the planner's k-best
-            # share a few layouts per stage: pricing a new length for the k-best built
-            # each plan's stages afresh (0.3-0.4 ms a plan, 60-160 ms at the first
-            # decision of a PPO run at a new length)
+            # share a few layouts per stage: without this cache, pricing a new length for
+            # the k-best builds each plan's stages afresh (0.3-0.4 ms a plan, a tenth of a
+            # second at a PPO job's first decision at a new length)
             skey = (sw, sp.dp, sp.tp, sp.pp, tiers, workload.dtype)
             w = self._stage_work_cache.get(skey)
             if w is None:

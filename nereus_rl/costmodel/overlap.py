@@ -14,10 +14,9 @@ one at a time in the driver's order (``Trainer._submit_stage``), so:
 The synchronous composition (``costmodel.compose_phases``: phases one after another)
 prices none of that overlap, so it ranks a plan that gives the rollout its own devices
 no better than one that colocates it with the reference, although the first hides the
-reference (and, on disjoint devices, the training) behind the rollout. Measured on the
-2-core machine (ReMax async quick, fixed plans, member-only stage commands): rollout,
-reference and training on three disjoint device sets 0.085-0.091 s per step against
-0.12-0.14 s with the rollout and reference on the same two devices.
+reference (and, on disjoint devices, the training) behind the rollout: on a 2-core
+machine, rollout, reference and training on three disjoint device sets take about a
+third less per step than with the rollout and reference on the same two devices.
 
 :func:`overlapped_step` simulates that order. Stage times are the model's (each stage
 alone); on local CPU workers (``LocalCpuClusterSpec``) stages that run at once share
@@ -96,10 +95,10 @@ def rollout_slack(
 
     The driver's rest (``rest_s``) up to this much is hidden behind the rollout: a
     measured step then says nothing of it, and an overlapped plan that gives the
-    rollout devices of its own pays none of it (bench_e2e ReMax async: rollout and
-    reference on two shared devices, the chain after the rollout, measured 1.27x the
-    plan with the rollout alone on a device, over six interleaved rounds, where the
-    model that added the rest beside the overlap priced the two within 2%).
+    rollout devices of its own pays none of it (a model that added the rest beside the
+    overlap would price a plan whose chain runs after the rollout, e.g. rollout and
+    reference on two shared devices, level with one that hides the chain behind it,
+    though the first is clearly slower).
     """
     end, _, _, _ = _simulate(plan, workload, seconds, sync_s, cluster)
     roll, chain = _ends(end, workload, plan)

@@ -1,13 +1,12 @@
-"""Stage shapes priced as they measured on the job, where the cost model misprices them.
+"""Stage shapes priced as they measure on the job, where the cost model misprices them.
 
 The cost model fits one efficiency per operation class over every measurement, so a
 stage shape (stage, dp, tp, pp) whose real cost does not follow the model's structure
-stays mispriced however often it runs. bench_e2e's model check (GRPO sync quick, load
-9-12, benchmarks/results/bench_e2e_2026-12-02.md) priced a dp 1 actor training at
-0.150 s and a pp 2 one at 0.128 s where they measured 0.038 s and 0.027 s, and a
-dp 2 one at 0.092 s against 0.058 s measured (on 4 workers over 2 busy cores a dp 2
-training gains no parallelism and pays its all-reduce), so the planner ranked the plan
-that measured fastest 6th of 9.
+stays mispriced however often it runs. On CPU workers that share cores this happens:
+on 4 workers over 2 busy cores a dp 2 training gains no parallelism and still pays its
+all-reduce, while dp 1 and pp 2 trainings can run several times faster than priced,
+enough to reorder the planner's ranking of near plans (``bench_e2e.py``'s model check
+compares the predicted and measured step of each plan).
 
 :class:`ShapeCorrection` keeps, per stage shape, the recent measurements of that
 stage (the plan, workload and measured seconds, from the startup probes and every
@@ -16,26 +15,26 @@ ratio measured / model's price of those measurements, the ratio taken against th
 model as it is now (the model keeps refining; a ratio taken once would go stale).
 A shape never measured keeps the model's price times ``unmeasured_factor`` (1 by
 default; the trainer sets 1 + the model's trusted error): once some shapes are measured,
-an unmeasured one is the least known, and the model prices some of them far too low on
-these workers (bench_e2e, GRPO async: an opportunistic move to a plan with a tp 2
-reference it had never run, predicted 0.08 s/step faster, ran 0.1-0.25 s/step slower
-until the run moved back, and such plans won the start among near ties in some runs).
+an unmeasured one is the least known, and the model can price one far too low on
+these workers (a plan with a tp 2 reference that never ran can be predicted faster than
+the running plan and run slower), which would draw opportunistic moves to it and let
+it win the start among near ties.
 Phases are composed as the cost model composes them (stages sharing devices add up,
 groups on other devices overlap).
 
 Two regimes. The startup probes (``observe(..., startup=True)``) measure shapes one plan
 at a time on a machine as loaded as it was then; the run measures the running plan's
 shapes under the run's conditions (another load, an async rollout overlapping the
-step). Mixed, the running plan was priced at today's conditions and every probed
-alternative at the probes': diag_adapt_steps (GRPO async quick, load 8-14) logged a dp 1
-reference at 11-16x the model while running beside the async rollout and a probed pp 2
-one at 1.06x, so admission predicted 0.13 s/step of saving where the two plans measured
-fixed 0.016 s apart, and moved. So a shape with startup measurements is priced at its
-startup ratio times one whole-plan factor, the running plan's run-regime price over its
-startup-regime price on the shapes it has both for (:meth:`anchor`, each boundary):
-every probed plan is priced under today's conditions, as measured on the plan that runs
-now, and their relative prices stay the probes'. A shape measured only during the run
-keeps its run ratio; with no shape of the running plan probed the factor is 1.
+step). Mixed, the running plan would be priced at today's conditions and every probed
+alternative at the probes': a dp 1 reference running beside the async rollout can cost
+ten times its model price while a probed alternative stays near its own, so admission
+would see a saving that is only the difference in conditions, and move. So a shape
+with startup measurements is priced at its startup ratio times one whole-plan factor,
+the running plan's run-regime price over its startup-regime price on the shapes it has
+both for (:meth:`anchor`, each boundary): every probed plan is priced under today's
+conditions, as measured on the plan that runs now, and their relative prices stay the
+probes'. A shape measured only during the run keeps its run ratio; with no shape of the
+running plan probed the factor is 1.
 """
 
 from __future__ import annotations

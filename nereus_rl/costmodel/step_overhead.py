@@ -4,13 +4,11 @@ The cost model is fitted to the stages' own seconds (rollout and training as the
 workers time them, inference as the driver does) and sums them by phase. A step also
 holds what no stage time holds: the driver's RPC to every worker of every stage, the
 split of the batch over a stage's units and the gather of their replies, the reward
-scoring, the memory query. bench_e2e's model check (benchmarks/e2e_model_error.py,
-ReMax sync quick at load 11-19) measured that rest at 0.04-0.13 s per step against
-predicted steps of 0.14-0.45 s, and the inference phase of a dp 2 reference at
-0.04-0.07 s against 0.02-0.05 s for dp 1 where the model priced both at 0.008 s: a
-cost that grows with the number of worker calls a step makes, so the model ranked a
-plan with more calls (a dp 2 reference) level with one with fewer, and adaptive
-moved to it.
+scoring, the memory query. On CPU workers that rest is a sizeable part of a short
+step, and it grows with the number of worker calls a step makes (a dp 2 reference's
+inference phase takes longer than a dp 1's where the model prices both alike): without
+it the model ranks a plan with more calls level with one with fewer, and adaptation
+moves to it (``bench_e2e.py``'s model check shows the residual per plan).
 
 :class:`StepOverhead` fits the whole step's residual (measured step seconds minus the
 model's prediction for the plan that ran) as ``a + b * calls`` over the recent steps

@@ -104,7 +104,7 @@ class Task:
     name = "task"
     min_level = 1
     max_level = 1
-    # Warm-start defaults measured to give a policy that sometimes succeeds.
+    # Warm-start defaults: enough for a policy that sometimes succeeds, so RL has a signal.
     warm_levels = (1, 1)
     warm_lr = 3e-3
 

@@ -1,11 +1,11 @@
 """A worker's device-memory arena: its budget reserved once, units' state carved from it.
 
 Why
-    On this VM most of a cold Extend was page faulting, not copying: the receiver's
-    first touch of 480 MiB of fresh memory took 0.56-0.72 s (3.8 s when the host had
-    not backed the pages yet) against 0.07 s for a copy into touched memory, and a
-    "warm" Extend faulted again because the previous unit's memory went back to the
-    OS on Destroy. A GPU worker does not pay this: its memory is reserved when the
+    On a CPU worker most of a cold Extend is page faulting, not copying: the
+    receiver's first touch of fresh memory costs several times the copy into touched
+    memory (far more when the host has not backed the pages yet), and without an arena
+    a "warm" Extend faults again because the previous unit's memory went back to the OS
+    on Destroy. A GPU worker does not pay this: its memory is reserved when the
     process starts (a CUDA caching allocator, vLLM's ``gpu_memory_utilization``).
     So a worker reserves its budget as one buffer, touched once (``prefault``), a
     unit's state is one block of it (contiguous tensors side by side, as Megatron's
@@ -29,8 +29,8 @@ Huge pages
     Segments are advised to transparent huge pages (``MADV_HUGEPAGE``) and start on
     :data:`HUGE_PAGE` bytes, and so do blocks of at least that size. The kernel moves
     a huge page whole only between addresses that agree modulo 2 MiB (it splits it
-    into 4 KiB pages otherwise, which made later cross-memory reads of those bytes
-    ~40% slower and page moves slower), and splits the huge pages at either end of
+    into 4 KiB pages otherwise, which makes later cross-memory reads of those bytes
+    and later page moves slower), and splits the huge pages at either end of
     a moved range that does not start or end on one. So a tensor of at least
     :data:`HUGE_PAGE` bytes is placed at the offset within a huge page that the
     caller asks for (``phases``, see :meth:`Arena.carve`: where the bytes a Split

@@ -1,18 +1,60 @@
-"""Recovery of EMU capacity after workers died, from the intact units' memory only."""
+"""Recovery of EMU capacity after workers died, from the intact units' memory only.
+
+The functions read their manager through :class:`RecoveryHost` (what they use of
+:class:`nereus_rl.emu.manager.EMUManager`), so this module never imports the manager that
+calls it.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nereus_rl.emu.types import EMU, EMUStateLostError
 
 if TYPE_CHECKING:
-    from nereus_rl.emu.manager import EMUManager
+    from nereus_comm.pool import CommPool, Communicator
+    from nereus_rl.runtime import Driver
 
 
-def recover_units(m: EMUManager, spare_ranks: Sequence[int] | None = None) -> list[EMU]:
+class RecoveryHost(Protocol):
+    """What recovery uses of its manager (``EMUManager`` is one): the driver, the pool,
+    the units and the bookkeeping lock, Extend, and the commit and record steps that
+    Destroy uses."""
+
+    driver: Driver
+    pool: CommPool
+    _lock: AbstractContextManager[Any]
+
+    def units(self, stage: str | None = None) -> list[EMU]: ...
+
+    def free_ranks(self) -> list[int]: ...
+
+    def extend(
+        self, stage: str, ranks: Sequence[int], *, tp: int | None = None, pp: int | None = None
+    ) -> EMU: ...
+
+    def _commit(
+        self, gone: list[EMU], new: list[EMU], new_comms: Sequence[Communicator | None]
+    ) -> list[Any]: ...
+
+    def _record(
+        self,
+        kind: str,
+        stage: str,
+        inputs: tuple[int, ...],
+        outputs: tuple[int, ...],
+        num_ranks: int,
+        seconds: float,
+        *,
+        ranks: Sequence[int] = (),
+        **measured: Any,
+    ) -> None: ...
+
+
+def recover_units(m: RecoveryHost, spare_ranks: Sequence[int] | None = None) -> list[EMU]:
     """Rebuild the capacity lost with dead workers from the intact units.
 
     Every unit that lost a shard is destroyed (its survivors drop their shards
@@ -44,7 +86,7 @@ def recover_units(m: EMUManager, spare_ranks: Sequence[int] | None = None) -> li
     return new
 
 
-def destroy_broken(m: EMUManager) -> list[EMU]:
+def destroy_broken(m: RecoveryHost) -> list[EMU]:
     """Destroy every unit that lost a shard with a dead worker (recovery's first step).
 
     The survivors of a broken unit drop its shards; pooled groups with a dead member

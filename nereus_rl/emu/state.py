@@ -90,7 +90,7 @@ def synthetic(spec: TensorSpec, box: Box, seed: int = 0) -> torch.Tensor:
     """Deterministic content of ``box`` of ``spec`` (a new contiguous tensor).
 
     Floats are multiples of 2**-16 in [-0.5, 0.5), exact in every float dtype
-    we use; the RNG state is a real torch.Generator state.
+    the state uses; the RNG state is a real torch.Generator state.
 
     Arguments:
         spec: the tensor.

@@ -13,20 +13,47 @@ of primitives between steps. That is what lets a test compare a run with
 transitions against an uninterrupted one bitwise. The real model's step
 (nereus_rl.trainer.trainer) adopts its real state into units instead
 (EMUManager.adopt); this step remains the semantics check of the EMU layer itself.
+
+The driver side reads its manager through :class:`TrainingHost`, so this module never
+imports the manager that calls it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from nereus_rl.emu.state import RNG_SPEC, Box, _hashed, _name_seed
-from nereus_rl.emu.types import EMUError
+from nereus_rl.emu.types import EMU, EMUError, StageState
 from nereus_rl.runtime.context import WorkerContext, register
 
 if TYPE_CHECKING:
-    from nereus_rl.emu.manager import EMUManager
+    from nereus_comm.pool import Communicator
+    from nereus_rl.runtime import Driver
+
+
+class TrainingHost(Protocol):
+    """What :func:`run_train_step` uses of its manager (``EMUManager`` is one): the
+    driver, the stages and units, the bookkeeping lock, and the pooled DP groups."""
+
+    driver: Driver
+    _lock: AbstractContextManager[Any]
+
+    def units(self, stage: str | None = None) -> list[EMU]: ...
+
+    def _stage(self, stage: str) -> StageState: ...
+
+    def _ensure_stage_on(self, ranks: Sequence[int]) -> None: ...
+
+    def _get_comm(self, ranks: Sequence[int]) -> Communicator: ...
+
+    def _settle(self, comms: Sequence[Communicator | None]) -> float: ...
+
+    def _release(self, comm: Communicator) -> None: ...
+
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8
@@ -112,7 +139,7 @@ def train_step(
 
 
 def run_train_step(
-    m: EMUManager, stage: str, step: int, *, global_batch: int = 8, lr: float = 1e-3
+    m: TrainingHost, stage: str, step: int, *, global_batch: int = 8, lr: float = 1e-3
 ) -> float:
     """Driver side of :func:`train_step`: one synthetic DP Adam step on every unit of ``stage``.
 

@@ -52,8 +52,8 @@ def partition_index(pb: PartitionBounds, N: int):
 def partition_index_of(S: int, N: int):
     """The compiled index of ``S`` stages on ``N`` devices, built in C++: the same as
     ``partition_index(PartitionBounds(S, N), N)`` (tests check every array), in tens of
-    microseconds where building ``PartitionBounds`` took 7-14 ms, on the first decision
-    at each new device count (e.g. the first one after a loss). Built modules without
+    microseconds where building ``PartitionBounds`` takes milliseconds, on the first
+    decision at each new device count (e.g. the first one after a loss). Built modules without
     it fall back to that."""
     build = getattr(_native.PartitionIndex, "build", None)
     if build is None:

@@ -1,12 +1,15 @@
 """The exact planner's search in Python: the reference the compiled search
 (``planner_native``) must equal, plan for plan and bit for bit (see ``nereus_rl.planner.planner``;
-``Planner(native=False)`` runs it)."""
+``Planner(native=False)`` runs it).
+
+The search reads its planner through :class:`SearchHost` (what it prices with and the caches
+it fills), so this module never imports the planner that calls it."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -18,12 +21,32 @@ from nereus_rl.planner.search import LastGroup, Search
 from nereus_rl.planner.tables import _StageTable
 
 if TYPE_CHECKING:
-    from nereus_rl.planner.planner import Planner
+    from nereus_rl.core.spec import ClusterSpec
+    from nereus_rl.costmodel.costmodel import CostModel
 
 _INF = math.inf
 
 
-def pareto_lists(pl: Planner, key: tuple, table: _StageTable, cap: int, priced, slot: int):
+class SearchHost(Protocol):
+    """What the reference search needs of its planner (``nereus_rl.planner.planner.Planner``
+    is one): the cluster and cost model it prices with, the stacked work matrices of a
+    call's stage shapes, and the caches it keeps across calls (the planner drops them when
+    the cost model's version changes)."""
+
+    cluster: ClusterSpec
+    costmodel: CostModel
+    _pareto: dict  # (ids, block, version, cap) -> ({n: Pareto list}, fastest per size)
+    _groups: dict  # (ids, group, n, width rule, cap, version) -> group vectors
+    _ginfo: dict  # (version, cap, ids) -> per-call-shape search data
+
+    def _stack(
+        self, sid: tuple[int, ...], tables: list[_StageTable], r_i: int
+    ) -> tuple[np.ndarray, list[int]]:
+        """The stages' stacked work matrices and each block's first row."""
+        ...
+
+
+def pareto_lists(pl: SearchHost, key: tuple, table: _StageTable, cap: int, priced, slot: int):
     """({n: [(t, mem, layout_idx, d), ...] sorted by time} for every size n, and the
     fastest time at each size ``2**j``, inf where nothing fits), for block ``slot`` of
     the stacked product ``priced()`` (see ``_stack``)."""
@@ -55,7 +78,7 @@ def pareto_lists(pl: Planner, key: tuple, table: _StageTable, cap: int, priced, 
     return got
 
 
-def search(pl: Planner, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
+def search(pl: SearchHost, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver):
     """The reference search: ``([(objective, picks)] best first, timings)``, as
     ``Planner._search_native`` returns them."""
     t0 = time.perf_counter()

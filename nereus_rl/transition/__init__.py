@@ -12,7 +12,9 @@ resource edges. Where each part lives:
 - :mod:`.safety`: the safe-order check;
 - :mod:`.execute`: the concurrent executor.
 
-Pure computation: nothing here starts a process or opens a socket.
+Pure computation: nothing here starts a process or opens a socket. Imports only
+``nereus_rl.core`` and the compiled ``nereus_rl._native`` (core <- transition <- emu; the
+policy layer prices transitions with it).
 """
 
 from nereus_rl.transition.compile import compile_transition, transition_cost

@@ -26,8 +26,12 @@ compiler as the reference. Compiling one block of a symmetric transition and
 replicating it was not taken: the compiler's choices couple blocks that share no device
 (extends copy round-robin from holders anywhere, destroys anchor on holders anywhere,
 and the acquisition order and the refinement's choice are global), so a replicated DAG
-would differ from the general compiler's. Figures:
-``benchmarks/results/bench_transition_plan_native.md``.
+would differ from the general compiler's. ``benchmarks/bench_transition_plan.py`` times
+both compilers.
+
+Errors come from the Python compiler on both paths: when C++ finds that no DAG exists it
+returns without one (:class:`~nereus_rl.transition.native.Fallback`), and the Python
+compiler then runs on the same input and raises its error with its exact message.
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ def compile_transition(
         native: run the simulation, refinement and completion time in C++
             (:mod:`nereus_rl.transition.native`; the same DAG, its object fields built
             on first access). None (default): when ``nereus_rl._native`` has it; False:
-            the Python compiler, the reference; True: require it.
+            the Python compiler, the reference; True: require it. When C++ finds no
+            DAG, the Python compiler runs on the same input and raises the error.
     Returns:
         the DAG, with a safe order and the funding certificate.
     Raises:
@@ -115,7 +120,7 @@ def compile_transition(
                 devices = list(devices)
             if not isinstance(lost_devices, Collection):
                 lost_devices = list(lost_devices)
-            dag = transition_native.compile_native(
+            got = transition_native.compile_native(
                 current,
                 target,
                 devices=devices,
@@ -126,8 +131,13 @@ def compile_transition(
                 refine=refine,
                 stage_slots=stage_slots,
             )
-            if dag is not None:
-                return dag
+            if not isinstance(got, transition_native.Fallback):
+                return got
+            # No DAG from C++: the Python compiler below runs on the same input. After
+            # Fallback.RAISE it raises the error C++ found, with its exact message.
+            must_raise = got is transition_native.Fallback.RAISE
+        else:
+            must_raise = False
         cur = current if isinstance(current, Placement) else Placement.from_plan(current)
         lost_set = frozenset(lost_devices)
         cur_devices = cur.devices
@@ -149,6 +159,8 @@ def compile_transition(
         diff = diff_plans(cur, target, lost_devices=lost_set)
         sim = Simulation(cur, diff, target, exist, lost_set, unit_memory, capacity, stage_slots)
         dag = sim.run()
+        if must_raise:
+            raise AssertionError(transition_native.DISAGREE)
         if not refine:
             return dag
         return _refine(dag, cost_fn)

@@ -28,14 +28,17 @@ constants as they are at call time); any other ``cost_fn`` is called once per pr
 ones) is called once per distinct (model, trains, tp, pp); any other once per unit.
 
 Errors. When C++ reports that no DAG exists (a target device missing or lost, a state
-would be lost, a device over capacity before or after, every acquisition blocked), the
-Python compiler runs on the same input and raises its error with its exact message;
-nothing else has happened by then.
+would be lost, a device over capacity before or after, every acquisition blocked),
+:func:`compile_native` returns :attr:`Fallback.RAISE`; the caller
+(:func:`~nereus_rl.transition.compile.compile_transition`) then runs the Python compiler on
+the same input, which raises its error with its exact message; nothing else has happened
+by then. This module never calls the Python compiler itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import gc
 from collections.abc import Callable, Collection, Mapping
 
@@ -61,6 +64,23 @@ try:
     _HAVE = hasattr(_native, "transition_front")
 except ImportError:  # the package runs without its compiled module (the Python path)
     _HAVE = False
+
+
+class Fallback(enum.Enum):
+    """Why :func:`compile_native` returned no DAG; either way the Python compiler then runs
+    on the same input."""
+
+    #: A created unit would reuse a current uid: the Python compiler compiles the DAG.
+    COMPILE = "compile"
+    #: C++ found that no DAG exists: the Python compiler raises the error, with its message.
+    RAISE = "raise"
+
+
+#: Raised when C++ found no DAG but the Python compiler compiled one.
+DISAGREE = (
+    "the native transition compiler found no DAG but the Python compiler compiled the "
+    "same transition; report this as a bug"
+)
 
 #: The DAG fields built from the compiled result on first access.
 LAZY_FIELDS = (
@@ -225,15 +245,15 @@ def compile_native(
     cost_fn: PrimitiveCostFn,
     refine: bool,
     stage_slots: bool,
-) -> TransitionDAG | None:
-    """``compile_transition`` in C++: the same arguments, the same DAG (or error).
+) -> TransitionDAG | Fallback:
+    """``compile_transition`` in C++: the same arguments, the same DAG.
 
     Returns:
-        the DAG (a :class:`NativeTransitionDAG`), or None when a created unit would reuse
-        a current uid (the Python compiler then compiles it).
-    Raises:
-        what ``compile_transition(..., native=False)`` raises, raised by it: when C++
-        reports that no DAG exists, the Python compiler runs on the same input.
+        the DAG (a :class:`NativeTransitionDAG`); :attr:`Fallback.COMPILE` when a created
+        unit would reuse a current uid (the Python compiler then compiles it);
+        :attr:`Fallback.RAISE` when C++ reports that no DAG exists (the Python compiler,
+        run by the caller on the same input, then raises the error with its message).
+        Nothing raises here for an infeasible or lossy transition.
     """
     from_plan = not isinstance(current, Placement)
     native = _native.transition_front(
@@ -244,18 +264,17 @@ def compile_native(
         list(lost_devices),
         Unit,
     )
-    args = (current, target, devices, lost_devices, unit_memory, capacity, stage_slots)
     if native.status == -1:
-        return None
+        return Fallback.COMPILE
     if native.status != 0:
-        _raise_python(*args)
+        return Fallback.RAISE
     # Capacity before memory, as the Python compiler reads them.
     cap, scalar = None, 0.0
     if isinstance(capacity, Mapping):
         try:
             cap = [capacity_of(capacity, d) for d in native.exist_devices()]
         except KeyError:
-            _raise_python(*args)  # the KeyError of the Python compiler's device order
+            return Fallback.RAISE  # the KeyError of the Python compiler's device order
     else:
         scalar = float(capacity)
     if unit_memory in _BY_LAYOUT:
@@ -264,7 +283,7 @@ def compile_native(
         native.set_memory(list(map(float, map(unit_memory, native.memory_units()))))
     native.simulate(cap, scalar, stage_slots)
     if native.status != 0:
-        _raise_python(*args)
+        return Fallback.RAISE
     if refine:
         if cost_fn is default_primitive_cost:
             _set_table(native)
@@ -283,27 +302,3 @@ def compile_native(
     if refine and cost_fn is not default_primitive_cost:
         set_(dag, "primitives", prims)
     return dag
-
-
-def _raise_python(current, target, devices, lost_devices, unit_memory, capacity, stage_slots):
-    """Run the Python compiler on the same input: it raises the error C++ reported."""
-    from nereus_rl.transition.compile import compile_transition
-
-    compile_transition(
-        current,
-        target,
-        devices=devices,
-        lost_devices=lost_devices,
-        unit_memory=unit_memory,
-        capacity=capacity,
-        refine=False,
-        stage_slots=stage_slots,
-        native=False,
-    )
-    raise AssertionError(_DISAGREE)
-
-
-_DISAGREE = (
-    "the native transition compiler found no DAG but the Python compiler compiled the "
-    "same transition; report this as a bug"
-)

@@ -148,6 +148,35 @@ def test_errors_are_the_python_compilers():
         py, nat = _both(cur, tgt, capacity=20e9, unit_memory=scenario_unit_memory)
         assert isinstance(py, tuple), name
         assert py == nat, name
+        # The compiled path raises nothing itself: it hands the input back, and the Python
+        # compiler (run by compile_transition) raises.
+        got = transition_native.compile_native(cur, tgt, **_native_kw(20e9))
+        assert got is transition_native.Fallback.RAISE, name
+
+
+def test_a_native_no_dag_that_python_compiles_is_a_bug(monkeypatch):
+    # C++ says no DAG exists but the Python compiler compiles one: the two disagree, and
+    # compile_transition says so instead of returning either answer.
+    cur = _plan(_sp("rollout", "actor", False, 1, [(0,), (1,)]), _sp("t", "actor", True, 1, [(2,)]))
+    tgt = _plan(_sp("rollout", "actor", False, 1, [(1,), (0,)]), _sp("t", "actor", True, 1, [(2,)]))
+    kw = {"capacity": 40e9, "unit_memory": scenario_unit_memory}
+    compile_transition(cur, tgt, native=True, **kw)  # feasible
+    fallback = transition_native.Fallback.RAISE
+    monkeypatch.setattr(transition_native, "compile_native", lambda *a, **k: fallback)
+    with pytest.raises(AssertionError, match="report this as a bug"):
+        compile_transition(cur, tgt, native=True, **kw)
+
+
+def _native_kw(capacity) -> dict:
+    return {
+        "devices": None,
+        "lost_devices": (),
+        "unit_memory": scenario_unit_memory,
+        "capacity": capacity,
+        "cost_fn": default_primitive_cost,
+        "refine": True,
+        "stage_slots": True,
+    }
 
 
 def test_devices_given_as_one_shot_iterables():
