@@ -6,7 +6,13 @@ moments) sharded as dp2 x tp(W/2); it is resharded to tp W, then to
 tp(W/2) x pp2, and every byte of every shard is checked against the slice of
 the full state. Prints each plan's stats and the measured time.
 
-    python -m nereus_comm.demo [--workers 4]
+It uses nereus_comm as another framework would: describe the state
+(TensorSpec), the layouts (Layout), plan once (plan_reshard, the same on every
+rank), and call reshard on every rank with its shards and a transport. The
+worker processes come from nereus_comm.testing's LocalWorkers; a framework uses
+its own (torch.distributed ranks, Ray actors, ...).
+
+    python examples/reshard_demo.py [--workers 4] [--hidden 256]
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from itertools import pairwise
 
 import torch
 
-from nereus_comm.layout import Layout, TensorSpec
-from nereus_comm.local_workers import LocalWorkers, WorkerContext
-from nereus_comm.plan import plan_reshard
-from nereus_comm.reshard import reshard, shards_from_full
-from nereus_comm.specs import transformer_state_specs
-from nereus_comm.transport import GlooTransport
+from nereus_comm import (
+    GlooTransport,
+    Layout,
+    TensorSpec,
+    plan_reshard,
+    reshard,
+    shards_from_full,
+    transformer_state_specs,
+)
+from nereus_comm.testing import LocalWorkers, WorkerContext
 
 NUM_LAYERS = 4
 

@@ -2,9 +2,9 @@
 
 Plans which bytes of sharded state move from which rank to which between two
 layouts (C++ planner), packs and unpacks them (C++ host path, Triton on GPU),
-moves them over gloo (CPU; shared memory between ranks on one host) or NCCL
-(GPU, loaded at run time), pools
-communicators, and lets processes join a running job.
+moves them over gloo (CPU; shared memory or cross-memory attach between ranks on
+one host) or NCCL (GPU, loaded at run time), moves the bytes a rank keeps by
+remapping pages, pools communicators, and lets processes join a running job.
 
 Example (on every rank of both layouts)::
 
@@ -12,23 +12,59 @@ Example (on every rank of both layouts)::
     plan = plan_reshard(specs, Layout(dp=2, tp=2, pp=1, ranks=(0, 1, 2, 3)),
                         Layout(dp=1, tp=4, pp=1, ranks=(0, 1, 2, 3)))
     out = reshard(plan, rank, {"w": my_shard}, GlooTransport())
+
+Every name below is public; so are the modules that define them (``nereus_comm.x``
+for a module ``x.py`` whose name does not start with ``_``). Every error derives from
+:class:`NereusCommError`. :mod:`nereus_comm.testing` holds a local worker pool for
+tests; ``examples/`` in the source tree shows the library in use.
 """
 
 from nereus_comm import _C  # noqa: F401  (fail early if the native core is missing)
+from nereus_comm.environment import WORKER_ENV, worker_env, worker_environ
 from nereus_comm.errors import (
     LayoutError,
     MembershipError,
+    NcclError,
+    NcclNotFoundError,
     NereusCommError,
+    PackError,
     PeerTimeoutError,
     PlanError,
+    PoolError,
+    RemapError,
     TensorMismatchError,
+    TransportArgumentError,
     TransportError,
 )
-from nereus_comm.layout import Layout, TensorSpec, local_region
-from nereus_comm.pack import Region, pack, unpack
+from nereus_comm.layout import Box, Layout, TensorSpec, box_shape, local_region
+from nereus_comm.nccl import load_nccl
+from nereus_comm.pack import Region, copy_regions, pack, unpack
 from nereus_comm.plan import ReshardPlan, plan_reshard
-from nereus_comm.pool import CommPool, GlooBackend, NcclBackend
-from nereus_comm.reshard import ReshardResult, reshard
+from nereus_comm.pool import (
+    CommPool,
+    Communicator,
+    GlooBackend,
+    NcclBackend,
+    PoolBackend,
+    PoolStats,
+)
+from nereus_comm.remap import (
+    MIN_MOVE_BYTES,
+    PAGE_BYTES,
+    PageMoves,
+    local_page_moves,
+    move_ranges,
+    swap_pages,
+)
+from nereus_comm.reshard import (
+    DIRECT_MIN_BYTES,
+    ReshardResult,
+    Workspace,
+    prepare_reshard,
+    reshard,
+    shards_from_full,
+)
+from nereus_comm.specs import transformer_state_specs
 from nereus_comm.transport import GlooTransport, NcclTransport, Transport
 from nereus_comm.transport_shm import ShmTransport
 from nereus_comm.world import World
@@ -36,29 +72,56 @@ from nereus_comm.world import World
 __version__ = "0.1.0"
 
 __all__ = [
+    "DIRECT_MIN_BYTES",
+    "MIN_MOVE_BYTES",
+    "PAGE_BYTES",
+    "WORKER_ENV",
+    "Box",
     "CommPool",
+    "Communicator",
     "GlooBackend",
     "GlooTransport",
     "Layout",
     "LayoutError",
     "MembershipError",
     "NcclBackend",
+    "NcclError",
+    "NcclNotFoundError",
     "NcclTransport",
     "NereusCommError",
+    "PackError",
+    "PageMoves",
     "PeerTimeoutError",
     "PlanError",
+    "PoolBackend",
+    "PoolError",
+    "PoolStats",
     "Region",
+    "RemapError",
     "ReshardPlan",
     "ReshardResult",
     "ShmTransport",
     "TensorMismatchError",
     "TensorSpec",
     "Transport",
+    "TransportArgumentError",
     "TransportError",
+    "Workspace",
     "World",
+    "box_shape",
+    "copy_regions",
+    "load_nccl",
+    "local_page_moves",
     "local_region",
+    "move_ranges",
     "pack",
     "plan_reshard",
+    "prepare_reshard",
     "reshard",
+    "shards_from_full",
+    "swap_pages",
+    "transformer_state_specs",
     "unpack",
+    "worker_env",
+    "worker_environ",
 ]

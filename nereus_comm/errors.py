@@ -52,3 +52,7 @@ class PoolError(NereusCommError, ValueError):
 
 class TransportArgumentError(NereusCommError, ValueError):
     """An exchange was asked for with a peer or buffer the transport cannot serve."""
+
+
+class RemapError(NereusCommError, ValueError):
+    """A page move or swap is malformed (null address, negative or unaligned size, overlap)."""

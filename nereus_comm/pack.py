@@ -33,11 +33,14 @@ from nereus_comm.errors import PackError
 __all__ = [
     "PackError",
     "Region",
+    "RegionTable",
     "copy_regions",
+    "copy_table",
     "is_contiguous_region",
     "pack",
     "pack_reference",
     "packed_nbytes",
+    "region_table",
     "region_view",
     "unpack",
     "unpack_reference",
@@ -129,8 +132,14 @@ def _check_region(
     return (info.data_ptr + offset * es, num_rows, row_elems * es, row_stride * es)
 
 
-class _Table(NamedTuple):
-    """A validated table in bytes, one array entry per region (int64 arrays)."""
+class RegionTable(NamedTuple):
+    """A validated region table in bytes: one entry per region in each int64 array.
+
+    Made by :func:`region_table` from Regions; a transport that learns where a peer's
+    regions are (addresses in another process) builds one from those arrays, and
+    :func:`copy_table` pairs two tables into the copy table the native copies take.
+    Empty regions have 0 rows, 0 row bytes and 0 stride.
+    """
 
     addr: np.ndarray
     num_rows: np.ndarray
@@ -140,25 +149,49 @@ class _Table(NamedTuple):
 
     @property
     def nbytes(self) -> np.ndarray:
+        """Bytes of each region."""
         return self.num_rows * self.row_bytes
 
     @property
     def contiguous(self) -> np.ndarray:
+        """Whether each region's bytes follow each other (at most one row, or no gaps)."""
         return (self.num_rows <= 1) | (self.stride == self.row_bytes)
 
     @staticmethod
-    def flat(addr: int, nbytes: np.ndarray, device: torch.device | None) -> _Table:
-        """Back-to-back regions of `nbytes` from `addr` (a packed buffer)."""
+    def flat(addr: int, nbytes: np.ndarray, device: torch.device | None) -> RegionTable:
+        """Back-to-back regions of ``nbytes`` each from ``addr`` (a packed buffer).
+
+        Arguments:
+            addr: the buffer's address.
+            nbytes: int64 bytes of each region, in order.
+            device: the buffer's device (None for an empty table).
+
+        Returns:
+            One contiguous region per entry of ``nbytes``.
+        """
         starts = addr + np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
-        return _Table(starts[: len(nbytes)], np.ones_like(nbytes), nbytes, nbytes, device)
+        return RegionTable(starts[: len(nbytes)], np.ones_like(nbytes), nbytes, nbytes, device)
 
 
-def _check_all(regions: Sequence[Region], what: str) -> _Table:
-    """Validate a table; every region must be on one device.
+def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable:
+    """Validate regions and convert them to bytes and addresses, one entry per region.
 
     The common case is vectorized: one Python pass pulls the fields out, numpy checks
     them (a table may hold 10,000 regions, a few microseconds each would show). Any
     failure re-checks the first offending region one by one for a precise message.
+
+    Arguments:
+        regions: the regions, every one on the same device.
+        what: what to call a region in error messages ("source region", ...).
+
+    Returns:
+        The table (its device None when ``regions`` is empty). It holds raw
+        addresses: the regions' tensors must stay alive while it is used.
+
+    Raises:
+        PackError: a region is not a Region, its tensor is not contiguous, it lies
+            outside its tensor's storage or has negative sizes or overlapping rows,
+            or two regions are on different devices.
     """
     n = len(regions)
     if not all(type(r) is Region or (isinstance(r, tuple) and len(r) == 5) for r in regions):
@@ -193,7 +226,7 @@ def _check_all(regions: Sequence[Region], what: str) -> _Table:
     if sizes is None or (n and sizes.dtype.kind not in "iu"):
         checked = [_check_region(r, i, what, infos[which[i]]) for i, r in enumerate(regions)]
         cols = np.array(checked, dtype=np.int64).reshape(n, 4)
-        return _Table(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
+        return RegionTable(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
     sizes = sizes.astype(np.int64, copy=False)
     which = np.array(which, dtype=np.int64)
     base = np.array([x.data_ptr for x in infos], dtype=np.int64)[which]
@@ -210,7 +243,7 @@ def _check_all(regions: Sequence[Region], what: str) -> _Table:
         _check_region(regions[i], i, what)
         raise AssertionError(f"{what} {i} failed the vectorized check but not the exact one")
     num_rows = np.where(empty, 0, num_rows)
-    return _Table(
+    return RegionTable(
         np.where(empty, base, base + offset * es),
         num_rows,
         np.where(empty, 0, row_elems * es),
@@ -236,8 +269,19 @@ def _check_buffer(buf: torch.Tensor, nbytes: int, device: torch.device | None, w
         )
 
 
-def _pair_table(src: _Table, dst: _Table) -> np.ndarray:
-    """The (k, 6) copy table moving src region i onto dst region i (same bytes each)."""
+def copy_table(src: RegionTable, dst: RegionTable) -> np.ndarray:
+    """The copy table that moves src region i onto dst region i, for every i.
+
+    Arguments:
+        src, dst: equally long tables whose regions i hold the same bytes (the
+            caller checks: :func:`copy_regions` does).
+
+    Returns:
+        An int64 array of shape (k, 6): src_addr, dst_addr, num_rows, row_bytes,
+        src_stride_bytes, dst_stride_bytes, the table ``nereus_comm._C.copy_regions``
+        and the Triton kernel take. Empty pairs are left out; a pair whose two sides
+        are strided with different row lengths becomes one row per run.
+    """
     keep = src.nbytes > 0
     same = (src.num_rows == dst.num_rows) & (src.row_bytes == dst.row_bytes)
     # A contiguous side can take the other side's row shape.
@@ -336,13 +380,13 @@ def pack(
         PackError: a region outside its tensor's storage, a non-contiguous tensor,
             regions on different devices, a bad or too small `out`.
     """
-    src = _check_all(regions, "region")
+    src = region_table(regions, "region")
     nbytes = int(src.nbytes.sum())
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=src.device or "cpu")
     else:
         _check_buffer(out, nbytes, src.device, "out")
-    table = _pair_table(src, _Table.flat(out.data_ptr(), src.nbytes, src.device))
+    table = copy_table(src, RegionTable.flat(out.data_ptr(), src.nbytes, src.device))
     _run(table, src.device, num_threads, backend)
     return out[:nbytes]
 
@@ -365,10 +409,10 @@ def unpack(
     Raises:
         PackError: as for pack(), with `buf` in place of `out`.
     """
-    dst = _check_all(regions, "region")
+    dst = region_table(regions, "region")
     nbytes = int(dst.nbytes.sum())
     _check_buffer(buf, nbytes, dst.device, "buf")
-    table = _pair_table(_Table.flat(buf.data_ptr(), dst.nbytes, dst.device), dst)
+    table = copy_table(RegionTable.flat(buf.data_ptr(), dst.nbytes, dst.device), dst)
     _run(table, dst.device, num_threads, backend)
 
 
@@ -397,8 +441,8 @@ def copy_regions(
             f"{len(src_regions)} source regions but {len(dst_regions)} destination regions; "
             "pass one destination per source"
         )
-    src = _check_all(src_regions, "source region")
-    dst = _check_all(dst_regions, "destination region")
+    src = region_table(src_regions, "source region")
+    dst = region_table(dst_regions, "destination region")
     if src.device is not None and src.device != dst.device:
         raise PackError(f"source regions are on {src.device} but destinations on {dst.device}")
     differ = src.nbytes != dst.nbytes
@@ -408,7 +452,7 @@ def copy_regions(
             f"pair {i}: source holds {src.nbytes[i]} bytes, destination {dst.nbytes[i]}; "
             "a pair must hold the same bytes"
         )
-    _run(_pair_table(src, dst), src.device, num_threads, backend)
+    _run(copy_table(src, dst), src.device, num_threads, backend)
 
 
 def is_contiguous_region(region: Region) -> bool:

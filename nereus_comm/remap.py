@@ -18,21 +18,41 @@ Limits
     splits the mappings around it (a VMA per range); when the process has more than
     half of ``vm.max_map_count`` mappings, everything is copied instead. A swap the
     kernel refuses is copied instead.
+
+Use with reshard
+    A caller that gives up its source shards asks :func:`local_page_moves` which of
+    the plan's local copies can be moves, passes their indices to
+    :func:`~nereus_comm.reshard.reshard` as ``local_done``, and calls
+    :func:`move_ranges` on them once the reshard has returned (its peers are done
+    reading the sources then). Should it have to undo them, :func:`swap_pages` of the
+    swaps made, in reverse order, gives every range its own pages back.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from nereus_comm import _C
+from nereus_comm.errors import RemapError, TensorMismatchError
+from nereus_comm.plan import ReshardPlan
+from nereus_comm.reshard_program import DIRECT_MIN_BYTES, Slot, program
 
-__all__ = ["MIN_MOVE_BYTES", "PAGE_BYTES", "PageMoves", "move_ranges"]
+__all__ = [
+    "MIN_MOVE_BYTES",
+    "PAGE_BYTES",
+    "PageMoves",
+    "local_page_moves",
+    "move_ranges",
+    "swap_pages",
+]
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: Ranges shorter than this are copied: three system calls and a mapping split cost
@@ -62,8 +82,8 @@ def _mapping_bounds() -> list[int] | None:
 class PageMoves:
     """What :func:`move_ranges` did: its swaps and its byte counts.
 
-    Swapping a row of ``swaps`` again (``_C.swap_pages``) would give both ranges their
-    own pages back.
+    Swapping the rows of ``swaps`` again, last first (:func:`swap_pages` of
+    ``swaps[::-1]``), gives every range its own pages back.
     """
 
     swaps: np.ndarray
@@ -85,6 +105,32 @@ def _cut(a: int, b: int, n: int, bounds: list[int]) -> list[tuple[int, int, int]
     return [(a + lo, b + lo, hi - lo) for lo, hi in itertools.pairwise(at)]
 
 
+def _check_pairs(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    out = []
+    for i, pair in enumerate(pairs):
+        try:
+            src, dst, n = map(operator.index, pair)
+        except (TypeError, ValueError):
+            raise RemapError(
+                f"pair {i} is {pair!r}; expected (source address, destination address, bytes) "
+                "as three ints"
+            ) from None
+        if n < 0:
+            raise RemapError(f"pair {i} moves {n} bytes; pass a size >= 0")
+        if n and (src <= 0 or dst <= 0):
+            raise RemapError(
+                f"pair {i} has address {src if src <= 0 else dst:#x}; pass data_ptr() of live "
+                "host tensors"
+            )
+        if n and abs(src - dst) < n:
+            raise RemapError(
+                f"pair {i}: the {n}-byte ranges at {src:#x} and {dst:#x} overlap; a range "
+                "cannot move onto itself"
+            )
+        out.append((src, dst, n))
+    return out
+
+
 def move_ranges(pairs: Sequence[tuple[int, int, int]]) -> PageMoves:
     """Put the bytes of each (src, dst, nbytes) range at dst: whole pages moved, the rest copied.
 
@@ -97,7 +143,12 @@ def move_ranges(pairs: Sequence[tuple[int, int, int]]) -> PageMoves:
 
     Returns:
         The swaps made and the bytes moved and copied.
+
+    Raises:
+        RemapError: a pair is not three ints, has a negative size, a null address, or
+            a source that overlaps its destination; raised before any byte moves.
     """
+    pairs = _check_pairs(pairs)
     # A _C built before swap_pages existed (a stale build) copies everything.
     bounds = _mapping_bounds() if hasattr(_C, "swap_pages") else None
     swaps: list[tuple[int, int, int]] = []
@@ -127,3 +178,129 @@ def move_ranges(pairs: Sequence[tuple[int, int, int]]) -> PageMoves:
         bytes_copied=sum(n for _, _, n in copies),
         error=err,
     )
+
+
+def swap_pages(table: np.ndarray | Sequence[tuple[int, int, int]]) -> tuple[int, int]:
+    """Swap the pages of each row's two ranges (a, b, nbytes), row by row (``mremap``).
+
+    Swapping :attr:`PageMoves.swaps` again, last row first, undoes a
+    :func:`move_ranges`: ``swap_pages(moves.swaps[::-1])``.
+
+    Arguments:
+        table: rows of (a, b, nbytes), e.g. an int64 array of shape (n, 3): two
+            disjoint ranges of this process's host memory, each inside one private
+            anonymous mapping (what ``torch.empty`` gives large tensors), both
+            addresses and nbytes multiples of :data:`PAGE_BYTES`.
+
+    Returns:
+        (rows swapped, errno of the first row the kernel refused or 0). The rows
+        before that one are swapped; it and the rows after it are as they were.
+
+    Raises:
+        RemapError: the table is not rows of three ints, or a row has a null address,
+            a negative size, an address or size that is not a whole number of pages,
+            or ranges that overlap; raised before any page moves.
+        RuntimeError: the native core was built without swap_pages (rebuild it:
+            ``python setup.py build_ext --inplace``).
+    """
+    arr = np.asarray(table)
+    if arr.size == 0:
+        return 0, 0
+    if arr.dtype.kind not in "iu" or arr.ndim != 2 or arr.shape[1] != 3:
+        raise RemapError(
+            f"the swap table must be rows of (a, b, nbytes) ints, got {arr.dtype} of shape "
+            f"{arr.shape}; pass an int64 array of shape (n, 3) such as PageMoves.swaps"
+        )
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    a, b, n = arr[:, 0], arr[:, 1], arr[:, 2]
+    live = n > 0
+    checks = (
+        ((a <= 0) | (b <= 0), "has a null or negative address; pass addresses of live tensors"),
+        (n < 0, "has nbytes < 0"),
+        (
+            live & (((a % PAGE_BYTES) != 0) | ((b % PAGE_BYTES) != 0) | ((n % PAGE_BYTES) != 0)),
+            f"is not page-aligned: both addresses and nbytes must be multiples of {PAGE_BYTES}",
+        ),
+        (live & (np.abs(a - b) < n), "has ranges that overlap; swap disjoint ranges"),
+    )
+    for bad, why in checks:
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RemapError(f"swap row {i} (a={a[i]:#x}, b={b[i]:#x}, nbytes={n[i]}) {why}")
+    if not hasattr(_C, "swap_pages"):
+        raise RuntimeError(
+            "nereus_comm._C was built without swap_pages; rebuild it: "
+            "python setup.py build_ext --inplace"
+        )
+    done, err = _C.swap_pages(arr)
+    return int(done), int(err)
+
+
+def _contiguous(slot: Slot) -> bool:
+    _, _, rows, row, stride = slot
+    return rows <= 1 or row == 0 or stride == row
+
+
+def local_page_moves(
+    plan: ReshardPlan,
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor],
+    *,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
+) -> tuple[list[tuple[int, int, int]], frozenset[int]]:
+    """The plan's local copies on ``rank`` that can be page moves after the exchange.
+
+    A local copy can be a move when it is one contiguous run on both sides (a dim-0
+    shard inside its full tensor, a replicated tensor, half of a full tensor that
+    becomes a dim-0 shard), at least :data:`MIN_MOVE_BYTES`, in host memory, and the
+    only local copy of its source tensor (a second one would find the bytes gone). A
+    row-parallel (dim-1) piece is strided in the full tensor and stays a copy.
+
+    Arguments:
+        plan: the ReshardPlan.
+        rank: this process's global rank.
+        tensors: this rank's source shards by spec name, as given to reshard; the
+            caller gives them up (their moved bytes are gone after the moves).
+        out: this rank's destination shards by spec name, as given to reshard.
+        direct_min_bytes: the value the reshard call passes (the plan's per-rank
+            program is kept per value; the answer does not depend on it).
+
+    Returns:
+        ((source address, destination address, bytes) per move, for
+        :func:`move_ranges` once reshard has returned; the indices of the plan's
+        local copies they make, for reshard's ``local_done``).
+
+    Raises:
+        TensorMismatchError: a tensor of one of the plan's local copies on ``rank`` is
+            missing from ``tensors`` or ``out``.
+    """
+    prog = program(plan, rank, direct_min_bytes)
+    sides = ((prog.local_src, tensors, "source"), (prog.local_dst, out, "destination"))
+    for slots, given, what in sides:
+        missing = sorted({sl[0] for sl in slots if sl[0] not in given})
+        if missing:
+            raise TensorMismatchError(
+                f"{what} tensors {missing} of rank {rank}'s local copies are missing; pass "
+                f"the rank's {what} shards as for reshard"
+            )
+    reads: dict[str, int] = {}
+    for sl in prog.local_src:
+        reads[sl[0]] = reads.get(sl[0], 0) + 1
+    pairs, done = [], set()
+    for i, (s, d) in enumerate(zip(prog.local_src, prog.local_dst)):
+        if not (_contiguous(s) and _contiguous(d)) or reads[s[0]] != 1:
+            continue
+        src_t, dst_t = tensors[s[0]], out[d[0]]
+        nbytes = s[2] * s[3] * src_t.element_size()
+        if src_t.device.type != "cpu" or dst_t.device.type != "cpu" or nbytes < MIN_MOVE_BYTES:
+            continue
+        pairs.append(
+            (
+                src_t.data_ptr() + s[1] * src_t.element_size(),
+                dst_t.data_ptr() + d[1] * dst_t.element_size(),
+                nbytes,
+            )
+        )
+        done.add(i)
+    return pairs, frozenset(done)

@@ -51,16 +51,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nereus_comm.errors import PlanError
 from nereus_comm.layout import Layout, TensorSpec
-from nereus_comm.pack import (
-    Region,
-    copy_regions,
-    pack,
-    unpack,
-)
+from nereus_comm.pack import Region, copy_regions, pack, unpack
+from nereus_comm.plan import ReshardPlan
 from nereus_comm.reshard_program import (
     DIRECT_MIN_BYTES,
-    _Slot,
+    Slot,
     check_shards,
     program,
     wire_groups,
@@ -75,6 +72,7 @@ __all__ = [
     "ROUTES",
     "ReshardResult",
     "Workspace",
+    "prepare_reshard",
     "reshard",
     "shards_from_full",
     "wire_groups",
@@ -152,7 +150,16 @@ class ReshardResult:
 class Workspace:
     """Staging buffers that successive reshards reuse (no fresh pages per call).
 
-    Grows to the largest staging need seen; one per process and device is plenty.
+    Pass one as ``reshard(..., workspace=ws)``. It grows to the largest staging need
+    seen and keeps that memory until it is dropped; one per process and device is
+    plenty (reshard calls that run at the same time need one each).
+
+    Arguments:
+        device: where the buffers live; the transport's device (``"cpu"`` for
+            GlooTransport over host memory, a CUDA device for NcclTransport).
+
+    Raises:
+        RuntimeError: ``device`` is not a device torch knows (torch's own error).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -160,7 +167,16 @@ class Workspace:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, kind: str, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of exactly nbytes, backed by the cached buffer for kind."""
+        """A uint8 tensor of exactly ``nbytes``, backed by the cached buffer for ``kind``.
+
+        Arguments:
+            kind: which buffer ("send", "recv": reshard uses both at once).
+            nbytes: bytes needed (the buffer grows to fit, its old bytes dropped).
+
+        Returns:
+            A view of the buffer's first ``nbytes`` bytes on :attr:`device`; it is
+            overwritten by the next call for the same ``kind``.
+        """
         buf = self._buffers.get(kind)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -168,7 +184,7 @@ class Workspace:
         return buf[:nbytes]
 
 
-def _region(slot: _Slot, tensors: Mapping[str, torch.Tensor]) -> Region:
+def _region(slot: Slot, tensors: Mapping[str, torch.Tensor]) -> Region:
     name, off, rows, row, stride = slot
     return Region(tensors[name], off, rows, row, stride)
 
@@ -247,6 +263,34 @@ def _totals(buffers) -> dict[int, int]:
 def _long_runs(nbytes: int, runs: int) -> bool:
     """Whether bytes in this many runs are worth a cross-memory-attach read (route auto)."""
     return nbytes >= CMA_MIN_RUN_BYTES * max(runs, 1)
+
+
+def prepare_reshard(
+    plan: ReshardPlan, rank: int, *, direct_min_bytes: int = DIRECT_MIN_BYTES
+) -> None:
+    """Derive now what ``rank``'s reshard of ``plan`` needs from the plan alone.
+
+    Optional: :func:`reshard` does it on its first call with a plan object (its
+    checks, wire buffers and local copies; tens of ms on a 1,000-tensor state) and
+    keeps it while the plan lives. Calling this first moves that cost out of the
+    exchange, e.g. to time planning apart from moving.
+
+    Arguments:
+        plan: the ReshardPlan the reshard will run.
+        rank: this process's global rank.
+        direct_min_bytes: the value the reshard call will pass (the derived program
+            is kept per value).
+
+    Returns:
+        None; a reshard call with the same plan object, rank and direct_min_bytes
+        finds the work done.
+
+    Raises:
+        PlanError: ``plan`` is not a ReshardPlan (make one with plan_reshard).
+    """
+    if not isinstance(plan, ReshardPlan):
+        raise PlanError(f"expected a ReshardPlan from plan_reshard, got {type(plan).__name__}")
+    program(plan, rank, direct_min_bytes)
 
 
 def reshard(

@@ -17,7 +17,15 @@ import torch
 from nereus_comm.errors import TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec, box_nbytes, box_shape, local_region
 
-__all__ = ["DIRECT_MIN_BYTES", "check_shards", "program", "wire_groups"]
+__all__ = [
+    "DIRECT_MIN_BYTES",
+    "RankProgram",
+    "Slot",
+    "WireBuffer",
+    "check_shards",
+    "program",
+    "wire_groups",
+]
 
 #: Pieces at least this large travel as their own wire buffer; smaller ones of a
 #: message share one staged buffer. Each gloo send or receive costs ~25-40 us of
@@ -119,16 +127,17 @@ def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[
 
 
 #: (tensor name, offset, num_rows, row_elems, row_stride): a Region without its
-#: tensor, in elements of the tensor's dtype (see nereus_comm.pack.Region).
-_Slot = tuple[str, int, int, int, int]
+#: tensor, in elements of the tensor's dtype (see nereus_comm.pack.Region); a call
+#: binds it to the tensor of that name.
+Slot = tuple[str, int, int, int, int]
 
 
 @dataclass(frozen=True)
-class _WireBuffer:
+class WireBuffer:
     """One wire buffer: straight from/into a shard (direct) or a staging slice."""
 
     peer: int
-    slots: tuple[_Slot, ...]
+    slots: tuple[Slot, ...]
     nbytes: int
     direct: bool
     #: contiguous runs of its pieces on this side plus on the peer's (both ends of the
@@ -137,18 +146,21 @@ class _WireBuffer:
 
 
 @dataclass(frozen=True)
-class _Program:
+class RankProgram:
     """Everything one rank's reshard derives from the plan alone, built once per
     (plan, rank, direct_min_bytes): the plan's views, the layout's box arithmetic
     and the wire grouping cost tens of ms per call on a 1,000-tensor state, the
-    same on every call."""
+    same on every call.
+
+    ``local_src[i]`` and ``local_dst[i]`` are the two ends of the plan's local copy i
+    on this rank (source shard, destination shard)."""
 
     src_expected: dict[str, tuple[torch.Size, torch.dtype]]
     dst_expected: dict[str, tuple[torch.Size, torch.dtype]]
-    sends: tuple[_WireBuffer, ...]
-    recvs: tuple[_WireBuffer, ...]
-    local_src: tuple[_Slot, ...]
-    local_dst: tuple[_Slot, ...]
+    sends: tuple[WireBuffer, ...]
+    recvs: tuple[WireBuffer, ...]
+    local_src: tuple[Slot, ...]
+    local_dst: tuple[Slot, ...]
     bytes_local: int
     messages_sent: int
     messages_received: int
@@ -162,7 +174,7 @@ class _Program:
     recv_runs: dict[int, int]
 
 
-def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> _Slot:
+def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> Slot:
     off, rows, row, stride = local_region(spec, layout, rank, piece.box)
     return (spec.name, off, rows, row, stride)
 
@@ -173,12 +185,12 @@ def _runs(spec: TensorSpec, layout: Layout, rank: int, piece) -> int:
     return 1 if rows <= 1 or stride == row else rows
 
 
-def _slot_runs(slot: _Slot) -> int:
+def _slot_runs(slot: Slot) -> int:
     _, _, rows, row, stride = slot
     return 1 if rows <= 1 or stride == row else rows
 
 
-def _slot_nbytes(slot: _Slot, itemsize: int) -> int:
+def _slot_nbytes(slot: Slot, itemsize: int) -> int:
     return slot[2] * slot[3] * itemsize
 
 
@@ -203,15 +215,27 @@ def _wire_buffers(
             )
             _, _, rows, row, stride = slots[0]
             direct = len(slots) == 1 and (rows <= 1 or row == 0 or stride == row)
-            out.append(_WireBuffer(peer, slots, nbytes, direct, runs))
+            out.append(WireBuffer(peer, slots, nbytes, direct, runs))
     return tuple(out)
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def program(plan, rank: int, min_bytes: int) -> _Program:
-    """The cached _Program of (plan, rank, min_bytes); plans are immutable."""
+def program(plan, rank: int, min_bytes: int = DIRECT_MIN_BYTES) -> RankProgram:
+    """What ``rank``'s reshard of ``plan`` derives from the plan alone, cached.
+
+    Plans are immutable, so the program is built once per (plan, rank, min_bytes)
+    and kept as long as the plan object lives.
+
+    Arguments:
+        plan: a ReshardPlan.
+        rank: the global rank (a rank in neither layout gets an empty program).
+        min_bytes: the reshard's ``direct_min_bytes`` (see :func:`wire_groups`).
+
+    Returns:
+        The rank's program.
+    """
     per_plan = _PROGRAMS.setdefault(plan, {})
     key = (rank, min_bytes)
     prog = per_plan.get(key)
@@ -225,7 +249,7 @@ def program(plan, rank: int, min_bytes: int) -> _Program:
     recvs = plan.recvs(rank) if involved else []
     local = plan.local_copies(rank) if involved else []
     local_dst = tuple(_slot(dst_specs[p.tensor], dst, rank, p) for p in local)
-    prog = _Program(
+    prog = RankProgram(
         src_expected=_expected_shards(specs, src, rank),
         dst_expected=_expected_shards(dst_specs, dst, rank),
         sends=_wire_buffers(plan, specs, dst_specs, sends, src, dst, rank, min_bytes, True),

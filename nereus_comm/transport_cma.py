@@ -47,7 +47,7 @@ import torch
 
 from nereus_comm import _C
 from nereus_comm.errors import TransportArgumentError, TransportError
-from nereus_comm.pack import Region, _check_all, _pair_table, _Table
+from nereus_comm.pack import Region, RegionTable, copy_table, region_table
 from nereus_comm.transport import Transport
 from nereus_comm.transport_shm import host_identity
 
@@ -257,7 +257,7 @@ class CmaRoute:
         control = self._control_or(control)
         out = []
         for p, regions in sends.items():
-            t = _check_all(regions, "source region")
+            t = region_table(regions, "source region")
             table = np.stack([t.addr, t.num_rows, t.row_bytes, t.stride], axis=1)
             head = np.array([_MAGIC, int(t.nbytes.sum())], dtype=np.int64)
             out.append((p, _as_bytes(np.concatenate([head, table.reshape(-1)]))))
@@ -276,10 +276,10 @@ class CmaRoute:
             # A different plan on the peer: nothing is read, both sides raise.
             return errno.EBADMSG
         src = table[_HEAD:].reshape(-1, 4)
-        dst = _check_all(regions, "destination region")
-        remote = _Table(src[:, 0], src[:, 1], src[:, 2], src[:, 3], dst.device)
+        dst = region_table(regions, "destination region")
+        remote = RegionTable(src[:, 0], src[:, 1], src[:, 2], src[:, 3], dst.device)
         try:
-            pairs = np.ascontiguousarray(_pair_table(remote, dst), dtype=np.int64)
+            pairs = np.ascontiguousarray(copy_table(remote, dst), dtype=np.int64)
             got, err = _C.cma_read(self._pid[peer], pairs, self.threads)
         except ValueError:  # a malformed table from the peer: report it, never hang it
             return errno.EBADMSG

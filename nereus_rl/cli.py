@@ -1,14 +1,16 @@
-"""The ``nereus-rl`` command: ``train``, ``demo`` and ``worker``.
+"""The ``nereus-rl`` command: ``train`` and ``worker``.
 
     nereus-rl train                 # GRPO on `sort`, 4 local CPU workers, adaptive
     nereus-rl train --quick         # the CI-sized variant (well under two minutes)
     nereus-rl train --algo ppo --steps 40 --no-adapt --run-dir runs/ppo
-    nereus-rl demo                  # nereus_comm resharding demo across local workers
     nereus-rl worker --store HOST:PORT   # join a job whose driver listens there
 
 A job with workers on other machines: start the driver with
 ``nereus-rl train --host 0.0.0.0 --port 29500 --local-workers 0 --devices 8`` and on each
 machine ``nereus-rl worker --store DRIVER_HOST:29500`` (once per device).
+
+nereus_comm on its own (resharding a model's state across local workers, as another
+framework would use it) is shown by ``python examples/reshard_demo.py`` in the source tree.
 """
 
 from __future__ import annotations
@@ -98,12 +100,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(rest: list[str]) -> int:
-    from nereus_comm import demo
-
-    return demo.main(rest)
-
-
 def _worker(rest: list[str]) -> int:
     from nereus_rl.runtime import worker
 
@@ -137,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--port", type=int, default=None, help="store port (for remote workers)")
     t.add_argument("--local-workers", type=int, default=None, help="workers to spawn here")
     t.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for them")
-    sub.add_parser("demo", help="nereus_comm resharding demo across local workers", add_help=False)
     sub.add_parser("worker", help="a worker that joins a running job", add_help=False)
     return ap
 
@@ -145,8 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nereus-rl``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "demo":
-        return _demo(argv[1:])
     if argv and argv[0] == "worker":
         return _worker(argv[1:])
     args = build_parser().parse_args(argv)

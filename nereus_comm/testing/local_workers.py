@@ -1,9 +1,10 @@
 """A small pool of local worker processes joined by a gloo process group.
 
-Tests, the demo and benchmarks start the pool once and run many functions
+Tests, examples and benchmarks start the pool once and run many functions
 through it, instead of spawning processes per case (process start-up and
 ``import torch`` dominate on a small machine). Each worker is one rank of a
-gloo group rendezvousing over a TCPStore on 127.0.0.1 that the parent hosts.
+gloo group rendezvousing over a TCPStore on 127.0.0.1 that the parent hosts, and
+starts with :data:`nereus_comm.environment.WORKER_ENV` (huge pages for fresh state).
 
 Example::
 
@@ -13,14 +14,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
-import os
 import queue
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,50 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = [
-    "WORKER_ENV",
-    "LocalWorkers",
-    "WorkerContext",
-    "WorkerError",
-    "worker_env",
-    "worker_environ",
-]
+from nereus_comm.environment import worker_environ
 
-#: Environment every local worker starts with unless the user set the variable:
-#: THP_MEM_ALLOC_ENABLE=1 makes torch's CPU allocator align allocations of 2 MiB and
-#: more to 2 MiB and madvise them to transparent huge pages, so fresh state (a new
-#: unit's shards) faults in 512x fewer pages. torch reads it at the first allocation
-#: of a process, so it must be in the environment the process starts with.
-WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
-
-
-def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: os.environ) with WORKER_ENV's defaults where unset."""
-    env = dict(os.environ if base is None else base)
-    for key, value in WORKER_ENV.items():
-        env.setdefault(key, value)
-    return env
-
-
-@contextlib.contextmanager
-def worker_environ(**extra: str) -> Iterator[None]:
-    """os.environ with WORKER_ENV's defaults (and ``extra``) while processes start.
-
-    For start methods that copy this process's environment (multiprocessing's
-    forkserver is started with it); restored afterwards.
-    """
-    saved = {k: os.environ.get(k) for k in (*WORKER_ENV, *extra)}
-    os.environ.update(extra)
-    for key, value in WORKER_ENV.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+__all__ = ["LocalWorkers", "WorkerContext", "WorkerError"]
 
 
 class WorkerError(RuntimeError):

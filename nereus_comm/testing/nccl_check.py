@@ -5,7 +5,7 @@ sends a buffer to itself and checks every byte, splits the communicator and
 uses the child, shrinks it when the library has ncclCommShrink, and times each
 step. Without a device or without NCCL it returns a skip report instead.
 
-    python -m nereus_comm.nccl_check          # prints the report as JSON
+    python -m nereus_comm.testing.nccl_check      # prints the report as JSON
 """
 
 from __future__ import annotations

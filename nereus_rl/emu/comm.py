@@ -18,9 +18,14 @@ import torch
 
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
-from nereus_comm.remap import MIN_MOVE_BYTES
-from nereus_comm.reshard import DIRECT_MIN_BYTES, ReshardResult, Workspace, reshard
-from nereus_comm.reshard_program import program
+from nereus_comm.remap import local_page_moves
+from nereus_comm.reshard import (
+    DIRECT_MIN_BYTES,
+    ReshardResult,
+    Workspace,
+    prepare_reshard,
+    reshard,
+)
 from nereus_comm.transport import Transport
 
 __all__ = [
@@ -34,8 +39,8 @@ __all__ = [
 
 #: Plans kept per process (least recently used dropped first). A job moves between a
 #: few layouts again and again (a Split and the Merge back, each stage's extends), and
-#: a plan's per-rank program (nereus_comm.reshard_program, cached per plan object) costs
-#: ~12 ms of CPU per rank on bench_extend's 119-tensor state, ~10% of a Split.
+#: a plan's per-rank program (nereus_comm.reshard.prepare_reshard, kept per plan object)
+#: costs ~12 ms of CPU per rank on bench_extend's 119-tensor state, ~10% of a Split.
 PLAN_CACHE_SIZE = 16
 _PLANS: OrderedDict = OrderedDict()
 _PLANS_LOCK = threading.Lock()
@@ -101,8 +106,8 @@ def move_state(
             arena); default: allocated by reshard.
         consume_sources: ``tensors`` are this rank's to give up (a Split or Merge drops
             them after): with ``out`` in host memory, the local copies that can be page
-            moves instead (:func:`local_moves`) are left out of the exchange and
-            returned as ``"moves"``; the caller makes them
+            moves instead (:func:`nereus_comm.remap.local_page_moves`) are left out of
+            the exchange and returned as ``"moves"``; the caller makes them
             (:func:`nereus_comm.remap.move_ranges`) after this returns (every peer is
             done reading the sources then), before anything reads ``out``, and swaps
             them back should the primitive fail.
@@ -118,11 +123,11 @@ def move_state(
     plan = cached_plan(specs, src, dst)
     same = (src.tp, src.pp) == (dst.tp, dst.pp)
     direct_min_bytes = 1 if same else DIRECT_MIN_BYTES
-    program(plan, rank, direct_min_bytes)  # built once per plan; counted as planning
+    prepare_reshard(plan, rank, direct_min_bytes=direct_min_bytes)  # counted as planning
     plan_s = time.perf_counter() - t0
     pairs, done = [], frozenset()
     if consume_sources and out:
-        pairs, done = local_moves(plan, rank, tensors, out, direct_min_bytes)
+        pairs, done = local_page_moves(plan, rank, tensors, out, direct_min_bytes=direct_min_bytes)
     result = reshard(
         plan,
         rank,
@@ -142,50 +147,3 @@ def move_state(
         "moves": pairs,
         "bytes_remapped": sum(n for _, _, n in pairs),
     }
-
-
-def _contiguous(slot) -> bool:
-    _, _, rows, row, stride = slot
-    return rows <= 1 or row == 0 or stride == row
-
-
-def local_moves(
-    plan,
-    rank: int,
-    tensors: Mapping[str, torch.Tensor],
-    out: Mapping[str, torch.Tensor],
-    direct_min_bytes: int,
-) -> tuple[list[tuple[int, int, int]], frozenset[int]]:
-    """The plan's local copies on ``rank`` that can be page moves after the exchange.
-
-    A local copy can be a move when it is one contiguous run on both sides (a dim-0
-    shard inside its full tensor, a replicated tensor, half of a full tensor that
-    becomes a dim-0 shard), at least :data:`~nereus_comm.remap.MIN_MOVE_BYTES`, and
-    the only local copy of its source tensor (a second one would find the bytes
-    gone). A row-parallel (dim-1) piece is strided in the full tensor and stays a copy.
-
-    Returns:
-        ((source address, destination address, bytes) per move, the indices of the
-        plan's local copies they make, to pass to reshard as ``local_done``).
-    """
-    prog = program(plan, rank, direct_min_bytes)
-    reads: dict[str, int] = {}
-    for sl in prog.local_src:
-        reads[sl[0]] = reads.get(sl[0], 0) + 1
-    pairs, done = [], set()
-    for i, (s, d) in enumerate(zip(prog.local_src, prog.local_dst)):
-        if not (_contiguous(s) and _contiguous(d)) or reads[s[0]] != 1:
-            continue
-        src_t, dst_t = tensors[s[0]], out[d[0]]
-        nbytes = s[2] * s[3] * src_t.element_size()
-        if src_t.device.type != "cpu" or dst_t.device.type != "cpu" or nbytes < MIN_MOVE_BYTES:
-            continue
-        pairs.append(
-            (
-                src_t.data_ptr() + s[1] * src_t.element_size(),
-                dst_t.data_ptr() + d[1] * dst_t.element_size(),
-                nbytes,
-            )
-        )
-        done.add(i)
-    return pairs, frozenset(done)

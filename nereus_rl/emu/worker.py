@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nereus_comm import _C
 from nereus_comm.layout import box_shape
-from nereus_comm.remap import move_ranges
+from nereus_comm.remap import move_ranges, swap_pages
 from nereus_comm.reshard import Workspace
 from nereus_comm.transport import GlooTransport
 from nereus_rl.emu import train as emu_train  # noqa: F401  (registers emu.train_step)
@@ -468,8 +467,8 @@ def _settle_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
     for dst in [u for u in uids if u in moves]:
         src, swaps = moves.pop(dst)
         if src in _units(ctx) and len(swaps):
-            back = np.ascontiguousarray(swaps[::-1])
-            done, err = _C.swap_pages(back)
+            back = swaps[::-1]
+            done, err = swap_pages(back)
             if err:
                 raise RuntimeError(
                     f"worker {ctx.rank}: swapping unit {src}'s pages back from failed unit "

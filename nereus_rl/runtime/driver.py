@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nereus_comm.local_workers import worker_env, worker_environ
+from nereus_comm.environment import worker_env, worker_environ
 from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
 

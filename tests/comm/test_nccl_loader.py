@@ -90,9 +90,19 @@ def test_real_library_without_device_raises_nccl_error() -> None:
     lib = _real_nccl()
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("a device is present: nereus_comm.nccl_check covers the real calls")
+        pytest.skip("a device is present: nereus_comm.testing.nccl_check covers the real calls")
     with pytest.raises(nccl.NcclError, match="ncclCommInitRank failed"):
         lib.comm_init_rank(1, lib.get_unique_id(), 0)
+
+
+def test_one_rank_checks_skip_without_a_device() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a device is present: test_one_rank_checks_on_device runs them")
+    from nereus_comm.testing import nccl_check
+
+    report = nccl_check.run_one_rank_checks()
+    assert report["status"] == "skipped" and "no CUDA device" in report["reason"], report
 
 
 @pytest.mark.gpu
@@ -100,7 +110,7 @@ def test_one_rank_checks_on_device() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from nereus_comm.nccl_check import run_one_rank_checks
+    from nereus_comm.testing.nccl_check import run_one_rank_checks
 
     report = run_one_rank_checks()
     assert report["status"] == "ok", report

@@ -12,7 +12,10 @@ route="shm" (shared-memory segments) and route="cma".
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +23,6 @@ import torch.distributed as dist
 
 from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
-from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import (
     _CMA,
@@ -32,6 +34,7 @@ from nereus_comm.reshard import (
     shards_from_full,
 )
 from nereus_comm.reshard_program import program
+from nereus_comm.testing import LocalWorkers, WorkerContext
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 # Multi-process: out of the fast lane (-m "not slow").
@@ -424,9 +427,12 @@ def test_silent_peer_gives_timeout_naming_it(pool) -> None:
     assert 1.3 < res["elapsed"] < 4.0
 
 
-def test_demo_main_job_checks_every_byte(capsys) -> None:
-    from nereus_comm import demo
-
-    assert demo.main(["--workers", "2", "--hidden", "64"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("all equal to the reference") == 2 and "OK in" in out
+def test_reshard_demo_example_checks_every_byte() -> None:
+    # Run as a user runs it: a script by path, its worker function in __main__.
+    example = Path(__file__).resolve().parents[2] / "examples" / "reshard_demo.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--workers", "2", "--hidden", "64"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("all equal to the reference") == 2 and "OK in" in proc.stdout

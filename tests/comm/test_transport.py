@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
-from nereus_comm.local_workers import LocalWorkers, WorkerContext, WorkerError
+from nereus_comm.testing import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
 # Multi-process: out of the fast lane (-m "not slow").

@@ -21,7 +21,6 @@ from test_reshard import _fixed_cases, _full_state, _random_cases, cma_ok
 
 from nereus_comm import _C
 from nereus_comm.layout import Layout, TensorSpec, box_nbytes
-from nereus_comm.local_workers import LocalWorkers, WorkerContext
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import (
     _CMA,
@@ -32,6 +31,7 @@ from nereus_comm.reshard import (
     shards_from_full,
 )
 from nereus_comm.reshard_program import program
+from nereus_comm.testing import LocalWorkers, WorkerContext
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 from nereus_comm.transport_cma import CMA_ENV
 from nereus_comm.transport_shm import HOST_ENV

@@ -22,9 +22,9 @@ from test_reshard import _full_state, _random_cases
 
 from nereus_comm.errors import PeerTimeoutError
 from nereus_comm.layout import Layout, TensorSpec
-from nereus_comm.local_workers import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import _SHM, reshard, shards_from_full
+from nereus_comm.testing import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 from nereus_comm.transport_cma import CMA_ENV
 from nereus_comm.transport_shm import HOST_ENV, NAME_PREFIX, SHM_DIR, ShmTransport

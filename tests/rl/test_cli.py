@@ -46,6 +46,14 @@ def test_bad_algorithm_is_a_clear_message(capsys):
     assert "unknown algorithm 'dpo'" in err and "grpo" in err
 
 
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "worker" in out
+
+
 def test_parser_defaults():
     args = build_parser().parse_args(["train"])
     assert (args.algo, args.model, args.task, args.devices) == ("grpo", "tiny", "sort", 4)
