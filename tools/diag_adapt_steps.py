@@ -92,7 +92,7 @@ def main() -> None:
         probe = Trainer(TrainConfig(**common), driver=d)
         probe.start()
         budget = probe.adapter.budget
-        lengths = [probe._response_len(i) for i in range(10)]
+        lengths = [probe.response_len(i) for i in range(10)]
         enum, _ = enumerate_fixed(probe.adapter, lengths, [])
         probe.close()
         print(f"{args.algo} {args.mode}: budget {budget} B; top {args.top} of {len(enum)}")

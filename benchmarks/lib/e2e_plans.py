@@ -43,7 +43,7 @@ def structured_layouts(ad, kind: str) -> list[GlobalPlan]:
     pp) is free (powers of two, runnable on the model).
     """
     n = ad.cfg.devices
-    wl = ad.workload(ad.trainer._response_len(0))
+    wl = ad.workload(ad.response_len(0))
     planned = {s.stage for s in wl.planned_stages}
     names = [x for x in stage_names(ad.cfg.algo) if x[0] in planned]
     half = n // 2
@@ -63,7 +63,7 @@ def structured_layouts(ad, kind: str) -> list[GlobalPlan]:
             opts.append(StagePlan(name, model, trains, dp, tp, pp, units))
         options.append(opts)
     out = [GlobalPlan(tuple(c)) for c in itertools.product(*options)]
-    out = [p for p in out if ad._runnable(p)]
+    out = [p for p in out if ad.runnable(p)]
     if not out:
         raise RuntimeError(f"no runnable {kind} plan for {ad.cfg.algo} on {n} devices")
     return out

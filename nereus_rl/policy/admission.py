@@ -20,7 +20,7 @@ Two paths:
       like a bargain over a long flat forecast and is taken, and the urgent move follows
       a step or two later.
 
-Every call returns a :class:`Decision` holding its inputs and its reason, and
+Every call returns a :class:`Verdict` holding its inputs and its reason, and
 ``Admission.history`` keeps them, so a run can explain each transition it made or
 declined.
 """
@@ -43,7 +43,7 @@ class AdmissionError(ValueError):
 
 
 @dataclass(frozen=True)
-class Decision:
+class Verdict:
     """One admission decision with everything it was based on.
 
     Attributes:
@@ -84,7 +84,7 @@ class Decision:
 
     def __repr__(self) -> str:
         verdict = "TAKE" if self.taken else "DECLINE"
-        return f"Decision({verdict} {self.path}: {self.reason})"
+        return f"Verdict({verdict} {self.path}: {self.reason})"
 
 
 class Admission:
@@ -96,7 +96,7 @@ class Admission:
 
     def __init__(self, costmodel: CostModel) -> None:
         self.costmodel = costmodel
-        self.history: list[Decision] = []
+        self.history: list[Verdict] = []
 
     def problems(
         self, plan: GlobalPlan | None, workload: Workload, available: Iterable[int] | None
@@ -133,7 +133,7 @@ class Admission:
         current_over_in: int | None = None,
         forced_move_s: float = 0.0,
         noise_s: float | None = 0.0,
-    ) -> Decision:
+    ) -> Verdict:
         """Decide whether to move from ``current`` to ``candidate``.
 
         Arguments:
@@ -155,12 +155,12 @@ class Admission:
             noise_s: the measured step-to-step scatter of the current plan's step time
                 (:class:`nereus_rl.costmodel.calibration.StepNoise`); an opportunistic saving per
                 step not above it is declined (0: no such guard; None: not measured yet,
-                so every opportunistic move is declined: GRPO async runs took moves
-                priced 0.05 s on one or two steps of a fresh plan, measured 0.16-0.51 s,
-                and moved back).
+                so every opportunistic move is declined: one or two steps of a fresh
+                plan misprice a move severalfold, and a move taken on them tends to be
+                undone).
 
         Returns:
-            Decision (also appended to ``history``).
+            Verdict (also appended to ``history``).
 
         Raises:
             AdmissionError: negative forecast, transition cost, forced-move cost or
@@ -208,8 +208,8 @@ class Admission:
             over_in, forced = None, 0.0
         payback = cost / saving if saving > 0 else math.inf
 
-        def rec(taken: bool, path: str, reason: str) -> Decision:
-            d = Decision(
+        def rec(taken: bool, path: str, reason: str) -> Verdict:
+            d = Verdict(
                 taken,
                 path,
                 reason,

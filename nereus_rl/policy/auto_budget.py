@@ -1,14 +1,18 @@
 """The default memory budget of an adaptive run (``TrainConfig.memory_budget`` None).
 
-See :func:`auto_budget`; :class:`nereus_rl.trainer.adapt.adapter.Adapter` calls it at startup and
-again after the startup calibration.
+See :func:`auto_budget`; the trainer's adapter calls it at startup and again after the
+startup calibration.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from nereus_rl.core.globalplan import GlobalPlan
-from nereus_rl.core.spec import local_cpu_cluster
+from nereus_rl.core.spec import ClusterSpec
+from nereus_rl.core.workload import Workload
 from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.costmodel.step_overhead import PricedModel
 from nereus_rl.planner.planner import PlanInfeasibleError
 from nereus_rl.planner.planner import plan as plan_best
 
@@ -18,10 +22,22 @@ from nereus_rl.planner.planner import plan as plan_best
 AUTO_BUDGET_HEADROOM = 1.08
 
 
-def auto_budget(adapter, observed: list[tuple] = ()) -> tuple[int, GlobalPlan | None]:
-    """The default per-worker memory budget of ``adapter``'s run (no ``memory_budget``
-    given), and the plan it was sized on, which the run starts on (None when nothing
-    fits: the budget is then the machine's share).
+# (k_best, workload, priced model) -> the runnable plans with their price, fastest first
+Ranked = list[tuple[float, GlobalPlan]]
+Rank = Callable[[Ranked, Workload, PricedModel], Ranked]
+
+
+def auto_budget(
+    cluster: ClusterSpec,
+    lengths: Sequence[int],
+    workload: Callable[[int], Workload],
+    rank: Rank,
+    priced: Callable[[CostModel], PricedModel],
+    observed: Sequence[tuple] = (),
+) -> tuple[int, GlobalPlan | None]:
+    """The default per-worker memory budget of a run (no ``memory_budget`` given), and
+    the plan it was sized on, which the run starts on (None when nothing fits: the
+    budget is then the machine's share).
 
     The budget emulates the situation Nereus is for: a device whose memory holds a
     fast plan at the first response length but not at the run's longest, while
@@ -33,32 +49,31 @@ def auto_budget(adapter, observed: list[tuple] = ()) -> tuple[int, GlobalPlan | 
     The sized plan is the fastest one for which that situation exists among the
     planner's k-best at the first length; the fastest when none has it. Why: when
     the fastest plan is also the leanest at the longest length, no budget makes
-    growing responses force a move (a CI run of ``nereus-rl train --quick`` made no
-    transition that way, after calibration ranked such a plan first). A plan within
-    the model's trusted error of the fastest (``Controller.model_tolerance``) is as
-    good a start by everything the model knows; when the calibration puts every
-    such plan out of that band, the run still starts on the fastest one that meets
-    memory pressure, since the default run is the one that shows a transition (the
-    issue asks it to make one; a CI run of the README's main job made none when
-    this rule stopped at the band).
+    growing responses force a move. The run starts on the fastest plan that meets
+    memory pressure, whichever the calibration ranks first, since the default run is
+    the one that shows a transition.
 
-    Args:
-        observed: (plan, workload, stage seconds) measurements to price the plans
-            with (see :meth:`nereus_rl.trainer.adapt.adapter.Adapter.calibrated`).
+    Arguments:
+        cluster: the machine (its devices' whole memory).
+        lengths: the response-length limit of every step of the run, step 0 first.
+        workload: the workload of a step at a response length.
+        rank: the runnable plans among the planner's k-best, each with its price under
+            the given priced model, fastest first (as the run ranks its start plan).
+        priced: a cost model as the decisions price plans (measured overhead, shapes).
+        observed: (plan, workload, stage seconds) measurements to price the plans with.
     """
-    cl = local_cpu_cluster(adapter.cfg.devices, adapter.workers_per_core)
+    cl = cluster
     cm = CostModel(cl)
     for plan, wl, measured in observed:
         cm.observe(plan, wl, measured)
-    wl = adapter.workload(adapter.trainer._response_len(0))
-    rmax = max(adapter.trainer._response_len(s) for s in range(adapter.cfg.steps))
-    wl_max = adapter.workload(rmax)
+    wl = workload(lengths[0])
+    wl_max = workload(max(lengths))
     try:
         res = plan_best(wl, cl, cm, k=64)
         # ranked as best_plan ranks the start plan (with the measured per-call
         # overhead): sized on another plan, the budget can sit above the peak of
         # the plan the run starts on, and the run never meets memory pressure
-        ranked = adapter._rank(res.k_best, wl, adapter.priced(cm))
+        ranked = rank(res.k_best, wl, priced(cm))
     except (PlanInfeasibleError, ValueError):
         return cl.device.memory_bytes, None
     if not ranked:

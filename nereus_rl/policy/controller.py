@@ -306,11 +306,10 @@ class Controller:
         efficiency_edges: (fast, slow) ratios of measured to predicted time.
         window, horizon: trend window and the forecast cap, in steps.
         efficiency_smooth: steps whose median ratio sets the efficiency level (see
-            :class:`LevelSignal`). On shared cores one step's ratio crosses a band every
-            second or third step (bench_e2e's settings, 20 steps: 4-11 efficiency
-            triggers per run, each an opportunistic search, of which none moved);
-            the median of 3 leaves 2-4 on the same ratios, and a model that stays off
-            (a mispriced plan) still triggers, one step later.
+            :class:`LevelSignal`). On shared cores one step's ratio can cross a band
+            every second or third step, each crossing an opportunistic search that
+            moves nowhere; a median of a few steps ignores single noisy steps, and a
+            model that stays off (a mispriced plan) still triggers, a step later.
     """
 
     def __init__(

@@ -1,11 +1,11 @@
 """Lookahead choice: pick a plan that keeps fitting as lengths rise.
 
-The urgent path used to take the planner's best plan for the next step's workload
-only. With response lengths rising, that plan is often the one that just fits: a
-step or two later its predicted peak crosses the memory budget again and another
-urgent move follows (transition churn). Here the candidates (the planner's k-best
-for the next step, each feasible for it) are scored over a horizon of workloads
-built from the controller's own length forecast (never from the length schedule):
+The planner's best plan for the next step's workload alone is, with response lengths
+rising, often the one that just fits: a step or two later its predicted peak crosses
+the memory budget again and another urgent move follows (transition churn). Here the
+candidates (the planner's k-best for the next step, each feasible for it) are scored
+over a horizon of workloads built from the controller's own length forecast (never
+from the length schedule):
 
     score(c) = T(current -> c) + sum_j latency(c, wl_j)
 
@@ -16,8 +16,7 @@ fastest that fits ``wl_j`` (one extra move is predicted; what happens after it i
 not). Lookahead only overrides the old choice (the planner's
 best for the next step) when that choice goes over memory within the horizon; then
 the lowest score wins. A forecast length that no candidate holds is beyond planning:
-the horizon ends before it (before, lookahead was then switched off and the old
-choice kept, whatever it held). When the old choice fits the (so cut) horizon, a
+the horizon ends before it. When the old choice fits the (so cut) horizon, a
 flat forecast included, the old choice stands.
 
 The urgent path uses it to choose its move. The opportunistic path uses it too (with
@@ -171,8 +170,7 @@ def choose_start(
 
     Why: a start plan fast at the first length that rising lengths force off pays the
     forced move and its slower steps before it, which a plan that holds every length
-    never pays (bench_e2e, GRPO sync: the start plan went over in 2 of 3 repeats and
-    the best fixed plan measured 0.79x adaptive's step latency).
+    never pays.
 
     Raises:
         LookaheadError: as :func:`choose` (no candidate fits the first workload, ...).
@@ -237,24 +235,13 @@ def _choose(
     length is itself tied with the candidates that hold them too and score within the
     band of it. Why: within the band the model cannot say which plan is faster, and the
     one on fewer devices leaves devices spare: headroom for the lengths to grow into
-    and for a device loss that then forces no move. On the 2-core machine it also
-    measured as fast or faster: in two 20-step bench_e2e runs of all six settings the
-    fastest fixed plan was on 3 of the 4 devices, or within 2% of a plan on 3, in 9
-    of 12 (ReMax async's was on 4 in both, 9-20% faster than its 3-device rival, which
-    the model also priced out of the band), while GRPO sync's startups chose 4-device
-    plans in 7 of 10 rounds, 9% slower on average than the 3-device best fixed plan.
+    and for a device loss that then forces no move.
 
     Before the devices, with ``unmeasured`` (the start plan: stages of a shape no
     calibration probe ran), near ties go to the candidate with the fewest such stages:
     within the band the model's error is what decides, and it is known (the tie band
-    itself) only for the shapes it measured; an unmeasured one is extrapolated. In three
-    20-step bench_e2e runs of GRPO sync (16 confirmation rounds each) before this rule,
-    six of eight startups chose a plan with a stage shape no probe had run, and the
-    plan with a tp 2 reference measured 0.83x and 0.87x the best fixed plan in the
-    rounds that started on it. With the rule, seven of eight startups chose
-    a plan with every shape probed, no round of a 16-round run started on that plan,
-    and the run's confirmed ratio was 0.97x [0.94..1.01] (0.93-0.97x in the three runs
-    before: within the noise).
+    itself) only for the shapes it measured; an unmeasured one is extrapolated and may
+    be mispriced severalfold.
     """
     if not tie_margin >= 0:
         raise LookaheadError(f"tie_margin={tie_margin} must be >= 0")
@@ -358,9 +345,8 @@ def _choose(
     cur = next((i for i, c in enumerate(cands) if c == current), None)
     if over[0] is None and tie_margin > 0 and cur not in (None, 0) and over[cur] is None:
         # The planner's best holds the horizon, and so does the current plan: a move
-        # whose score is within the model's error of staying is churn (nereus-rl train
-        # moved 3 times in 5 steps for predicted savings of 1-2% per step, each ranking
-        # flipped by a noisy measurement; a near tie keeps the plan needing no move).
+        # whose score is within the model's error of staying is churn (a ranking a
+        # noisy measurement can flip; a near tie keeps the plan needing no move).
         stay = score(cur)
         if stay <= old * (1 + tie_margin):
             return LookaheadChoice(

@@ -2,28 +2,24 @@
 
 The cost model starts from default efficiencies (deliberately low, the same on every
 machine) and is refined only from the steps a run executes, that is, from the plans it
-runs. Plans it has not run are priced with efficiencies fitted to other shapes, and on
-a small model on shared CPU cores (where launch overhead, not FLOPs, sets most of the
-time) that ranked the first plan and the first urgent move wrongly: bench_e2e's step-0
-move went to a plan that then measured slower than the plan it found by payback six
-steps later.
+runs. Plans it has not run are priced with efficiencies fitted to other shapes; on a
+small model on shared CPU cores, where launch overhead rather than FLOPs sets most of
+the time, such prices can rank the first plan and the first urgent move wrongly.
 
 So before the first plan is chosen the trainer runs a few probe plans on the real
-workers with the real model, one at a time: each is the best plan the model, as refined
-by the probes before it, ranks at the first response length or at one of the next two
-bucket edges (see ``BUCKETS_AHEAD``) that has a stage layout (stage, dp, tp, pp,
-sharing devices or not) no probe has run, and it runs at that length. A model refined
-on some shapes prices shapes it never ran badly: a first version probed the planner's
-top three at the first length only (all tp 1) and its refined model then made its
-urgent moves to tp 2 and pp 2 layouts, which measured slower than the tp 1 plan that
-held the whole trace. On each probe the stages are set up from the run's initial
+workers with the real model, one at a time. Each is the best plan the model, as refined
+by the probes before it, ranks at the first response length or at one of the next
+bucket edges (``BUCKETS_AHEAD``) that has a stage layout (stage, dp, tp, pp, sharing
+devices or not) no probe has run, and it runs at that length: a model refined on some
+shapes prices the shapes it never ran badly, and a run's first moves are made for the
+longer responses ahead. On each probe the stages are set up from the run's initial
 states and one RL step's work runs on them (weight sync, rollout, reference / critic
 inference, training). The first repeat of each probe pays one-off costs (the layout's
 process groups, torch's first call on new shapes) and is not fed to the model; the
-rest go to ``CostModel.observe`` exactly as a running step's do. Afterwards the stages
-are set up again from the initial states, so the run's state is the same as without
-calibration (the probes' training never reaches it), and the prompts come from a
-generator of their own, so the run's prompts are unchanged.
+rest go to ``CostModel.observe`` exactly as a running step's do. Afterwards the trainer
+sets the stages up again from the initial states, so the run's state is the same as
+without calibration (the probes' training never reaches it), and the probes draw their
+prompts from a generator of their own, so the run's prompts are unchanged.
 
 The calibration's time is real work of the run: it is in ``TrainResult.timings``
 (``calibration_s``) and in the run's total, not in any step's latency.
@@ -31,7 +27,6 @@ The calibration's time is real work of the run: it is in ``TrainResult.timings``
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,22 +36,18 @@ from nereus_rl.core.globalplan import GlobalPlan
 from nereus_rl.core.workload import bucket_of
 
 # Repeats per probe: the first warms up (the layout's process groups, torch's first call
-# on new shapes), the others are measured and each stage counts at its least time over
-# them: on shared cores other work only adds time (about 0.3-0.5 s per probe on the tiny
-# model at 4 workers, setup included). With one measured repeat, eight startups of
-# bench_e2e's GRPO sync setting (quick, idle) chose four different start plans. Eight
-# startups each way, their plans then run fixed side by side: the plans chosen with one
-# measured repeat ran 1.085x the best of them on average, with the least of two 1.046x
-# (within that run's noise; calibration 2.2 s and 2.0 s).
+# on new shapes); the others are measured, and each stage counts at its least time over
+# them, since on shared cores other work only adds time. One measured repeat is too noisy
+# to choose a start plan by; two cost a fraction of a second per probe on the tiny model.
 REPEATS = 3
 # Probes are drawn from the model's PROBE_POOL best plans at each point.
 PROBE_POOL = 8
 # Response lengths the probes are ranked (and run) at: the first, and the next two
 # bucket edges above it. A run's first moves are made for longer responses than its
 # first (the lengths RL post-training meets grow), among plans the model ranks for
-# those lengths, which at the first length alone it never ranks high (at 4 workers:
-# tp 2 and pp 2 layouts that fit the memory only the longer responses need). Two
-# buckets, not the whole range: nothing is known of how far lengths will go.
+# those lengths and not at the first (e.g. tp 2 or pp 2 layouts that fit the memory
+# only the longer responses need). Two buckets, not the whole range: nothing is known
+# of how far lengths will go.
 BUCKETS_AHEAD = 2
 
 
@@ -115,17 +106,13 @@ def next_probe(
     if pool < 1:
         raise ValueError(f"pool={pool} must be >= 1")
     # First a plan with a stage shape (stage, dp, tp, pp) no probe has run, then one
-    # that only shares devices differently: bench_e2e's model check (GRPO sync quick)
-    # had all three probes train on dp 2 (the reference and rollout placements told
-    # them apart), and the model, fitted on that shape alone, priced a dp 1 training
-    # at 0.14 s and a pp 2 one at 0.12 s where they measured 0.03-0.04 s: the planner
-    # ranked the plans the bench then measured fastest 4th to 6th.
+    # that only shares devices differently: a model fitted on one shape of a stage
+    # prices that stage's other shapes badly, whatever the placements around it.
     #   With ``stage_s`` (predicted seconds per stage of a plan at a length), the
     # best-ranked plan with a new shape of the stage that weighs most in the model's
-    # best plan goes first: the next GRPO run probed a dp 1 and a pp 2 reference
-    # (0.02-0.03 s) before the training shapes it still priced at 0.10-0.15 s and
-    # measured at 0.03-0.04 s. (Weighing each plan by its own new stages' seconds
-    # probed an expensive dp 2 x tp 2 reference instead: 6.7 s of calibration.)
+    # best plan goes first: a new shape of a cheap stage tells the model little about
+    # the step. (Each plan is weighed by the best plan's stages, not by its own new
+    # stages' seconds, which would favour probing expensive layouts.)
     shapes = {lay[:4] for lay in covered}
     order = [(r, n) for r in range(pool) for n in sorted(ranked) if r < len(ranked[n])]
     new_shapes = [{lay[:4] for lay in layouts(ranked[n][r])} - shapes for r, n in order]
@@ -154,31 +141,41 @@ def probe_lengths(first: int, buckets: tuple[int, ...], ahead: int) -> list[int]
     return [first, *edges[:ahead]]
 
 
-def run_probe(trainer, plan: GlobalPlan, rlen: int, full_states: dict, repeats: int) -> dict:
-    """Set ``plan``'s stages up from ``full_states`` and run one RL step's work on them
-    ``repeats`` times at ``rlen``-token responses (the caller restores the trainer's plan
-    and prompt generator afterwards).
+def run_probe(
+    setup: Callable[[GlobalPlan], None],
+    step: Callable[[int], dict[str, Any]],
+    plan: GlobalPlan,
+    rlen: int,
+    repeats: int,
+    *,
+    algo: str,
+    worker_inference: bool = False,
+) -> dict:
+    """Set ``plan``'s stages up and run one RL step's work on them ``repeats`` times at
+    ``rlen``-token responses.
+
+    Arguments:
+        setup: sets a plan's stages up on the workers from the run's initial states.
+        step: runs one RL step's work (weight sync, rollout, inference, training) at a
+            response length on the plan last set up; returns its metrics.
+        plan, rlen, repeats: what to run, at which length, how many times.
+        algo, worker_inference: how to read the metrics (:func:`stage_seconds`).
 
     Returns:
         ``setup_s``; ``runs`` (one record per repeat); ``stage_s`` (seconds per stage,
         each at its least over the repeats after the first, or None with one repeat) and
         ``step_s`` (the least whole step over the same repeats).
     """
-    trainer.plan = plan
-    descs = [trainer._desc(sp) for sp in plan.stages]
     t_setup = time.perf_counter()
-    trainer._all("rl.setup", descs, trainer.mc, full_states, trainer.cfg.hyper())
+    setup(plan)
     setup_s = time.perf_counter() - t_setup
     measured: list[dict[str, float]] = []
     step_times: list[float] = []
     runs = []
     for rep in range(repeats):
         t_step = time.perf_counter()
-        sync = trainer.weight_sync()
-        job = trainer._rollout_wait(trainer._rollout_submit(0, rlen=rlen))
-        m = trainer._train_on(job)
-        m.update(sync)
-        secs = stage_seconds(trainer.cfg.algo, m, worker_inference=trainer.cfg.mode == "async")
+        m = step(rlen)
+        secs = stage_seconds(algo, m, worker_inference=worker_inference)
         step_s = time.perf_counter() - t_step
         if rep > 0:  # the first run pays the layout's one-off costs
             measured.append(secs)
@@ -196,14 +193,28 @@ def run_probe(trainer, plan: GlobalPlan, rlen: int, full_states: dict, repeats: 
 
 
 def calibrate(
-    trainer, full_states: dict, num_probes: int, repeats: int = REPEATS
+    adapter,
+    setup: Callable[[GlobalPlan], None],
+    step: Callable[[int], dict[str, Any]],
+    *,
+    first_len: int,
+    buckets: tuple[int, ...],
+    algo: str,
+    worker_inference: bool,
+    num_probes: int,
+    repeats: int = REPEATS,
 ) -> tuple[dict, list[tuple]]:
-    """Run the probes on ``trainer``'s workers and feed their stage times to its cost model.
+    """Run the probes and feed their stage times to the adapter's cost model.
 
     Arguments:
-        trainer: a started :class:`~nereus_rl.trainer.trainer.Trainer` (workers joined, no stage
-            set up yet, or any: every probe sets its stages up anew).
-        full_states: the run's initial states (the probes set up from them).
+        adapter: the run's :class:`~nereus_rl.trainer.adapt.adapter.Adapter` (its cost
+            model, shape ratios, overhead fit and ranking are refined in place).
+        setup, step: as :func:`run_probe` takes them (every probe sets its stages up
+            anew; the caller sets the run's up again afterwards and gives the probes
+            prompts of their own).
+        first_len: the run's first response length.
+        buckets: the response-length bucket edges.
+        algo, worker_inference: how to read a step's metrics (:func:`stage_seconds`).
         num_probes: probe plans (0: nothing runs).
         repeats: runs per probe; the first is not fed to the model.
 
@@ -213,15 +224,11 @@ def calibrate(
         model, as (plan, workload, stage seconds), for a model built again later.
     """
     t0 = time.perf_counter()
-    ad = trainer.adapter
-    rlen = trainer._response_len(0)
-    lengths = probe_lengths(rlen, trainer.cfg.buckets, BUCKETS_AHEAD)
+    ad = adapter
+    lengths = probe_lengths(first_len, buckets, BUCKETS_AHEAD)
     probes: list[GlobalPlan] = []
     before: dict[str, float] = {}
     covered: set[tuple] = set()  # stage layouts probed so far
-    saved = trainer.rng, trainer.plan
-    # Its own prompts: the run's prompt stream must not depend on calibration.
-    trainer.rng = random.Random(trainer.cfg.seed * 7919 + 1)
     runs, setups, observed, steps = [], {}, [], []
 
     def stage_s(p: GlobalPlan, n: int) -> dict[str, float]:
@@ -229,34 +236,31 @@ def calibrate(
         est = ad.cm.step_latency(p, ad.workload(n))
         return {k: v.seconds for k, v in est.stages.items()}
 
-    try:
-        while len(probes) < num_probes:
-            # Ranked by the model as refined so far: each probe measures a layout the
-            # model now ranks among its best without having run it.
-            ranked = {}
-            for n in lengths:
-                try:
-                    ranked[n] = [q for _, q in ad.ranked_plans(n)]
-                except ValueError:  # nothing fits at n: the run will stop before it
-                    pass
-            nxt = next_probe(ranked, covered, PROBE_POOL, stage_s=stage_s)
-            if nxt is None:
-                break
-            p, n = nxt
-            wl = ad.workload(n)
-            probes.append(p)
-            covered |= layouts(p)
-            before[repr(p)] = ad.cm.step_latency(p, wl).total_s
-            probe = run_probe(trainer, p, n, full_states, repeats)
-            setups[repr(p)] = probe["setup_s"]
-            runs += probe["runs"]
-            if probe["stage_s"] is not None:
-                ad.cm.observe(p, wl, probe["stage_s"])
-                ad.shapes.observe(p, wl, probe["stage_s"], startup=True)
-                observed.append((p, wl, probe["stage_s"]))
-                steps.append((p, wl, probe["step_s"]))
-    finally:
-        trainer.rng, trainer.plan = saved
+    while len(probes) < num_probes:
+        # Ranked by the model as refined so far: each probe measures a layout the
+        # model now ranks among its best without having run it.
+        ranked = {}
+        for n in lengths:
+            try:
+                ranked[n] = [q for _, q in ad.ranked_plans(n)]
+            except ValueError:  # nothing fits at n: the run will stop before it
+                pass
+        nxt = next_probe(ranked, covered, PROBE_POOL, stage_s=stage_s)
+        if nxt is None:
+            break
+        p, n = nxt
+        wl = ad.workload(n)
+        probes.append(p)
+        covered |= layouts(p)
+        before[repr(p)] = ad.cm.step_latency(p, wl).total_s
+        probe = run_probe(setup, step, p, n, repeats, algo=algo, worker_inference=worker_inference)
+        setups[repr(p)] = probe["setup_s"]
+        runs += probe["runs"]
+        if probe["stage_s"] is not None:
+            ad.cm.observe(p, wl, probe["stage_s"])
+            ad.shapes.observe(p, wl, probe["stage_s"], startup=True)
+            observed.append((p, wl, probe["stage_s"]))
+            steps.append((p, wl, probe["step_s"]))
     after = {repr(p): ad.cm.step_latency(p, w).total_s for p, w, _ in observed}
     # Each probe's whole step against the refined model's price: the unpriced rest per
     # worker call (nereus_rl.costmodel.step_overhead), fitted over plans with different call counts

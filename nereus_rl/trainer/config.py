@@ -55,8 +55,8 @@ class TrainConfig:
     fixed_level: bool = True
     plan: str | GlobalPlan = "auto"
     admission: str = "payback"
-    # "emu": a transition runs its DAG as live EMU primitives; "reshard": the earlier
-    # execution, one nereus_comm reshard per changed stage (a baseline to compare with).
+    # "emu": a transition runs its DAG as live EMU primitives; "reshard": one nereus_comm
+    # reshard per changed stage (a baseline to compare with).
     transitions: str = "emu"
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32, 48, 64)
     # Probe plans run at startup to measure this machine's efficiencies before the first
@@ -67,10 +67,11 @@ class TrainConfig:
     # the configured length limit of every step (the trace's or the curriculum's); "cap",
     # the first step's length and then the schedule's longest at every later step (what
     # a run that knows only its response cap can assume, as a startup configuration
-    # does); "first", the first step's length only. bench_e2e: adaptive_cap, _blind.
+    # does); "first", the first step's length only (bench_e2e's adaptive_cap and
+    # adaptive_blind settings).
     start_lengths: str = "schedule"
     # Where the workers hold their stages: "cpu" (host memory, gloo) or "cuda" (one GPU
-    # per worker, NCCL for the models' collectives; see nereus_rl.trainer.worker).
+    # per worker, NCCL for the models' collectives; see nereus_rl.trainer.worker_device).
     device: str = "cpu"
 
     def hyper(self) -> dict[str, Any]:

@@ -36,8 +36,8 @@ sync on the new plan (``recovery_rounds[i]["weight_sync"]``). The decision log's
 recovery row says what was cut short (``interrupted``) and which units were
 forgotten (``unsound_units``) or adopted (``adopted_units``).
 
-Tests inject faults through ``trainer.on_recovery_phase`` (a callable, absent by
-default), called as ``hook(phase, attempt)`` at each phase of a round:
+Tests inject faults through ``on_phase`` (the trainer's ``on_recovery_phase``, None
+by default), called as ``hook(phase, attempt)`` at each phase of a round:
 ``"start"`` (devices dropped, group not re-formed), ``"world"`` (new group
 formed, nothing planned), and, on the EMU path, ``"destroyed"`` (broken units
 destroyed) and ``"extended"`` (extends done, rebind not sent), from
@@ -51,11 +51,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from nereus_rl.core.globalplan import StagePlan
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.emu.types import EMUError, EMUStateLostError
+from nereus_rl.models.model import ModelConfig
+from nereus_rl.policy.decision import Decision, Outcome, Recovery
 from nereus_rl.runtime import RemoteError, WorkerLostError, WorkerTimeoutError
+from nereus_rl.trainer.config import TrainConfig
+from nereus_rl.trainer.group import WorkerGroup, sync_weights
+from nereus_rl.trainer.recover_check import check_units
+from nereus_rl.trainer.units import TrainerUnits
 
 _LOG = logging.getLogger("nereus_rl.trainer.trainer")
 
@@ -69,32 +77,46 @@ class RecoveryStateLostError(RuntimeError):
     """A stage has no unit left that lost no shard: its state is gone from memory."""
 
 
-def lost_workers(trainer) -> list[int]:
-    """The trainer's current workers known lost now (sorted).
+@dataclass
+class _Recovery:
+    """What a recovery works on: the run's workers and units, its options, and the
+    plan whose state the stage models hold (the current plan; after an async round's
+    weight sync, the new one)."""
 
-    Losses the run already recovered from are not the trainer's workers any more, so
-    a second death is told apart from the first.
-    """
-    lost = set(trainer.driver.check_liveness())
-    return [w for w in trainer.workers if w in lost]
+    group: WorkerGroup
+    units: TrainerUnits | None
+    plan: GlobalPlan
+    cfg: TrainConfig
+    mc: ModelConfig
+    plan_for: Callable[[list[int]], GlobalPlan]
+    on_phase: Callable[[str, int], None] | None
+
+    def phase(self, phase: str, attempt: int) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, attempt)
 
 
-def _wait_lost(trainer, timeout: float) -> list[int]:
+def _wait_lost(group: WorkerGroup, timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
-        lost = lost_workers(trainer)
+        lost = group.lost()
         if lost or time.monotonic() > deadline:
             return lost
         time.sleep(0.05)
 
 
-def _phase(trainer, phase: str, attempt: int) -> None:
-    hook = getattr(trainer, "on_recovery_phase", None)
-    if hook is not None:
-        hook(phase, attempt)
-
-
-def recover(trainer, step: int, error: Exception) -> None:
+def recover(
+    group: WorkerGroup,
+    units: TrainerUnits | None,
+    plan: GlobalPlan,
+    step: int,
+    error: Exception,
+    *,
+    cfg: TrainConfig,
+    mc: ModelConfig,
+    plan_for: Callable[[list[int]], GlobalPlan],
+    on_phase: Callable[[str, int], None] | None = None,
+) -> tuple[GlobalPlan, dict[str, Any]]:
     """Continue after a worker died: a new default group over the survivors, a plan
     over the remaining devices, and every stage's state rebuilt from its units that
     lost no shard, through the EMU runtime where it can
@@ -107,6 +129,21 @@ def recover(trainer, step: int, error: Exception) -> None:
     weight sync short is recovered from the units that still hold the state (see the
     module docstring). Nothing is reloaded from disk.
 
+    Arguments:
+        group: the run's workers; its maps and default group are changed to the
+            survivors' (and joined workers').
+        units: the run's EMU units (None: the state is not held as units).
+        plan: the current plan.
+        step: the step the run goes on from.
+        error: what the loss was noticed by.
+        cfg: the run's options (``mode``, ``transitions``, ``devices``, hyper-parameters).
+        mc: the model's config (a joined worker learns it).
+        plan_for: the plan to go on with over the given plan devices.
+        on_phase: called as ``on_phase(phase, attempt)`` at each phase of a round.
+
+    Returns:
+        The new plan (the caller makes it current) and the recovery's decision row.
+
     Raises:
         the original error: no worker was lost (it was something else).
         RecoveryStateLostError: some stage has no intact unit left (its state is gone;
@@ -115,13 +152,14 @@ def recover(trainer, step: int, error: Exception) -> None:
         RuntimeError: a worker died while the per-stage reshard was moving state (the
             survivors' models may be on two layouts).
     """
-    if not _wait_lost(trainer, NOTICE_S):
+    if not _wait_lost(group, NOTICE_S):
         raise error
     t0 = time.perf_counter()
+    job = _Recovery(group, units, plan, cfg, mc, plan_for, on_phase)
     # The current plan's devices are these workers' (a round may give a lost device's
     # id to a joiner, which holds none of the plan's state).
-    plan_workers = dict(trainer.device_worker)
-    old = trainer.plan
+    plan_workers = dict(group.device_worker)
+    old = plan
     rounds: list[dict[str, Any]] = []
     lost_devices: list[int] = []
     # off_plan: the stage models may not be the current plan's layout (a transition's
@@ -130,60 +168,61 @@ def recover(trainer, step: int, error: Exception) -> None:
     ctx: dict[str, Any] = {"off_plan": False, "interrupted": None, "unsound": [], "adopted": []}
     ctx["readable"] = []
     while True:
-        lost = set(lost_workers(trainer))
-        dead = sorted(d for d, w in trainer.device_worker.items() if w in lost)
+        lost = set(group.lost())
+        dead = sorted(d for d, w in group.device_worker.items() if w in lost)
         lost_devices += dead
         rounds.append({"lost_devices": dead, "joined": {}, "error": None})
         try:
-            new, run, why = _round(
-                trainer, step, error, dead, plan_workers, rounds[-1], len(rounds) - 1, ctx
-            )
+            new, run, why = _round(job, error, dead, plan_workers, rounds[-1], len(rounds) - 1, ctx)
             ctx["off_plan"] = False  # every stage model is now ``new``'s
-            if trainer.cfg.mode == "async":
+            if cfg.mode == "async":
                 # Rollout units rebuilt from survivors that a cut-short weight sync
                 # reached or not hold different weights; the next rollout is generated
                 # before any other sync, so every rollout unit gets actor_train's now.
-                trainer.plan = new  # (logged once, below)
-                plan_workers = dict(trainer.device_worker)
-                trainer.weight_sync()
+                job.plan = new  # (made current once, by the caller)
+                plan_workers = dict(group.device_worker)
+                sync_weights(group, new)
                 rounds[-1]["weight_sync"] = True
             break
         except _CUT as e:
             # Another worker died during this round (else it is not ours to handle).
-            if isinstance(e, EMUStateLostError) or not _wait_lost(trainer, NOTICE_S):
+            if isinstance(e, EMUStateLostError) or not _wait_lost(group, NOTICE_S):
                 raise
             rounds[-1]["error"] = f"{type(e).__name__}: {e}"
             _LOG.warning("a worker died during recovery (%s); starting over the survivors", e)
-    trainer._set_plan(step, new)
-    row = {
-        "step": step,
-        "signal": "devices",
-        "trigger": f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
-        "urgent": True,
-        "current": repr(old),
-        "candidate": repr(new),
-        "taken": True,
-        "path": "urgent",
-        "reason": "recovery from the intact units after a worker died",
-        "cause": str(error),
-        "interrupted": ctx["interrupted"],
-        "unsound_units": ctx["unsound"],
-        "adopted_units": ctx["adopted"],
-        "recovery": "emu" if run is not None else "reshard",
-        "recovery_fallback": why,
-        "recovery_rounds": rounds,
-        "executed_primitives": run.primitives if run is not None else [],
-        "bytes_moved": run.bytes_moved if run is not None else None,
-        "predicted_saving_s": None,
-        "predicted_transition_s": None,
-        "measured_transition_s": time.perf_counter() - t0,
-    }
-    trainer.adapter._log(row)
+    decision = Decision(
+        step=step,
+        signal="devices",
+        trigger=f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
+        urgent=True,
+        current=old,
+        candidate=new,
+        taken=True,
+        path="urgent",
+        reason="recovery from the intact units after a worker died",
+        predicted_saving_s=None,
+        predicted_transition_s=None,
+    )
+    outcome = Outcome(
+        measured_s=time.perf_counter() - t0,
+        interrupted=ctx["interrupted"],
+        cause=str(error),
+        bytes_moved=run.bytes_moved if run is not None else None,
+        executed_primitives=tuple(run.primitives) if run is not None else (),
+        recovery=Recovery(
+            unsound_units=tuple(ctx["unsound"]),
+            adopted_units=tuple(ctx["adopted"]),
+            method="emu" if run is not None else "reshard",
+            fallback=why,
+            rounds=tuple(rounds),
+        ),
+    )
+    row = decision.to_row(outcome)
+    return new, row
 
 
 def _round(
-    trainer,
-    step: int,
+    job: _Recovery,
     error: Exception,
     dead: list[int],
     plan_workers: dict[int, int],
@@ -202,7 +241,7 @@ def _round(
             caller tells a new death from another failure).
         RecoveryStateLostError: a stage has no intact unit left.
     """
-    units = trainer.units
+    group, units, cfg = job.group, job.units, job.cfg
     if units is not None and units.moving is not None:
         raise RuntimeError(
             f"a worker died while the recovery's per-stage reshard was moving stage "
@@ -211,42 +250,39 @@ def _round(
         ) from error
     emu_path = units is not None and {"extend", "destroy"} <= units.live_kinds
     if units is not None:
-        _check(trainer, attempt, ctx)
+        _check(group, units, attempt, ctx)
     if ctx["off_plan"]:
         # The models are not the current plan's: the reshard reads them through the
         # units found read through them (``None``: the stage has none left).
-        sources = _model_sources(trainer, ctx["readable"])
+        sources = _model_sources(group, job.plan, ctx["readable"])
     else:
-        sources = _sources(trainer, plan_workers, emu_path, error)
-    device_worker = {d: w for d, w in trainer.device_worker.items() if d not in dead}
-    joined = row["joined"] = _admit(trainer, device_worker)
+        sources = _sources(job, plan_workers, emu_path, error)
+    device_worker = {d: w for d, w in group.device_worker.items() if d not in dead}
+    joined = row["joined"] = _admit(group, units, cfg.devices, device_worker)
     alive = sorted(device_worker)
-    trainer.device_worker = {d: device_worker[d] for d in alive}
-    trainer.workers = [device_worker[d] for d in alive]
     # plan device id -> rank in the new default group (the group is formed next)
-    trainer.world_rank = {d: i for i, d in enumerate(alive)}
-    _phase(trainer, "start", attempt)
-    if lost_workers(trainer):  # one more died: form the group over fewer
+    group.rebase(device_worker)
+    job.phase("start", attempt)
+    if group.lost():  # one more died: form the group over fewer
         raise WorkerLostError("a worker died before the default group was formed", ())
-    trainer._init_world()
+    group.init_world()
     if joined:
         # A joiner holds no stage yet: it learns the model and the hyper-parameters (no
         # stage is built, nothing is collective); its units come by Extend.
-        trainer.driver.call(list(joined.values()), "rl.setup", [], trainer.mc, {},
-                            trainer.cfg.hyper())  # fmt: skip
-    _phase(trainer, "world", attempt)
-    new, _ = trainer.adapter.best_plan(trainer._response_len(step), devices=alive)
+        group.driver.call(list(joined.values()), "rl.setup", [], job.mc, {}, cfg.hyper())
+    job.phase("world", attempt)
+    new = job.plan_for(alive)
     run, why = None, None
     if emu_path:
         try:
-            units.on_recovery_phase = lambda p: _phase(trainer, p, attempt)
+            units.on_recovery_phase = lambda p: job.phase(p, attempt)
             run = units.recover(new)
         except (EMUError, EMUStateLostError) as e:
-            if lost_workers(trainer):  # refused because one more died: a new round
+            if group.lost():  # refused because one more died: a new round
                 raise
             why = f"EMU recovery refused: {e}"  # refused before the models changed
     else:
-        why = f"transitions={trainer.cfg.transitions!r}: EMU primitives are not run live"
+        why = f"transitions={cfg.transitions!r}: EMU primitives are not run live"
     if run is None:
         _LOG.warning("recovery by per-stage reshard: %s", why)
         missing = sorted(s for s, sp in sources.items() if sp is None)
@@ -263,11 +299,11 @@ def _round(
                 "state cannot be rebuilt by the per-stage reshard. Use a plan with dp >= 2 "
                 "for every stage"
             ) from error
-        _reshard(trainer, sources, new)
+        _reshard(group, units, sources, new)
     return new, run, why
 
 
-def _check(trainer, attempt: int, ctx: dict[str, Any]) -> None:
+def _check(group: WorkerGroup, units: TrainerUnits, attempt: int, ctx: dict[str, Any]) -> None:
     """Keep only the live units that hold their stage's state on every surviving rank
     (:func:`nereus_rl.trainer.recover_check.check_units`), and note in ``ctx`` what the
     death cut short and which units were forgotten or adopted.
@@ -276,13 +312,10 @@ def _check(trainer, attempt: int, ctx: dict[str, Any]) -> None:
     before it), so the rebind flag is lowered here for the EMU recovery to start from
     them; the models are then off the current plan (``ctx["off_plan"]``).
     """
-    from nereus_rl.trainer.recover_check import check_units
-
-    units = trainer.units
-    rebinding, units._rebinding = units._rebinding, None
+    rebinding, units.rebinding = units.rebinding, None
     # The models' group numbering is the current default group's only before any
     # recovery round re-formed it.
-    res = check_units(trainer, adopt_layouts=attempt == 0)
+    res = check_units(group, units, adopt_layouts=attempt == 0)
     ctx["unsound"] += res["unsound"]
     ctx["adopted"] += res["adopted"]
     ctx["readable"] = res["readable"]
@@ -295,28 +328,30 @@ def _check(trainer, attempt: int, ctx: dict[str, Any]) -> None:
         ctx["off_plan"] = True
 
 
-def _admit(trainer, device_worker: dict[int, int]) -> dict[int, int]:
-    """Give free device ids (lost ones, up to ``cfg.devices``) to workers of the driver
+def _admit(
+    group: WorkerGroup, units: TrainerUnits | None, devices: int, device_worker: dict[int, int]
+) -> dict[int, int]:
+    """Give free device ids (lost ones, up to ``devices``) to workers of the driver
     that the run does not use (joined with ``nereus-rl worker --store``, or idle), so
     that recovery extends onto them. Updates ``device_worker``; returns device -> worker
     of the admitted ones."""
     used = set(device_worker.values())
-    spare = [w for w in trainer.driver.workers if w not in used]
-    free = [d for d in range(trainer.cfg.devices) if d not in device_worker]
+    spare = [w for w in group.driver.workers if w not in used]
+    free = [d for d in range(devices) if d not in device_worker]
     joined = dict(zip(free, spare))
     device_worker.update(joined)
-    if joined and trainer.units is not None:
+    if joined and units is not None:
         # the cost model prices the joiners' primitives on their device ids
-        trainer.units.emus.rank_devices.update({w: d for d, w in joined.items()})
+        units.emus.rank_devices.update({w: d for d, w in joined.items()})
     if joined:
         _LOG.warning("recovery admits joined worker(s) %s", joined)
     return joined
 
 
 def _sources(
-    trainer, plan_workers: dict[int, int], emu_path: bool, error: Exception
+    job: _Recovery, plan_workers: dict[int, int], emu_path: bool, error: Exception
 ) -> dict[str, Any]:
-    """Per stage of the current plan, one intact unit as a single-unit StagePlan (None
+    """Per stage of the plan the models hold, one intact unit as a single-unit StagePlan (None
     when the plan has none but a live EMU unit holds the state).
 
     Every loss counts, this round's and the cut-short rounds' (whose broken units may
@@ -325,13 +360,13 @@ def _sources(
     Raises:
         RecoveryStateLostError: a stage has no intact holder at all (nothing moved yet).
     """
-    lost = set(trainer.driver.check_liveness())
+    lost = set(job.group.driver.check_liveness())
     gone = sorted(d for d, w in plan_workers.items() if w in lost)
     live = {}
     if emu_path:
-        live = {u.stage: u for u in trainer.units.emus.units() if not lost & set(u.ranks)}
+        live = {u.stage: u for u in job.units.emus.units() if not lost & set(u.ranks)}
     out = {}
-    for sp in trainer.plan.stages:
+    for sp in job.plan.stages:
         intact = [u for u in sp.units if not set(gone).intersection(u)]
         if not intact and sp.stage not in live:
             raise RecoveryStateLostError(
@@ -347,12 +382,12 @@ def _sources(
     return out
 
 
-def _model_sources(trainer, readable) -> dict[str, StagePlan | None]:
-    """Per stage of the current plan, a live unit read through the stage models on
-    every rank (after :func:`_check`), as a single-unit StagePlan of its devices."""
-    dev_of = {w: d for d, w in trainer.device_worker.items()}
+def _model_sources(group: WorkerGroup, plan: GlobalPlan, readable) -> dict[str, StagePlan | None]:
+    """Per stage of ``plan``, a live unit read through the stage models on every rank
+    (after :func:`_check`), as a single-unit StagePlan of its devices."""
+    dev_of = {w: d for d, w in group.device_worker.items()}
     out: dict[str, StagePlan | None] = {}
-    for sp in trainer.plan.stages:
+    for sp in plan.stages:
         us = [u for u in readable if u.stage == sp.stage and all(r in dev_of for r in u.ranks)]
         out[sp.stage] = None
         if us:
@@ -361,18 +396,19 @@ def _model_sources(trainer, readable) -> dict[str, StagePlan | None]:
     return out
 
 
-def _reshard(trainer, sources: dict[str, StagePlan], new) -> None:
+def _reshard(
+    group: WorkerGroup, units: TrainerUnits | None, sources: dict[str, StagePlan], new
+) -> None:
     """The fallback: every stage moved from one intact unit of the current plan."""
-    units = trainer.units
     for sp in new.stages:
         # Until every stage moved, a death leaves some models on the new layout: flagged
         # so that a next round refuses instead of reading them as the old one's.
         if units is not None:
             units.moving = sp.stage
-        trainer._all(
+        group.call_all(
             "rl.move",
-            trainer._desc(sources[sp.stage]),
-            trainer._desc(sp),
+            group.desc(sources[sp.stage]),
+            group.desc(sp),
             params_only=not sp.trains,
             replace=True,
         )

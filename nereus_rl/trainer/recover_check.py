@@ -31,9 +31,13 @@ from its new layout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nereus_rl.runtime.context import WorkerContext, register
+
+if TYPE_CHECKING:  # (workers import this module for its command: they need neither)
+    from nereus_rl.trainer.group import WorkerGroup
+    from nereus_rl.trainer.units import TrainerUnits
 
 MODULE = "nereus_rl.trainer.recover_check"
 
@@ -83,14 +87,17 @@ def recovery_view(ctx: WorkerContext, uids_by_rank: dict[int, list[int]]) -> dic
     return {"unsound": unsound, "bound": bound, "descs": descs}
 
 
-def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
+def check_units(
+    group: WorkerGroup, units: TrainerUnits, adopt_layouts: bool
+) -> dict[str, list[str]]:
     """Forget the live EMU units that do not hold their stage's state on every
     surviving rank; with ``adopt_layouts``, adopt the units of the layouts the
     surviving stage models are on where no sound unit covers them (module docstring).
 
     Arguments:
-        trainer: the :class:`~nereus_rl.trainer.trainer.Trainer` (its workers are still the
-            default group's that built the stage models when ``adopt_layouts``).
+        group: the run's workers (still the default group's that built the stage models
+            when ``adopt_layouts``).
+        units: the run's EMU units.
         adopt_layouts: map the models' layouts (default-group ranks) to workers.
 
     Returns:
@@ -101,16 +108,15 @@ def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
     Raises:
         WorkerLostError (and the driver's other errors): a worker died meanwhile.
     """
-    units = trainer.units
     m = units.emus
-    driver = trainer.driver
+    driver = group.driver
     lost = set(driver.check_liveness())
     by_rank: dict[int, list[int]] = {}
     for u in m.units():
         for r in u.ranks:
             if r not in lost:
                 by_rank.setdefault(r, []).append(u.uid)
-    workers = [w for w in trainer.workers if w not in lost]
+    workers = [w for w in group.workers if w not in lost]
     driver.import_module(MODULE)  # (joiners import it too)
     views = driver.call(workers, "rl.recovery_view", by_rank)
     bad = {uid for v in views.values() for uid in v["unsound"]}
@@ -119,7 +125,7 @@ def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
         m.forget(gone)
     adopted = []
     if adopt_layouts:
-        adopted = _adopt_layouts(trainer, views, lost)
+        adopted = _adopt_layouts(group, units, views, lost)
     bound = {(w, uid) for w, v in views.items() for uid in v["bound"]}
     readable = [u for u in m.units() if all((r, u.uid) in bound for r in u.ranks)]
     return {
@@ -129,10 +135,10 @@ def check_units(trainer, adopt_layouts: bool) -> dict[str, list[str]]:
     }
 
 
-def _adopt_layouts(trainer, views: dict[int, dict[str, Any]], lost: set[int]) -> list:
-    from nereus_rl.trainer.units import OWNER
-
-    m = trainer.units.emus
+def _adopt_layouts(
+    group: WorkerGroup, units: TrainerUnits, views: dict[int, dict[str, Any]], lost: set[int]
+) -> list:
+    m = units.emus
     out = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for w, v in sorted(views.items()):
@@ -140,7 +146,7 @@ def _adopt_layouts(trainer, views: dict[int, dict[str, Any]], lost: set[int]) ->
             if stage not in m.stages:
                 continue
             for unit in desc["units"]:
-                ranks = tuple(trainer.workers[r] for r in unit)
+                ranks = tuple(group.workers[r] for r in unit)
                 if (stage, ranks) in seen or w not in ranks:
                     continue
                 seen.add((stage, ranks))
@@ -149,5 +155,5 @@ def _adopt_layouts(trainer, views: dict[int, dict[str, Any]], lost: set[int]) ->
                     continue  # a member died or is on another layout
                 if any(set(ranks) & set(u.ranks) for u in m.units(stage)):
                     continue  # a sound unit of the stage is read there already
-                out.append(m.adopt(stage, ranks, tp=desc["tp"], pp=desc["pp"], owner=OWNER))
+                out.append(units.adopt_unit(stage, ranks, tp=desc["tp"], pp=desc["pp"]))
     return out

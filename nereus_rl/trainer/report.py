@@ -1,7 +1,8 @@
 """The run folder: metrics.jsonl, decisions.jsonl, plans.jsonl, plots and a summary table.
 
 Lines are appended and flushed as they happen, so a run that stops early (a
-worker died, Ctrl-C) keeps everything logged up to that point.
+worker died, Ctrl-C) keeps everything logged up to that point. A decisions.jsonl line is
+one ``Decision.to_row(outcome)``; its schema is :mod:`nereus_rl.policy.decision`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class RunLog:
         self._write("metrics", row)
 
     def decision(self, row: dict[str, Any]) -> None:
-        """Append one admission decision."""
+        """Append one decision's row (see :mod:`nereus_rl.policy.decision`)."""
         self._write("decisions", row)
 
     def plan(self, step: int, plan: Any) -> None:

@@ -57,17 +57,17 @@ def head_start(t_step: float, submitted_at: float, t_wait: float, rollout_s: flo
 
 class StepWork:
     """Mixin of :class:`~nereus_rl.trainer.trainer.Trainer`: the rollout and training work of a
-    step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``plan``, ``driver`` and its
-    ``_all`` / ``_submit`` / ``_response_len``."""
+    step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``plan``, ``driver``,
+    ``response_len`` and ``_submit_stage``."""
 
     def _rollout_submit(self, step: int, rlen: int | None = None):
         """Sample a step's prompts and send them to the rollout units (not waiting);
         ``rlen`` overrides the step's response limit (the startup calibration's probes)."""
         cfg = self.cfg
-        rlen = self._response_len(step) if rlen is None else rlen
+        rlen = self.response_len(step) if rlen is None else rlen
         # The response limit follows the length schedule; the task level stays at the
         # first step's (fixed_level) so that reward can rise while responses grow.
-        level = self.task.level_for_response_len(self._response_len(0) if cfg.fixed_level else rlen)
+        level = self.task.level_for_response_len(self.response_len(0) if cfg.fixed_level else rlen)
         problems = self.task.sample(cfg.batch, level, self.rng)
         if cfg.algo == "grpo":
             problems = [p for p in problems for _ in range(cfg.group_size)]

@@ -31,29 +31,30 @@ rollout's synced state; a plan that cannot hold its responses moves first.
 The model's state on the workers is held as EMU units
 (:mod:`nereus_rl.trainer.units`), and a plan transition runs as EMU primitives
 on them. The adaptation loop lives in :mod:`nereus_rl.trainer.adapt.adapter`; a step's
-rollout and training work in :mod:`nereus_rl.trainer.step`; the run folder in
-:mod:`nereus_rl.trainer.report`.
+rollout and training work in :mod:`nereus_rl.trainer.step`; the workers as the driver
+addresses them in :mod:`nereus_rl.trainer.group`; recovery from a worker's death in
+:mod:`nereus_rl.trainer.recover`; the startup calibration in
+:mod:`nereus_rl.trainer.calibrate`; the run folder in :mod:`nereus_rl.trainer.report`.
 """
 
 from __future__ import annotations
 
 import random
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import GlobalPlan
 from nereus_rl.data.tasks import LengthCurriculum, LengthTrace, get_task, warm_start
 from nereus_rl.models.model import Decoder
 from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
+from nereus_rl.trainer.calibrate import calibrate
 from nereus_rl.trainer.config import (
     ALGOS,
     MODES,
-    SYNC_PAIRS,
     NotEnoughDevicesError,
     TrainConfig,
     TrainConfigError,
@@ -65,7 +66,11 @@ from nereus_rl.trainer.config import (
     stage_desc,
     stage_names,
 )
+from nereus_rl.trainer.group import WorkerGroup, sync_weights
+from nereus_rl.trainer.recover import recover as recover_run
 from nereus_rl.trainer.step import StepWork, head_start
+from nereus_rl.trainer.units import TrainerUnits
+from nereus_rl.transition import KINDS, TransitionExecutionError
 
 __all__ = [
     "ALGOS",
@@ -104,6 +109,12 @@ class Trainer(StepWork):
         log: a :class:`nereus_rl.trainer.report.RunLog` (or None): metrics and decisions go there
             as they happen.
         progress: called after every step with (step, metrics).
+
+    Attributes:
+        group: the run's workers (:class:`~nereus_rl.trainer.group.WorkerGroup`).
+        units: the EMU units holding the state, once the workers hold it.
+        on_recovery_phase: None, or called as ``hook(phase, attempt)`` at each phase of
+            a recovery round (:mod:`nereus_rl.trainer.recover`; tests inject faults).
     """
 
     def __init__(
@@ -123,14 +134,19 @@ class Trainer(StepWork):
         self.progress = progress
         self.result = TrainResult(cfg)
         self.rng = random.Random(cfg.seed)
+        # no workers yet: the adapter plans over every configured device until they join
+        self.group = WorkerGroup(driver, device=cfg.device)
         from nereus_rl.trainer.adapt.adapter import Adapter
 
         # Planned before any process starts, so that too few devices or too little
         # memory is reported at once.
-        self.adapter = Adapter(self, enabled=cfg.adapt)
-        self.first_plan = self.adapter.initial_plan(self._response_len(0))
+        self.adapter = Adapter(
+            cfg, self.mc, self.task, self.response_len, host=self, enabled=cfg.adapt
+        )
+        self.first_plan = self.adapter.initial_plan(self.response_len(0))
         self.plan: GlobalPlan | None = None
-        self.units = None  # TrainerUnits, once the workers hold the state
+        self.units: TrainerUnits | None = None
+        self.on_recovery_phase: Callable[[str, int], None] | None = None
         # a worker loss at a step's end (its boundary, or the async weight sync): the
         # step is recorded, then recovered from (run)
         self._boundary_loss: Exception | None = None
@@ -140,6 +156,22 @@ class Trainer(StepWork):
         self._synced_for: int | None = None
         self.own_driver = driver is None
         self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
+        self.group.driver = self.driver
+
+    @property
+    def workers(self) -> list[int]:
+        """The run's workers, in plan-device order."""
+        return self.group.workers
+
+    @property
+    def device_worker(self) -> dict[int, int]:
+        """Plan device id -> worker (changes after a loss)."""
+        return self.group.device_worker
+
+    @property
+    def world_rank(self) -> dict[int, int]:
+        """Plan device id -> rank in the workers' default group (changes after a loss)."""
+        return self.group.world_rank
 
     # ------------------------------------------------------------------ setup
 
@@ -154,12 +186,9 @@ class Trainer(StepWork):
             raise NotEnoughDevicesError(
                 f"{cfg.devices} devices asked but only {len(workers)} workers joined"
             )
-        self.workers = workers
-        # plan device id -> rank in the workers' default group (changes after a loss)
-        self.world_rank = {d: d for d in range(len(workers))}
-        self.device_worker = dict(enumerate(workers))
+        self.group.attach(workers)
         self.driver.import_module("nereus_rl.trainer.worker")
-        self._init_world()
+        self.group.init_world()
         self.result.timings["spawn_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         full = self._initial_states()
@@ -169,45 +198,51 @@ class Trainer(StepWork):
         t0 = time.perf_counter()
         if cfg.adapt:
             # After calibration: the model (and budget) the run's decisions start from.
-            self.adapter.prepare_buckets(self._response_len(0))
+            self.adapter.prepare_buckets(self.response_len(0))
         self._set_plan(0, plan or self.first_plan)
-        descs = [self._desc(sp) for sp in self.plan.stages]
-        self._all("rl.setup", descs, self.mc, full, cfg.hyper())
-        from nereus_rl.trainer.units import TrainerUnits
-        from nereus_rl.transition import KINDS
-
+        self._setup(self.plan, full)
         # From here on each stage's shards are EMU units' tensors (no copy is made).
         live = KINDS if cfg.transitions == "emu" else ()
-        self.units = TrainerUnits(self, self.adapter.cm, live_kinds=live)
+        self.units = TrainerUnits(self.group, self.mc, self.adapter.cm, live_kinds=live)
         self.units.adopt(self.plan)
         self.result.timings["setup_s"] = time.perf_counter() - t0
 
-    def _calibrate(self, full: dict[str, dict[str, torch.Tensor]]) -> None:
-        # Measured on these workers before the first decision (nereus_rl.trainer.calibrate);
-        # the planner's first plan is then chosen again with what was measured.
-        from nereus_rl.trainer.calibrate import calibrate
+    def _setup(self, plan: GlobalPlan, full: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Build ``plan``'s stages on the workers from the full states ``full``."""
+        descs = [self.group.desc(sp) for sp in plan.stages]
+        self.group.call_all("rl.setup", descs, self.mc, full, self.cfg.hyper())
 
-        rec, observed = calibrate(self, full, self.cfg.calibration_probes)
+    def _calibrate(self, full: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Measure probe plans on these workers before the first decision
+        (:mod:`nereus_rl.trainer.calibrate`); the first plan is then chosen again with
+        what was measured. The probes draw prompts of their own and leave the trainer's
+        plan as it was: the run's prompt stream and state do not depend on them."""
+        cfg = self.cfg
+        saved = self.rng, self.plan
+        self.rng = random.Random(cfg.seed * 7919 + 1)
+
+        def setup(plan: GlobalPlan) -> None:
+            self.plan = plan
+            self._setup(plan, full)
+
+        def step(rlen: int) -> dict[str, Any]:
+            sync = self.weight_sync()
+            m = self._train_on(self._rollout_wait(self._rollout_submit(0, rlen=rlen)))
+            m.update(sync)
+            return m
+
+        try:
+            rec, observed = calibrate(
+                self.adapter, setup, step,
+                first_len=self.response_len(0), buckets=cfg.buckets, algo=cfg.algo,
+                worker_inference=cfg.mode == "async", num_probes=cfg.calibration_probes,
+            )  # fmt: skip
+        finally:
+            self.rng, self.plan = saved
         self.result.calibration = rec
         self.result.timings["calibration_s"] = rec["seconds"]
         self.adapter.calibrated(observed)
-        self.first_plan = self.adapter.initial_plan(self._response_len(0))
-
-    def _desc(self, sp: StagePlan) -> dict[str, Any]:
-        d = stage_desc(sp)
-        d["units"] = [[self.world_rank[x] for x in u] for u in d["units"]]
-        return d
-
-    def _init_world(self) -> None:
-        n = len(self.workers)
-        # a fresh prefix per run: workers reused by another run must not meet old keys
-        prefix = f"rl.world.{uuid.uuid4().hex[:12]}/"
-        pend = [
-            self.driver.submit([w], "rl.init", i, n, prefix, device=self.cfg.device)
-            for i, w in enumerate(self.workers)
-        ]
-        for p in pend:
-            self.driver.wait(p)
+        self.first_plan = self.adapter.initial_plan(self.response_len(0))
 
     def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
         cfg = self.cfg
@@ -239,50 +274,37 @@ class Trainer(StepWork):
         if self.log is not None:
             self.log.plan(step, plan)
 
-    def _all(self, fn: str, *args, **kwargs) -> dict[int, Any]:
-        # Every worker runs every stage command (non-members return at once), so that
-        # collectives over the default group and new_group calls stay in step.
-        return self.driver.call(self.workers, fn, *args, **kwargs)
-
-    def _submit(self, fn: str, *args, **kwargs):
-        return self.driver.submit(self.workers, fn, *args, **kwargs)
+    def log_decision(self, row: dict[str, Any]) -> None:
+        """Record a decision row in the result and the run folder."""
+        self.result.decisions.append(row)
+        if self.log is not None:
+            self.log.decision(row)
 
     def _submit_stage(self, fn: str, stage: str, *args, **kwargs):
         """Send a stage command (``rl.generate``, ``rl.infer``, ``rl.train``) to the
         stage's own workers only; do not wait.
 
         Its collectives are over the stage's groups alone, so no other worker needs the
-        command. Sent to every worker (as it once was), a worker running another stage's
-        command answers only after that command: the async rollout's workers held every
-        reference and training reply back until the next step's rollout ended, so
-        rollout overlapped nothing on disjoint devices. Every worker still sees the
+        command. Sent to every worker, a worker running another stage's command would
+        answer only after that command: in async mode the rollout's workers would hold
+        every reference and training reply back until the next step's rollout ended, and
+        rollout would overlap nothing on disjoint devices. Every worker still sees the
         commands it gets in the driver's one order, so collectives stay in step.
         """
-        ranks = [self.device_worker[d] for d in sorted(self.plan.stage(stage).devices)]
+        ranks = self.group.ranks(sorted(self.plan.stage(stage).devices))
         return self.driver.submit(ranks, fn, stage, *args, **kwargs)
 
-    def _response_len(self, step: int) -> int:
+    def response_len(self, step: int) -> int:
+        """The response length limit of ``step`` (the trace's or the curriculum's)."""
         return int(self.lengths.response_len(step))
 
     # ------------------------------------------------------------------ work
 
     def weight_sync(self) -> dict[str, float]:
         """actor_train -> rollout (PPO: critic_train -> critic_inference too) through
-        nereus_comm reshard, collective over the workers; never a gather on one rank."""
-        t0 = time.perf_counter()
-        sent = 0.0
-        names = self.plan.stage_names
-        for src, dst in SYNC_PAIRS:
-            if src in names and dst in names:
-                rep = self._all(
-                    "rl.move",
-                    self._desc(self.plan.stage(src)),
-                    self._desc(self.plan.stage(dst)),
-                    params_only=True,
-                    replace=False,
-                )
-                sent += sum(r["bytes_sent"] for r in rep.values())
-        return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent}
+        nereus_comm reshard, collective over the workers; never a gather on one rank
+        (:func:`~nereus_rl.trainer.group.sync_weights` on the current plan)."""
+        return sync_weights(self.group, self.plan)
 
     def transition(self, new: GlobalPlan, dag, step: int):
         """Move every changed stage's state to its new layout by running the transition
@@ -299,8 +321,6 @@ class Trainer(StepWork):
         Returns:
             The :class:`~nereus_rl.trainer.units.TransitionRun`.
         """
-        from nereus_rl.transition import TransitionExecutionError
-
         self.finish_ahead()
         try:
             run = self.units.run(self.plan, new, dag)
@@ -336,9 +356,16 @@ class Trainer(StepWork):
         Raises:
             the original error: no worker was lost, or some stage lost its state.
         """
-        from nereus_rl.trainer.recover import recover
-
-        recover(self, step, error)
+        new, row = recover_run(
+            self.group, self.units, self.plan, step, error,
+            cfg=self.cfg, mc=self.mc,
+            plan_for=lambda devices: self.adapter.best_plan(
+                self.response_len(step), devices=devices
+            )[0],
+            on_phase=self.on_recovery_phase,
+        )  # fmt: skip
+        self._set_plan(step, new)
+        self.log_decision(row)
 
     # ------------------------------------------------------------------ loop
 
@@ -397,7 +424,7 @@ class Trainer(StepWork):
         try:
             # measured bytes of model state (weights, Adam moments) on the fullest worker
             # (before the weight sync, which loads in place: the same bytes)
-            m["held_bytes_max"] = max(self._all("rl.held_bytes").values())
+            m["held_bytes_max"] = max(self.group.call_all("rl.held_bytes").values())
             if ahead:  # async: the next step's rollout ends before the rollout weights change
                 ahead[0], head = self._rollout_ready(ahead[0], t_step)
             if step + 1 < cfg.steps:
@@ -455,7 +482,7 @@ class Trainer(StepWork):
         the cost model says cannot hold the step's responses must move first (the
         urgent path), so then the rollout is sent after the boundary, on the new plan.
         """
-        if step < self.cfg.steps and self.adapter.can_run(self.plan, self._response_len(step)):
+        if step < self.cfg.steps and self.adapter.can_run(self.plan, self.response_len(step)):
             self._ahead.append(self._rollout_submit(step))
 
     def _rollout_ready(self, job, t_step: float):

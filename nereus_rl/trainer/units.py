@@ -5,7 +5,8 @@ Every unit of every stage of the trainer's plan is an EMU unit of an
 trainer built (``EMUManager.adopt``, owner ``"trainer"``): on each worker the
 unit's tensors are the stage model's parameters and its optimizer's Adam
 moments and step (:mod:`nereus_rl.trainer.worker`). The stage's TensorSpecs
-are ``trainer_worker.tensor_specs``, the same the per-stage reshard moves.
+are :func:`nereus_rl.trainer.worker_state.tensor_specs`, the same the per-stage
+reshard moves.
 
 A taken transition runs its compiled DAG (``transition_compile``, with
 ``stage_slots=False``) through the concurrent executor
@@ -36,7 +37,7 @@ model is rebound; nothing is read from disk.
 Fallback: a stage with a primitive that has no live counterpart here (a kind
 outside ``live_kinds``, a destroy of a lost unit, a copy from a unit that does
 not hold the stage's state, devices that do not add up) has none of its
-primitives run live; after the DAG its state moves by the old per-stage reshard
+primitives run live; after the DAG its state moves by the per-stage reshard
 (``rl.move``) and new units are adopted. A stage whose extend copies from such
 a stage's new unit falls back too. The decision log counts these.
 """
@@ -55,13 +56,14 @@ from nereus_rl.emu.dag import run_primitive
 from nereus_rl.emu.manager import EMUManager
 from nereus_rl.emu.types import EMU, EMUError
 from nereus_rl.runtime import WorkerLostError
-from nereus_rl.trainer.worker import tensor_specs
+from nereus_rl.trainer.group import WorkerGroup
+from nereus_rl.trainer.worker_state import tensor_specs
 from nereus_rl.transition import KINDS, Primitive, TransitionDAG
 from nereus_rl.transition.execute import execute_dag
 
 if TYPE_CHECKING:
     from nereus_rl.costmodel.costmodel import CostModel
-    from nereus_rl.trainer.trainer import Trainer
+    from nereus_rl.models.model import ModelConfig
 
 OWNER = "trainer"
 
@@ -95,24 +97,28 @@ class TrainerUnits:
     """The EMU units holding a trainer's state (see the module docstring).
 
     Arguments:
-        trainer: the started :class:`~nereus_rl.trainer.trainer.Trainer` (driver, workers, plan).
+        group: the run's workers (their default group formed, the stages set up); its
+            device -> worker map is read at each use (a recovery changes it).
+        mc: the model's config (the stages' TensorSpecs).
         costmodel: fed each live primitive's measurement (``EMUManager`` does it).
         live_kinds: primitive kinds run live; others make their stage fall back.
     """
 
     def __init__(
         self,
-        trainer: Trainer,
+        group: WorkerGroup,
+        mc: ModelConfig,
         costmodel: CostModel | None = None,
         *,
         live_kinds: Collection[str] = KINDS,
     ) -> None:
-        self.tr = trainer
+        self.group = group
+        self.mc = mc
         self.live_kinds = frozenset(live_kinds)
         self.emus = EMUManager(
-            trainer.driver,
+            group.driver,
             costmodel=costmodel,
-            rank_devices={w: d for d, w in trainer.device_worker.items()},
+            rank_devices={w: d for d, w in group.device_worker.items()},
             # colocated stages share devices, and so do a stage's old and new units
             shared_devices=True,
             # the model's TP/PP/DP traffic runs over the trainer's own groups
@@ -123,7 +129,7 @@ class TrainerUnits:
         self._live_lock = threading.Lock()  # the transition's uid -> unit map
         # What a rebind that was sent and has not finished everywhere was for
         # ("transition" or "recovery"; None: no rebind is cut short).
-        self._rebinding: str | None = None
+        self.rebinding: str | None = None
         # The stage a recovery's per-stage reshard is moving (None: none is under way).
         self.moving: str | None = None
         # Called with "destroyed" and "extended" as those steps of :meth:`recover` end
@@ -134,7 +140,7 @@ class TrainerUnits:
 
     def adopt(self, plan: GlobalPlan, stages: Collection[str] | None = None) -> None:
         """Adopt the trainer's state of ``plan``'s stages (all, or those named) as units."""
-        mc = self.tr.mc
+        mc = self.mc
         for sp in plan.stages:
             if stages is not None and sp.stage not in stages:
                 continue
@@ -147,6 +153,11 @@ class TrainerUnits:
                 for u in sp.units
             ]
 
+    def adopt_unit(self, stage: str, ranks, *, tp: int, pp: int) -> EMU:
+        """Adopt the stage models on workers ``ranks`` as one unit of ``stage`` (laid out
+        tp x pp), outside :attr:`by_stage` (recovery adopts the layouts the models are on)."""
+        return self.emus.adopt(stage, ranks, tp=tp, pp=pp, owner=OWNER)
+
     def forget_all(self) -> None:
         """Forget every unit (the trainer rebuilt its state another way, e.g. recovery)."""
         self.emus.forget(self.emus.units())
@@ -158,7 +169,7 @@ class TrainerUnits:
         self.by_stage.clear()
 
     def _ranks(self, devices) -> list[int]:
-        return [self.tr.device_worker[d] for d in devices]
+        return self.group.ranks(devices)
 
     # ---------------------------------------------------------------- transitions
 
@@ -199,7 +210,7 @@ class TrainerUnits:
             if sp.stage in out.fallback_stages:
                 continue
             units = [self._target_unit(dag, live, sp, i) for i in range(sp.dp)]
-            rebind.append((self.tr._desc(sp), units))
+            rebind.append((self.group.desc(sp), units))
         if rebind:  # one call for every stage: a round trip, not one per stage
             self._rebind(rebind, "transition")
         for desc, units in rebind:  # only now: until the rebind the models are the old plan's
@@ -209,8 +220,8 @@ class TrainerUnits:
         for sp in changed:
             if sp.stage not in out.fallback_stages:
                 continue
-            rep = self.tr._all(
-                "rl.move", self.tr._desc(old.stage(sp.stage)), self.tr._desc(sp),
+            rep = self.group.call_all(
+                "rl.move", self.group.desc(old.stage(sp.stage)), self.group.desc(sp),
                 params_only=not sp.trains, replace=True,
             )  # fmt: skip
             out.fallback_bytes += int(sum(r["bytes_sent"] for r in rep.values()))
@@ -259,7 +270,7 @@ class TrainerUnits:
         """
         out = TransitionRun()
         m = self.emus
-        if self._rebinding == "transition":
+        if self.rebinding == "transition":
             raise RuntimeError(
                 "a worker died during a transition's rebind: some models may already be "
                 "on the new layout and are read through the old units, so the state cannot "
@@ -311,7 +322,7 @@ class TrainerUnits:
         m.flush()
         self.by_stage = {s: [u for u in us if u is not None] for s, us in keep.items()}
         self._rebind(
-            [(self.tr._desc(sp), self.by_stage[sp.stage]) for sp in new.stages], "recovery"
+            [(self.group.desc(sp), self.by_stage[sp.stage]) for sp in new.stages], "recovery"
         )
         out.rebind_s = time.perf_counter() - t0
         return out
@@ -321,14 +332,13 @@ class TrainerUnits:
         # A worker lost now fails before anything is sent (the models stay as they are):
         # sent to a dead member, the survivors would wait in its group rendezvous for the
         # whole group timeout. Once sent, the flag stays up unless every worker finished.
-        lost = set(self.tr.driver.check_liveness())
-        dead = [w for w in self.tr.workers if w in lost]
+        dead = self.group.lost()
         if dead:
             raise WorkerLostError(f"worker(s) {dead} died before the rebind was sent", tuple(dead))
-        pending = self.tr._submit("rl.rebind", [(d, [u.uid for u in us]) for d, us in stages])
-        self._rebinding = why
-        self.tr.driver.wait(pending)
-        self._rebinding = None
+        pending = self.group.submit_all("rl.rebind", [(d, [u.uid for u in us]) for d, us in stages])
+        self.rebinding = why
+        self.group.driver.wait(pending)
+        self.rebinding = None
 
     def _target_unit(self, dag, live: dict[str, EMU], sp: StagePlan, i: int) -> EMU:
         ranks = tuple(self._ranks(sp.units[i]))

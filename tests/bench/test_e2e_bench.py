@@ -55,7 +55,7 @@ def trainer(tmp_path_factory):
 
 def test_enumerate_fixed_every_feasible_plan_once(trainer):
     ad = trainer.adapter
-    lengths = [trainer._response_len(i) for i in range(10)]
+    lengths = [trainer.response_len(i) for i in range(10)]
     named = [trainer.first_plan]
     out, counts = enumerate_fixed(ad, lengths, named)
     plans = [p for _, p in out]
@@ -84,7 +84,7 @@ def test_enumerate_fixed_every_feasible_plan_once(trainer):
 
 def test_startup_budget_leaves_every_startup_structure_a_layout(trainer):
     ad = trainer.adapter
-    lengths = [trainer._response_len(i) for i in range(10)]
+    lengths = [trainer.response_len(i) for i in range(10)]
     budget, least = startup_budget(ad, lengths)
     assert budget == max(least.values())  # the least at which both structures fit
     cfg = trainer.cfg

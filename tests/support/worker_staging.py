@@ -1,8 +1,8 @@
 """Worker-side switch for the trainer's GPU staging semantics, on CPU workers.
 
-On a GPU worker (``device="cuda"``) ``nereus_rl.trainer.worker._host`` returns host
-copies of the shards (for the weight sync, reshards and EMU primitives) and
-``_on_device`` copies the driver's tensors onto the device; on CPU both return the
+On a GPU worker (``device="cuda"``) ``nereus_rl.trainer.worker_device.host`` returns
+host copies of the shards (for the weight sync, reshards and EMU primitives) and
+``on_device`` copies the driver's tensors onto the device; on CPU both return the
 very tensors they get. ``staging.copy`` makes them copy on CPU too, so that a CPU run
 takes the GPU path's data flow: nothing may rely on a primitive or a reshard reading
 the live shards. Imported on every worker
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-import nereus_rl.trainer.worker as tw
+import nereus_rl.trainer.worker_device as wd
 from nereus_rl.runtime.context import WorkerContext, register
 
-_REAL = {"_host": tw._host, "_on_device": tw._on_device}
+_REAL = {"host": wd.host, "on_device": wd.on_device}
 COPIES = {"host": 0, "device": 0}
 
 
@@ -42,8 +42,8 @@ def _on_device_copy(x: Any, device: torch.device) -> Any:
 def copy(ctx: WorkerContext, on: bool) -> dict[str, int]:
     """Make the staging helpers copy (``on``) or restore them; returns the copies made
     since the last call and resets the counts."""
-    tw._host = _host_copy if on else _REAL["_host"]
-    tw._on_device = _on_device_copy if on else _REAL["_on_device"]
+    wd.host = _host_copy if on else _REAL["host"]
+    wd.on_device = _on_device_copy if on else _REAL["on_device"]
     out = dict(COPIES)
     COPIES.update(host=0, device=0)
     return out

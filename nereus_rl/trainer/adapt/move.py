@@ -1,26 +1,51 @@
-"""Pricing, admitting and carrying out one move of the adaptation loop (split from
-trainer_adapt).
+"""Pricing and carrying out one move of the adaptation loop.
 
 :func:`primitive_seconds` and :func:`compile_priced` price a transition as the trainer
-runs it (a DAG of EMU primitives on devices the stages share). :func:`admit_move`
-prices the chosen candidate's move and asks admission, with a forecast no longer than
-the steps the run has left and the running plan's measured step noise. :func:`execute_move`
-runs a move admission took, measures it and completes its decision row: what ran,
-what fell back, what the cost model learned. A move cut short by a worker death gets
-its row too (``interrupted``, ``cause``), logged before the error goes on to the
-trainer's recovery, which logs its own row beside it.
+runs it (a DAG of EMU primitives on devices the stages share); :func:`price_move` prices
+the move to a chosen candidate. :func:`execute_move` runs a move admission took, measures
+it, feeds what it measured to the cost model and the transition calibration, and reports
+an :class:`~nereus_rl.policy.decision.Outcome` to its caller, which logs it with its
+Decision. A move cut short by a worker death has an outcome too (``interrupted``,
+``cause``); the caller logs it before the error goes on to the trainer's recovery,
+which logs its own row beside it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from nereus_rl.core.globalplan import GlobalPlan
+from nereus_rl.costmodel.calibration import TransitionCalibration
 from nereus_rl.costmodel.costmodel import CostModel, UnitLayout
+from nereus_rl.policy.decision import Outcome
 from nereus_rl.runtime import RemoteError, WorkerLostError, WorkerTimeoutError
 from nereus_rl.trainer.fallback import observe_fallback, stagewise_cost
-from nereus_rl.transition import TransitionError
+from nereus_rl.transition import TransitionError, predicted_completion_time
 from nereus_rl.transition.compile import compile_transition
+
+
+class MoveHost(Protocol):
+    """The trainer's process side as the adaptation loop uses it.
+
+    Attributes:
+        plan: the running plan (None before the run starts).
+        device_worker: plan device id -> worker (empty before the workers exist).
+    """
+
+    plan: GlobalPlan | None
+    device_worker: Mapping[int, int]
+
+    def finish_ahead(self) -> None:
+        """Wait for the rollouts sent ahead of their step (they end on the running plan)."""
+
+    def transition(self, new: GlobalPlan, dag, step: int):
+        """Move the state to ``new`` (``dag``: its transition DAG, or None) before
+        ``step``; returns the :class:`~nereus_rl.trainer.units.TransitionRun`."""
+
+    def log_decision(self, row: dict[str, Any]) -> None:
+        """Record one decisions.jsonl row."""
 
 
 def primitive_seconds(cm: CostModel, mspec, prim) -> float:
@@ -47,10 +72,11 @@ def primitive_seconds(cm: CostModel, mspec, prim) -> float:
         return cm.cluster.primitive_overhead_s
 
 
-def compile_priced(cm: CostModel, mspec, devices, current: GlobalPlan, target: GlobalPlan):
-    """The transition DAG current -> target as the trainer runs it, and its predicted
-    completion seconds (stages share devices, no memory cap: see ``Adapter.compile``)."""
-    from nereus_rl.transition import predicted_completion_time
+def compile_priced(
+    cm: CostModel, mspec, devices: Iterable[int], current: GlobalPlan, target: GlobalPlan
+):
+    """The transition DAG current -> target on plan ``devices`` as the trainer runs it
+    (stages share devices, no memory cap), and its predicted completion seconds."""
 
     def cost(prim):
         return primitive_seconds(cm, mspec, prim)
@@ -68,136 +94,85 @@ def compile_priced(cm: CostModel, mspec, devices, current: GlobalPlan, target: G
     return dag, predicted_completion_time(dag, cost)
 
 
-def admit_move(adapter, plan: GlobalPlan, cand: GlobalPlan, wl, trig, la, steps_left: int, row):
-    """Price the move ``plan -> cand`` (its DAG, calibrated) and ask admission whether
-    to take it; fills ``row`` with the decision and what it rested on.
-
-    Arguments:
-        adapter: the :class:`~nereus_rl.trainer.adapt.adapter.Adapter`.
-        wl: the next step's workload; trig: the trigger; la: the lookahead's choice
-            (None: lookahead not used); steps_left: steps the run runs after this one.
+def price_move(cm: CostModel, mspec, devices: Iterable[int], plan: GlobalPlan, cand: GlobalPlan):
+    """The move ``plan -> cand`` as the trainer would run it, priced by the cost model.
 
     Returns:
-        (dag or None, the model's transition seconds, whether to take the move).
+        (its DAG or None, the model's seconds, why no DAG was compiled or None). Compiled
+        with the trainer's execution model (shared devices, no memory cap) a DAG is
+        expected; should none compile, a running job must not stop over pricing: the
+        change is priced as one Extend per new unit.
     """
     try:
-        dag, raw_cost = adapter.compile(plan, cand)
-        dag_note = None
+        dag, raw_cost = compile_priced(cm, mspec, devices, plan, cand)
+        return dag, raw_cost, None
     except TransitionError as e:
-        # Compiled with the trainer's execution model (shared devices, no memory cap)
-        # this is not expected; should it happen, a running job must not stop over
-        # pricing: price the change as one extend per new unit and log why.
-        dag, dag_note = None, f"DAG not compiled: {e}"
-        raw_cost = stagewise_cost(adapter.cm, adapter.mspec, plan, cand)
-    # Priced as transitions have measured on this job so far (TransitionCalibration):
-    # the model's price plus the learned excess, and no less than this job's measured
-    # seconds per primitive for as many primitives (floor_s)
-    n_prims = len(dag.primitives) if dag is not None else 0
-    floor = adapter.calibration.floor_s(n_prims)
-    cost = max(adapter.calibration.price(raw_cost), floor)
-    # The trigger's forecast (steps to its next crossing) is capped by the steps the
-    # run has left: a signal flat for "200 steps" in a 10-step run let small savings
-    # repay a move they never could (the cap is logged beside the forecast).
-    fc = adapter.controller.forecast(trig.signal)
-    # None until the running plan has the steps its noise needs: no opportunistic move
-    # rests on one or two steps of a fresh plan (admission declines it)
-    noise = adapter.noise.noise_s(plan) if adapter.noise.known(plan) else None
-    devices = sorted(adapter.trainer.device_worker)
-    dec = adapter.admission.decide(
-        plan,
-        cand,
-        wl,
-        forecast_steps=min(fc.steps, float(steps_left)),
-        transition_cost=cost,
-        available_devices=devices,
-        trigger=trig.reason,
-        candidate_over_in=None if la is None else la.over_at,
-        current_over_in=None if la is None else la.current_over_at,
-        forced_move_s=0.0 if la is None else la.forced_move_s,
-        noise_s=noise,
-    )
-    always = adapter.cfg.admission == "always"
-    taken = dec.taken or always
-    row.update(
-        taken=taken,
-        path=dec.path,
-        reason=dec.reason if dec.taken or not always else "replan on every trigger",
-        predicted_saving_s=dec.saving_per_step_s,
-        forecast_steps=dec.forecast_steps,
-        signal_forecast_steps=fc.steps,
-        steps_left=steps_left,
-        step_noise_s=noise,
-        predicted_transition_s=cost,
-        predicted_transition_model_s=raw_cost,
-        transition_excess_s=adapter.calibration.excess_s,
-        transition_floor_s=floor,
-        model_tolerance=adapter.tolerance.value,
-        tie_margin=adapter.tie_margin(),
-        predicted_forced_move_s=dec.forced_move_s,
-        primitives=[f"{p.kind}:{p.stage}" for p in dag.primitives] if dag else [],
-    )
-    if dag_note:
-        row["dag_note"] = dag_note
-    return dag, raw_cost, taken
+        return None, stagewise_cost(cm, mspec, plan, cand), f"DAG not compiled: {e}"
 
 
 def execute_move(
-    adapter, plan: GlobalPlan, cand: GlobalPlan, dag, step: int, raw_cost: float, row: dict
-) -> float:
-    """Run the transition ``plan -> cand`` admission took at ``step``'s boundary and fill
-    ``row`` (the decision's log row) with what it did; returns its measured seconds.
+    host,
+    cm: CostModel,
+    mspec,
+    calibration: TransitionCalibration,
+    plan: GlobalPlan,
+    cand: GlobalPlan,
+    dag,
+    step: int,
+    raw_cost: float,
+) -> tuple[Outcome, Exception | None]:
+    """Run the transition ``plan -> cand`` admission took at ``step``'s boundary.
 
-    A worker death during it (the runtime's errors) is logged first, as the decision's
-    row with ``interrupted=True`` and ``cause``, then raised for the trainer's recovery
-    (which logs a recovery row of its own); the transition's time is then not fed to
-    the calibration (it did not complete).
+    Arguments:
+        host: the trainer's process side (``finish_ahead``, ``transition``; see
+            :class:`~nereus_rl.trainer.adapt.adapter.MoveHost`).
+        cm, mspec: the cost model (fed the fallback reshards' measurement) and the model.
+        calibration: fed the move's measured seconds against ``raw_cost``, its price.
+        dag: the move's DAG (None: per-stage reshards).
+
+    Returns:
+        The move's :class:`~nereus_rl.policy.decision.Outcome`, and the runtime error
+        that cut it short (a worker died: the caller logs the outcome, then raises it
+        for the trainer's recovery; the move's time is then not fed to the calibration,
+        as it did not complete) or None.
     """
-    tr = adapter.trainer
     t0 = time.perf_counter()
     try:
         # the rollout sent ahead of the next step ends on the current plan: not the move's
-        tr.finish_ahead()
+        host.finish_ahead()
         t0 = time.perf_counter()
-        run = tr.transition(cand, dag, step + 1)
+        run = host.transition(cand, dag, step + 1)
     except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
-        row.update(
-            measured_transition_s=time.perf_counter() - t0,
+        first = str(e).splitlines()[0] if str(e) else ""  # (a RemoteError's: its traceback)
+        outcome = Outcome(
+            measured_s=time.perf_counter() - t0,
             interrupted=True,
-            # (a RemoteError's message carries the worker's traceback: its first line)
-            cause=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            lost_workers=list(getattr(e, "ranks", ()) or ()),
+            cause=f"{type(e).__name__}: {first}",
+            lost_workers=tuple(getattr(e, "ranks", ()) or ()),
         )
-        adapter._log(row)
-        raise
+        return outcome, e
     seconds = time.perf_counter() - t0
-    row["measured_transition_s"] = seconds
-    row["interrupted"] = False
     # per primitive of the DAG, as floor_s prices a move (fallback stages included)
-    adapter.calibration.observe(float(raw_cost), seconds, len(dag.primitives) if dag else 0)
-    row.update(
-        bytes_moved=run.bytes_moved,
-        executed_primitives=run.primitives,
-        primitive_s=run.primitive_s,
-        rebind_s=run.rebind_s,
-        fallbacks=len(run.fallback_stages),
-        fallback_stages=run.fallback_stages,
-    )
-    if run.execution is not None:
-        row["execution"] = repr(run.execution)
+    calibration.observe(float(raw_cost), seconds, len(dag.primitives) if dag else 0)
+    learned: dict = {}
     if run.fallback_stages:
         observe_fallback(
-            adapter.cm,
-            adapter.mspec,
-            plan,
-            cand,
-            row,
-            set(run.fallback_stages),
-            run.fallback_s,
+            cm, mspec, plan, cand, learned, set(run.fallback_stages), run.fallback_s,
             run.fallback_bytes,
-        )
-    row["costmodel_primitives_observed"] = adapter.cm.primitives_seen()
+        )  # fmt: skip
+    learned["costmodel_primitives_observed"] = cm.primitives_seen()
     devs = plan.devices | cand.devices
-    tier = "intra" if adapter.cluster.tier(devs) is adapter.cluster.intra else "inter"
-    row.setdefault("costmodel_p2p_efficiency", float(adapter.cm.efficiency("p2p:" + tier)))
-    adapter.controller.plan_changed()
-    return seconds
+    tier = "intra" if cm.cluster.tier(devs) is cm.cluster.intra else "inter"
+    learned.setdefault("costmodel_p2p_efficiency", float(cm.efficiency("p2p:" + tier)))
+    outcome = Outcome(
+        measured_s=seconds,
+        interrupted=False,
+        bytes_moved=run.bytes_moved,
+        executed_primitives=tuple(run.primitives),
+        primitive_s=run.primitive_s,
+        rebind_s=run.rebind_s,
+        fallback_stages=dict(run.fallback_stages),
+        execution=None if run.execution is None else repr(run.execution),
+        learned=learned,
+    )
+    return outcome, None

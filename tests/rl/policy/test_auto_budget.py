@@ -1,4 +1,4 @@
-"""The default memory budget (Adapter._auto_budget): the run it sets up meets memory
+"""The default memory budget (auto_budget, as the adapter calls it): the run it sets up meets memory
 pressure (the start plan goes over the budget at the run's longest response length)
 while another plan still fits there, whichever plan the calibration ranks first."""
 
@@ -22,7 +22,7 @@ def _peak(ad, plan, rlen):
 
 
 def _lengths(tr):
-    rs = [tr._response_len(s) for s in range(tr.cfg.steps)]
+    rs = [tr.response_len(s) for s in range(tr.cfg.steps)]
     return rs[0], max(rs)
 
 
@@ -46,7 +46,7 @@ def _lean_first(ad, rmax, slower: float):
     # A ranking with the plan leanest at the longest length first (chosen on the first
     # call, _auto_budget's, from the plans of the machine's whole memory), and the
     # others `slower` times its latency.
-    rank = ad._rank
+    rank = ad.rank
     leanest = []
 
     def ranked(k_best, wl, pm):
@@ -68,7 +68,7 @@ def test_a_fastest_plan_that_is_leanest_is_not_sized_on(trainer, monkeypatch):
     ad = trainer.adapter
     _, rmax = _lengths(trainer)
     ranked, leanest = _lean_first(ad, rmax, slower=1.05)
-    monkeypatch.setattr(ad, "_rank", ranked)
+    monkeypatch.setattr(ad, "rank", ranked)
     ad.calibrated([])  # the budget and the start plan chosen again
     start, forced = _start_and_pressure(trainer)
     assert forced and start != leanest[0]
@@ -82,7 +82,7 @@ def test_no_plan_within_the_models_error_still_meets_memory_pressure(trainer, mo
     ad = trainer.adapter
     _, rmax = _lengths(trainer)
     ranked, leanest = _lean_first(ad, rmax, slower=1.0 + 2 * ad.controller.model_tolerance)
-    monkeypatch.setattr(ad, "_rank", ranked)
+    monkeypatch.setattr(ad, "rank", ranked)
     ad.calibrated([])
     start, forced = _start_and_pressure(trainer)
     assert forced and start != leanest[0]
@@ -93,7 +93,7 @@ def test_no_plan_that_can_be_forced_keeps_the_fastest(trainer, monkeypatch):
     ad = trainer.adapter
     _, rmax = _lengths(trainer)
     ranked, leanest = _lean_first(ad, rmax, slower=1.05)
-    monkeypatch.setattr(ad, "_rank", lambda k_best, wl, pm: ranked(k_best, wl, pm)[:1])
+    monkeypatch.setattr(ad, "rank", lambda k_best, wl, pm: ranked(k_best, wl, pm)[:1])
     ad.calibrated([])
     start, forced = _start_and_pressure(trainer)
     assert start == leanest[0] and not forced

@@ -10,8 +10,8 @@ import pytest
 from test_lookahead import TableCM, move
 
 from nereus_rl.policy.lookahead import LookaheadError, choose, choose_start
-from nereus_rl.policy.start_plan import start_candidates, start_lengths
-from nereus_rl.trainer.config import NotEnoughDevicesError, TrainConfig, TrainConfigError
+from nereus_rl.policy.start_plan import StartPlanError, start_candidates, start_lengths
+from nereus_rl.trainer.config import TrainConfig, TrainConfigError
 from nereus_rl.trainer.trainer import Trainer
 
 # bench_e2e --quick's trace (rise 6 -> 20, hold, fall) and its GRPO startup budget
@@ -141,7 +141,7 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
     assert max(_peak(ad, best, n) for n in TRACE) > ad.budget
     # the adaptive run starts on a plan that holds every length of its trace, and says why
     assert all(_peak(ad, tr.first_plan, n) <= ad.budget for n in TRACE)
-    row = ad.start_row
+    row = ad.start_decision.to_row()
     assert row["path"] == "start" and row["taken"] is False
     assert row["candidate"] == repr(tr.first_plan)
     assert row["lookahead_horizon"] == len(TRACE) and row["lookahead_old_over_at"] is not None
@@ -158,20 +158,21 @@ def test_adaptive_start_holds_the_configured_lengths(tmp_path):
     ad = blind.adapter
     assert _peak(ad, blind.first_plan, TRACE[0]) <= ad.budget
     assert max(_peak(ad, blind.first_plan, n) for n in TRACE) > ad.budget
-    assert ad.start_row["lookahead_horizon"] == 1
-    assert "start: the first step's length only" in ad.start_row["trigger"]
-    assert "lookahead over 1 steps at lengths [8]" in ad.start_row["reason"]
+    first = ad.start_decision.to_row()
+    assert first["lookahead_horizon"] == 1
+    assert "start: the first step's length only" in first["trigger"]
+    assert "lookahead over 1 steps at lengths [8]" in first["reason"]
     # knowing the cap, it looks over the first length and then the longest at every step
-    cap = _trainer(tmp_path, adapt=True, start_lengths="cap").adapter.start_row
-    assert "lookahead over 10 steps at lengths [8, 24 x9]" in cap["reason"]
-    assert "then the longest (10 steps)" in cap["trigger"]
+    cap = _trainer(tmp_path, adapt=True, start_lengths="cap").adapter.start_decision
+    assert "lookahead over 10 steps at lengths [8, 24 x9]" in cap.reason
+    assert "then the longest (10 steps)" in cap.trigger
     with pytest.raises(TrainConfigError, match="unknown start_lengths 'all'"):
         _trainer(tmp_path, adapt=True, start_lengths="all")
 
 
 def test_no_budget_keeps_the_auto_budgets_sized_plan(tmp_path):
     tr = _trainer(tmp_path, adapt=True, budget=None)
-    assert tr.first_plan == tr.adapter.sized_plan and tr.adapter.start_row is None
+    assert tr.first_plan == tr.adapter.sized_plan and tr.adapter.start_decision is None
 
 
 def test_start_candidates_add_the_planners_best_at_later_lengths(tmp_path):
@@ -180,9 +181,10 @@ def test_start_candidates_add_the_planners_best_at_later_lengths(tmp_path):
     # later lengths (bench_e2e ReMax async: the best fixed plan was not among them).
     tr = _trainer(tmp_path, adapt=True)
     ad = tr.adapter
-    lengths = start_lengths(ad)
+    schedule = [tr.response_len(s) for s in range(tr.cfg.steps)]
+    lengths = start_lengths(schedule, tr.cfg.buckets, tr.cfg.start_lengths)
     first = [p for _, p in ad.ranked_plans(lengths[0])]
-    cands = start_candidates(ad, first, lengths)
+    cands = start_candidates(first, lengths, lambda n: [p for _, p in ad.ranked_plans(n)])
     assert cands[: len(first)] == first and len(set(cands)) == len(cands)
     later = {p for n in set(lengths[1:]) for _, p in ad.ranked_plans(n)}
     assert later <= set(cands) and later - set(first)  # some are new
@@ -191,13 +193,16 @@ def test_start_candidates_add_the_planners_best_at_later_lengths(tmp_path):
 
 
 def test_start_candidates_skip_a_length_nothing_fits():
-    class Ad:
-        def ranked_plans(self, n):
-            if n == 24:
-                raise NotEnoughDevicesError("nothing fits at 24")
-            return [(0.0, "B"), (0.0, f"C{n}")]
+    def ranked_at(n):
+        if n == 24:
+            raise StartPlanError("nothing fits at 24")
+        return ["B", f"C{n}"]
 
-    assert start_candidates(Ad(), ["A", "B"], [8, 16, 24, 16]) == ["A", "B", "C16"]
+    assert start_candidates(["A", "B"], [8, 16, 24, 16], ranked_at) == ["A", "B", "C16"]
+    # the lengths a start looks over, by TrainConfig.start_lengths
+    assert start_lengths([6, 9, 20], (8, 12, 16, 24), "schedule") == [8, 12, 24]
+    assert start_lengths([6, 9, 20], (8, 12, 16, 24), "cap") == [8, 24, 24]
+    assert start_lengths([6, 9, 20], (8, 12, 16, 24), "first") == [8]
 
 
 def test_urgent_candidates_add_the_planners_best_at_the_horizons_longest_length(tmp_path):

@@ -233,7 +233,7 @@ def test_adaptive_matches_static_while_changing_plan(driver, tmp_path):
 
 def test_staged_state_moves_keep_an_adaptive_run_on_the_static_path(driver):
     # A GPU worker reads its shards for every state move as host copies and gets the
-    # driver's tensors as device copies (trainer_worker._host, _on_device). Making them
+    # driver's tensors as device copies (worker_device.host, on_device). Making them
     # copy on these CPU workers too runs that data flow here: an adaptive run, its
     # transitions and weight syncs included, must still match the static run. (Two
     # adaptive runs need not take the same moves: the efficiency signal is measured.)

@@ -130,47 +130,36 @@ def test_next_probe_weighs_new_shapes_by_their_predicted_seconds():
     assert next_probe({6: [a, f]}, layouts(a), pool=8, stage_s=lambda p, n: secs) == (f, 6)
 
 
-class _FakeTrainer:
+class _FakeProbe:
     """Just what run_probe calls: each step's stage seconds come from ``times`` in turn."""
 
     def __init__(self, times):
-        from nereus_rl.trainer.config import TrainConfig
-
-        self.cfg, self.mc, self.plan, self.setups = TrainConfig(algo="grpo"), None, None, 0
+        self.plan, self.setups, self.rlens = None, 0, []
         self._times = iter(times)
 
-    def _desc(self, sp):
-        return sp.stage
-
-    def _all(self, *args):
+    def setup(self, plan):
+        self.plan = plan
         self.setups += 1
 
-    def weight_sync(self):
-        return {"sync_s": 0.0}
-
-    def _rollout_submit(self, step, rlen):
-        return rlen
-
-    def _rollout_wait(self, job):
-        return job
-
-    def _train_on(self, job):
+    def step(self, rlen):
+        self.rlens.append(rlen)
         r, i, t = next(self._times)
-        return {"stage_s": {"rollout": r, "inference": i, "train": t}}
+        return {"stage_s": {"rollout": r, "inference": i, "train": t}, "sync_s": 0.0}
 
 
 def test_run_probe_takes_each_stage_at_its_least_after_the_warm_up():
     p = _plan((1, (0,)), (1, (1,)), (1, (2,)))
     # the first (warm-up) repeat is fastest everywhere and must not count
-    fake = _FakeTrainer([(0.01, 0.01, 0.01), (0.5, 0.2, 0.9), (0.3, 0.4, 0.7), (0.6, 0.3, 0.8)])
-    out = run_probe(fake, p, 6, {}, repeats=4)
-    assert fake.setups == 1 and fake.plan is p
+    fake = _FakeProbe([(0.01, 0.01, 0.01), (0.5, 0.2, 0.9), (0.3, 0.4, 0.7), (0.6, 0.3, 0.8)])
+    out = run_probe(fake.setup, fake.step, p, 6, repeats=4, algo="grpo")
+    assert fake.setups == 1 and fake.plan is p and fake.rlens == [6] * 4
     assert out["stage_s"] == {"rollout": 0.3, "reference": 0.2, "actor_train": 0.7}
     assert [r["observed"] for r in out["runs"]] == [False, True, True, True]
     assert out["step_s"] == min(r["step_s"] for r in out["runs"][1:])
     # one repeat: nothing measured
-    one = run_probe(_FakeTrainer([(0.1, 0.1, 0.1)]), p, 6, {}, repeats=1)
-    assert one["stage_s"] is None and one["step_s"] is None
+    one = _FakeProbe([(0.1, 0.1, 0.1)])
+    out = run_probe(one.setup, one.step, p, 6, repeats=1, algo="grpo")
+    assert out["stage_s"] is None and out["step_s"] is None
 
 
 def test_stage_seconds_reads_the_inference_as_the_driver_or_the_workers_time_it():

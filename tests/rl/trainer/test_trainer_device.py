@@ -1,6 +1,6 @@
 """Where the trainer's workers hold their stages: the ``device`` option.
 
-The CPU run is the ``device="cpu"`` case of the GPU code (nereus_rl.trainer.worker):
+The CPU run is the ``device="cpu"`` case of the GPU code (nereus_rl.trainer.worker_device):
 these tests check the option's bad input before any process starts, how a worker
 picks its GPU, that the CPU path neither copies nor stages (so the EMU units read
 the live shards), which transport ``rl.move`` reshards over (gloo on CPU, one NCCL
@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from nereus_rl.cli import main
-from nereus_rl.trainer import worker as trainer_worker
+from nereus_rl.trainer import worker_device as wd
 from nereus_rl.trainer.config import check_local_devices
 from nereus_rl.trainer.trainer import NotEnoughDevicesError, TrainConfig, TrainConfigError, train
-from nereus_rl.trainer.worker import (
-    _CPU,
-    _drop_move_transport,
-    _host,
-    _move_transport,
-    _on_device,
+from nereus_rl.trainer.worker_device import (
+    CPU,
+    drop_move_transport,
+    host,
+    move_transport,
+    on_device,
     worker_device,
 )
 
@@ -74,15 +74,15 @@ def test_worker_device_choice(monkeypatch):
 
 
 def test_the_cpu_path_neither_copies_nor_stages():
-    # A CPU worker's EMU units read the live shards through _host, and its commands
-    # take the driver's tensors through _on_device: both must be the same objects.
+    # A CPU worker's EMU units read the live shards through host, and its commands
+    # take the driver's tensors through on_device: both must be the same objects.
     t = torch.arange(6.0)
     batch = {"sequences": t, "prompt_len": 3, "parts": [t, (t, None)]}
-    moved = _on_device(batch, _CPU)
+    moved = on_device(batch, CPU)
     assert moved["sequences"] is t and moved["prompt_len"] == 3
     assert moved["parts"][0] is t and moved["parts"][1][0] is t and moved["parts"][1][1] is None
     assert isinstance(moved["parts"][1], tuple)
-    assert _host({"w": t})["w"] is t
+    assert host({"w": t})["w"] is t
 
 
 class _RecordedNccl:
@@ -102,27 +102,27 @@ class _RecordedNccl:
 
 
 def test_a_gpu_worker_moves_over_one_nccl_transport_per_world(monkeypatch):
-    monkeypatch.setattr(trainer_worker, "NcclTransport", _RecordedNccl)
+    monkeypatch.setattr(wd, "NcclTransport", _RecordedNccl)
     _RecordedNccl.made = []
     gpu = torch.device("cuda", 1)
     rl = {"device": gpu, "rank": 2, "world": ("store", 3), "timeout": 7.0}
-    first = _move_transport(rl)
+    first = move_transport(rl)
     assert first.args == ("store", 2, (0, 1, 2), gpu, "nereus_rl/move", 7.0)
-    assert _move_transport(rl) is first  # built once, at the first move of the world
-    _drop_move_transport(rl)  # what rl.init does before it joins the next world
+    assert move_transport(rl) is first  # built once, at the first move of the world
+    drop_move_transport(rl)  # what rl.init does before it joins the next world
     assert first.aborted and "nccl_move" not in rl
     rl["world"] = ("store2", 2)
-    second = _move_transport(rl)
+    second = move_transport(rl)
     assert second is not first and second.args[:3] == ("store2", 2, (0, 1))
-    _drop_move_transport({})  # a CPU worker (or a first init) has none: nothing to do
+    drop_move_transport({})  # a CPU worker (or a first init) has none: nothing to do
 
 
 def test_a_cpu_worker_moves_over_gloo(monkeypatch):
-    monkeypatch.setattr(trainer_worker, "NcclTransport", _RecordedNccl)
-    monkeypatch.setattr(trainer_worker, "GlooTransport", lambda: "gloo on the default group")
+    monkeypatch.setattr(wd, "NcclTransport", _RecordedNccl)
+    monkeypatch.setattr(wd, "GlooTransport", lambda: "gloo on the default group")
     _RecordedNccl.made = []
-    rl = {"device": _CPU, "rank": 0, "world": ("store", 2), "timeout": 7.0}
-    assert _move_transport(rl) == "gloo on the default group"
+    rl = {"device": CPU, "rank": 0, "world": ("store", 2), "timeout": 7.0}
+    assert move_transport(rl) == "gloo on the default group"
     assert _RecordedNccl.made == [] and "nccl_move" not in rl
 
 

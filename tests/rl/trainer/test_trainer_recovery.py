@@ -287,7 +287,7 @@ def test_a_death_at_a_step_boundary_does_not_train_the_step_twice():
             def kill_at_boundary(step, m):
                 if step == 0 and 1 in tr.device_worker:  # once (step 0 might run twice)
                     driver.kill(tr.device_worker[1])
-                    tr._all("rl.held_bytes")  # the boundary's next call meets the death
+                    tr.group.call_all("rl.held_bytes")  # the boundary's next call meets the death
                 return boundary(step, m)
 
             tr.adapter.boundary = kill_at_boundary
@@ -426,8 +426,9 @@ def test_async_a_partial_weight_sync_then_a_death_leaves_every_rollout_unit_sync
                 if len(calls) != 2:  # the 1st: before step 0; the 2nd: after it
                     return real_sync()
                 one = StagePlan("rollout", "actor", False, 1, 1, 1, ((1,),))
-                src = tr._desc(tr.plan.stage("actor_train"))
-                tr._all("rl.move", src, tr._desc(one), params_only=True, replace=False)
+                src = tr.group.desc(tr.plan.stage("actor_train"))
+                dst = tr.group.desc(one)
+                tr.group.call_all("rl.move", src, dst, params_only=True, replace=False)
                 w0, w1 = (
                     driver.call([tr.device_worker[d]], "rl.shards", "rollout")[tr.device_worker[d]]
                     for d in (0, 1)
