@@ -40,7 +40,9 @@ MembershipError and leaves. If a listed process never arrives (it died between
 proposal and rendezvous), the rendezvous times out with MembershipError and the
 members may call ``next_generation()`` again.
 
-The creator hosts the store: it must stay until the job ends.
+The creator hosts the store: it must stay until the job ends. The store listens
+on the address asked for and nowhere else (:func:`listen_store`): torch's own
+TCPStore server binds every interface whatever host it is given.
 """
 
 from __future__ import annotations
@@ -55,9 +57,54 @@ import torch.distributed as dist
 
 from nereus_comm.errors import MembershipError
 
-__all__ = ["World"]
+__all__ = ["World", "listen_store"]
 
 _NS = "nereus/world/"
+
+
+def listen_store(host: str, port: int = 0, *, timeout: float = 60.0) -> dist.TCPStore:
+    """Host a TCPStore that listens on ``host`` only (loopback stays loopback).
+
+    torch's TCPStore server binds the wildcard address (every interface, IPv6 and
+    IPv4) whatever ``host`` says; here the listening socket is bound to ``host``
+    first and handed to the server (``master_listen_fd``, libuv backend).
+
+    Arguments:
+        host: the address (or a name resolving to it) to listen on; "0.0.0.0" or
+            "::" still mean every interface, when asked for.
+        port: the port; 0 picks a free one (read ``store.port``).
+        timeout: the store's timeout for blocking operations.
+
+    Returns:
+        The server's own store (a client of itself), listening.
+
+    Raises:
+        OSError: ``host`` does not resolve, or host:port cannot be bound (in use,
+            not an address of this machine).
+    """
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's server does
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The server owns the descriptor from here and closes it when the store goes (on
+    # a failed start too, or not: closing it here could close a reused number).
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        master_listen_fd=sock.detach(),
+        use_libuv=True,
+    )
 
 
 def _add(store: dist.Store, key: str, value: int = 0) -> int:
@@ -147,7 +194,7 @@ class World:
 
     Example::
 
-        world = World.create("0.0.0.0", 29500, min_members=2)   # or World.join(host, port)
+        world = World.create("127.0.0.1", 29500, min_members=2)  # or World.join(host, port)
         dist.all_reduce(t, group=world.process_group())
         if world.membership_changed():                          # at a safe boundary, on all
             world.next_generation()
@@ -191,7 +238,8 @@ class World:
         """Host the store, become member 0, and form generation 1.
 
         Arguments:
-            host: address to listen on.
+            host: address to listen on, and only there (an interface's address for
+                members on other machines: anyone who reaches it can write the store).
             port: port to listen on; 0 picks a free one (see ``world.port``).
             min_members: processes (this one included) generation 1 waits for.
             heartbeat_interval: seconds between heartbeats (for every member).
@@ -213,13 +261,7 @@ class World:
                 f"and {heartbeat_timeout} (a timeout of several intervals avoids false deaths)"
             )
         try:
-            store = dist.TCPStore(
-                host,
-                port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
+            store = listen_store(host, port, timeout=timeout)
         except (RuntimeError, OSError) as e:
             raise MembershipError(f"cannot host the World's store at {host}:{port}: {e}") from e
         port = store.port

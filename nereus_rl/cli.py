@@ -3,11 +3,18 @@
     nereus-rl train                 # GRPO on `sort`, 4 local CPU workers, adaptive
     nereus-rl train --quick         # the CI-sized variant (well under two minutes)
     nereus-rl train --algo ppo --steps 40 --no-adapt --run-dir runs/ppo
-    nereus-rl worker --store HOST:PORT   # join a job whose driver listens there
+    nereus-rl worker --store HOST:PORT --secret-file PATH   # join a running job
 
-A job with workers on other machines: start the driver with
-``nereus-rl train --host 0.0.0.0 --port 29500 --local-workers 0 --devices 8`` and on each
-machine ``nereus-rl worker --store DRIVER_HOST:29500`` (once per device).
+The job's store listens on 127.0.0.1 only unless --host names another address. A job
+with workers on other machines: start the driver with
+``nereus-rl train --host ADDR --port 29500 --local-workers 0 --devices 8``, ADDR being
+this machine's address on a private network that only the job's machines reach, copy
+the secret file it prints (mode 0600) to each machine, and there run
+``nereus-rl worker --store ADDR:29500 --secret-file PATH`` once per device. What an
+exposed address means: anyone who can reach the port can disrupt the job (its store
+has no access control of its own), and whoever holds the secret file can run code on
+every worker. Every control message is checked against the secret, so nobody without
+it can.
 
 nereus_comm on its own (resharding a model's state across local workers, as another
 framework would use it) is shown by ``python examples/reshard_demo.py`` in the source tree.
@@ -16,11 +23,90 @@ framework would use it) is shown by ``python examples/reshard_demo.py`` in the s
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
+import socket
 import sys
 import time
 from pathlib import Path
 
 QUICK = {"steps": 8, "warm_steps": 100, "batch": 4, "group_size": 4}
+
+#: Local worker processes per core beyond which a run is refused without
+#: --allow-oversubscribe. Each worker is a whole torch process time-sliced on the
+#: cores; past four per core each gets under a quarter of a core, so heartbeats and
+#: gloo collectives starve into timeouts, start-up alone takes minutes, and the cost
+#: model's fixed share of a core per worker no longer describes the machine.
+MAX_WORKERS_PER_CORE = 4
+
+EXPOSED_WARNING = (
+    "the job's store listens on {host}, not loopback: anyone who can reach port {port} "
+    "there can disrupt the job, and whoever holds the secret file can run code on its "
+    "workers; use an address of a private network that only the job's machines reach"
+)
+
+
+class CliError(ValueError):
+    """A command-line argument is unusable; the message says which and what to do."""
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:  # a name: loopback if every address it resolves to is
+            addrs = {i[4][0] for i in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """Raise CliError unless ``run_dir`` is (or can be made) a writable folder."""
+    if run_dir.exists():
+        if not run_dir.is_dir():
+            raise CliError(f"--run-dir {run_dir} is a file, not a folder; name a folder")
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise CliError(f"--run-dir {run_dir} is not writable by this user; name another")
+        return
+    parent = run_dir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CliError(f"--run-dir {run_dir} cannot be made: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"--run-dir {run_dir} cannot be made: {parent} is not writable")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Check what the train command's arguments ask of this machine, before anything starts.
+
+    Raises:
+        CliError: an unusable run folder, more local workers than the machine can
+            hold (without --allow-oversubscribe), or bad worker, port or timeout figures.
+    """
+    if args.run_dir is not None:
+        _check_run_dir(args.run_dir)
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise CliError(f"--port {args.port} is not a port; use 1..65535, or 0 for any free one")
+    if args.join_timeout <= 0:
+        raise CliError(f"--join-timeout {args.join_timeout:g} must be positive seconds")
+    if args.local_workers is not None and not 0 <= args.local_workers <= args.devices:
+        raise CliError(
+            f"--local-workers {args.local_workers} must be between 0 and --devices "
+            f"({args.devices}); the others join with nereus-rl worker"
+        )
+    local = args.devices if args.local_workers is None else args.local_workers
+    cores = os.cpu_count() or 1
+    limit = MAX_WORKERS_PER_CORE * cores
+    if local > limit and not args.allow_oversubscribe:
+        raise CliError(
+            f"{local} local workers on {cores} cores is more than {MAX_WORKERS_PER_CORE} per "
+            f"core ({limit}); each is a whole process, and past that they starve each other "
+            "into timeouts. Use --devices <= "
+            f"{limit}, start workers on other machines (--local-workers), or pass "
+            "--allow-oversubscribe"
+        )
 
 
 def _progress_bar(total: int):
@@ -45,7 +131,7 @@ def _progress_bar(total: int):
 
 def _train(args: argparse.Namespace) -> int:
     from nereus_rl.runtime import Driver
-    from nereus_rl.trainer.config import check_local_devices
+    from nereus_rl.trainer.config import check_config, check_local_devices
     from nereus_rl.trainer.report import summary_table
     from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, train
 
@@ -56,18 +142,36 @@ def _train(args: argparse.Namespace) -> int:
             options[name] = v
     steps = options.pop("steps", 60)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    local = args.devices if args.local_workers is None else args.local_workers
+    try:
+        # Every argument is checked here, before the banner and before any process starts.
+        check_args(args)
+        check_config(
+            TrainConfig(
+                algo=args.algo, model=args.model, task=args.task, devices=args.devices,
+                steps=steps, adapt=not args.no_adapt, seed=args.seed, mode=args.mode,
+                memory_budget=args.memory_budget, **options,
+            )
+        )  # fmt: skip
+        if local:
+            check_local_devices(TrainConfig(devices=local, device=args.device))
+    except (TrainConfigError, ValueError) as e:
+        print(f"nereus-rl train: {e}", file=sys.stderr)
+        return 2
     driver = None
     try:
         if args.port is not None or args.local_workers is not None:
             driver = Driver(args.host, args.port or 0, heartbeat_timeout=30.0, call_timeout=600.0)
-            local = args.devices if args.local_workers is None else args.local_workers
+            if not _is_loopback(args.host):
+                warning = EXPOSED_WARNING.format(host=args.host, port=driver.port)
+                print(f"nereus-rl train: warning: {warning}", file=sys.stderr)
             if local:
-                check_local_devices(TrainConfig(devices=local, device=args.device))
                 driver.spawn_local(local)
             if local < args.devices:
                 print(
                     f"waiting for {args.devices - local} workers: nereus-rl worker --store "
-                    f"{driver.address}"
+                    f"{driver.address} --secret-file {driver.secret_file} (copy the file, mode "
+                    "0600, to each worker's machine; whoever holds it can run code on the job)"
                 )
                 driver.wait_for_workers(args.devices, timeout=args.join_timeout)
         print(f"nereus-rl train: {args.algo} on {args.model}, task {args.task}, "
@@ -129,10 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=None, help="learning rate")
     t.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per worker)")
     t.add_argument("--quick", action="store_true", help="a short run (CI)")
-    t.add_argument("--host", default="127.0.0.1", help="address the job's store listens on")
+    t.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the only address the job's store listens on (default loopback). Another one "
+        "lets anyone who can reach the port disrupt the job, and whoever holds the secret "
+        "file run code on its workers: use a private network's address",
+    )
     t.add_argument("--port", type=int, default=None, help="store port (for remote workers)")
     t.add_argument("--local-workers", type=int, default=None, help="workers to spawn here")
     t.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for them")
+    t.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help=f"spawn more than {MAX_WORKERS_PER_CORE} local workers per core anyway",
+    )
     sub.add_parser("worker", help="a worker that joins a running job", add_help=False)
     return ap
 

@@ -3,7 +3,8 @@
 Tests, examples and benchmarks start the pool once and run many functions
 through it, instead of spawning processes per case (process start-up and
 ``import torch`` dominate on a small machine). Each worker is one rank of a
-gloo group rendezvousing over a TCPStore on 127.0.0.1 that the parent hosts, and
+gloo group rendezvousing over a TCPStore that the parent hosts, listening on
+127.0.0.1 only (jobs go to the workers over pipes, never through the store), and
 starts with :data:`nereus_comm.environment.WORKER_ENV` (huge pages for fresh state).
 
 Example::
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nereus_comm.environment import worker_environ
+from nereus_comm.world import listen_store
 
 __all__ = ["LocalWorkers", "WorkerContext", "WorkerError"]
 
@@ -107,9 +109,7 @@ class LocalWorkers:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "nereus_comm.transport"])
         # The parent hosts the store, so it outlives any worker that dies.
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout)
-        )
+        self.store = listen_store("127.0.0.1", 0, timeout=timeout)
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(num_workers)]
         # The forkserver starts with this environment (on the first start only: a

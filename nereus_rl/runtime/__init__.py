@@ -7,9 +7,11 @@ See :mod:`nereus_rl.runtime.driver` (the driver), :mod:`nereus_rl.runtime.worker
 from nereus_rl.runtime.context import WorkerContext, register
 from nereus_rl.runtime.driver import Driver, PendingCall
 from nereus_rl.runtime.protocol import (
+    JobSecretError,
     RemoteError,
     RuntimeUserError,
     StoreUnreachableError,
+    UnauthenticatedMessageError,
     WorkerInfo,
     WorkerLostError,
     WorkerTimeoutError,
@@ -17,10 +19,12 @@ from nereus_rl.runtime.protocol import (
 
 __all__ = [
     "Driver",
+    "JobSecretError",
     "PendingCall",
     "RemoteError",
     "RuntimeUserError",
     "StoreUnreachableError",
+    "UnauthenticatedMessageError",
     "WorkerContext",
     "WorkerInfo",
     "WorkerLostError",

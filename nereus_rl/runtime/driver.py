@@ -1,8 +1,12 @@
 """The driver: owns the job's store, starts or admits workers, and calls them.
 
-The driver hosts a torch.distributed.TCPStore. Workers join it, either spawned
-here (:meth:`Driver.spawn_local`) or started elsewhere with
-``python -m nereus_rl.runtime.worker --store HOST:PORT``. The driver then calls
+The driver hosts a torch.distributed.TCPStore, listening on the host it is given
+only (loopback by default). Workers join it, either spawned here
+(:meth:`Driver.spawn_local`) or started elsewhere with
+``python -m nereus_rl.runtime.worker --store HOST:PORT --secret-file PATH``, where
+PATH is a copy of :attr:`Driver.secret_file`: every message is authenticated with
+the job's secret (see nereus_rl.runtime.protocol), and one that is not is
+rejected, logged, and changes nothing. The driver then calls
 registered worker commands on any set of workers and gets their results, or a
 :class:`RemoteError` carrying the remote traceback, or within a bounded time a
 :class:`WorkerTimeoutError` / :class:`WorkerLostError` naming the workers that
@@ -55,18 +59,24 @@ class Driver:
     """Hosts the job's store and World, and sends commands to workers.
 
     Arguments:
-        host: address the store listens on and workers connect to.
+        host: address the store listens on (only there) and workers connect to. An
+            address other than loopback lets anyone who reaches the port disrupt the
+            job, and whoever holds the job's secret run code on its workers.
         port: store port (0 picks a free one; see :attr:`address`).
         heartbeat_timeout: seconds without a heartbeat after which a worker counts
             as lost (the World's; its heartbeat interval is min(0.5, timeout / 4)).
+        call_timeout: default seconds a call waits for its replies.
+        secret: the job's secret (default: a fresh random one, the usual choice).
 
     Raises:
         MembershipError: the store cannot listen at host:port.
-        call_timeout: default seconds a call waits for its replies.
+        JobSecretError: the secret file's folder is not private to this user.
 
     Attributes:
         records: free-form records (dicts) of timed operations, appended by
             layers above (e.g. one per EMU primitive).
+        secret_file: a file (mode 0600) holding the job's secret, for workers started
+            by hand (``--secret-file``); removed at shutdown.
     """
 
     def __init__(
@@ -76,7 +86,14 @@ class Driver:
         *,
         heartbeat_timeout: float = 5.0,
         call_timeout: float = 120.0,
+        secret: bytes | None = None,
     ) -> None:
+        if secret is not None and len(secret) < P.SECRET_BYTES:
+            raise P.JobSecretError(
+                f"a job secret needs at least {P.SECRET_BYTES} bytes, got {len(secret)}; "
+                "leave secret=None for a fresh random one"
+            )
+        self._secret = P.new_secret() if secret is None else bytes(secret)
         self.host = host
         self.world = World.create(
             host,
@@ -90,10 +107,18 @@ class Driver:
         self.store = dist.TCPStore(
             host, self.port, is_master=False, timeout=datetime.timedelta(seconds=30)
         )
+        P.publish_secret_check(self.store, self._secret)
+        try:
+            self.secret_file = P.write_secret_file(P.secret_file_for(host, self.port), self._secret)
+        except BaseException:
+            self.world.leave()
+            raise
         self.heartbeat_timeout = heartbeat_timeout
         self.call_timeout = call_timeout
         self.records: list[dict[str, Any]] = []
         self.infos: dict[int, P.WorkerInfo] = {}
+        # Rejected (forged) values per store key: one warning each, not one per poll.
+        self._rejected: dict[str, bytes] = {}
         self._procs: dict[int, Any] = {}  # Popen or _ForkedWorker
         self._seq: dict[int, int] = {}
         self._seen_alive: set[int] = set()
@@ -149,7 +174,9 @@ class Driver:
         procs: list[Any] = []
         for _ in range(num_workers):
             if method == "forkserver":
-                procs.append(_ForkedWorker(self.host, self.port, num_threads, group_timeout))
+                procs.append(
+                    _ForkedWorker(self.host, self.port, num_threads, group_timeout, self._secret)
+                )
                 continue
             cmd = [
                 sys.executable,
@@ -164,6 +191,9 @@ class Driver:
             ]
             env = worker_env()  # transparent huge pages for fresh state, unless set
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # idle store waits log timeouts
+            # The secret travels in the environment, never on the command line (which
+            # every user of the machine can read in /proc/PID/cmdline).
+            env[P.SECRET_ENV] = self._secret.hex()
             procs.append(subprocess.Popen(cmd, env=env))
         by_pid = {p.pid: p for p in procs}
         deadline = time.monotonic() + timeout
@@ -221,9 +251,24 @@ class Driver:
         for rank in range(P.rank_of_member(num_ids)):
             if rank in self.infos:
                 continue
-            if not self.store.check([P.info_key(rank)]):
+            key = P.info_key(rank)
+            if not self.store.check([key]):
                 continue  # it took a rank but has not written its info yet
-            info = P.decode(self.store.get(P.info_key(rank)))  # small, written with set
+            value = bytes(self.store.get(key))  # small, written with set
+            if self._rejected.get(key) == value:
+                continue
+            try:
+                info = P.unseal(self._secret, key, value)
+            except P.UnauthenticatedMessageError as e:
+                # Not a worker of this job (no secret): it stays out; a genuine info
+                # written over this one later is still taken.
+                self._rejected[key] = value
+                P.log.warning("%s", e)
+                continue
+            if not isinstance(info, P.WorkerInfo) or info.rank != rank:
+                P.log.warning("ignored %r under %r: not this rank's WorkerInfo", info, key)
+                self._rejected[key] = value
+                continue
             self.infos[rank] = info
             self._seq[rank] = 0
             self._joined_at[rank] = time.monotonic()
@@ -312,7 +357,12 @@ class Driver:
             for rank in ranks:
                 seq = self._seq[rank]
                 self._seq[rank] = seq + 1
-                P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, fn, cmd_args, kwargs))
+                P.put(
+                    self.store,
+                    P.cmd_key(rank, seq),
+                    P.Command(seq, fn, cmd_args, kwargs),
+                    self._secret,
+                )
                 seqs[rank] = seq
         return PendingCall(fn, seqs, time.monotonic())
 
@@ -334,21 +384,33 @@ class Driver:
         sleep = 0.0002
         next_liveness = time.monotonic() + 0.2
         keys = {rank: P.reply_key(rank, seq) for rank, seq in waiting.items()}
+
+        def take(rank: int) -> None:
+            # A forged reply is left where it is and this rank still owes one; the
+            # genuine reply replaces it when the worker writes it.
+            key = keys[rank]
+            try:
+                replies[rank] = P.take(self.store, key, self._secret, known_bad=rejected.get(key))
+            except P.UnauthenticatedMessageError as e:
+                rejected[key] = e.head
+                return
+            del waiting[rank]
+
+        rejected: dict[str, bytes] = {}
         while waiting:
             # One round trip asks for every reply still owed (a store check is true only
             # when all its keys exist); rank by rank only once they are all in, or when
             # the answer is no and liveness is due (who has answered matters then).
             if self.store.check([keys[r] for r in waiting]):
                 for rank in list(waiting):
-                    replies[rank] = P.take(self.store, keys[rank])
-                    del waiting[rank]
-                break
+                    take(rank)
+                if not waiting:
+                    break
             now = time.monotonic()
             if now > next_liveness or now > deadline:
                 for rank in list(waiting):
                     if self.store.check([keys[rank]]):
-                        replies[rank] = P.take(self.store, keys[rank])
-                        del waiting[rank]
+                        take(rank)
                 if not waiting:
                     break
             if now > next_liveness:
@@ -432,7 +494,7 @@ class Driver:
                 try:
                     seq = self._seq[rank]
                     self._seq[rank] = seq + 1
-                    P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, "exit"))
+                    P.put(self.store, P.cmd_key(rank, seq), P.Command(seq, "exit"), self._secret)
                 except RuntimeError:
                     pass
         self.store.set(P.SHUTDOWN_KEY, b"1")
@@ -444,6 +506,12 @@ class Driver:
                 proc.kill()
                 proc.wait()
         self.world.leave()
+        try:
+            # Only our own: a later job on the same port may have written its file there.
+            if P.parse_secret(self.secret_file.read_text(), "") == self._secret:
+                self.secret_file.unlink()
+        except (OSError, P.JobSecretError):
+            pass
 
     def __enter__(self) -> Driver:
         return self
@@ -455,13 +523,16 @@ class Driver:
 class _ForkedWorker:
     """A worker forked from the forkserver, with the slice of Popen's API the driver uses."""
 
-    def __init__(self, host: str, port: int, num_threads: int, group_timeout: float) -> None:
+    def __init__(
+        self, host: str, port: int, num_threads: int, group_timeout: float, secret: bytes
+    ) -> None:
         ctx = multiprocessing.get_context("forkserver")
         # Imported once in the server; each fork then starts in milliseconds.
         ctx.set_forkserver_preload(["torch", "nereus_rl.runtime.worker"])
         self._proc = ctx.Process(
             target=_forked_main,
-            args=(host, port, num_threads, group_timeout),
+            # Through the forkserver's pipe, never a command line.
+            args=(host, port, num_threads, group_timeout, secret),
             name="nereus-worker",
         )
         with worker_environ():  # the forkserver, if this starts it, gets THP too
@@ -485,7 +556,9 @@ class _ForkedWorker:
         self._proc.kill()
 
 
-def _forked_main(host: str, port: int, num_threads: int, group_timeout: float) -> None:
+def _forked_main(
+    host: str, port: int, num_threads: int, group_timeout: float, secret: bytes
+) -> None:
     from nereus_rl.runtime.worker import serve
 
-    serve(host, port, num_threads=num_threads, group_timeout=group_timeout)
+    serve(host, port, secret, num_threads=num_threads, group_timeout=group_timeout)

@@ -2,9 +2,14 @@
 
 Start one by hand on any machine that can reach the job's store::
 
-    python -m nereus_rl.runtime.worker --store HOST:PORT [--num-threads 1]
+    python -m nereus_rl.runtime.worker --store HOST:PORT --secret-file PATH [--num-threads 1]
 
-(torchrun-style MASTER_ADDR / MASTER_PORT are used when --store is absent).
+(torchrun-style MASTER_ADDR / MASTER_PORT are used when --store is absent). PATH is
+a copy of the file holding the job's secret that the driver wrote (``nereus-rl
+train`` prints its path; keep the copy mode 0600); ``$NEREUS_JOB_SECRET`` (hex)
+may carry the secret instead. Every message the worker reads is checked against
+it before it is unpickled (nereus_rl.runtime.protocol); one that fails is logged
+and ignored. A worker with no secret, or another job's, stops before joining.
 Export ``THP_MEM_ALLOC_ENABLE=1`` first, as :meth:`Driver.spawn_local` does for the
 workers it starts: torch then advises its large CPU allocations to transparent huge
 pages, and a new unit's state faults in far fewer pages (torch reads the setting at
@@ -94,6 +99,7 @@ def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
 def serve(
     host: str,
     port: int,
+    secret: bytes,
     *,
     num_threads: int = 1,
     connect_timeout: float = 30.0,
@@ -103,13 +109,19 @@ def serve(
 
     Arguments:
         host, port: the store's address.
+        secret: the job's secret (see :func:`nereus_rl.runtime.protocol.load_secret`).
         num_threads: torch intra-op threads for this worker (its share of the cores).
         connect_timeout: seconds to wait for the store before giving up.
         group_timeout: default seconds a gloo op may wait for a peer.
 
     Raises:
         StoreUnreachableError: the store did not answer within connect_timeout.
+        JobSecretError: ``secret`` is not the job's (checked before joining).
     """
+    # Checked before this process takes a member id: a worker with the wrong secret
+    # would otherwise be a member whose every message the driver rejects.
+    store = connect_store(host, port, connect_timeout)
+    P.check_job_secret(store, secret, f"{host}:{port}")
     try:
         # Registration and heartbeats are the World's; the worker never enters a
         # generation (its data groups are standalone, see WorkerContext.group).
@@ -121,9 +133,8 @@ def serve(
         ) from None
     torch.set_num_threads(num_threads)
     rank = P.rank_of_member(world.member_id)
-    store = connect_store(host, port, connect_timeout)
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
-    store.set(P.info_key(rank), P.encode(info))
+    store.set(P.info_key(rank), P.seal(secret, P.info_key(rank), info))
     ctx = WorkerContext(rank, store, group_timeout)
     seq = 0
     # Long waits: a new command wakes the wait at once, and a dead driver
@@ -143,23 +154,50 @@ def serve(
                 except RuntimeError:
                     return
                 continue
-            cmd = P.take(store, key)
+            try:
+                cmd = P.take(store, key, secret)
+            except P.UnauthenticatedMessageError as e:
+                # Logged by take; run nothing and wait for the driver's own command.
+                if not _wait_replaced(store, key, e.head):
+                    return
+                continue
+            if not isinstance(cmd, P.Command) or cmd.seq != seq:
+                # Tagged with the secret, so the driver's; never expected.
+                raise AssertionError(f"the driver sent {cmd!r} under {key!r}")
             if cmd.fn == "exit":
-                P.put(store, P.reply_key(rank, seq), P.Reply(seq, rank, True, value=rank))
+                P.put(store, P.reply_key(rank, seq), P.Reply(seq, rank, True, value=rank), secret)
                 return
             reply = _run(ctx, cmd)
             try:
-                P.put(store, P.reply_key(rank, seq), reply)
+                P.put(store, P.reply_key(rank, seq), reply, secret)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 why = f"the result of {cmd.fn!r} cannot be pickled: {e}"
                 P.put(
                     store,
                     P.reply_key(rank, seq),
                     P.Reply(seq, rank, False, None, type(e).__name__, why),
+                    secret,
                 )
             seq += 1
     finally:
         world.leave()
+
+
+def _wait_replaced(store: dist.TCPStore, key: str, head: bytes) -> bool:
+    """Wait until ``key`` no longer holds the rejected ``head`` (or is gone).
+
+    Returns:
+        False if the job ended meanwhile (shutdown, or the store is gone).
+    """
+    while True:
+        time.sleep(0.05)
+        try:
+            if store.check([P.SHUTDOWN_KEY]):
+                return False
+            if not store.check([key]) or bytes(store.get(key)) != head:
+                return True
+        except RuntimeError:
+            return False
 
 
 def _parse_address(text: str) -> tuple[str, int]:
@@ -173,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m nereus_rl.runtime.worker`` (and ``nereus-rl worker``)."""
     ap = argparse.ArgumentParser(prog="nereus-rl worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", help="HOST:PORT of the store (default MASTER_ADDR:MASTER_PORT)")
+    ap.add_argument(
+        "--secret-file",
+        help=f"file holding the job's secret, mode 0600 (the driver prints its path; "
+        f"default ${P.SECRET_ENV})",
+    )
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads of this worker")
     ap.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach store")
     ap.add_argument("--group-timeout", type=float, default=60.0, help="seconds a gloo op may wait")
@@ -184,14 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("give --store HOST:PORT (or set MASTER_ADDR and MASTER_PORT)")
     try:
+        secret = P.load_secret(args.secret_file)
+        # Not passed on to processes this one starts.
+        os.environ.pop(P.SECRET_ENV, None)
         serve(
             host,
             port,
+            secret,
             num_threads=args.num_threads,
             connect_timeout=args.connect_timeout,
             group_timeout=args.group_timeout,
         )
-    except P.StoreUnreachableError as e:
+    except (P.StoreUnreachableError, P.JobSecretError) as e:
         print(f"nereus-rl worker: {e}", file=sys.stderr)
         return 2
     return 0

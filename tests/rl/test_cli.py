@@ -1,4 +1,5 @@
-"""`nereus-rl train --quick`, the README's main-job command in its CI form, end to end."""
+"""`nereus-rl train --quick`, the README's main-job command in its CI form, end to end; and
+the checks of the command's arguments, which run before anything starts."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from nereus_rl.cli import build_parser, main
-
-# Multi-process: out of the fast lane (-m "not slow").
-pytestmark = pytest.mark.slow
+from nereus_rl import cli
+from nereus_rl.cli import MAX_WORKERS_PER_CORE, _is_loopback, build_parser, check_args, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # multi-process: out of the fast lane (-m "not slow")
 def test_train_quick_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = tmp_path / "run"
@@ -42,8 +42,69 @@ def test_train_quick_end_to_end(tmp_path):
 
 def test_bad_algorithm_is_a_clear_message(capsys):
     assert main(["train", "--algo", "dpo", "--steps", "1"]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "unknown algorithm 'dpo'" in err and "grpo" in err
+    assert out == ""  # checked before the banner
+
+
+def test_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    for run_dir, why in ((path, "is a file, not a folder"), (path / "sub", "is a file")):
+        assert main(["train", "--run-dir", str(run_dir), "--steps", "1"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1
+        assert why in err and str(path) in err and "Traceback" not in err
+
+
+def test_run_dir_that_is_not_writable_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.geteuid() == 0:  # root writes any folder: let access() answer as for a user
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, m: p != locked and access(p, m))
+    try:
+        assert main(["train", "--run-dir", str(locked), "--steps", "1"]) == 2
+        assert main(["train", "--run-dir", str(locked / "run"), "--steps", "1"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("not writable") == 2
+    finally:
+        locked.chmod(0o700)
+
+
+def test_more_local_workers_than_the_machine_holds_is_refused(capsys):
+    limit = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
+    assert main(["train", "--devices", str(limit + 1), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--allow-oversubscribe" in err and f"({limit})" in err
+    # Explicitly allowed; and workers on other machines do not count against this one.
+    for extra in (["--allow-oversubscribe"], ["--local-workers", "1"]):
+        check_args(build_parser().parse_args(["train", "--devices", str(limit + 1), *extra]))
+    check_args(build_parser().parse_args(["train", "--devices", str(limit)]))
+
+
+def test_bad_worker_and_port_figures_are_clear_errors(capsys):
+    for argv, why in (
+        (["--local-workers", "5"], "--local-workers 5 must be between 0 and --devices (4)"),
+        (["--port", "70000"], "--port 70000 is not a port"),
+        (["--join-timeout", "0"], "--join-timeout 0 must be positive"),
+    ):
+        assert main(["train", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and why in err
+
+
+def test_help_says_what_an_exposed_address_means(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "disrupt the job" in out and "run code on its workers" in out
+    assert "0.0.0.0" not in out and "0.0.0.0" not in cli.__doc__
+
+
+def test_loopback_addresses():
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.1.2.3")
 
 
 def test_help_lists_the_commands(capsys):

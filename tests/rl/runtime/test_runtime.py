@@ -21,6 +21,7 @@ from nereus_rl.runtime import (
     WorkerLostError,
     WorkerTimeoutError,
 )
+from nereus_rl.runtime.protocol import SECRET_ENV
 from nereus_rl.runtime.worker import connect_store
 from nereus_rl.runtime.worker import main as worker_main
 
@@ -114,7 +115,8 @@ def test_memory_report(driver):
     assert mem["rss_bytes"] > 10 * 2**20 and mem["held_tensor_bytes"] == 0
 
 
-def test_unreachable_store_is_named_after_bounded_wait(capsys):
+def test_unreachable_store_is_named_after_bounded_wait(capsys, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "00" * 32)
     port = _free_port()
     t0 = time.monotonic()
     with pytest.raises(StoreUnreachableError, match=f"127.0.0.1:{port}"):
@@ -129,7 +131,8 @@ def test_unreachable_store_is_named_after_bounded_wait(capsys):
 
 def test_worker_started_by_hand_joins_and_its_loss_is_noticed(driver):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nereus_rl.runtime.worker", "--store", driver.address],
+        [sys.executable, "-m", "nereus_rl.runtime.worker", "--store", driver.address,
+         "--secret-file", str(driver.secret_file)],
         cwd=ROOT, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
     )  # fmt: skip
     try:
