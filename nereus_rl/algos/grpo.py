@@ -22,11 +22,12 @@ def group_advantages(
     Arguments:
         scores: one score per response; responses ``g*G .. g*G+G-1`` share a prompt.
         group_size: responses per prompt (G >= 2 for a standard deviation).
-        eps: added to the standard deviation (a group of equal scores gets 0).
+        eps: added to the standard deviation.
         scale_by_std: divide by the group's std (False: Dr. GRPO's mean-only form).
 
     Returns:
-        Advantages [B].
+        Advantages [B], in the scores' dtype; exactly 0 for every member of a group whose
+        scores are all equal.
 
     Raises:
         ValueError: B is not a multiple of ``group_size`` or ``group_size < 2``.
@@ -40,7 +41,11 @@ def group_advantages(
     adv = grouped - grouped.mean(-1, keepdim=True)
     if scale_by_std:
         adv = adv / (grouped.std(-1, keepdim=True) + eps)
-    return adv.reshape(-1)
+    # A group of equal scores carries no signal, but its mean is rounded (eight float32
+    # 0.3s average to 0.3 + 3e-8) and dividing that residue by a std of about 1e-8 plus
+    # eps makes it a visible advantage: such groups get exactly 0.
+    equal = (grouped == grouped[:, :1]).all(-1, keepdim=True)
+    return adv.masked_fill(equal, 0).reshape(-1)
 
 
 def grpo_loss(

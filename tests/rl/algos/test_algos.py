@@ -133,6 +133,24 @@ def test_group_advantages_by_hand():
         group_advantages(scores, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("value", [0.3, 0.1, 1 / 3, 2.9])
+def test_group_advantages_of_an_equal_group_are_exactly_zero(dtype, value):
+    """A group of equal scores gets exactly 0 in any dtype (float32: eight members at 0.3
+    have a mean that is off by rounding, and dividing by a std near 0 plus eps magnifies
+    it); a group beside it keeps its advantages."""
+    for g in (2, 3, 5, 8, 16):
+        scores = torch.cat([torch.full((g,), value), torch.arange(g) / g]).to(dtype)
+        for by_std in (True, False):
+            adv = group_advantages(scores, g, scale_by_std=by_std)
+            assert adv.dtype == dtype
+            assert torch.equal(adv[:g], torch.zeros(g, dtype=dtype)), (g, adv[:g])
+            ref = scores[g:] - scores[g:].mean()
+            if by_std:
+                ref = ref / (scores[g:].std() + 1e-6)
+            assert torch.equal(adv[g:], ref)
+
+
 def test_grpo_loss_by_hand():
     logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.9]]))
     ref = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.1]]))
