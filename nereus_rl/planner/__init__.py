@@ -3,7 +3,8 @@
 :mod:`.planner` (``Planner``, ``plan``) runs the search, compiled (:mod:`.native`) or in
 Python (:mod:`.reference`), over the stage tables (:mod:`.tables`), partition bounds
 (:mod:`.bounds`), group tables (:mod:`.groups`) and depth-first search (:mod:`.search`),
-and places the result on devices (:mod:`.place`). Imports ``nereus_rl.core``,
+or, on nodes that are not a power of two wide, priced as placed (:mod:`.placed`), and
+places the result on devices (:mod:`.place`). Imports ``nereus_rl.core``,
 ``nereus_rl.costmodel`` and the compiled ``nereus_rl._native`` only (core <- costmodel <-
 planner <- policy); importing it starts nothing.
 """

@@ -7,18 +7,29 @@ Plan space (``N`` available devices):
       the group's first device (a stage uses the first ``d_s`` devices of its group), so
       the group spans ``n_G = max_{s in G} d_s`` devices and its stages' memory adds up
       on its first device; groups are on disjoint devices and ``sum_G n_G <= N``;
-    * groups are placed in decreasing size at consecutive offsets, so every group (and
-      every stage, unit, tp group) is aligned to its power-of-two size and never
-      straddles a node boundary it need not cross. (When the available devices have
-      holes, e.g. after a loss, groups are laid over the sorted survivors; alignment
-      then is not guaranteed, and the returned latencies are re-priced as placed:
-      ``timings["aligned"]`` says which case applied. Exactness is claimed for the
-      aligned case.)
+    * groups are placed in decreasing size (then by first stage) at consecutive offsets
+      (``planner_place``), so every group (and every stage, unit, tp group) is aligned
+      to its power-of-two size; with ``devices_per_node`` a power of two (or one node)
+      none then straddles a node boundary it need not cross, and the stage tables
+      price each layout at the link tiers its size implies.
+    * With nodes that are not a power of two wide (3 or 6 devices) and more than one
+      node, a group may straddle a node boundary where it lands, so tiers depend on
+      placement: the search then prices every choice as placed (``planner_placed``, in
+      both ``native`` modes), and is exact over the same plan space as placed.
+    * When the available devices have holes (e.g. after a loss), groups are laid over
+      the sorted survivors; with nodes a power of two wide, alignment then is not
+      guaranteed, and the returned latencies are re-priced as placed (exactness is
+      claimed for the aligned case). ``timings["aligned"]`` is true only when every
+      stage of the returned plan gets the link tiers its size implies.
 
 Objective (``CostModel.step_latency``): ``sum_p max_G T_{G,p}`` with
 ``T_{G,p} = sum_{s in G, phase p} t_s``; the rollout's time includes the weight sync,
-intra-node iff rollout and actor_train share a group of at most one node (or the
-cluster is one node).
+intra-node iff rollout and actor_train share a group within one node (or the cluster is
+one node). An asynchronous workload (``Workload.rollout_ahead``) is ranked by the same
+synchronous formula: its ``latency_s`` is not the overlapped step that ``step_latency``
+prices (the trainer re-ranks the k best with its own measured model). Ranking it by the
+overlapped step exactly needs a search whose cost on local CPU workers (0.1 s and more
+per call for six-stage PPO) does not fit an adaptation boundary.
 
 Algorithm (exact branch and bound; each step in its own module):
     1. Stage tables (``planner_tables``, here): for every stage and power of two ``n``,
@@ -56,7 +67,8 @@ exact optimum; the others are the next best among plans whose stage layouts are 
 points and whose non-last groups take Pareto vectors (a plan that only swaps in a
 dominated layout or vector is left out).
 
-Compiled search (``planner_native``, csrc/rl/planner/): steps 1 to 3 run in C++ over
+Compiled search (``planner_native``, csrc/rl/planner/; for nodes a power of two wide or
+a single node, the searches above otherwise): steps 1 to 3 run in C++ over
 flat arrays when ``nereus_rl._native`` is built (``Planner(native=None)``, the default);
 ``native=False`` runs them in Python, the reference. The port follows the Python step by
 step (summation orders, stable sorts, heapq's sift order), so both return the same plans,
@@ -100,8 +112,9 @@ import numpy as np
 from nereus_rl.core.globalplan import GlobalPlan
 from nereus_rl.core.spec import ClusterSpec
 from nereus_rl.core.workload import StageWork, Workload
-from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.costmodel.costmodel import CostModel, stage_tiers
 from nereus_rl.planner import native as planner_native
+from nereus_rl.planner import placed as planner_placed
 from nereus_rl.planner import reference as planner_reference
 from nereus_rl.planner.place import SHARED_PLACED, infeasible, place
 from nereus_rl.planner.tables import _StageTable
@@ -159,6 +172,7 @@ class Planner:
         self._groups: dict = {}  # (ids, group, n, width rule, cap, version) -> vectors
         self._ginfo: dict = {}  # (version, cap, ids) -> per-call-shape search data
         self._sync: dict = {}
+        self._placed_times: dict = {}  # (table, version) -> layouts priced per tier (placed)
         self._placed = SHARED_PLACED  # StagePlans by layout and device run (interned)
         self._stacks: dict = {}  # stage ids -> stacked work matrices (see _stack)
         self._layouts: dict = {}  # stage ids -> their tables' compiled layouts
@@ -228,7 +242,7 @@ class Planner:
             self._stack(sid, tables, r_i)
             if self.native:
                 # The compiled layouts and the context (Pareto lists) at the current
-                # efficiencies: a decision before the next refinement finds them built.
+                # efficiencies: a decision before the next refinement finds them built
                 planner_native.stage_layouts(tables)
                 self._context(sid, tables, phases, r_i, a_i, cap, ver)
         return len(self._tables) - before
@@ -335,24 +349,55 @@ class Planner:
         if got is None or got[0] is not workload:
             got = self._workload_shape(workload)
         _, stages, sid, (phases, r_i, a_i, tables) = got
-        args = (stages, tables, sid, phases, r_i, a_i, cap, N, k, ver)
-        if self.native:
-            ranked, timings = self._search_native(*args)
-        else:
-            ranked, timings = planner_reference.search(self, *args)
-        timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
+        dpn = self.cluster.devices_per_node
+        # Nodes not a power of two wide: groups land across node boundaries as their
+        # sizes fall, so the search prices each choice where it is placed (planner_placed).
+        by_place = self.cluster.num_nodes > 1 and dpn & (dpn - 1) != 0
+        args = (stages, tables, sid, r_i, a_i, cap, devs, ver, workload.dtype, by_place)
+        cm = self.costmodel
+        ranked, timings = self._ranked(phases, args, k)
         plans = [(obj, self._place(stages, tables, sid, picks, devs)) for obj, picks in ranked]
-        # Placement is node-aligned when the devices are a run starting on a node
-        # boundary; otherwise (holes after a loss) price the placed plans as placed.
-        aligned = devs[-1] - devs[0] == N - 1 and devs[0] % self.cluster.devices_per_node == 0
-        if not aligned:
+        timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
+        if by_place:
+            aligned = self._node_aligned(plans[0][1])
+        else:
+            # Placement is node-aligned when the devices are a run starting on a node
+            # boundary (nodes a power of two wide).
+            aligned = devs[-1] - devs[0] == N - 1 and devs[0] % dpn == 0
+        if by_place or not aligned:
+            # As step_latency prices them (the placed search's sums are the same up to
+            # rounding; with holes in the devices, placed plans are priced as placed).
             plans = sorted(
-                ((self.costmodel.step_latency(p, workload).total_s, p) for _, p in plans),
-                key=lambda lp: lp[0],
+                ((cm.step_total(p, workload), p) for _, p in plans), key=lambda lp: lp[0]
             )
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         timings["aligned"] = aligned
-        return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, self.costmodel, workload)
+        return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, cm, workload)
+
+    def _ranked(self, phases, args: tuple, k: int) -> tuple[list, dict]:
+        """``([(objective, picks)] best first, timings)`` of the k best plans with each
+        stage's time counted in ``phases`` (``args``: what ``plan`` gathered)."""
+        stages, tables, sid, r_i, a_i, cap, devs, ver, dtype, by_place = args
+        if by_place:
+            return planner_placed.search(
+                self, stages, tables, phases, r_i, a_i, cap, devs, k, ver, dtype
+            )
+        sargs = (stages, tables, sid, phases, r_i, a_i, cap, len(devs), k, ver)
+        if self.native:
+            return self._search_native(*sargs)
+        return planner_reference.search(self, *sargs)
+
+    def _node_aligned(self, plan: GlobalPlan) -> bool:
+        """Whether every stage of ``plan`` gets the link tiers its layout implies (a tp
+        group, pp chain or stage of at most a node's devices inside one node). The weight
+        sync's tier follows: a group's devices are its widest stage's."""
+        c = self.cluster
+        dpn = c.devices_per_node
+        for sp in plan.stages:
+            ideal = (sp.tp > dpn, sp.tp * sp.pp > dpn, sp.dp * sp.tp * sp.pp > dpn)
+            if tuple(t == "inter" for t in stage_tiers(c, sp)) != ideal:
+                return False
+        return True
 
     def _workload_shape(self, workload: Workload) -> tuple:
         """``(workload, planned stages, stage ids, _shape's tuple)``, kept per workload
@@ -386,7 +431,7 @@ class Planner:
     def _context(self, sid: tuple[int, ...], tables, phases, r_i, a_i, cap, ver):
         """The compiled search context of the stage shapes ``sid`` (their Pareto lists and
         the caches of later searches), kept per (version, capacity, stage shapes)."""
-        ckey = (ver, cap, sid)
+        ckey = (ver, cap, sid, tuple(phases))
         ctx = self._nctx.get(ckey)
         if ctx is None:
             if len(self._nctx) >= 8:  # the oldest first: a superseded version's, if any

@@ -36,8 +36,8 @@ class SearchHost(Protocol):
     cluster: ClusterSpec
     costmodel: CostModel
     _pareto: dict  # (ids, block, version, cap) -> ({n: Pareto list}, fastest per size)
-    _groups: dict  # (ids, group, n, width rule, cap, version) -> group vectors
-    _ginfo: dict  # (version, cap, ids) -> per-call-shape search data
+    _groups: dict  # (ids, group, n, width rule, phases, cap, version) -> group vectors
+    _ginfo: dict  # (version, cap, ids, phases) -> per-call-shape search data
 
     def _stack(
         self, sid: tuple[int, ...], tables: list[_StageTable], r_i: int
@@ -111,7 +111,7 @@ def search(pl: SearchHost, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver
 
     # Everything below depends on the stage shapes, efficiencies and capacity only:
     # kept across calls (a device loss reuses the group tables).
-    ckey = (ver, cap, tuple(sid))
+    ckey = (ver, cap, tuple(sid), tuple(phases))
     info = pl._ginfo.get(ckey)
     if info is None:
         if len(pl._ginfo) > 8:
@@ -137,7 +137,7 @@ def search(pl: SearchHost, stages, tables, sid, phases, r_i, a_i, cap, N, k, ver
         if got is None:
             lists, thr, both = lists_of(g, n)
             # Keyed by the whole stack: its product prices the lists (see Planner._stack).
-            gkey = (sid_t, g, n, thr, cap, ver)
+            gkey = (sid_t, g, n, thr, tuple(phases[i] for i in g), cap, ver)
             vecs = pl._groups.get(gkey)
             if vecs is None:
                 vecs = pl._groups[gkey] = group_vectors(lists, [phases[i] for i in g], thr, cap)

@@ -52,13 +52,16 @@ class PlanResult:
 
     Attributes:
         plan: the best plan.
-        latency_s: its predicted step latency.
+        latency_s: its predicted step latency (``CostModel.step_latency``'s total).
         estimate: the cost model's full estimate of it (computed on first use).
-        k_best: up to k (latency_s, plan) pairs, best first.
+        k_best: up to k (step latency, plan) pairs, best first.
         timings: ``tables_ms`` (Pareto lists), ``bounds_ms`` (cheap and partition
             bounds), ``search_ms``, ``total_ms``, ``nodes`` (search nodes, the last
             group's depth-first nodes included), ``partitions`` (partitions searched),
-            ``aligned`` (whether the placement is node-aligned; see ``planner``).
+            ``aligned`` (whether the placement is node-aligned; see ``planner``); for an
+            asynchronous workload also ``exact`` (whether the k best are the plan
+            space's), ``rounds`` (searches by the lower bound) and, on shared cores,
+            ``exhaust_nodes`` (the exhaustive search's nodes).
     """
 
     plan: GlobalPlan

@@ -1,5 +1,6 @@
 """The planner against brute force over its whole plan space, and against SCIP."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.core.spec import cluster_preset
 from nereus_rl.core.workload import make_workload
-from nereus_rl.costmodel.costmodel import CostModel
+from nereus_rl.costmodel.costmodel import CostModel, stage_tiers
 from nereus_rl.planner.place import place
 from nereus_rl.planner.planner import (
     PlanInfeasibleError,
@@ -336,3 +337,83 @@ def test_planner_for_is_the_planner_plan_uses():
     assert len(p._tables) == built  # served from the prepared tables, none built
     assert res.plan == Planner(c, CostModel(c)).plan(w).plan
     assert planner_for(c, CostModel(c)) is not p
+
+
+def brute_force_placed(workload, cluster, cm, devices=None):
+    """Every plan of the plan space (a partition, a layout per stage; group sizes, the
+    widest layout of each group, summing to at most the devices; each group's memory
+    within a device), placed by ``place`` and priced by ``CostModel.step_total``: the
+    sorted latencies of them all."""
+    devs = list(range(cluster.num_devices)) if devices is None else sorted(devices)
+    N, cap = len(devs), cm.capacity_bytes
+    pl = Planner(cluster, cm)
+    stages = list(workload.planned_stages)
+    actor = workload.stage("actor_train").model_spec
+    tables = [pl._table(s, actor, workload.dtype) for s in stages]
+    cands = [[i for i in range(len(t.layouts)) if t.d[i] <= N and t.mem[i] <= cap] for t in tables]
+    out = []
+    for part in set_partitions(list(range(len(stages)))):
+        for ch in itertools.product(*cands):
+            widths = [max(int(tables[i].d[ch[i]]) for i in g) for g in part]
+            if sum(widths) > N:
+                continue
+            if any(sum(int(tables[i].mem[ch[i]]) for i in g) > cap for g in part):
+                continue
+            picks = [(g, tuple(ch[i] for i in g)) for g in part]
+            out.append(cm.step_total(place(stages, tables, picks, devs), workload))
+    return sorted(out)
+
+
+def _odd_nodes(base: str, n: int, dpn: int):
+    """A legal ClusterSpec of ``n`` devices in nodes of ``dpn`` (not a preset's 8)."""
+    return dataclasses.replace(
+        cluster_preset(base), num_devices=n, devices_per_node=dpn, name=f"{base}:{n}/{dpn}"
+    )
+
+
+def _node_aligned(cluster, plan):
+    """Whether every stage gets the tiers its layout implies (tp group, pp chain, stage of
+    a node's devices or fewer inside one node)."""
+    dpn = cluster.devices_per_node
+    for sp in plan.stages:
+        ideal = (sp.tp > dpn, sp.tp * sp.pp > dpn, sp.dp * sp.tp * sp.pp > dpn)
+        if tuple(t == "inter" for t in stage_tiers(cluster, sp)) != ideal:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "base,n,dpn,algo,kw,devices",
+    [
+        ("h100x8", 6, 3, "grpo", dict(group_size=4, response_len=2048), None),
+        ("h100x8", 12, 3, "grpo", dict(group_size=4, response_len=1024), None),
+        ("h100x8", 12, 6, "remax", dict(response_len=2048), None),
+        # memory-bound: rollout and actor_train share a group wider than a node of 6, so
+        # the sync's tier rule applies at sizes on both sides of the node's width
+        ("a100x8", 12, 6, "grpo", dict(group_size=4, response_len=8192), None),
+        ("h100x8", 12, 3, "grpo", dict(group_size=4, response_len=4096), [0, 1, 2, 4, 5, 6, 8]),
+    ],
+)
+def test_nodes_not_a_power_of_two_equal_brute_force_as_placed(base, n, dpn, algo, kw, devices):
+    """With nodes of 3 or 6 devices, groups may straddle nodes where ``place`` lays them:
+    the planner's optimum is the brute-force optimum priced as placed, every k-best entry
+    is priced as ``step_latency`` prices it, the compiled and Python searches agree, and
+    ``timings["aligned"]`` is true only when the placement is node-aligned."""
+    c = _odd_nodes(base, n, dpn)
+    cm = CostModel(c)
+    w = make_workload(algo, batch=64, **kw)
+    want = brute_force_placed(w, c, cm, devices)
+    results = [Planner(c, cm, native=nat).plan(w, devices=devices, k=4) for nat in (None, False)]
+    for res in results:
+        assert res.latency_s == pytest.approx(want[0], rel=1e-12)
+        lats = [lat for lat, _ in res.k_best]
+        assert lats == sorted(lats) and lats[0] == res.latency_s
+        for lat, p in res.k_best:
+            assert lat == cm.step_latency(p, w).total_s
+            assert not cm.memory_violations(p, w)
+            check_plan_space(p)
+            if devices is not None:
+                assert p.devices <= set(devices)
+        assert res.timings["aligned"] == _node_aligned(c, res.plan)
+    a, b = results
+    assert a.plan == b.plan and [x for x in a.k_best] == [x for x in b.k_best]
