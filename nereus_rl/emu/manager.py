@@ -446,7 +446,7 @@ class EMUManager(Primitives, PooledGroups):
                 )
         return EMU(next(_UNIT_IDS), st.name, tp, pp, ranks, st.num_layers)
 
-    def _covers(self, holder: str, stage: str) -> bool:
+    def covers(self, holder: str, stage: str) -> bool:
         """True when units of stage ``holder`` hold all of stage ``stage``'s state."""
         h, s = self.stages[holder], self.stages[stage]
         return h.model == s.model and {t.name for t in s.specs} <= {t.name for t in h.specs}

@@ -68,7 +68,7 @@ class Primitives:
         with self._busy([*ranks, *source.ranks]):
             with self._lock:
                 self._check_live(source)
-                if source.stage != stage and not self._covers(source.stage, stage):
+                if source.stage != stage and not self.covers(source.stage, stage):
                     raise EMUError(
                         f"source {source!r} does not hold stage {stage!r}'s state: it needs a "
                         f"unit of {stage!r}, or of another stage of model {st.model!r} with all "
@@ -88,7 +88,7 @@ class Primitives:
             holders = [
                 u for u in self.units()
                 if u.uid != unit.uid
-                and (u.stage == unit.stage or self._covers(u.stage, unit.stage))
+                and (u.stage == unit.stage or self.covers(u.stage, unit.stage))
             ]  # fmt: skip
             if not holders:
                 raise EMUError(

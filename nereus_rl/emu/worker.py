@@ -82,7 +82,7 @@ class BoundState(Mapping):
 
 def tensors_of(ctx: WorkerContext, uid: int) -> dict[str, torch.Tensor]:
     """This rank's shards of unit ``uid`` now (a bound unit's owner is read once)."""
-    t = _units(ctx)[uid]["tensors"]
+    t = units_of(ctx)[uid]["tensors"]
     return t.read() if isinstance(t, BoundState) else t
 
 
@@ -92,7 +92,7 @@ def bind(ctx: WorkerContext, uid: int, read: StateReader) -> None:
     The unit's arena block (the tensors it received) goes back to the arena: the owner
     copied what it needed.
     """
-    unit = _units(ctx)[uid]
+    unit = units_of(ctx)[uid]
     unit["tensors"] = BoundState(read)
     release(unit.pop("block", None))
 
@@ -170,7 +170,7 @@ def _huge_phases(
     huge page.
     """
     olds = [
-        u for u in _units(ctx).values()
+        u for u in units_of(ctx).values()
         if u["stage"] == stage and u.get("block") is not None and isinstance(u["tensors"], dict)
     ]  # fmt: skip
     if len(olds) != 1:
@@ -277,7 +277,8 @@ def _stages(ctx: WorkerContext) -> dict[str, tuple[tuple[TensorSpec, ...], int]]
     return ctx.state.setdefault("emu.stages", {})
 
 
-def _units(ctx: WorkerContext) -> dict[int, dict[str, Any]]:
+def units_of(ctx: WorkerContext) -> dict[int, dict[str, Any]]:
+    """The EMU shards this worker holds: unit id -> its stage, layout and tensors."""
     return ctx.state.setdefault("emu.units", {})
 
 
@@ -310,7 +311,7 @@ def build(
         if box is not None:
             tensors[spec.name].copy_(synthetic(spec, box, seed))
     setup = _unit_group(ctx, layout, group_id)
-    _units(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": tensors, "block": block}
+    units_of(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": tensors, "block": block}
     return {
         "comm_setup_s": setup,
         "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
@@ -327,7 +328,7 @@ def adopt(ctx: WorkerContext, uid: int, stage: str, layout: Layout, owner: str) 
             "import the module that registers it first"
         )
     state = BoundState(fn(ctx, stage))
-    _units(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": state}
+    units_of(ctx)[uid] = {"stage": stage, "layout": layout, "tensors": state}
     return sum(t.numel() * t.element_size() for t in state.read().values())
 
 
@@ -365,7 +366,7 @@ def _reshard(
     """
     cpu0, wall0 = time.process_time(), time.perf_counter()
     specs, _ = _stages(ctx)[stage]
-    units = _units(ctx)
+    units = units_of(ctx)
     tensors: dict[str, torch.Tensor] = {}
     own = False  # the source shards are the unit's own arena block (not an owner's tensors)
     if ctx.rank in src_layout:
@@ -466,7 +467,7 @@ def _settle_moves(ctx: WorkerContext, uids: tuple[int, ...]) -> None:
     moves = _moves(ctx)
     for dst in [u for u in uids if u in moves]:
         src, swaps = moves.pop(dst)
-        if src in _units(ctx) and len(swaps):
+        if src in units_of(ctx) and len(swaps):
             back = swaps[::-1]
             done, err = swap_pages(back)
             if err:
@@ -489,7 +490,7 @@ def drop(ctx: WorkerContext, uids: tuple[int, ...], group_ids: tuple[int, ...] =
     freed = 0
     for uid in uids:
         release(_take_pending(ctx, uid)[0])  # a primitive that failed before its transfer
-        unit = _units(ctx).pop(uid, None)
+        unit = units_of(ctx).pop(uid, None)
         if unit is not None and not isinstance(unit["tensors"], BoundState):
             freed += sum(t.numel() * t.element_size() for t in unit["tensors"].values())
             # Back to the arena: nothing else holds these tensors (emu.shards copies).
@@ -507,4 +508,4 @@ def shards(ctx: WorkerContext, uid: int) -> dict[str, torch.Tensor]:
 @register("emu.units")
 def units(ctx: WorkerContext) -> dict[int, tuple[str, Layout]]:
     """The units this rank holds a shard of: uid -> (stage, layout)."""
-    return {uid: (u["stage"], u["layout"]) for uid, u in _units(ctx).items()}
+    return {uid: (u["stage"], u["layout"]) for uid, u in units_of(ctx).items()}

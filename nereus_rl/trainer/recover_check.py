@@ -62,9 +62,9 @@ def recovery_view(ctx: WorkerContext, uids_by_rank: dict[int, list[int]]) -> dic
         units whose piece here is wrong or missing; the sound ones read through the
         stage model; the layout of each stage model held here.
     """
-    from nereus_rl.emu.worker import BoundState, _units
+    from nereus_rl.emu.worker import BoundState, units_of
 
-    held = _units(ctx)
+    held = units_of(ctx)
     stages = ctx.state.get("rl", {}).get("stages", {})
     unsound, bound = [], []
     for uid in uids_by_rank.get(ctx.rank, []):

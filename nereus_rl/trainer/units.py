@@ -385,7 +385,7 @@ class TrainerUnits:
             src = p.source
             if src is None or len(p.outputs) != 1:
                 return "extend without one source and one output"
-            if src.stage != p.stage and not self.emus._covers(src.stage, p.stage):
+            if src.stage != p.stage and not self.emus.covers(src.stage, p.stage):
                 return f"source {src.uid} does not hold stage {p.stage}'s state"
         elif p.kind == "split":
             if len(p.inputs) != 1 or len(outs) != 2 or sorted(outs[0] + outs[1]) != sorted(ins):
