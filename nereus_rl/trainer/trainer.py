@@ -51,6 +51,7 @@ from nereus_rl.core.globalplan import GlobalPlan
 from nereus_rl.data.tasks import LengthCurriculum, LengthTrace, get_task, warm_start
 from nereus_rl.models.model import Decoder
 from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
+from nereus_rl.trainer.adapt.adapter import Adapter
 from nereus_rl.trainer.calibrate import calibrate
 from nereus_rl.trainer.config import (
     ALGOS,
@@ -68,6 +69,7 @@ from nereus_rl.trainer.config import (
 )
 from nereus_rl.trainer.group import WorkerGroup, sync_weights
 from nereus_rl.trainer.recover import recover as recover_run
+from nereus_rl.trainer.report import RunLog
 from nereus_rl.trainer.step import StepWork, head_start
 from nereus_rl.trainer.units import TrainerUnits
 from nereus_rl.transition import KINDS, TransitionExecutionError
@@ -136,8 +138,6 @@ class Trainer(StepWork):
         self.rng = random.Random(cfg.seed)
         # no workers yet: the adapter plans over every configured device until they join
         self.group = WorkerGroup(driver, device=cfg.device)
-        from nereus_rl.trainer.adapt.adapter import Adapter
-
         # Planned before any process starts, so that too few devices or too little
         # memory is reported at once.
         self.adapter = Adapter(
@@ -556,8 +556,6 @@ def train(
         TrainConfigError (and the model/task/trace errors, all ValueError): bad options,
         raised before any process starts.
     """
-    from nereus_rl.trainer.report import RunLog
-
     try:
         cfg = TrainConfig(
             algo=algo,
