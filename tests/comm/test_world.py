@@ -14,6 +14,7 @@ import traceback
 
 import pytest
 import torch
+from support.net import listeners
 
 from nereus_comm.errors import MembershipError
 from nereus_comm.pool import CommPool, GlooBackend
@@ -198,25 +199,11 @@ def test_join_unreachable_store_fails_in_bounded_time():
     assert time.monotonic() - start < 10.0
 
 
-def _listeners(port: int) -> list[tuple[str, str]]:
-    """(file, local address in hex) of every socket listening on ``port`` (/proc/net)."""
-    found = []
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if os.path.exists(name):
-            with open(name) as f:
-                for line in f.read().splitlines()[1:]:
-                    fields = line.split()
-                    addr, _, hex_port = fields[1].rpartition(":")
-                    if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                        found.append((name, addr))
-    return found
-
-
 def test_store_listens_on_the_address_asked_for_only():
     world = World.create("127.0.0.1", 0, heartbeat_interval=INTERVAL, heartbeat_timeout=HB_TIMEOUT)
     try:
         # 127.0.0.1 only: neither the IPv4 wildcard (00000000) nor the IPv6 one.
-        assert _listeners(world.port) == [("/proc/net/tcp", "0100007F")]
+        assert listeners(world.port) == [("/proc/net/tcp", "0100007F")]
         joined = World.join("127.0.0.1", world.port, timeout=10.0, wait=False)
         joined.leave()
     finally:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from support.joiner import NO_SECRET, reap, start_joiner
+from support.net import listeners
 
 from nereus_comm.world import listen_store
 from nereus_rl.runtime import Driver
@@ -29,21 +30,6 @@ class _Touch:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
-
-
-def listeners(port: int) -> list[tuple[str, str]]:
-    """(file, local address in hex) of every socket listening on ``port`` (/proc/net)."""
-    found = []
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not os.path.exists(name):
-            continue
-        with open(name) as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                addr, _, hex_port = fields[1].rpartition(":")
-                if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    found.append((name, addr))
-    return found
 
 
 @pytest.fixture(scope="module")
