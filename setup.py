@@ -36,6 +36,8 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
+            # NEREUS_SANITIZE=1: AddressSanitizer and UBSan (scripts/sanitize.sh).
+            f"-DNEREUS_SANITIZE={'ON' if os.environ.get('NEREUS_SANITIZE') == '1' else 'OFF'}",
             "-GNinja",
         ]
         subprocess.run(["cmake", str(ROOT), *args], cwd=build_temp, check=True)

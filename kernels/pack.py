@@ -187,6 +187,40 @@ class CopyLaunch(NamedTuple):
             )
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _check_extents(rows: np.ndarray) -> None:
+    """Refuse rows whose last byte, on either side, lies past int64 (it would wrap).
+
+    Every bound is tested by division, so nothing here overflows: rows * row_bytes,
+    (rows - 1) * stride + row_bytes, address + that, and the table's total must all fit.
+    One-row regions get stride = row_bytes (the stride is never stepped). Modifies
+    ``rows`` (non-empty rows only) in place.
+    """
+    one = rows[:, 2] == 1
+    rows[one, 4] = rows[one, 3]
+    rows[one, 5] = rows[one, 3]
+    if (rows[:, :2] < 0).any():
+        raise ValueError("table has a negative address; pass data_ptr() of live tensors")
+    if (rows[:, 4:6] < 0).any():
+        raise ValueError("table has a negative stride in a multi-row region; strides are >= 0")
+    n, row = rows[:, 2], rows[:, 3]
+    if (n > _INT64_MAX // row).any():
+        raise ValueError("table has num_rows * row_bytes past 2**63 - 1; split the region")
+    for side in (0, 1):
+        addr, stride = rows[:, side], rows[:, 4 + side]
+        steps_fit = (stride == 0) | (n - 1 <= (_INT64_MAX - row) // np.maximum(stride, 1))
+        span = np.where(steps_fit, (n - 1) * np.where(steps_fit, stride, 0) + row, 0)
+        if not steps_fit.all() or (addr > _INT64_MAX - span).any():
+            raise ValueError(
+                "table has a region that ends past the address space (its address plus "
+                "(num_rows - 1) * stride + row_bytes exceeds 2**63 - 1)"
+            )
+    if float((n * row).astype(np.float64).sum()) > 2.0**62:
+        raise ValueError("table moves more than 2**62 bytes in all; split it")
+
+
 def plan_copy(*, table: torch.Tensor, device: torch.device) -> CopyLaunch:
     """Check a region table, choose access width and tiling, and upload it to `device`.
 
@@ -201,8 +235,9 @@ def plan_copy(*, table: torch.Tensor, device: torch.device) -> CopyLaunch:
         A CopyLaunch whose run() queues the copy.
 
     Raises:
-        ValueError: a malformed table (dtype, shape, device, negative sizes, null
-            addresses) or a device Triton cannot run on.
+        ValueError: a malformed table (dtype, shape, device, negative sizes or
+            strides, null addresses, a region whose end overflows int64) or a device
+            Triton cannot run on.
     """
     if not isinstance(table, torch.Tensor) or table.dtype != torch.int64:
         raise ValueError(
@@ -233,6 +268,7 @@ def plan_copy(*, table: torch.Tensor, device: torch.device) -> CopyLaunch:
     if len(rows) == 0:
         return CopyLaunch(torch.zeros(1, dtype=torch.int64), 0, 0, 1, 1, _MIN_BLOCK, device)
     rows = rows.copy()
+    _check_extents(rows)
     # Rows that follow each other on both sides are one long row: vectorized row tiles.
     packed = (rows[:, 2] > 1) & (rows[:, 4] == rows[:, 3]) & (rows[:, 5] == rows[:, 3])
     rows[packed, 3] *= rows[packed, 2]

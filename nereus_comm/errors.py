@@ -5,6 +5,8 @@ what to do about it. Most derive from ValueError so that callers that only
 know the standard library still catch them.
 """
 
+import operator
+
 
 class NereusCommError(Exception):
     """Base class of every nereus_comm error."""
@@ -56,3 +58,43 @@ class TransportArgumentError(NereusCommError, ValueError):
 
 class RemapError(NereusCommError, ValueError):
     """A page move or swap is malformed (null address, negative or unaligned size, overlap)."""
+
+
+def as_int(
+    value: object,
+    what: str,
+    error: type[NereusCommError],
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> int:
+    """`value` as a Python int, checked: an int or a numpy integer, never a bool or a float.
+
+    Integers cross into C++ and numpy as int64/int32, where a float would be truncated
+    (rank 1.7 -> 1), a bool taken for 0 or 1 and a huge int wrapped; so they are checked
+    here, where the message can say which argument was wrong.
+
+    Arguments:
+        value: the argument.
+        what: how to name it in the message ("Layout tp", "rank").
+        error: the exception class to raise.
+        lo, hi: inclusive bounds (None: unbounded).
+
+    Returns:
+        The int.
+
+    Raises:
+        error: `value` is not an integer, or lies outside [lo, hi].
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise error(f"{what} must be an int, got the bool {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise error(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bound = " and ".join(
+            b for b in (lo is not None and f">= {lo}", hi is not None and f"<= {hi}") if b
+        )
+        raise error(f"{what} must be an int {bound}, got {v}")
+    return v

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nereus_comm.errors import LayoutError
+from nereus_comm.errors import LayoutError, as_int
+
+#: Ranks, node ids, degrees and layer keys go to the native planner as int32.
+_MAX_ID = 2**31 - 1
+#: Tensor sizes: a dim of more than 2**63 - 1 elements has no int64 byte count.
+_MAX_SIZE = 2**63 - 1
 
 Box = tuple[tuple[int, int], ...]
 """A region of a tensor: one (start, stop) pair per dim, in global coordinates."""
@@ -130,11 +135,13 @@ class TensorSpec:
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(f"TensorSpec name must be a non-empty str, got {self.name!r}")
         try:
-            shape = tuple(int(s) for s in self.shape)
-        except (TypeError, ValueError):
+            dims = tuple(self.shape)
+        except TypeError:
             raise LayoutError(
                 f"TensorSpec {self.name!r}: shape must be a sequence of ints, got {self.shape!r}"
             ) from None
+        what = f"TensorSpec {self.name!r}: each size of shape {self.shape!r}"
+        shape = tuple(as_int(s, what, LayoutError, hi=_MAX_SIZE) for s in dims)
         if any(s < 0 for s in shape):
             raise LayoutError(f"TensorSpec {self.name!r}: negative size in shape {shape}")
         object.__setattr__(self, "shape", shape)
@@ -144,17 +151,17 @@ class TensorSpec:
             )
         if self.split_dim is not None:
             ndim = len(shape)
-            if not -ndim <= self.split_dim < ndim:
+            split_dim = as_int(self.split_dim, f"TensorSpec {self.name!r}: split_dim", LayoutError)
+            if not -ndim <= split_dim < ndim:
                 raise LayoutError(
-                    f"TensorSpec {self.name!r}: split_dim {self.split_dim} is out of range for "
+                    f"TensorSpec {self.name!r}: split_dim {split_dim} is out of range for "
                     f"shape {shape} ({ndim} dims); pick a dim in [0, {ndim}) or None to replicate"
                 )
-            object.__setattr__(self, "split_dim", self.split_dim % ndim)
-        if self.stage_key is not None and self.stage_key < 0:
-            raise LayoutError(
-                f"TensorSpec {self.name!r}: stage_key must be a layer index >= 0 or None, "
-                f"got {self.stage_key}"
-            )
+            object.__setattr__(self, "split_dim", split_dim % ndim)
+        if self.stage_key is not None:
+            what = f"TensorSpec {self.name!r}: stage_key (a layer index, or None)"
+            stage_key = as_int(self.stage_key, what, LayoutError, lo=0, hi=_MAX_ID)
+            object.__setattr__(self, "stage_key", stage_key)
 
     @property
     def numel(self) -> int:
@@ -243,10 +250,15 @@ class Layout:
 
     def __post_init__(self) -> None:
         for axis in ("dp", "tp", "pp"):
-            value = getattr(self, axis)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"Layout {axis} must be an int >= 1, got {value!r}")
-        ranks = tuple(int(r) for r in self.ranks)
+            value = as_int(getattr(self, axis), f"Layout {axis}", LayoutError, lo=1, hi=_MAX_ID)
+            object.__setattr__(self, axis, value)
+        try:
+            given = tuple(self.ranks)
+        except TypeError:
+            raise LayoutError(
+                f"Layout ranks must be a sequence of ints, got {self.ranks!r}"
+            ) from None
+        ranks = tuple(as_int(r, "Layout rank", LayoutError, lo=0, hi=_MAX_ID) for r in given)
         object.__setattr__(self, "ranks", ranks)
         want = self.dp * self.tp * self.pp
         if len(ranks) != want:
@@ -259,11 +271,17 @@ class Layout:
             seen: set[int] = set()
             dups = sorted({r for r in ranks if r in seen or seen.add(r)})
             raise LayoutError(f"Layout ranks must be distinct; repeated: {dups[:10]}")
-        if any(r < 0 for r in ranks):
-            raise LayoutError("Layout ranks must be non-negative global rank ids")
         object.__setattr__(self, "_pos", pos)
         if self.node_of is not None:
-            node_of = tuple(int(n) for n in self.node_of)
+            try:
+                given = tuple(self.node_of)
+            except TypeError:
+                raise LayoutError(
+                    f"Layout node_of must be a sequence of ints or None, got {self.node_of!r}"
+                ) from None
+            node_of = tuple(
+                as_int(n, "Layout node id", LayoutError, lo=-_MAX_ID - 1, hi=_MAX_ID) for n in given
+            )
             if len(node_of) != len(ranks):
                 raise LayoutError(
                     f"Layout node_of has {len(node_of)} entries for {len(ranks)} ranks; "
@@ -271,8 +289,8 @@ class Layout:
                 )
             object.__setattr__(self, "node_of", node_of)
         if self.num_layers is not None:
-            if self.num_layers < 1:
-                raise LayoutError(f"Layout num_layers must be >= 1, got {self.num_layers}")
+            num_layers = as_int(self.num_layers, "Layout num_layers", LayoutError, lo=1, hi=_MAX_ID)
+            object.__setattr__(self, "num_layers", num_layers)
             if self.num_layers < self.pp:
                 raise LayoutError(
                     f"Layout pp={self.pp} exceeds num_layers={self.num_layers}: a pipeline "
@@ -293,6 +311,9 @@ class Layout:
         Raises:
             LayoutError: the rank is not in this layout.
         """
+        # A dict lookup takes True for rank 1 and 1.0 for rank 1: ranks are ints.
+        if type(rank) is not int:
+            rank = as_int(rank, "rank", LayoutError)
         try:
             return self._pos[rank]
         except (KeyError, TypeError):

@@ -20,6 +20,7 @@ region_view() gives a 1-D view that a transport sends from or receives into dire
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 _BACKENDS = ("host", "triton")
+#: Region fields below this (in absolute value) are checked with vectorized int64
+#: arithmetic, which cannot overflow for them; larger ones in Python ints.
+_SMALL = 2**31
 
 
 class Region(NamedTuple):
@@ -107,10 +111,17 @@ def _check_region(
     t, *sizes = region
     if info is None:
         info = _tensor_info(t, index, what)
+    # Python ints throughout: they cannot wrap, so a crafted size fails the bounds check
+    # below instead of passing it modulo 2**64.
     try:
+        if any(isinstance(x, bool) or type(x).__name__ == "bool_" for x in sizes):
+            raise TypeError
         offset, num_rows, row_elems, row_stride = map(operator.index, sizes)
     except TypeError:
-        raise PackError(f"{what} {index}: sizes {sizes!r} must be ints") from None
+        raise PackError(
+            f"{what} {index}: sizes {sizes!r} must be ints (offset, num_rows, row_elems, "
+            "row_stride), not bools or floats"
+        ) from None
     if offset < 0 or num_rows < 0 or row_elems < 0:
         raise PackError(
             f"{what} {index}: offset={offset}, num_rows={num_rows}, row_elems={row_elems}; "
@@ -129,7 +140,10 @@ def _check_region(
             f"{info.available} elements from data_ptr(); the region lies outside the storage"
         )
     es = info.element_size
-    return (info.data_ptr + offset * es, num_rows, row_elems * es, row_stride * es)
+    # One row: the stride is never stepped, so any value gives the same copy; row_bytes
+    # keeps it inside int64 (the table's dtype) whatever was passed.
+    stride = row_stride if num_rows > 1 else row_elems
+    return (info.data_ptr + offset * es, num_rows, row_elems * es, stride * es)
 
 
 class RegionTable(NamedTuple):
@@ -218,21 +232,32 @@ def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable
             j = index_of[key] = len(infos)
             infos.append(info)
         which.append(j)
+    fields = [r[1:] for r in regions]
     try:
         # No dtype given: a float or an oversized int shows up as a non-integer dtype.
-        sizes = np.array([r[1:] for r in regions]).reshape(n, 4)
+        sizes = np.array(fields).reshape(n, 4)
     except (TypeError, ValueError, OverflowError):
         sizes = None
-    if sizes is None or (n and sizes.dtype.kind not in "iu"):
+    # numpy turns a bool among ints into 0 or 1: only tables of plain ints (and numpy
+    # integers) take the vectorized path; anything else gets the exact per-region check.
+    plain = sizes is not None and (n == 0 or sizes.dtype.kind in "iu")
+    plain = plain and bool not in set(map(type, itertools.chain.from_iterable(fields)))
+    if plain and n and sizes.dtype.kind == "u" and int(sizes.max()) >= _SMALL:
+        plain = False
+    if not plain:
         checked = [_check_region(r, i, what, infos[which[i]]) for i, r in enumerate(regions)]
         cols = np.array(checked, dtype=np.int64).reshape(n, 4)
         return RegionTable(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
     sizes = sizes.astype(np.int64, copy=False)
+    # int64 arithmetic is exact only for small sizes: with every field in (-2**31, 2**31)
+    # the region's end stays below 2**63. Regions with a larger field (a tensor of more
+    # than 2**31 elements, or a crafted size) are checked exactly, in Python ints.
+    big = ((sizes >= _SMALL) | (sizes <= -_SMALL)).any(axis=1)
     which = np.array(which, dtype=np.int64)
     base = np.array([x.data_ptr for x in infos], dtype=np.int64)[which]
     es = np.array([x.element_size for x in infos], dtype=np.int64)[which]
     available = np.array([x.available for x in infos], dtype=np.int64)[which]
-    offset, num_rows, row_elems, row_stride = sizes.T
+    offset, num_rows, row_elems, row_stride = np.where(big[:, None], 0, sizes).T
     empty = (num_rows == 0) | (row_elems == 0)
     end = offset + (num_rows - 1) * row_stride + row_elems
     bad = (offset < 0) | (num_rows < 0) | (row_elems < 0)
@@ -243,13 +268,18 @@ def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable
         _check_region(regions[i], i, what)
         raise AssertionError(f"{what} {i} failed the vectorized check but not the exact one")
     num_rows = np.where(empty, 0, num_rows)
-    return RegionTable(
-        np.where(empty, base, base + offset * es),
-        num_rows,
-        np.where(empty, 0, row_elems * es),
-        np.where(empty, 0, row_stride * es),
-        device,
+    cols = np.stack(
+        [
+            np.where(empty, base, base + offset * es),
+            num_rows,
+            np.where(empty, 0, row_elems * es),
+            np.where(empty, 0, row_stride * es),
+        ],
+        axis=1,
     )
+    for i in np.flatnonzero(big).tolist():
+        cols[i] = _check_region(regions[i], i, what, infos[which[i]])
+    return RegionTable(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
 
 
 def _check_buffer(buf: torch.Tensor, nbytes: int, device: torch.device | None, what: str) -> None:
@@ -322,7 +352,9 @@ def _run(
     table: np.ndarray, device: torch.device | None, num_threads: int | None, backend: str | None
 ) -> None:
     """Copy a table on the backend that owns `device`'s memory."""
-    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+    if num_threads is not None and (
+        not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+    ):
         raise PackError(f"num_threads={num_threads!r}, expected None or an int >= 1")
     if backend is not None and backend not in _BACKENDS:
         raise PackError(f"backend={backend!r}, expected None or one of {_BACKENDS}")

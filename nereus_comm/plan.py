@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_comm import _C
-from nereus_comm.errors import LayoutError, PlanError
+from nereus_comm.errors import LayoutError, PlanError, as_int
 from nereus_comm.layout import Box, Layout, TensorSpec, infer_num_layers
 
 __all__ = [
@@ -166,6 +166,9 @@ class ReshardPlan:
     # -- per-rank views -------------------------------------------------------------
 
     def _check_rank(self, rank: int) -> None:
+        # A dict lookup takes True for rank 1 and 1.0 for rank 1: ranks are ints.
+        if type(rank) is not int:
+            as_int(rank, "rank", LayoutError)
         if rank not in self.src and rank not in self.dst:
             raise LayoutError(
                 f"rank {rank!r} is in neither the source {self.src!r} nor the destination "
@@ -358,6 +361,10 @@ class ReshardPlan:
 # -- planning -----------------------------------------------------------------------------
 
 
+#: The most bytes the native planner can count (int64).
+_MAX_BYTES = 2**63 - 1
+
+
 def _resolve_layers(layout: Layout, num_layers: int | None, inferred: int, side: str) -> Layout:
     if layout.num_layers is not None and num_layers is not None and layout.num_layers != num_layers:
         raise PlanError(
@@ -434,9 +441,10 @@ def plan_reshard(
 
     Raises:
         LayoutError: malformed specs (duplicate names), a pipeline stage with
-            no layer.
+            no layer, num_layers not an int >= 1.
         PlanError: src and dst disagree on the specs or on num_layers; a
-            destination byte no source holds.
+            destination byte no source holds; the tensors' bytes (times the ranks)
+            exceed what int64 counts.
     """
     prepared = prepare_plan(specs, src, dst, num_layers, dst_specs=dst_specs)
     return ReshardPlan(
@@ -471,6 +479,8 @@ def prepare_plan(
     Arguments and Raises: as `plan_reshard`.
     """
     specs = tuple(specs)
+    if num_layers is not None:
+        num_layers = as_int(num_layers, "num_layers", LayoutError, lo=1, hi=2**31 - 1)
     _check_specs(specs, dst_specs)
     dspecs = specs if dst_specs is None else tuple(dst_specs)
     inferred = max(infer_num_layers(specs), infer_num_layers(dspecs))
@@ -491,6 +501,22 @@ def prepare_plan(
                 f"{layout.num_layers} ({len(bad)} such tensors); src and dst must cover the "
                 "same layers"
             )
+    # The planner counts bytes in int64: every tensor's, all tensors' together, and that
+    # times the ranks (the most any of its sums can reach) must fit.
+    total = 0
+    for s in specs:
+        total += s.nbytes
+        if s.nbytes > _MAX_BYTES or total > _MAX_BYTES:
+            raise PlanError(
+                f"{s!r} holds {s.nbytes} bytes, {total} with the tensors before it: more than "
+                f"the 2**63 - 1 bytes a plan can count; split the state into smaller tensors"
+            )
+    ranks = max(src.world_size, dst.world_size)
+    if total * ranks > _MAX_BYTES:
+        raise PlanError(
+            f"the {len(specs)} tensors hold {total} bytes, which times {ranks} ranks exceeds "
+            "the 2**63 - 1 bytes a plan can count; plan fewer tensors at a time"
+        )
     length, unit, split = [], [], []
     for s in specs:
         size = 1 if s.cut_dim is None else s.shape[s.cut_dim]

@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: The last address a range may end at: addresses and sizes cross into C++ as int64.
+_MAX_ADDR = 2**63 - 1
 #: Ranges shorter than this are copied: three system calls and a mapping split cost
 #: about what copying 64 KiB does.
 MIN_MOVE_BYTES = 64 << 10
@@ -109,6 +111,8 @@ def _check_pairs(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, 
     out = []
     for i, pair in enumerate(pairs):
         try:
+            if any(isinstance(x, bool) for x in pair):
+                raise TypeError  # a bool is not an address or a size
             src, dst, n = map(operator.index, pair)
         except (TypeError, ValueError):
             raise RemapError(
@@ -121,6 +125,11 @@ def _check_pairs(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, 
             raise RemapError(
                 f"pair {i} has address {src if src <= 0 else dst:#x}; pass data_ptr() of live "
                 "host tensors"
+            )
+        if n and max(src, dst) > _MAX_ADDR - n:
+            raise RemapError(
+                f"pair {i}: {n} bytes from {max(src, dst):#x} end past the address space; pass "
+                "data_ptr() and sizes of live host tensors"
             )
         if n and abs(src - dst) < n:
             raise RemapError(
@@ -145,8 +154,9 @@ def move_ranges(pairs: Sequence[tuple[int, int, int]]) -> PageMoves:
         The swaps made and the bytes moved and copied.
 
     Raises:
-        RemapError: a pair is not three ints, has a negative size, a null address, or
-            a source that overlaps its destination; raised before any byte moves.
+        RemapError: a pair is not three ints, has a negative size, a null address, a
+            range that ends past the address space, or a source that overlaps its
+            destination; raised before any byte moves.
     """
     pairs = _check_pairs(pairs)
     # A _C built before swap_pages existed (a stale build) copies everything.
@@ -199,7 +209,8 @@ def swap_pages(table: np.ndarray | Sequence[tuple[int, int, int]]) -> tuple[int,
     Raises:
         RemapError: the table is not rows of three ints, or a row has a null address,
             a negative size, an address or size that is not a whole number of pages,
-            or ranges that overlap; raised before any page moves.
+            a range that ends past the address space, or ranges that overlap; raised
+            before any page moves.
         RuntimeError: the native core was built without swap_pages (rebuild it:
             ``python setup.py build_ext --inplace``).
     """
@@ -220,6 +231,10 @@ def swap_pages(table: np.ndarray | Sequence[tuple[int, int, int]]) -> tuple[int,
         (
             live & (((a % PAGE_BYTES) != 0) | ((b % PAGE_BYTES) != 0) | ((n % PAGE_BYTES) != 0)),
             f"is not page-aligned: both addresses and nbytes must be multiples of {PAGE_BYTES}",
+        ),
+        (
+            live & (np.maximum(a, b) > _MAX_ADDR - n),
+            "ends past the address space; pass addresses of live tensors",
         ),
         (live & (np.abs(a - b) < n), "has ranges that overlap; swap disjoint ranges"),
     )

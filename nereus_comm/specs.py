@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nereus_comm.errors import LayoutError
+from nereus_comm.errors import LayoutError, as_int
 from nereus_comm.layout import TensorSpec
 
 __all__ = ["LLAMA_PRESETS", "llama_state_specs", "transformer_state_specs"]
@@ -80,7 +80,7 @@ def transformer_state_specs(
         index; embedding 0; final norm and lm head num_layers - 1.
 
     Raises:
-        LayoutError: a size < 1 or hidden not a multiple of num_heads.
+        LayoutError: a size that is not an int >= 1, or hidden not a multiple of num_heads.
     """
     sizes = dict(
         num_layers=num_layers,
@@ -90,12 +90,13 @@ def transformer_state_specs(
         num_kv_heads=num_kv_heads,
         vocab=vocab,
     )
+    sizes = {k: as_int(v, f"transformer size {k}", LayoutError) for k, v in sizes.items()}
     bad = {k: v for k, v in sizes.items() if v < 1}
     if bad:
         raise LayoutError(f"transformer sizes must be >= 1, got {bad}")
-    if hidden % num_heads:
+    if sizes["hidden"] % sizes["num_heads"]:
         raise LayoutError(f"hidden={hidden} must be a multiple of num_heads={num_heads}")
-    params = _param_specs(num_layers, hidden, ffn, num_heads, num_kv_heads, vocab)
+    params = _param_specs(**sizes)
     kinds: list[tuple[str, torch.dtype]] = [("", param_dtype)]
     if master_fp32:
         kinds.append(("master.", torch.float32))

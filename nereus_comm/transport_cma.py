@@ -277,6 +277,11 @@ class CmaRoute:
             return errno.EBADMSG
         src = table[_HEAD:].reshape(-1, 4)
         dst = region_table(regions, "destination region")
+        if not _remote_fits(src, dst):
+            # The peer's regions must hold exactly what ours take, region by region:
+            # copy_table shapes the copy from either side, so a larger remote region
+            # would write past ours.
+            return errno.EBADMSG
         remote = RegionTable(src[:, 0], src[:, 1], src[:, 2], src[:, 3], dst.device)
         try:
             pairs = np.ascontiguousarray(copy_table(remote, dst), dtype=np.int64)
@@ -327,3 +332,24 @@ class CmaRoute:
                 "destination shards are incomplete, the sources untouched. Retry: those "
                 "peers now take the shared-memory or transport route"
             )
+
+
+def _remote_fits(src: np.ndarray, dst: RegionTable) -> bool:
+    """Whether a peer's table (address, rows, row bytes, stride) matches ``dst`` byte for byte.
+
+    One region per destination region, sizes >= 0, the same bytes each (checked
+    without int64 overflow), positive addresses and, for several rows, a stride of at
+    least a row: anything else is a malformed table the read must not trust.
+    """
+    if src.ndim != 2 or src.shape != (len(dst.addr), 4):
+        return False
+    addr, rows, row_bytes, stride = src.T
+    want = dst.nbytes
+    if (rows < 0).any() or (row_bytes < 0).any():
+        return False
+    # rows * row_bytes == want, tested as rows <= want // row_bytes first so it cannot wrap.
+    fits = (row_bytes == 0) | (rows <= want // np.maximum(row_bytes, 1))
+    if not fits.all() or not (rows * row_bytes == want).all():
+        return False
+    live = want > 0
+    return bool((addr[live] > 0).all() and ((rows <= 1) | (stride >= row_bytes))[live].all())

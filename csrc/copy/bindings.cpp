@@ -54,8 +54,16 @@ py::tuple swap_pages_py(const py::array& table) {
                "the swap table must be C-contiguous; pass numpy.ascontiguousarray(table)");
   const auto* rows = static_cast<const SwapRow*>(table.data());
   for (int64_t i = 0; i < table.shape(0); ++i) {
-    NEREUS_CHECK(rows[i].nbytes >= 0 && rows[i].a != 0 && rows[i].b != 0,
-                 "swap row " << i << " needs two addresses and nbytes >= 0");
+    const SwapRow& r = rows[i];
+    int64_t a_end = 0, b_end = 0;
+    NEREUS_CHECK(r.nbytes >= 0 && r.a > 0 && r.b > 0 &&
+                     !__builtin_add_overflow(r.a, r.nbytes, &a_end) &&
+                     !__builtin_add_overflow(r.b, r.nbytes, &b_end),
+                 "swap row " << i
+                             << " needs two positive addresses and nbytes >= 0 whose ends "
+                                "fit the address space");
+    NEREUS_CHECK(r.nbytes == 0 || a_end <= r.b || b_end <= r.a,
+                 "swap row " << i << " has ranges that overlap; swap disjoint ranges");
   }
   SwapResult result;
   {
@@ -83,7 +91,8 @@ Returns:
     The number of threads that copied.
 
 Raises:
-    ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
+    ValueError: the table has the wrong dtype or shape, a negative size or stride, a
+        null address, or a range whose end overflows the address space.)doc");
   m.def("cma_read", &cma_read_py, py::arg("pid"), py::arg("table"), py::arg("num_threads") = 0,
         R"doc(Read a region table from another process into this one (process_vm_readv).
 
@@ -100,7 +109,8 @@ Returns:
     gone, EFAULT that a range is not mapped in pid or here.
 
 Raises:
-    ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
+    ValueError: the table has the wrong dtype or shape, a negative size or stride, a
+        null address, or a range whose end overflows the address space.)doc");
   static_assert(sizeof(SwapRow) == kSwapTableColumns * sizeof(int64_t), "swap row layout");
   m.def("swap_pages", &swap_pages_py, py::arg("table"),
         R"doc(Swap the pages of pairs of page-aligned ranges of this process (mremap), GIL released.
@@ -114,7 +124,8 @@ Returns:
     swapped, that row and the ones after it are as they were.
 
 Raises:
-    ValueError: the table has the wrong dtype or shape, a negative size or a null address.)doc");
+    ValueError: the table has the wrong dtype or shape, a negative size or stride, a
+        null address, or a range whose end overflows the address space.)doc");
   m.def("copy_default_num_threads", &copy_default_num_threads,
         "Threads copy_regions uses when num_threads <= 0 (CPUs in this process's affinity mask).");
 }

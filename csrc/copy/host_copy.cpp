@@ -11,6 +11,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "common.h"
 
@@ -144,8 +145,33 @@ std::vector<CopyRegion> normalize_regions(const CopyRegion* table, int64_t num_r
                  "region " << i << " has num_rows=" << r.num_rows << ", row_bytes=" << r.row_bytes
                            << "; both must be >= 0");
     if (r.num_rows == 0 || r.row_bytes == 0) continue;
-    NEREUS_CHECK(r.src_addr != 0 && r.dst_addr != 0,
-                 "region " << i << " has a null address; pass data_ptr() of live tensors");
+    NEREUS_CHECK(r.src_addr > 0 && r.dst_addr > 0,
+                 "region " << i
+                           << " has a null address (or a negative one); pass data_ptr() of live "
+                              "tensors");
+    // The last byte of either side must be addressable without wrapping: rows may not
+    // step backwards, and every offset the copy computes fits in int64.
+    int64_t rows_bytes = 0;
+    NEREUS_CHECK(!__builtin_mul_overflow(r.num_rows, r.row_bytes, &rows_bytes),
+                 "region " << i << " has num_rows=" << r.num_rows << " x row_bytes=" << r.row_bytes
+                           << ", which overflows int64");
+    if (r.num_rows > 1) {
+      NEREUS_CHECK(r.src_stride_bytes >= 0 && r.dst_stride_bytes >= 0,
+                   "region " << i << " has strides " << r.src_stride_bytes << " and "
+                             << r.dst_stride_bytes << "; strides of a multi-row region are >= 0");
+    } else {
+      r.src_stride_bytes = r.dst_stride_bytes = r.row_bytes;  // unused: one row
+    }
+    for (const auto& [addr, stride] :
+         {std::pair{r.src_addr, r.src_stride_bytes}, std::pair{r.dst_addr, r.dst_stride_bytes}}) {
+      int64_t span = 0, end = 0;
+      NEREUS_CHECK(!__builtin_mul_overflow(r.num_rows - 1, stride, &span) &&
+                       !__builtin_add_overflow(span, r.row_bytes, &span) &&
+                       !__builtin_add_overflow(addr, span, &end),
+                   "region " << i << " at " << addr << " with " << r.num_rows << " rows of "
+                             << r.row_bytes << " bytes every " << stride
+                             << " bytes ends past the address space");
+    }
     if (r.num_rows > 1 && r.src_stride_bytes == r.row_bytes && r.dst_stride_bytes == r.row_bytes) {
       r.row_bytes *= r.num_rows;
       r.num_rows = 1;
@@ -153,8 +179,11 @@ std::vector<CopyRegion> normalize_regions(const CopyRegion* table, int64_t num_r
     regions.push_back(r);
   }
   prefix->assign(regions.size() + 1, 0);
-  for (size_t i = 0; i < regions.size(); ++i)
-    (*prefix)[i + 1] = (*prefix)[i] + regions[i].num_rows * regions[i].row_bytes;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    NEREUS_CHECK(!__builtin_add_overflow((*prefix)[i], regions[i].num_rows * regions[i].row_bytes,
+                                         &(*prefix)[i + 1]),
+                 "the table's regions hold more than 2^63 - 1 bytes in all");
+  }
   return regions;
 }
 

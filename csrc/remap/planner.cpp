@@ -68,16 +68,32 @@ class GroupKeys {
 void check_input(const PlanInput& in) {
   for (const Grid* g : {&in.src, &in.dst}) {
     NEREUS_CHECK(g->dp >= 1 && g->tp >= 1 && g->pp >= 1, "degrees must be >= 1");
+    int64_t size = 0;
+    NEREUS_CHECK(!__builtin_mul_overflow(g->dp, g->tp, &size) &&
+                     !__builtin_mul_overflow(size, g->pp, &size) && size <= (int64_t{1} << 31),
+                 "dp x tp x pp must be at most 2^31 ranks");
     NEREUS_CHECK(static_cast<int64_t>(g->node.size()) == g->size(), "one node id per rank");
   }
   NEREUS_CHECK(static_cast<int64_t>(in.dst_in_src.size()) == in.dst.size(),
                "dst_in_src needs one entry per destination rank");
   for (int64_t q : in.dst_in_src) NEREUS_CHECK(q >= -1 && q < in.src.size(), "bad source position");
-  for (const TensorInfo& t : in.tensors) {
+  // Every byte count the planner forms (an item, a block, a rank's or the plan's total)
+  // is at most the bytes of all tensors times the destination ranks: that must fit int64.
+  int64_t all_bytes = 0, all_ranks_bytes = 0;
+  for (size_t i = 0; i < in.tensors.size(); ++i) {
+    const TensorInfo& t = in.tensors[i];
     NEREUS_CHECK(t.length >= 0 && t.unit_bytes >= 0, "negative tensor size");
+    int64_t bytes = 0;
+    NEREUS_CHECK(!__builtin_mul_overflow(t.length, t.unit_bytes, &bytes) &&
+                     !__builtin_add_overflow(all_bytes, bytes, &all_bytes),
+                 "tensor " << i << " (" << t.length << " units of " << t.unit_bytes
+                           << " bytes) brings the bytes of all tensors past 2^63 - 1");
     NEREUS_CHECK(t.src_stage >= -1 && t.src_stage < in.src.pp, "source stage out of range");
     NEREUS_CHECK(t.dst_stage >= -1 && t.dst_stage < in.dst.pp, "destination stage out of range");
   }
+  NEREUS_CHECK(
+      !__builtin_mul_overflow(all_bytes, std::max(in.src.size(), in.dst.size()), &all_ranks_bytes),
+      "the tensors' " << all_bytes << " bytes times the ranks overflow int64");
 }
 
 }  // namespace

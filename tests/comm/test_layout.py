@@ -156,3 +156,41 @@ def test_transformer_state_specs():
     with pytest.raises(LayoutError, match="unknown model preset"):
         llama_state_specs("llama-9")
     assert box_shape(((1, 3), (0, 4))) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(ranks=(0, 1.7)), "rank must be an int, got float"),
+        (dict(ranks=(0, 2**70)), "rank must be an int >= 0 and <= 2147483647"),
+        (dict(ranks=(0, True)), "rank must be an int, got the bool"),
+        (dict(tp=2.0), "tp must be an int"),
+        (dict(node_of=(0, 0.5)), "node id must be an int"),
+        (dict(num_layers=2.5), "num_layers must be an int"),
+    ],
+)
+def test_layout_integers_are_integers(kwargs, match):
+    """Floats and bools were truncated (rank 1.7 -> 1): now refused with the field named."""
+    args = dict(dp=1, tp=2, pp=1, ranks=(0, 1)) | kwargs
+    with pytest.raises(LayoutError, match=match):
+        Layout(**args)
+    lay = Layout(np.int64(1), np.int32(2), 1, (np.int64(0), 1))  # numpy integers are ints
+    assert lay.ranks == (0, 1) and type(lay.tp) is int
+    with pytest.raises(LayoutError, match="rank must be an int"):
+        lay.position(True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(split_dim=True), "split_dim must be an int, got the bool"),
+        (dict(split_dim=0.0), "split_dim must be an int, got float"),
+        (dict(stage_key=1.5), "stage_key .* must be an int"),
+        (dict(shape=(4, 2.5)), "size of shape .* must be an int"),
+        (dict(shape=(4, 2**64)), "<= 9223372036854775807"),
+    ],
+)
+def test_spec_integers_are_integers(kwargs, match):
+    args = dict(shape=(4, 4), split_dim=0) | kwargs
+    with pytest.raises(LayoutError, match=match):
+        TensorSpec("w", dtype=torch.float32, **args)

@@ -327,6 +327,94 @@ def test_error_native_table_checks():
         _C.copy_regions(np.array([[8, 8, -1, 8, 8, 8]], dtype=np.int64))
 
 
+# Raw tables whose last byte lies past 2**63 - 1 (or whose rows step backwards) were
+# copied by _C.copy_regions from and to wild addresses; now refused. In a child: the
+# old behaviour kills the process.
+_WRAPPING_TABLES = """
+import numpy as np
+from nereus_comm import _C
+buf = np.zeros(64, dtype=np.uint8)
+a = buf.ctypes.data
+rows = (
+    [[a, a, 2**62, 8, 8, 8]],  # rows x stride wraps
+    [[a, a, 2, 8, 2**63 - 8, 8]],  # stride past the address space
+    [[2**63 - 4, a, 1, 8, 8, 8]],  # address + row wraps
+    [[a, a, 2, 8, -8, 8]],  # a stride that steps backwards
+    [[a, a, 2**40, 2**40, 2**40, 2**40]],  # rows x row bytes wraps
+    [[a, a + 8, 1, 2**62, 2**62, 2**62]] * 3,  # the regions' sum wraps
+)
+for table in rows:
+    try:
+        _C.copy_regions(np.array(table, dtype=np.int64), 1)
+    except ValueError as e:
+        assert "overflow" in str(e) or "address space" in str(e) or "stride" in str(e), e
+    else:
+        raise SystemExit(f"{table} was copied")
+print("ok")
+"""
+
+
+def test_error_native_table_that_wraps_int64():
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRAPPING_TABLES], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# The issue's reproducer: a region whose end wraps int64 passed the bounds check and
+# unpack wrote 2**62 rows past a 16-element tensor (the process aborted). Run in a
+# child so that the test process survives the old behaviour.
+_WRAPPING_UNPACK = """
+import torch
+from nereus_comm.pack import PackError, Region, copy_regions, pack, unpack
+t = torch.arange(16.0)
+for call in (
+    lambda: unpack(torch.zeros(4000, dtype=torch.uint8), [Region(t, 0, 2**62 + 1000, 1, 6)]),
+    lambda: pack([Region(t, 0, 2**62 + 1000, 1, 6)]),
+    lambda: pack([Region(t, 2**64 - 4, 1, 8, 8)]),
+    lambda: pack([Region(t, 0, 2, 4, 2**63 - 2)]),
+    lambda: copy_regions([Region(t, 0, 1, 4, 4)], [Region(t, 2**63 + 8, 1, 4, 4)]),
+):
+    try:
+        call()
+    except PackError as e:
+        assert "outside the storage" in str(e), e
+    else:
+        raise SystemExit("a wrapping region was copied")
+print("ok")
+"""
+
+
+def test_wrapping_region_raises_pack_error_in_a_child_process():
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRAPPING_UNPACK], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_error_bool_and_float_sizes():
+    t = torch.zeros(16)
+    for sizes in ((True, 1, 4, 4), (0, 1, 4.0, 4), (0, True, 4, 4)):
+        with pytest.raises(PackError, match="must be ints"):
+            pack([Region(t, *sizes)])
+        # A table the vectorized check sees whole: the bool among ints is still found.
+        with pytest.raises(PackError, match="region 1: sizes"):
+            pack([Region(t, 0, 1, 4, 4), Region(t, *sizes)])
+    with pytest.raises(PackError, match="num_threads"):
+        pack([Region(t, 0, 1, 4, 4)], num_threads=True)
+
+
+def test_large_fields_take_the_exact_check():
+    """Fields >= 2**31 leave the int64 fast path; in-bounds ones still copy right."""
+    t = torch.arange(16.0)
+    r = Region(t, 2, 1, 4, 2**62)  # one row: its stride is never stepped
+    assert torch.equal(pack([r]), pack_reference([Region(t, 2, 1, 4, 4)]))
+    empty = Region(t, 0, 2**40, 0, 2**40)  # no elements, however many rows
+    assert pack([empty, r]).numel() == 16
+    with pytest.raises(PackError, match="region 0"):
+        pack([Region(t, 0, 2, 4, np.uint64(2**63 + 4))])
+
+
 # ---------------------------------------------------------------- Triton (interpreter)
 
 TRITON_CASES: dict[str, Callable[[], None]] = {}
@@ -390,6 +478,23 @@ def triton_aligned_16_bytes_vector_path() -> None:
     launch = kernels.plan_copy(table=table, device=torch.device("cpu"))
     assert (launch.align_bytes, launch.unit_bytes, launch.block) == (16, 4, 2048), launch[1:]
     check_triton(regions)
+
+
+@triton_case
+def triton_table_that_wraps_int64_is_refused() -> None:
+    """The launcher takes raw tables too: a region whose end wraps int64 is refused."""
+    from nereus_comm.kernels import pack as kernels
+
+    a = torch.zeros(64, dtype=torch.uint8).data_ptr()
+    for row in (
+        [a, a, 2**62, 8, 8, 8],
+        [a, a, 2, 8, 2**63 - 8, 8],
+        [2**63 - 4, a, 1, 8, 8, 8],
+        [a, a, 2, 8, -8, 8],
+        [a, a, 2**40, 2**40, 2**40, 2**40],
+    ):
+        with pytest.raises(ValueError, match=r"past|stride"):
+            kernels.plan_copy(table=torch.tensor([row]), device=torch.device("cpu"))
 
 
 @triton_case

@@ -3,6 +3,9 @@ which of a plan's local copies can be page moves."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -61,6 +64,7 @@ def test_move_ranges_then_swap_pages_undoes_it():
         ((PAGE_BYTES + 8, 4 * PAGE_BYTES, PAGE_BYTES), "page-aligned"),
         ((PAGE_BYTES, 4 * PAGE_BYTES, PAGE_BYTES + 1), "page-aligned"),
         ((PAGE_BYTES, 2 * PAGE_BYTES, 2 * PAGE_BYTES), "overlap"),
+        ((2**63 - PAGE_BYTES, PAGE_BYTES, 2 * PAGE_BYTES), "past the address space"),
     ],
 )
 def test_swap_pages_rejects_a_bad_row_before_any_page_moves(row, match):
@@ -108,3 +112,43 @@ def test_local_page_moves_picks_contiguous_local_copies_of_host_memory():
     assert (s, d, n) == (tensors["w"].data_ptr(), out["w"].data_ptr(), out["w"].nbytes)
     with pytest.raises(TensorMismatchError, match=r"destination tensors \['v'\]"):
         local_page_moves(plan, 0, tensors, {k: t for k, t in out.items() if k != "v"})
+
+
+def test_native_swap_pages_checks_its_own_rows():
+    """_C.swap_pages is reachable directly: a row whose end wraps int64 is refused."""
+    from nereus_comm import _C
+
+    for row in (
+        (2**63 - PAGE_BYTES, PAGE_BYTES, 2 * PAGE_BYTES),
+        (PAGE_BYTES, 2 * PAGE_BYTES, 2 * PAGE_BYTES),
+    ):
+        with pytest.raises(ValueError, match=r"address space|overlap"):
+            _C.swap_pages(np.array([row], dtype=np.int64))
+
+
+# Pairs that passed the checks and were copied from or to wild addresses (the process
+# died): a bool taken for address 1, a range that ends past 2**63 - 1. Run in a child
+# so that the test process survives the old behaviour.
+_WILD_PAIRS = """
+import torch
+from nereus_comm.errors import RemapError
+from nereus_comm.remap import move_ranges
+b = torch.ones(16, dtype=torch.uint8)
+for pair, match in (((True, b.data_ptr(), 8), "three ints"),
+                    ((2**63 - 8, b.data_ptr(), 16), "past the address space")):
+    try:
+        move_ranges([pair])
+    except RemapError as e:
+        assert match in str(e), e
+    else:
+        raise SystemExit(f"{pair} was moved")
+assert bool((b == 1).all())
+print("ok")
+"""
+
+
+def test_move_ranges_rejects_wild_pairs_in_a_child_process():
+    proc = subprocess.run(
+        [sys.executable, "-c", _WILD_PAIRS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -443,3 +443,48 @@ def test_cut_pieces_rebuild_every_shard_and_match_the_reference():
     ref = reference_plan(specs, src, dst)
     assert _as_reference(plan) == (ref["local"], ref["messages"])
     _execute_in_process(specs, plan)
+
+
+def test_byte_counts_that_overflow_int64_are_rejected():
+    """A (2**40, 2**40) float32 tensor planned 0 bytes (signed overflow): now refused."""
+    huge = TensorSpec("huge", (2**40, 2**40), torch.float32, split_dim=0)
+    src, dst = Layout(1, 2, 1, (0, 1)), Layout(1, 1, 1, (2,))
+    with pytest.raises(PlanError, match=r"huge.*2\*\*63 - 1 bytes"):
+        plan_reshard([huge], src, dst)
+    # Each tensor fits, their sum does not.
+    half = [TensorSpec(f"h{i}", (2**30, 2**30), torch.float32, split_dim=0) for i in range(3)]
+    with pytest.raises(PlanError, match="h1"):
+        plan_reshard(half, src, dst)
+    # All fit, but times the ranks they would not: still refused, before planning.
+    one = TensorSpec("one", (2**30, 2**30), torch.float32, split_dim=0)
+    with pytest.raises(PlanError, match="times 4 ranks"):
+        plan_reshard([one], Layout(1, 4, 1, (0, 1, 2, 3)), dst)
+    # A huge tensor that fits is planned with exact byte counts.
+    big = TensorSpec("big", (2**40, 2**10), torch.float32, split_dim=0)
+    plan = plan_reshard([big], src, dst)
+    assert plan.stats.total_bytes == big.nbytes == 2**52
+
+
+def test_native_planner_refuses_overflowing_input():
+    """_C.remap_plan is reachable directly: it checks its own byte counts too."""
+    import numpy as np
+
+    from nereus_comm import _C
+
+    node = np.zeros(1, dtype=np.int32)
+    args = [(1, 1, 1), node, (1, 1, 1), node, np.array([-1], dtype=np.int64)]
+    one = [np.array([2**40], np.int64), np.array([2**42], np.int64)]
+    rest = [np.zeros(1, np.int32), np.full(1, -1, np.int32), np.full(1, -1, np.int32)]
+    with pytest.raises(ValueError, match="2\\^63 - 1"):
+        _C.remap_plan(*args, *one, *rest)
+
+
+def test_plan_integers_are_checked():
+    a = TensorSpec("a", (4,), torch.float32, split_dim=0)
+    lay = Layout(1, 2, 1, (0, 1))
+    with pytest.raises(LayoutError, match="num_layers must be an int"):
+        plan_reshard([a], lay, lay, num_layers=1.5)
+    plan = plan_reshard([a], lay, lay)
+    for rank in (1.0, 1.7, True):
+        with pytest.raises(LayoutError, match="rank must be an int"):
+            plan.sends(rank)

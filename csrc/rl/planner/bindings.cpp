@@ -47,9 +47,13 @@ std::unique_ptr<Context> make_context(const F64& times,
                                       int64_t max_n, int64_t dpn, bool one_node) {
   const size_t S = layouts.size();
   check(S >= 1 && S <= 16, "between 1 and 16 stages");
+  for (const StageLayouts* l : layouts)
+    check(l != nullptr, "layouts must be StageLayouts, not None");
   check(phases.size() == S, "one phase per stage");
   for (int p : phases) check(p >= 0 && p < 3, "phases must be 0, 1 or 2");
-  check(r_i < int(S) && a_i < int(S), "stage index out of range");
+  check(r_i >= -1 && r_i < int(S) && a_i >= -1 && a_i < int(S),
+        "r_i and a_i must be stage indices or -1 (absent)");
+  check(cap >= 0, "cap must be >= 0");
   check(max_n >= 1 && dpn >= 1, "max_n and devices per node must be >= 1");
   size_t total = 0;
   for (const StageLayouts* l : layouts) total += l->mem.size();
@@ -72,8 +76,10 @@ std::unique_ptr<Context> make_context(const F64& times,
 
 PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::vector<int>> masks,
                           int N) {
-  check(idx.ndim() == 2 && idx.shape(0) <= 16, "idx must be (S, rows), S <= 16");
+  check(idx.ndim() == 2 && idx.shape(0) >= 1 && idx.shape(0) <= 16,
+        "idx must be (S, rows), 1 <= S <= 16");
   check(starts.ndim() == 1 && size_t(starts.size()) == masks.size(), "one start per partition");
+  check(N >= 1 && N <= (1 << 30), "N must be in 1..2^30 devices");
   PartitionIndex pb;
   pb.S = int(idx.shape(0));
   pb.N = N;
@@ -82,6 +88,21 @@ PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::ve
   const int64_t R = idx.shape(1);
   const int64_t* ix = idx.data();
   const int64_t* st = starts.data();
+  // Every read below stays inside idx: starts ascend within [0, R], each partition's
+  // groups are at most S disjoint, non-empty stage masks covering all S stages.
+  const int full = (1 << pb.S) - 1;
+  for (size_t o = 0; o < masks.size(); ++o) {
+    const int64_t end = o + 1 < masks.size() ? st[o + 1] : R;
+    check(st[o] >= 0 && st[o] <= end && end <= R, "starts must ascend within [0, rows]");
+    check(!masks[o].empty() && masks[o].size() <= size_t(pb.S), "each partition needs 1..S groups");
+    int seen = 0;
+    for (int m : masks[o]) {
+      check(m > 0 && m <= full && (seen & m) == 0,
+            "a partition's masks must be disjoint, non-empty subsets of the S stages");
+      seen |= m;
+    }
+    check(seen == full, "a partition's masks must cover all S stages");
+  }
   // Keep only each row's real groups: the other columns of idx point at the empty subset.
   for (size_t o = 0; o < masks.size(); ++o) {
     pb.begin.push_back(int64_t(pb.gj.size()));
@@ -91,7 +112,7 @@ PartitionIndex make_index(const I64& idx, const I64& starts, std::vector<std::ve
       int32_t from = -1;
       for (size_t c = 0; c < k; ++c) {
         const int64_t flat = ix[c * R + r];
-        check(flat / pb.L == masks[o][c], "idx does not match the partitions' masks");
+        check(flat >= 0 && flat / pb.L == masks[o][c], "idx does not match the partitions' masks");
         pb.gj.push_back(uint8_t(flat % pb.L));
         if (from < 0 && (r == st[o] || flat != ix[c * R + r - 1])) from = int32_t(c);
       }

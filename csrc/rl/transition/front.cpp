@@ -32,6 +32,40 @@ class Names {
   std::unordered_map<std::string, int> by_value_;
 };
 
+// Input checks: the reads below use CPython's unchecked macros (PyTuple_GET_ITEM,
+// PySequence_Fast_GET_ITEM), so every object is checked for its type first and a
+// malformed input raises TypeError/ValueError instead of reading out of bounds.
+std::string type_name(PyObject* o) { return Py_TYPE(o)->tp_name; }
+
+void need_tuple(PyObject* o, const std::string& what, Py_ssize_t min_size = 0) {
+  if (!PyTuple_Check(o)) throw py::type_error(what + " must be a tuple, got " + type_name(o));
+  if (PyTuple_GET_SIZE(o) < min_size)
+    throw py::value_error(what + " must have at least " + std::to_string(min_size) +
+                          " fields, got " + std::to_string(PyTuple_GET_SIZE(o)));
+}
+
+void need_str(PyObject* o, const std::string& what) {
+  if (!PyUnicode_Check(o)) throw py::type_error(what + " must be a str, got " + type_name(o));
+}
+
+// A tp or pp degree: an int (not a bool) in 1..2^20.
+int degree(PyObject* o, const std::string& what) {
+  if (!PyIndex_Check(o) || PyBool_Check(o))
+    throw py::type_error(what + " must be an int, got " + type_name(o));
+  const long v = PyLong_AsLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (v < 1 || v > (1 << 20))
+    throw py::value_error(what + " must be in 1..2^20, got " + std::to_string(v));
+  return int(v);
+}
+
+bool truth(PyObject* o) {
+  const int t = PyObject_IsTrue(o);
+  if (t < 0) throw py::error_already_set();
+  return t != 0;
+}
+
+// A plan stage's fields, type-checked: units a tuple of device lists or tuples.
 PlanStage plan_stage(py::handle sp, py::list* keep) {
   PlanStage p{};
   PyObject** slots[6] = {&p.stage, &p.model, &p.trains, &p.tp, &p.pp, &p.units};
@@ -41,7 +75,32 @@ PlanStage plan_stage(py::handle sp, py::list* keep) {
     if (!*slots[i]) throw py::error_already_set();
     keep->append(py::reinterpret_steal<py::object>(*slots[i]));
   }
+  need_str(p.stage, "a plan stage's stage");
+  need_str(p.model, "a plan stage's model");
+  degree(p.tp, "a plan stage's tp");
+  degree(p.pp, "a plan stage's pp");
+  need_tuple(p.units, "a plan stage's units");
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p.units); ++i) {
+    PyObject* devs = PyTuple_GET_ITEM(p.units, i);
+    if (!PyList_Check(devs) && !PyTuple_Check(devs))
+      throw py::type_error("a plan stage's unit devices must be a tuple or list, got " +
+                           type_name(devs));
+  }
   return p;
+}
+
+// A current unit: a tuple of at least kDevices + 1 fields, uid/stage/model str, tp/pp
+// degrees, devices a tuple or list.
+void check_unit(PyObject* u) {
+  need_tuple(u, "a current unit", kDevices + 1);
+  need_str(PyTuple_GET_ITEM(u, kUid), "a unit's uid");
+  need_str(PyTuple_GET_ITEM(u, kStage), "a unit's stage");
+  need_str(PyTuple_GET_ITEM(u, kModel), "a unit's model");
+  degree(PyTuple_GET_ITEM(u, kTp), "a unit's tp");
+  degree(PyTuple_GET_ITEM(u, kPp), "a unit's pp");
+  PyObject* devs = PyTuple_GET_ITEM(u, kDevices);
+  if (!PyList_Check(devs) && !PyTuple_Check(devs))
+    throw py::type_error("a unit's devices must be a tuple or list, got " + type_name(devs));
 }
 
 template <typename V>
@@ -88,6 +147,10 @@ std::string_view utf8(PyObject* s) {
 
 void NativeDag::front(py::object current, bool plan, py::tuple target, py::object devices,
                       py::list lost, py::object cls) {
+  if (!PyType_Check(cls.ptr()) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls.ptr()), &PyTuple_Type))
+    throw py::type_error("unit_cls must be a tuple subclass (the Unit named tuple), got " +
+                         type_name(cls.ptr()));
   from_plan = plan;
   unit_cls = cls;
   Names stage_ids(&stages), model_ids(&models);
@@ -114,8 +177,8 @@ void NativeDag::front(py::object current, bool plan, py::tuple target, py::objec
       const PlanStage& p = cur_plans.back();
       Py_ssize_t n = PyTuple_GET_SIZE(p.units);
       int s = stage_ids.id(p.stage), model = model_ids.id(p.model);
-      bool trains = PyObject_IsTrue(p.trains);
-      int tp = int(PyLong_AsLong(p.tp)), pp = int(PyLong_AsLong(p.pp));
+      bool trains = truth(p.trains);
+      int tp = degree(p.tp, "tp"), pp = degree(p.pp, "pp");
       U.reserve(U.size() + n);
       for (Py_ssize_t i = 0; i < n; ++i) {
         add_unit(s, model, trains, tp, pp, PyTuple_GET_ITEM(p.units, i));
@@ -125,15 +188,16 @@ void NativeDag::front(py::object current, bool plan, py::tuple target, py::objec
       count_of[s] = int(n);
     }
   } else {
+    need_tuple(current.ptr(), "current (units)");
     auto units = py::reinterpret_borrow<py::tuple>(current);
+    for (auto o : units) check_unit(o.ptr());
     uids.reserve(units.size() * 2);
     for (auto o : units) {
       PyObject* u = o.ptr();
       uids.insert(utf8(PyTuple_GET_ITEM(u, kUid)));
       add_unit(stage_ids.id(PyTuple_GET_ITEM(u, kStage)), model_ids.id(PyTuple_GET_ITEM(u, kModel)),
-               PyObject_IsTrue(PyTuple_GET_ITEM(u, kTrains)),
-               int(PyLong_AsLong(PyTuple_GET_ITEM(u, kTp))),
-               int(PyLong_AsLong(PyTuple_GET_ITEM(u, kPp))), PyTuple_GET_ITEM(u, kDevices));
+               truth(PyTuple_GET_ITEM(u, kTrains)), degree(PyTuple_GET_ITEM(u, kTp), "tp"),
+               degree(PyTuple_GET_ITEM(u, kPp), "pp"), PyTuple_GET_ITEM(u, kDevices));
       objs.push_back(new_ref(u));
     }
   }
@@ -143,9 +207,9 @@ void NativeDag::front(py::object current, bool plan, py::tuple target, py::objec
     TargetStage t;
     t.stage = stage_ids.id(p.stage);
     t.model = model_ids.id(p.model);
-    t.trains = PyObject_IsTrue(p.trains);
-    t.tp = int(PyLong_AsLong(p.tp));
-    t.pp = int(PyLong_AsLong(p.pp));
+    t.trains = truth(p.trains);
+    t.tp = degree(p.tp, "tp");
+    t.pp = degree(p.pp, "pp");
     t.units.resize(PyTuple_GET_SIZE(p.units));
     for (size_t j = 0; j < t.units.size(); ++j)
       read_devices(PyTuple_GET_ITEM(p.units, j), device_index, &t.units[j]);

@@ -42,6 +42,9 @@ class Devices {
  public:
   Devices(py::list* objs, std::vector<int64_t>* ids) : objs_(objs), ids_(ids) {}
   int id(PyObject* o) {
+    // A device is an int: a bool or a float is a caller's mistake, not device 0/1.
+    if (!PyIndex_Check(o) || PyBool_Check(o))
+      throw py::type_error(std::string("a device must be an int, got ") + Py_TYPE(o)->tp_name);
     long long v = PyLong_AsLongLong(o);
     if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
     if (v >= 0 && v < (1 << 20)) {
