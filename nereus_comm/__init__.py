@@ -28,6 +28,7 @@ from nereus_comm.errors import (
     NcclNotFoundError,
     NereusCommError,
     PackError,
+    PeerLostError,
     PeerTimeoutError,
     PlanError,
     PoolError,
@@ -65,7 +66,7 @@ from nereus_comm.reshard import (
     shards_from_full,
 )
 from nereus_comm.specs import transformer_state_specs
-from nereus_comm.transport import GlooTransport, NcclTransport, Transport
+from nereus_comm.transport import GlooTransport, Liveness, NcclTransport, Transport
 from nereus_comm.transport_shm import ShmTransport
 from nereus_comm.world import World
 
@@ -83,6 +84,7 @@ __all__ = [
     "GlooTransport",
     "Layout",
     "LayoutError",
+    "Liveness",
     "MembershipError",
     "NcclBackend",
     "NcclError",
@@ -91,6 +93,7 @@ __all__ = [
     "NereusCommError",
     "PackError",
     "PageMoves",
+    "PeerLostError",
     "PeerTimeoutError",
     "PlanError",
     "PoolBackend",

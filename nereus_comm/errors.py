@@ -6,6 +6,7 @@ know the standard library still catch them.
 """
 
 import operator
+from collections.abc import Iterable
 
 
 class NereusCommError(Exception):
@@ -34,6 +35,22 @@ class TransportError(NereusCommError, RuntimeError):
 
 class PeerTimeoutError(TransportError, TimeoutError):
     """A peer did not answer in time (it may have died). The message names the peer."""
+
+
+class PeerLostError(PeerTimeoutError):
+    """A rank of the exchange's group is known dead (from ``liveness``): the wait ended early.
+
+    ``rank`` is the dead rank named first (the lowest); ``ranks`` all those known dead.
+    The transport is broken, as after a timeout: form a new group without them.
+    """
+
+    def __init__(self, message: str, ranks: Iterable[int]) -> None:
+        super().__init__(message)
+        self.ranks: tuple[int, ...] = tuple(sorted(ranks))
+        self.rank: int = self.ranks[0]
+
+    def __reduce__(self):  # pickled across processes with its ranks
+        return (type(self), (str(self), self.ranks))
 
 
 class NcclNotFoundError(NereusCommError, RuntimeError):

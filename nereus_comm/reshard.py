@@ -62,7 +62,7 @@ from nereus_comm.reshard_program import (
     program,
     wire_groups,
 )
-from nereus_comm.transport import Transport, TransportArgumentError
+from nereus_comm.transport import Liveness, Transport, TransportArgumentError
 from nereus_comm.transport_cma import CmaRoute
 from nereus_comm.transport_shm import ShmTransport
 
@@ -240,6 +240,15 @@ def _cma_for(transport: Transport) -> CmaRoute:
     return _route_state(_CMA, CmaRoute, transport)
 
 
+def _within(liveness: Liveness, members: frozenset[int]) -> Liveness:
+    """Liveness restricted to a plan's ranks (the transport's group may hold others)."""
+
+    def dead() -> frozenset[int]:
+        return frozenset(liveness()) & members
+
+    return dead
+
+
 def _take(buffers, chosen):
     """(the buffers not chosen, {peer: the chosen ones' slots in wire order}, {peer: their
     bytes}) for a predicate ``chosen(buffer)``."""
@@ -305,6 +314,7 @@ def reshard(
     workspace: Workspace | None = None,
     route: str = "auto",
     local_done: frozenset[int] = frozenset(),
+    liveness: Liveness | None = None,
 ) -> ReshardResult:
     """Move this rank's part of a reshard: local copies, pack, one batched exchange, unpack.
 
@@ -331,6 +341,14 @@ def reshard(
             route (and direct_min_bytes), as with the plan.
         local_done: indices into the plan's local copies on this rank that the caller
             made already (e.g. by moving pages, see :mod:`nereus_comm.remap`); skipped.
+        liveness: a callable returning the global ranks known dead now (e.g. from a
+            World's heartbeats; see :data:`nereus_comm.transport.Liveness`). Every wait
+            of the transport and shared-memory routes asks it every
+            LIVENESS_POLL_S and, once a rank of this plan (source or destination) is
+            dead, ends with PeerLostError naming it, however long ``timeout`` is; the
+            dead peer's shared-memory files are removed. A rank of the plan, not only a
+            peer of this one: a live peer may be stuck waiting on the dead one. None:
+            wait until done or ``timeout``.
 
     Returns:
         The destination shards and what was measured.
@@ -344,6 +362,8 @@ def reshard(
         TransportError: a cross-memory-attach read failed (both ends raise; those
             peers take the fallback route from then on).
         PeerTimeoutError: a peer did not complete within ``timeout`` (names the peer).
+        PeerLostError: ``liveness`` reported a rank of the plan dead (names it; a
+            PeerTimeoutError).
     """
     if route not in ROUTES:
         raise TransportArgumentError(f"route must be one of {ROUTES}, got {route!r}")
@@ -383,6 +403,9 @@ def reshard(
             name: torch.empty(shape, dtype=dtype, device=device)
             for name, (shape, dtype) in prog.dst_expected.items()
         }
+
+    if liveness is not None:
+        liveness = _within(liveness, frozenset(src.ranks) | frozenset(dst.ranks))
 
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
@@ -427,7 +450,12 @@ def reshard(
         if shm_send or shm_recv or route == "shm":
             shm = _shm_for(transport)
             shm_sends, shm_recvs = shm.prepare(
-                shm_send, shm_recv, timeout=timeout, require=route == "shm", control=transport
+                shm_send,
+                shm_recv,
+                timeout=timeout,
+                require=route == "shm",
+                control=transport,
+                liveness=liveness,
             )
     sends, shm_send_slots, shm_send_bytes = _take(sends, lambda b: b.peer in shm_sends)
     recvs, shm_recv_slots, shm_recv_bytes = _take(recvs, lambda b: b.peer in shm_recvs)
@@ -450,7 +478,7 @@ def reshard(
     packed_at = time.perf_counter()
 
     # The local copies and the shared-memory messages run while the bytes are on the wire.
-    pending = transport.start(send_bufs, recv_bufs, timeout=timeout)
+    pending = transport.start(send_bufs, recv_bufs, timeout=timeout, liveness=liveness)
     for peer, slots in shm_send_slots.items():
         # The pack is the send: straight from the shards into the peer's segment.
         regions = [_region(sl, tensors) for sl in slots]
@@ -460,6 +488,7 @@ def reshard(
             lambda view, regions=regions: pack(regions, out=view),
             deadline=deadline,
             timeout=timeout,
+            liveness=liveness,
         )
     read = {}
     for peer, slots in cma_recv_slots.items():
@@ -484,6 +513,7 @@ def reshard(
             lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
             deadline=deadline,
             timeout=timeout,
+            liveness=liveness,
         )
     if cma_send_slots or cma_recv_slots:
         # Our sources must stay untouched until every peer reading them is done.

@@ -26,13 +26,14 @@ import datetime
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from nereus_comm.errors import (
+    PeerLostError,
     PeerTimeoutError,
     TensorMismatchError,
     TransportArgumentError,
@@ -42,8 +43,11 @@ from nereus_comm.nccl import NCCL_IN_PROGRESS
 
 __all__ = [
     "GLOO_CHUNK_BYTES",
+    "LIVENESS_POLL_S",
     "GlooTransport",
+    "Liveness",
     "NcclTransport",
+    "PeerLostError",
     "PendingExchange",
     "Transport",
     "TransportArgumentError",
@@ -54,6 +58,55 @@ Buffers = Sequence[tuple[int, torch.Tensor]]
 
 #: GlooTransport splits larger buffers into chunks of this size (see its docstring).
 GLOO_CHUNK_BYTES = 16 << 20
+
+#: What an exchange asks about peers' deaths: a callable returning the global ranks
+#: known dead now (e.g. from a World's heartbeats). It is called every
+#: :data:`LIVENESS_POLL_S` while an exchange waits, so it must be cheap and never block.
+Liveness = Callable[[], Iterable[int]]
+
+#: Seconds between two liveness questions while an exchange waits.
+LIVENESS_POLL_S = 0.05
+
+
+def dead_among(liveness: Liveness | None, ranks: Iterable[int]) -> frozenset[int]:
+    """The ranks of ``ranks`` that ``liveness`` reports dead (none without liveness)."""
+    if liveness is None:
+        return frozenset()
+    return frozenset(int(r) for r in liveness()) & frozenset(ranks)
+
+
+def await_lost(liveness: Liveness | None, ranks: Iterable[int], deadline: float) -> frozenset[int]:
+    """The ranks of ``ranks`` liveness reports dead, asking until one is or ``deadline``.
+
+    For a failure that says a peer is gone before liveness does (a closed
+    connection): the error should name the dead rank, which liveness learns within
+    its own bound. Without liveness: none, at once.
+    """
+    ranks = frozenset(ranks)
+    while liveness is not None:
+        lost = dead_among(liveness, ranks)
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(LIVENESS_POLL_S)
+    return frozenset()
+
+
+def lost_error(rank: int, lost: Iterable[int], waited_on: Iterable[int], how: str) -> PeerLostError:
+    """The PeerLostError of ``rank`` for dead ``lost`` while it waited on ``waited_on``."""
+    lost = sorted(lost)
+    waited = sorted(set(waited_on))
+    also = sorted(set(waited) - set(lost))
+    tail = (
+        f"; it also waited on live peers {_peer_list(also)}, which may be waiting on the dead"
+        if also
+        else ""
+    )
+    return PeerLostError(
+        f"rank {rank}: rank{'s' if len(lost) > 1 else ''} {_peer_list(lost)} died during the "
+        f"exchange ({how}){tail}. Form a new group without "
+        f"{'them' if len(lost) > 1 else 'it'}.",
+        lost,
+    )
 
 
 @dataclass
@@ -90,27 +143,48 @@ class Transport(ABC):
         self.stats = TransportStats()
         self._broken: str | None = None
 
-    def exchange(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> None:
+    def exchange(
+        self,
+        sends: Buffers,
+        recvs: Buffers,
+        *,
+        timeout: float,
+        liveness: Liveness | None = None,
+    ) -> None:
         """Send and receive all buffers as one batch and wait until all are done.
 
-        The same as ``start(sends, recvs, timeout=timeout).wait()``.
+        The same as ``start(sends, recvs, timeout=timeout, liveness=liveness).wait()``.
 
         Arguments:
             sends: ``(peer, tensor)`` per outgoing buffer (global ranks).
             recvs: ``(peer, tensor)`` per incoming buffer, written in place.
             timeout: seconds to wait for the whole batch.
+            liveness: asked every :data:`LIVENESS_POLL_S` while waiting (see
+                :data:`Liveness`): once a rank of this transport's group is reported
+                dead, the wait ends with PeerLostError. Any rank of the group, not only
+                this batch's peers: a live peer may be waiting on the dead one, so the
+                group as a whole is broken. None: wait until done or ``timeout``.
 
         Raises:
             TransportArgumentError: a peer is not reachable, is this rank, or the
                 transport broke earlier (a peer timed out); raised before posting.
             TensorMismatchError: a tensor is not contiguous or on the wrong device.
+            PeerLostError: ``liveness`` reported a rank of the group dead; names it.
             PeerTimeoutError: some transfers had not finished after ``timeout``
-                seconds; the message names those peers. The transport is then broken
+                seconds; the message names those peers (those also known dead, when
+                liveness knows some, as PeerLostError). The transport is then broken
                 (the connection to a silent peer is closed): build a new one.
         """
-        self.start(sends, recvs, timeout=timeout).wait()
+        self.start(sends, recvs, timeout=timeout, liveness=liveness).wait()
 
-    def start(self, sends: Buffers, recvs: Buffers, *, timeout: float) -> PendingExchange:
+    def start(
+        self,
+        sends: Buffers,
+        recvs: Buffers,
+        *,
+        timeout: float,
+        liveness: Liveness | None = None,
+    ) -> PendingExchange:
         """Post the batch and return at once; ``.wait()`` on the result completes it.
 
         Lets a caller overlap its own work (e.g. local copies) with the transfers.
@@ -128,7 +202,7 @@ class Transport(ABC):
         sends = self._checked(sends, "send")
         recvs = self._checked(recvs, "recv")
         started = time.perf_counter()
-        state = self._post(sends, recvs, timeout)
+        state = self._post(sends, recvs, timeout, liveness)
         return PendingExchange(self, state, sends, recvs, started)
 
     def _checked(self, buffers: Buffers, kind: str) -> list[tuple[int, torch.Tensor]]:
@@ -169,8 +243,9 @@ class Transport(ABC):
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         timeout: float,
+        liveness: Liveness | None,
     ) -> object:
-        """Post the validated, non-empty batch; return what ``_wait`` needs."""
+        """Post the validated, non-empty batch; return what ``_wait`` needs (liveness too)."""
 
     @abstractmethod
     def _wait(self, state: object) -> None:
@@ -332,7 +407,7 @@ class GlooTransport(Transport):
         op = self.group.recv if kind == "recv from" else self.group.send
         return op([chunk], self._index[peer], 0)
 
-    def _post(self, sends, recvs, timeout):
+    def _post(self, sends, recvs, timeout, liveness):
         deadline = time.monotonic() + timeout
         pending: list[tuple[str, int, dist.Work]] = []
         try:
@@ -343,15 +418,21 @@ class GlooTransport(Transport):
                         pending.append((kind, peer, self._post_one(kind, peer, chunk)))
         except RuntimeError as e:  # a pair closed earlier: the peer is gone
             self._break(f"posting failed: {e}")
+            lost = await_lost(liveness, self.ranks, deadline)
+            if lost:
+                waited = {p for p, _ in (*sends, *recvs)}
+                raise lost_error(self.rank, lost, waited, "a connection closed") from e
             raise PeerTimeoutError(
                 f"could not post transfers (a peer's connection is closed): {e}"
             ) from e
-        return pending, deadline, timeout
+        return pending, deadline, timeout, liveness
 
-    def _wait(self, state) -> None:
-        pending, deadline, timeout = state
+    @staticmethod
+    def _wait_works(pending, deadline: float, stop=None) -> dict[tuple[str, int], str]:
         failed: dict[tuple[str, int], str] = {}
         for what, peer, work in pending:
+            if stop is not None and stop.is_set():
+                break
             # Work.is_completed() also reports True for timed-out work, so the
             # outcome of each wait is the only truth about what is still pending.
             left = max(deadline - time.monotonic(), 0.001)
@@ -359,9 +440,62 @@ class GlooTransport(Transport):
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as e:
                 failed.setdefault((what, peer), str(e).splitlines()[-1])
+        return failed
+
+    def _wait_watching(self, pending, deadline: float, liveness: Liveness, started: float):
+        """_wait_works on a helper thread while this one asks liveness.
+
+        A gloo Work has no abort and no non-blocking completion test from Python
+        (is_completed() turns true only once a wait returned), and a wait that times
+        out closes every pair of the group. So one thread makes the usual blocking
+        waits, this one polls liveness; on a death it makes a 1 ms wait time out, which
+        closes the group's pairs and ends the helper's wait at once. (Should a wait
+        outlive that, the daemon helper ends by the deadline; its Work objects keep
+        their buffers alive until then.)
+        """
+        result: dict[tuple[str, int], str] = {}
+        done, stop = threading.Event(), threading.Event()
+
+        def run() -> None:
+            try:
+                result.update(self._wait_works(pending, deadline, stop))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="nereus-gloo-wait", daemon=True).start()
+        while not done.wait(LIVENESS_POLL_S):
+            lost = dead_among(liveness, self.ranks)
+            if not lost:
+                continue
+            stop.set()
+            for _, _, work in reversed(pending):
+                if done.is_set():
+                    break
+                try:
+                    work.wait(datetime.timedelta(milliseconds=1))
+                except RuntimeError:
+                    break
+            done.wait(0.2)  # the helper's wait usually ends at once; never wait long
+            self._break(f"ranks {_peer_list(lost)} died")
+            waited = {p for _, p, _ in pending}
+            how = f"known from liveness after {time.perf_counter() - started:.2f} s"
+            raise lost_error(self.rank, lost, waited, how)
+        return result
+
+    def _wait(self, state) -> None:
+        pending, deadline, timeout, liveness = state
+        if liveness is None:
+            failed = self._wait_works(pending, deadline)
+        else:
+            failed = self._wait_watching(pending, deadline, liveness, time.perf_counter())
         if failed:
             peers = [p for _, p in failed]
             self._break(f"peers {_peer_list(peers)} timed out")
+            # A closed connection fails at once, maybe before liveness knows; and the
+            # dead are the ones to name, not the live ones they held up.
+            lost = await_lost(liveness, self.ranks, deadline)
+            if lost:
+                raise lost_error(self.rank, lost, peers, "its transfers failed")
             detail = "; ".join(f"{w} {p}" for w, p in failed)
             first = next(iter(failed.values()))
             raise PeerTimeoutError(
@@ -441,7 +575,7 @@ class NcclTransport(Transport):
     def __repr__(self) -> str:
         return f"NcclTransport(rank={self.rank}, ranks={list(self.ranks)}, device={self.device})"
 
-    def _post(self, sends, recvs, timeout):
+    def _post(self, sends, recvs, timeout, liveness):
         for peer, t in (*sends, *recvs):
             if t.device != self.device:
                 raise TensorMismatchError(
@@ -483,11 +617,18 @@ class NcclTransport(Transport):
             )
         done = torch.cuda.Event()
         done.record(stream)
-        return done, deadline, peers, timeout
+        return done, deadline, peers, timeout, liveness
 
     def _wait(self, state) -> None:
-        done, deadline, peers, timeout = state
+        done, deadline, peers, timeout, liveness = state
+        next_check = time.monotonic() + LIVENESS_POLL_S
         while not done.query():
+            if liveness is not None and time.monotonic() > next_check:
+                next_check = time.monotonic() + LIVENESS_POLL_S
+                lost = dead_among(liveness, self.ranks)
+                if lost:
+                    self.abort()
+                    raise lost_error(self.rank, lost, peers, "known from liveness")
             code = self.lib.comm_get_async_error(self.comm)
             if code not in (0, NCCL_IN_PROGRESS):
                 self.abort()

@@ -41,8 +41,18 @@ Limits
     message's bytes in /dev/shm until :meth:`ShmTransport.close` (or garbage
     collection, or exit). Publication relies on x86-64 store order (the copy threads
     are joined and a lock round trip is a full barrier before the counter store);
-    other architectures are untested. A process killed between creating a segment
-    and its peer mapping it (one setup round) leaves that file in /dev/shm.
+    other architectures are untested.
+
+Dead peers
+    Given ``liveness`` (see :data:`nereus_comm.transport.Liveness`), every wait asks
+    it every LIVENESS_POLL_S and ends with PeerLostError naming the dead rank as soon
+    as a rank of the group is dead (a live peer may be stuck on the dead one). A
+    segment's file name carries its creator's pid namespace and pid
+    (``nereus-shm-<pidns>-<pid>-r<rank>to<peer>-<random>``), and every setup record
+    the sender's pid: the survivor that learns of a death removes the dead peer's
+    files, and each segment round and close() removes any file of this pid namespace
+    whose creator is gone, so a process killed between creating a segment and its
+    peer mapping it leaves nothing behind for long.
 """
 
 from __future__ import annotations
@@ -60,7 +70,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from nereus_comm.errors import PeerTimeoutError, TransportArgumentError, TransportError
-from nereus_comm.transport import Transport
+from nereus_comm.transport import (
+    LIVENESS_POLL_S,
+    Liveness,
+    PeerLostError,
+    Transport,
+    dead_among,
+    lost_error,
+)
 
 __all__ = ["HOST_ENV", "SHM_DIR", "ShmTransport", "host_identity"]
 
@@ -69,15 +86,91 @@ SHM_DIR = "/dev/shm"
 #: Set to any string to override the host identity (processes with different
 #: values never share memory; e.g. to keep a process on gloo, or in tests).
 HOST_ENV = "NEREUS_SHM_HOST"
-#: Segment file names start with this, then the creating pid.
+#: Segment file names start with this, then the creator's pid namespace and pid.
 NAME_PREFIX = "nereus-shm-"
 
 _HEADER = 128  # ready counter at byte 0, done counter at byte 64: separate cache lines
 _READY, _DONE = 0, 8  # their indices in the header as int64
-_RECORD = 128  # setup record: magic, host digest, size, segment name
-_MAGIC = b"NRSHM001"
+_RECORD = 192  # setup record: magic, host digest, size, pid namespace, pid, segment name
+_MAGIC = b"NRSHM002"
 _NO_HOST = bytes(32)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+#: This process's pid namespace: pids in segment names are only compared within it.
+_PIDNS = _pid_namespace()
+
+
+def owner_prefix(pid: int, pidns: int = _PIDNS) -> str:
+    """The file-name prefix of every segment created by process ``pid``."""
+    return f"{NAME_PREFIX}{pidns}-{pid}-"
+
+
+def _owner(name: str) -> tuple[int, int] | None:
+    """(pid namespace, pid) of a segment file's creator, from its name."""
+    parts = name[len(NAME_PREFIX) :].split("-")
+    if not name.startswith(NAME_PREFIX) or len(parts) < 3:
+        return None
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return state in ("Z", "X")  # a killed child its parent has not reaped yet
+
+
+def remove_segments(prefix: str) -> list[str]:
+    """Unlink every file in SHM_DIR whose name starts with ``prefix``; their names."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink the segment files of this pid namespace whose creator is gone; their names.
+
+    A file lives in SHM_DIR only between its creation and its peer mapping it, so a
+    file whose creator died is an orphan no one will map. Without /proc (no pid
+    namespace known) nothing is removed: no process could be told dead.
+    """
+    removed: list[str] = []
+    if not _PIDNS:
+        return removed
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        owner = _owner(name)
+        if owner is not None and owner[0] == _PIDNS and _process_gone(owner[1]):
+            removed += remove_segments(name)
+    return removed
 
 
 def host_identity() -> str | None:
@@ -152,16 +245,32 @@ def _close_all(*segment_maps: dict[int, _Segment]) -> None:
         segments.clear()
 
 
+def _release(*segment_maps: dict[int, _Segment]) -> None:
+    """A ShmTransport's end (close, garbage collection, exit): its segments, and orphans."""
+    _close_all(*segment_maps)
+    sweep_orphans()
+
+
 def _record(host: bytes, nbytes: int = 0, name: str = "") -> torch.Tensor:
-    raw = _MAGIC + host + nbytes.to_bytes(8, "little") + name.encode()
+    raw = (
+        _MAGIC
+        + host
+        + nbytes.to_bytes(8, "little")
+        + _PIDNS.to_bytes(8, "little")
+        + os.getpid().to_bytes(8, "little")
+        + name.encode()
+    )
+    assert len(raw) <= _RECORD, "a segment name too long for the setup record"
     return torch.frombuffer(bytearray(raw.ljust(_RECORD, b"\0")), dtype=torch.uint8)
 
 
-def _parse(rec: torch.Tensor, peer: int) -> tuple[bytes, int, str]:
+def _parse(rec: torch.Tensor, peer: int) -> tuple[bytes, int, str, tuple[int, int]]:
+    """(host digest, bytes, segment name, (pid namespace, pid)) of a peer's record."""
     raw = bytes(rec.numpy())
     if raw[:8] != _MAGIC:
         raise TransportError(f"peer {peer} sent no shared-memory setup record: different code?")
-    return raw[8:40], int.from_bytes(raw[40:48], "little"), raw[48:].rstrip(b"\0").decode()
+    owner = (int.from_bytes(raw[48:56], "little"), int.from_bytes(raw[56:64], "little"))
+    return raw[8:40], int.from_bytes(raw[40:48], "little"), raw[64:].rstrip(b"\0").decode(), owner
 
 
 class ShmTransport(Transport):
@@ -198,6 +307,7 @@ class ShmTransport(Transport):
         ident = host_identity()
         self.host = hashlib.sha256(ident.encode()).digest() if ident else _NO_HOST
         self._hosts: dict[int, bytes] = {}  # peer -> its host digest
+        self._owners: dict[int, tuple[int, int]] = {}  # peer -> (its pid namespace, pid)
         self._out: dict[int, _Segment] = {}  # peer -> the segment this rank writes
         self._in: dict[int, _Segment] = {}  # peer -> the segment this rank reads
         # Largest size each direction ever asked for (both sides keep the same numbers,
@@ -207,7 +317,7 @@ class ShmTransport(Transport):
         self.setup_rounds = 0
         self.setup_bytes = 0  # sent through the control transport for setup
         self._barrier = threading.Lock()
-        self._finalizer = weakref.finalize(self, _close_all, self._out, self._in)
+        self._finalizer = weakref.finalize(self, _release, self._out, self._in)
 
     def __repr__(self) -> str:
         return (
@@ -222,18 +332,44 @@ class ShmTransport(Transport):
 
     # -- setup -------------------------------------------------------------------
 
-    def _swap(self, records: dict[int, torch.Tensor], control: Transport, timeout: float):
+    def _swap(
+        self,
+        records: dict[int, torch.Tensor],
+        control: Transport,
+        timeout: float,
+        liveness: Liveness | None,
+    ):
         peers = sorted(records)
         got = {p: torch.empty(_RECORD, dtype=torch.uint8) for p in peers}
         try:
-            control.exchange([(p, records[p]) for p in peers], list(got.items()), timeout=timeout)
-        except BaseException:
+            control.exchange(
+                [(p, records[p]) for p in peers],
+                list(got.items()),
+                timeout=timeout,
+                liveness=liveness,
+            )
+        except BaseException as e:
             # The peers may have seen a different round: this state is no longer shared.
             self._break(f"a setup round with peers {peers} failed")
+            if isinstance(e, PeerLostError):
+                self._lost(e.ranks)
+            else:  # a peer that died in its segment round may have left its new file
+                sweep_orphans()
             raise
         self.setup_rounds += 1
         self.setup_bytes += _RECORD * len(peers)
-        return {p: _parse(got[p], p) for p in peers}
+        out = {p: _parse(got[p], p) for p in peers}
+        self._owners.update({p: rec[3] for p, rec in out.items()})
+        return out
+
+    def _lost(self, ranks) -> None:
+        """Ranks died: unmap every segment and remove the files the dead left behind."""
+        _close_all(self._out, self._in)
+        for r in ranks:
+            owner = self._owners.get(r)
+            if owner is not None:
+                remove_segments(owner_prefix(owner[1], owner[0]))
+        sweep_orphans()
 
     def prepare(
         self,
@@ -243,6 +379,7 @@ class ShmTransport(Transport):
         timeout: float,
         require: bool = False,
         control: Transport | None = None,
+        liveness: Liveness | None = None,
     ) -> tuple[frozenset[int], frozenset[int]]:
         """Make segments for the coming exchanges (collective with the peers named).
 
@@ -254,6 +391,7 @@ class ShmTransport(Transport):
             timeout: seconds for the setup rounds.
             require: raise unless every direction can go through shared memory.
             control: the transport for setup records (default: the constructor's).
+            liveness: ends a setup round early when a rank dies (see the module doc).
 
         Returns:
             (peers to send to, peers to receive from) through shared memory; the
@@ -264,6 +402,7 @@ class ShmTransport(Transport):
                 another host or /dev/shm has no room (after the setup rounds, before
                 any data moves).
             PeerTimeoutError: a peer did not take part in a setup round in time.
+            PeerLostError: ``liveness`` reported a rank of the group dead.
         """
         self._check_usable()
         control = control or self._control()
@@ -277,8 +416,8 @@ class ShmTransport(Transport):
         peers = sorted(set(send) | set(recv))
         unknown = [p for p in peers if p not in self._hosts]
         if unknown:
-            got = self._swap({p: _record(self.host) for p in unknown}, control, timeout)
-            self._hosts.update({p: host for p, (host, _, _) in got.items()})
+            got = self._swap({p: _record(self.host) for p in unknown}, control, timeout, liveness)
+            self._hosts.update({p: rec[0] for p, rec in got.items()})
         due = [
             p
             for p in peers
@@ -289,7 +428,7 @@ class ShmTransport(Transport):
             )
         ]
         if due:
-            self._grow(due, send, control, timeout)
+            self._grow(due, send, control, timeout, liveness)
         send_shm = _fits(self._out, send)
         recv_shm = _fits(self._in, recv)
         if require:
@@ -305,7 +444,8 @@ class ShmTransport(Transport):
                 )
         return send_shm, recv_shm
 
-    def _grow(self, due: list[int], send: dict[int, int], control, timeout: float) -> None:
+    def _grow(self, due: list[int], send: dict[int, int], control, timeout, liveness) -> None:
+        sweep_orphans()  # files of processes that died in an earlier segment round
         created: dict[int, _Segment] = {}
         records = {}
         for p in due:
@@ -314,14 +454,14 @@ class ShmTransport(Transport):
                 records[p] = _record(self.host)
                 continue
             self._asked_out[p] = n
-            name = f"{NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            name = f"{owner_prefix(os.getpid())}r{self.rank}to{p}-{uuid.uuid4().hex[:12]}"
             try:
                 created[p] = _Segment(name, n, create=True)
                 records[p] = _record(self.host, n, name)
             except OSError:  # /dev/shm full or missing: this direction stays on control
                 records[p] = _record(self.host, n, "")
         try:
-            got = self._swap(records, control, timeout)
+            got = self._swap(records, control, timeout, liveness)
         except BaseException:
             _close_all(created)
             raise
@@ -330,7 +470,7 @@ class ShmTransport(Transport):
             if old is not None:
                 old.close()
             self._out[p] = seg
-        for p, (_, n, name) in got.items():
+        for p, (_, n, name, _) in got.items():
             if not n:
                 continue
             self._asked_in[p] = max(self._asked_in.get(p, 0), n)
@@ -361,13 +501,28 @@ class ShmTransport(Transport):
                 "one (over the next generation of the World's process group)"
             )
 
-    def _timeout(self, peers, what: str, timeout: float) -> PeerTimeoutError:
+    def _timeout(self, peers, what: str, timeout: float, liveness=None) -> PeerTimeoutError:
         self._break(f"peers {sorted(peers)} timed out")
+        lost = dead_among(liveness, peers)
+        if lost:  # the dead are the ones to name, not the live ones they held up
+            self._lost(lost)
+            return lost_error(self.rank, lost, peers, f"timed out after {timeout:g} s")
+        sweep_orphans()
         return PeerTimeoutError(
             f"rank {self.rank}: peers {', '.join(map(str, sorted(peers)))} did not {what} "
             f"within {timeout:g} s (shared memory). The peer may have died; form a new "
-            "group without it."
+            "group without it. (A live peer named here may itself be waiting on a dead "
+            "one: pass liveness= to learn which.)"
         )
+
+    def _check_alive(self, liveness: Liveness | None, peers, started: float) -> None:
+        """Raise PeerLostError (after removing the dead's files) if a rank is known dead."""
+        lost = dead_among(liveness, self.ranks)
+        if lost:
+            self._break(f"ranks {sorted(lost)} died")
+            self._lost(lost)
+            how = f"known from liveness after {time.monotonic() - started:.2f} s"
+            raise lost_error(self.rank, lost, peers, how)
 
     def _publish(self, seg: _Segment, index: int, value: int) -> None:
         # A lock round trip is a locked instruction: a full barrier on x86-64, so the
@@ -384,23 +539,27 @@ class ShmTransport(Transport):
         *,
         deadline: float,
         timeout: float,
+        liveness: Liveness | None = None,
     ) -> None:
         """Write one message to ``peer``: ``fill(view)`` writes ``nbytes`` into the segment.
 
         Waits (until ``deadline``, a time.monotonic() value) for the peer to have
         drained the previous message; ``timeout`` is only quoted in the error.
+        ``liveness`` ends the wait early when a rank dies (see the module doc).
 
         Raises:
             TransportArgumentError: no segment of ``nbytes`` to ``peer`` (call prepare).
             PeerTimeoutError: the previous message was not drained by the deadline.
+            PeerLostError: ``liveness`` reported a rank of the group dead.
         """
-        self._send(peer, nbytes, fill, deadline, timeout)
+        self._send(peer, nbytes, fill, deadline, timeout, liveness)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
 
-    def _send(self, peer, nbytes, fill, deadline, timeout) -> None:
+    def _send(self, peer, nbytes, fill, deadline, timeout, liveness=None) -> None:
         seg = self._segment(self._out, peer, nbytes, "to")
-        self._poll(lambda: seg.counters[_DONE] >= seg.seq, [peer], deadline, timeout, "drain")
+        ready = lambda: seg.counters[_DONE] >= seg.seq  # noqa: E731
+        self._poll(ready, [peer], deadline, timeout, "drain", liveness)
         fill(seg.data[:nbytes])
         seg.seq += 1
         self._publish(seg, _READY, seg.seq)
@@ -412,23 +571,28 @@ class ShmTransport(Transport):
         *,
         deadline: float,
         timeout: float,
+        liveness: Liveness | None = None,
     ) -> None:
         """Read one message from each peer of ``sizes``, in the order they arrive.
 
         ``drain(peer, view)`` must read the ``sizes[peer]`` bytes of ``view``; the
-        segment is handed back to the sender when it returns.
+        segment is handed back to the sender when it returns. ``liveness`` ends the
+        wait early when a rank dies (see the module doc).
 
         Raises:
             TransportArgumentError: no segment of that size from a peer (call prepare).
             PeerTimeoutError: messages still missing at the deadline (names the peers).
+            PeerLostError: ``liveness`` reported a rank of the group dead.
         """
-        self._receive(sizes, drain, deadline, timeout)
+        self._receive(sizes, drain, deadline, timeout, liveness)
         self.stats.messages_received += sum(1 for n in sizes.values() if n)
         self.stats.bytes_received += sum(sizes.values())
 
-    def _receive(self, sizes, drain, deadline, timeout) -> None:
+    def _receive(self, sizes, drain, deadline, timeout, liveness=None) -> None:
         waiting = {p: self._segment(self._in, p, n, "from") for p, n in sizes.items() if n}
         delay = 0.0
+        started = time.monotonic()
+        check_at = started + LIVENESS_POLL_S
         while waiting:
             ready = [p for p, seg in waiting.items() if seg.counters[_READY] > seg.seq]
             for p in ready:
@@ -439,8 +603,12 @@ class ShmTransport(Transport):
             if ready or not waiting:
                 delay = 0.0
                 continue
-            if time.monotonic() >= deadline:
-                raise self._timeout(waiting, "send their message", timeout)
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout(waiting, "send their message", timeout, liveness)
+            if liveness is not None and now >= check_at:
+                check_at = now + LIVENESS_POLL_S
+                self._check_alive(liveness, waiting, started)
             delay = _sleep(delay)
 
     def _segment(self, segments, peer: int, nbytes: int, direction: str) -> _Segment:
@@ -454,16 +622,22 @@ class ShmTransport(Transport):
             )
         return seg
 
-    def _poll(self, ready: Callable[[], bool], peers, deadline, timeout, what: str) -> None:
+    def _poll(self, ready: Callable[[], bool], peers, deadline, timeout, what, liveness) -> None:
         delay = 0.0
+        started = time.monotonic()
+        check_at = started + LIVENESS_POLL_S
         while not ready():
-            if time.monotonic() >= deadline:
-                raise self._timeout(peers, what, timeout)
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout(peers, what, timeout, liveness)
+            if liveness is not None and now >= check_at:
+                check_at = now + LIVENESS_POLL_S
+                self._check_alive(liveness, peers, started)
             delay = _sleep(delay)
 
     # -- the Transport interface ---------------------------------------------------
 
-    def _post(self, sends, recvs, timeout):
+    def _post(self, sends, recvs, timeout, liveness):
         deadline = time.monotonic() + timeout
         by_peer: dict[int, list[torch.Tensor]] = {}
         for p, t in sends:
@@ -473,18 +647,20 @@ class ShmTransport(Transport):
             into.setdefault(p, []).append(t)
         send_sizes = {p: sum(t.nbytes for t in ts) for p, ts in by_peer.items()}
         recv_sizes = {p: sum(t.nbytes for t in ts) for p, ts in into.items()}
-        self.prepare(send_sizes, recv_sizes, timeout=timeout, require=True)
+        self.prepare(send_sizes, recv_sizes, timeout=timeout, require=True, liveness=liveness)
         # PendingExchange.wait counts the buffers, so the uncounted _send/_receive.
         for p, ts in by_peer.items():
-            self._send(p, send_sizes[p], _copier(ts, into=True), deadline, timeout)
-        return into, recv_sizes, deadline, timeout
+            self._send(p, send_sizes[p], _copier(ts, into=True), deadline, timeout, liveness)
+        return into, recv_sizes, deadline, timeout, liveness
 
     def _wait(self, state) -> None:
-        into, sizes, deadline, timeout = state
-        self._receive(sizes, lambda p, v: _copier(into[p], into=False)(v), deadline, timeout)
+        into, sizes, deadline, timeout, liveness = state
+        drain = lambda p, v: _copier(into[p], into=False)(v)  # noqa: E731
+        self._receive(sizes, drain, deadline, timeout, liveness)
 
     def close(self) -> None:
-        """Unmap every segment and remove any file still named in /dev/shm."""
+        """Unmap every segment and remove any file still named in /dev/shm, this
+        process's and those of dead processes (see the module doc)."""
         self._finalizer()
         self._break("closed")
 

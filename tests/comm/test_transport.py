@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.testing import LocalWorkers, WorkerContext, WorkerError
-from nereus_comm.transport import GlooTransport, TransportArgumentError
+from nereus_comm.transport import GlooTransport, PeerLostError, TransportArgumentError
 
 # Multi-process: out of the fast lane (-m "not slow").
 pytestmark = pytest.mark.slow
@@ -144,6 +144,49 @@ def test_silent_peer_times_out_naming_it(pool) -> None:
     assert "recv from 2" not in res["error"]  # the healthy peer is not blamed
     assert timeout * 0.9 <= res["elapsed"] < timeout + 2.0
     assert "broke earlier" in res["again"]
+
+
+def _reported_dead(ctx: WorkerContext, timeout: float) -> dict:
+    # Rank 1 never posts; liveness reports it dead after 0.5 s. Rank 3 is not in the
+    # group: its reported death must not end an exchange of the group.
+    group = dist.new_group(ranks=[0, 1, 2])
+    if ctx.rank not in (0, 2):
+        if ctx.rank == 1:
+            time.sleep(3.0)
+        return {}
+    t = GlooTransport(group)
+    if ctx.rank == 2:
+        t.exchange([(0, torch.ones(8))], [], timeout=timeout, liveness=lambda: {3})
+        try:
+            t.exchange([(0, torch.ones(8))], [], timeout=timeout, liveness=lambda: {1})
+        except PeerLostError:
+            pass
+        return {}
+    got = torch.zeros(8)
+    t.exchange([], [(2, got)], timeout=timeout, liveness=lambda: {3})
+    start = time.monotonic()
+    dead_after = start + 0.5
+
+    def liveness() -> set[int]:
+        return {1, 3} if time.monotonic() > dead_after else {3}
+
+    try:
+        t.exchange([], [(1, torch.empty(8)), (2, torch.empty(8))], timeout=timeout,
+                   liveness=liveness)  # fmt: skip
+    except PeerLostError as e:
+        return {"delivered": bool(got.eq(1).all()), "rank": e.rank, "ranks": e.ranks,
+                "error": str(e), "elapsed": time.monotonic() - start,
+                "timeout_error": isinstance(e, PeerTimeoutError)}  # fmt: skip
+    return {"error": None}
+
+
+def test_liveness_ends_the_wait_naming_the_dead_rank(pool) -> None:
+    res = pool.run(_reported_dead, 30.0, timeout=60)[0]
+    assert res["error"] is not None, "no PeerLostError"
+    assert res["delivered"], "an exchange failed for a death outside its group"
+    assert res["rank"] == 1 and res["ranks"] == (1,), res
+    assert res["timeout_error"] and "rank 1 died" in res["error"], res
+    assert 0.4 < res["elapsed"] < 3.0, res  # not the 30 s timeout
 
 
 def test_gloo_transport_needs_initialized_distributed() -> None:

@@ -27,7 +27,7 @@ from nereus_comm.reshard import _SHM, reshard, shards_from_full
 from nereus_comm.testing import LocalWorkers, WorkerContext, WorkerError
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 from nereus_comm.transport_cma import CMA_ENV
-from nereus_comm.transport_shm import HOST_ENV, NAME_PREFIX, SHM_DIR, ShmTransport
+from nereus_comm.transport_shm import HOST_ENV, NAME_PREFIX, SHM_DIR, ShmTransport, owner_prefix
 
 # Multi-process: out of the fast lane (-m "not slow").
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def pool():
 
 def _leftovers(pids) -> list[str]:
     """Segment files in /dev/shm created by any of these processes."""
-    prefixes = tuple(f"{NAME_PREFIX}{pid}-" for pid in pids)
+    prefixes = tuple(owner_prefix(pid) for pid in pids)
     return [n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)]
 
 
@@ -241,6 +241,31 @@ def test_unmapped_segments_are_removed_on_close_and_exit(tmp_path) -> None:
     )
     assert out.returncode == 0 and "closed" in out.stdout, out.stderr
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+def test_orphans_of_dead_processes_are_swept_and_no_others() -> None:
+    from nereus_comm.transport_shm import _PIDNS, sweep_orphans
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(gone.stdout)  # exited and reaped: no process has this pid now
+    names = {
+        "dead": f"{owner_prefix(dead_pid)}r1to0-orphan",
+        "alive": f"{owner_prefix(os.getpid())}r0to1-mine",
+        "other_namespace": f"{owner_prefix(dead_pid, _PIDNS + 1)}r1to0-theirs",
+    }
+    try:
+        for name in names.values():
+            with open(os.path.join(SHM_DIR, name), "wb"):
+                pass
+        removed = sweep_orphans()
+        left = {k for k, n in names.items() if os.path.exists(os.path.join(SHM_DIR, n))}
+    finally:
+        for name in names.values():
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
+    assert removed == [names["dead"]], removed
+    assert left == {"alive", "other_namespace"}, left
 
 
 def test_route_is_checked_before_anything_moves() -> None:
