@@ -478,7 +478,9 @@ def reshard(
     packed_at = time.perf_counter()
 
     # The local copies and the shared-memory messages run while the bytes are on the wire.
-    pending = transport.start(send_bufs, recv_bufs, timeout=timeout, liveness=liveness)
+    # Passed only when given: a Transport of another framework's may predate liveness.
+    extra = {} if liveness is None else {"liveness": liveness}
+    pending = transport.start(send_bufs, recv_bufs, timeout=timeout, **extra)
     for peer, slots in shm_send_slots.items():
         # The pack is the send: straight from the shards into the peer's segment.
         regions = [_region(sl, tensors) for sl in slots]

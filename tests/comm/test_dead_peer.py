@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from nereus_comm.environment import worker_environ
 from nereus_comm.transport_shm import NAME_PREFIX, SHM_DIR
 from nereus_comm.world import listen_store
 
@@ -137,8 +138,11 @@ def test_sigkill_mid_reshard_is_named_within_seconds_and_leaves_no_file(route: s
         ctx.Process(target=_worker, args=(r, store.port, route, results), daemon=True)
         for r in range(WORLD)
     ]
-    for p in procs:
-        p.start()
+    # In the worker environment (as LocalWorkers starts its pool): the forkserver this
+    # may start serves every later pool of the session, and keeps the environment it had.
+    with worker_environ():
+        for p in procs:
+            p.start()
     try:
         pids, warm, lost, other = {}, set(), {}, {}
         while len(warm) < WORLD:
