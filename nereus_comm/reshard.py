@@ -499,9 +499,8 @@ def reshard(
         read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
     read_at = time.perf_counter()
     # After this rank's reads, while its peers may still read from it (cma.finish waits
-    # for them): the copies fill that wait. Run beside the reads on a helper thread they
-    # gained nothing measurable on 2 cores, which each rank's CMA_THREADS reads fill
-    # already (split8: Split median 0.381 s with, 0.339 s without, 8 rounds, load 8-10).
+    # for them): the copies fill that wait. Not on a helper thread beside the reads: each
+    # rank's CMA_THREADS reads already fill the cores.
     local = [i for i in range(len(prog.local_src)) if i not in local_done]
     if local:
         copy_regions(
