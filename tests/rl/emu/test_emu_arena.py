@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from support.emu import assert_bitwise
 
 from nereus_rl.emu.arena import Arena, arena_config, parse_bytes
 from nereus_rl.emu.manager import ArenaExhaustedError, EMUManager
@@ -142,23 +143,17 @@ def _stats(m: EMUManager, rank: int) -> dict:
     return m.driver.call([rank], "emu.arena_stats")[rank]
 
 
-def _bitwise(m: EMUManager, unit) -> None:
-    ref, got = m.reference(unit.stage), m.full_state(unit)
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), f"{unit!r}: {name} differs"
-
-
 @pytest.mark.slow
 def test_primitives_on_arena_memory_are_exact_and_destroy_gives_blocks_back(emus):
     m = emus
     assert all(a["prefault"] and a["reserved"] == a["budget"] for a in m.arenas.values())
     a = m.create("actor", [0, 1], tp=2)
-    _bitwise(m, a)
+    assert_bitwise(m, a)
     used0 = _stats(m, 0)["used"]
     assert 0.4 * STATE_BYTES < used0 <= 0.6 * STATE_BYTES
     for _ in range(2):
         b = m.extend("actor", [2, 3], tp=2)
-        _bitwise(m, b)
+        assert_bitwise(m, b)
         s = _stats(m, 2)
         assert s["used"] == used0 and s["live_blocks"] == 1
         m.destroy(b)
@@ -174,14 +169,14 @@ def test_split_and_merge_on_arena_memory_are_exact(emus):
     t = m.create("tiny", [0, 1], tp=2)
     base = {r: _stats(m, r)["used"] for r in (0, 1)}
     x, y = m.split(t)  # the halves' blocks beside the source's until it is dropped
-    _bitwise(m, x)
-    _bitwise(m, y)
+    assert_bitwise(m, x)
+    assert_bitwise(m, y)
     z = m.merge(x, y)
-    _bitwise(m, z)
+    assert_bitwise(m, z)
     e = m.extend("tiny", [2, 3], tp=1, pp=2)
-    _bitwise(m, e)
+    assert_bitwise(m, e)
     m.destroy(z)
-    _bitwise(m, e)
+    assert_bitwise(m, e)
     assert {r: _stats(m, r)["used"] for r in (0, 1)} == {0: 0, 1: 0}
     assert base[0] > 0 and _stats(m, 0)["peak_used"] >= base[0] * 3  # old + new halves
     m.forget(m.units())
@@ -199,10 +194,10 @@ def test_extend_that_does_not_fit_fails_before_any_byte_moves(emus):
     assert m.units("actor") == [a] and m.free_ranks() == [2, 3]
     assert {r: _stats(m, r) for r in (2, 3)} == before  # nothing kept, nothing moved
     assert m.driver.call([2], "emu.units")[2] == {}
-    _bitwise(m, a)
+    assert_bitwise(m, a)
     # Nothing leaked: a unit that fits still goes there.
     b = m.extend("actor", [2, 3], tp=2)
-    _bitwise(m, b)
+    assert_bitwise(m, b)
     m.destroy(b)
     m.forget(m.units())
 

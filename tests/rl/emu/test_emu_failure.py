@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-import torch
+from support.emu import assert_bitwise
 from support.joiner import reap, start_joiner
 
 from nereus_rl.emu.manager import EMUError, EMUManager, EMUStateLostError
@@ -16,13 +16,6 @@ from nereus_rl.runtime import Driver, WorkerLostError
 
 # Multi-process: out of the fast lane (-m "not slow").
 pytestmark = pytest.mark.slow
-
-
-def _bitwise(m: EMUManager, unit) -> None:
-    ref = m.reference(unit.stage)
-    got = m.full_state(unit)
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), f"{unit!r}: {name}"
 
 
 def _tp2_and_tp1(d: Driver, seed: int):
@@ -45,7 +38,7 @@ def test_join_then_kill_then_recover():
         assert d.wait_for_workers(4, timeout=60) == [0, 1, 2, 3]
         assert m.free_ranks() == [3]
         c = m.extend("actor", [3], tp=1, source=a)
-        _bitwise(m, c)
+        assert_bitwise(m, c)
         assert m.dp_degree("actor") == 3
 
         # SIGKILL a worker of unit a: noticed within the heartbeat bound.
@@ -64,7 +57,7 @@ def test_join_then_kill_then_recover():
         kinds = [(r.kind, r.extra.get("reason")) for r in m.records[-2:]]
         assert kinds == [("destroy", "lost worker"), ("extend", None)]
         for u in m.units():
-            _bitwise(m, u)
+            assert_bitwise(m, u)
 
         # Lose every holder but one, then that one too: the state is gone from memory.
         m.destroy(new[0])
@@ -104,7 +97,7 @@ def test_kill_during_transfers_leaves_the_intact_units_whole():
         assert m.recover() == []  # no free device left to rebuild on
         assert m.units() == [a, b]
         for u in (a, b):
-            _bitwise(m, u)
+            assert_bitwise(m, u)
     finally:
         d.shutdown()
 
@@ -132,7 +125,7 @@ def test_a_worker_joining_after_a_death_gets_the_lost_capacity_by_extend():
             ("extend", (b.uid,)),
         ]
         for u in m.units():
-            _bitwise(m, u)
+            assert_bitwise(m, u)
     finally:
         d.shutdown()
         reap(joiner)

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from support.emu import assert_bitwise
 
 from nereus_comm import _C
 from nereus_comm.remap import move_ranges
@@ -199,13 +200,6 @@ def emus():
         d.shutdown()
 
 
-def _bitwise(m: EMUManager, unit) -> None:
-    ref, got = m.reference(unit.stage), m.full_state(unit)
-    assert got.keys() == ref.keys()
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), f"{unit!r}: {name} differs"
-
-
 def test_split_and_merge_rounds_stay_exact_and_keep_huge_pages(emus):
     m = emus
     assert {s.split_dim for s in LIVE_SPECS} == {0, 1, None}
@@ -217,11 +211,11 @@ def test_split_and_merge_rounds_stay_exact_and_keep_huge_pages(emus):
     for _ in range(3):  # later rounds move pages that were moved before
         x, y = m.split(a)
         assert m.records[-1].extra["bytes_remapped"] > 0.8 * dim0
-        _bitwise(m, x)
-        _bitwise(m, y)
+        assert_bitwise(m, x)
+        assert_bitwise(m, y)
         a = m.merge(x, y, tp=2)
         assert m.records[-1].extra["bytes_remapped"] > 0.4 * dim0
-        _bitwise(m, a)
+        assert_bitwise(m, a)
     huge = m.driver.call([0, 1], "test.huge_mib")
     if _thp_usable() and min(huge0.values()) >= 32:
         # Moves between addresses that differ modulo 2 MiB split huge pages: before the

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from support.emu import assert_bitwise
 
 from nereus_comm import _C
 from nereus_comm.layout import Layout
@@ -136,13 +137,6 @@ def emus():
         d.shutdown()
 
 
-def _bitwise(m: EMUManager, unit) -> None:
-    ref, got = m.reference(unit.stage), m.full_state(unit)
-    assert got.keys() == ref.keys()
-    for name, t in ref.items():
-        assert torch.equal(got[name], t), f"{unit!r}: {name} differs"
-
-
 def test_split_and_merge_move_the_kept_bytes_and_stay_exact(emus):
     m = emus
     kinds = {s.split_dim for s in SPECS}
@@ -152,15 +146,15 @@ def test_split_and_merge_move_the_kept_bytes_and_stay_exact(emus):
     for _ in range(2):  # the second round moves pages that were moved before
         x, y = m.split(a)
         rec = m.records[-1]
-        _bitwise(m, x)
-        _bitwise(m, y)
+        assert_bitwise(m, x)
+        assert_bitwise(m, y)
         # Each rank kept half of every dim-0 tensor: most of it moved, not copied.
         dim0 = sum(s.nbytes for s in SPECS if s.split_dim == 0)
         assert 0.8 * dim0 < rec.extra["bytes_remapped"] <= dim0
         assert rec.bytes_moved == sum(s.nbytes for s in SPECS if s.split_dim is not None)
         a = m.merge(x, y)
         rec = m.records[-1]
-        _bitwise(m, a)
+        assert_bitwise(m, a)
         assert rec.extra["bytes_remapped"] > 0.4 * dim0
     m.forget(m.units())
 
@@ -171,11 +165,11 @@ def test_pipeline_split_and_merge_move_whole_stage_tensors(emus):
     x, y = m.split(a)
     assert (x.tp, x.pp) == (1, 1)
     assert m.records[-1].extra["bytes_remapped"] > 0
-    _bitwise(m, x)
-    _bitwise(m, y)
+    assert_bitwise(m, x)
+    assert_bitwise(m, y)
     a = m.merge(x, y, tp=1, pp=2)
     assert m.records[-1].extra["bytes_remapped"] > 0
-    _bitwise(m, a)
+    assert_bitwise(m, a)
     m.forget(m.units())
 
 
@@ -193,9 +187,9 @@ def test_a_split_failing_after_the_page_moves_leaves_its_unit_whole(emus, monkey
         m.split(a)  # every worker moved its kept pages, then the driver fails
     monkeypatch.undo()
     assert m.units("actor") == [a]
-    _bitwise(m, a)  # the failed Split's new units gave the pages back
+    assert_bitwise(m, a)  # the failed Split's new units gave the pages back
     x, y = m.split(a)
     assert m.records[-1].extra["bytes_remapped"] > 0
-    _bitwise(m, x)
-    _bitwise(m, y)
+    assert_bitwise(m, x)
+    assert_bitwise(m, y)
     m.forget(m.units())
