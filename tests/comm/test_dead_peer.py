@@ -139,7 +139,8 @@ def test_sigkill_mid_reshard_is_named_within_seconds_and_leaves_no_file(route: s
         for r in range(WORLD)
     ]
     # In the worker environment (as LocalWorkers starts its pool): the forkserver this
-    # may start serves every later pool of the session, and keeps the environment it had.
+    # may start serves every later pool of this pytest process, and keeps the environment
+    # it had.
     with worker_environ():
         for p in procs:
             p.start()
