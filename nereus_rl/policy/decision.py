@@ -180,11 +180,6 @@ class Decision:
     lookahead_note: str | None = None
     move: MovePrice | None = None
 
-    @property
-    def opportunistic(self) -> bool:
-        """Whether the move is an opportunistic one (the running plan could go on)."""
-        return self.path == "opportunistic"
-
     def to_row(self, outcome: Outcome | None = None) -> dict[str, Any]:
         """The decisions.jsonl row of this decision and, for a taken move, its outcome."""
         row: dict[str, Any] = {
