@@ -136,10 +136,14 @@ def _train(args: argparse.Namespace) -> int:
     from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, train
 
     options = dict(QUICK) if args.quick else {}
-    for name in ("steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device"):
+    for name in (
+        "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
+    ):  # fmt: skip
         v = getattr(args, name)
         if v is not None:
             options[name] = v
+    if args.no_mirror:
+        options["mirror"] = False
     steps = options.pop("steps", 60)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     local = args.devices if args.local_workers is None else args.local_workers
@@ -232,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=None, help="GRPO responses per prompt")
     t.add_argument("--lr", type=float, default=None, help="learning rate")
     t.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per worker)")
+    t.add_argument(
+        "--nodes", type=int, default=None,
+        help="failure domains the devices split into (mirrors go to another node)",
+    )  # fmt: skip
+    t.add_argument(
+        "--no-mirror", action="store_true",
+        help="keep no in-memory snapshot (a worker death may then lose the run)",
+    )  # fmt: skip
     t.add_argument("--quick", action="store_true", help="a short run (CI)")
     t.add_argument(
         "--host",

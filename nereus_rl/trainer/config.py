@@ -73,6 +73,13 @@ class TrainConfig:
     # Where the workers hold their stages: "cpu" (host memory, gloo) or "cuda" (one GPU
     # per worker, NCCL for the models' collectives; see nereus_rl.trainer.worker_device).
     device: str = "cpu"
+    # Keep each step's training state in host memory (every rank of a unit) and, where a
+    # stage would die with one worker or node, mirrored on another worker or node, so
+    # that a worker's death never loses the run (nereus_rl.trainer.snapshot).
+    mirror: bool = True
+    # Failure domains the devices are split into, in device order (equal nodes): the
+    # mirrors go to another node, so a whole node's death loses nothing either.
+    nodes: int = 1
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -189,6 +196,16 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise NotEnoughDevicesError(f"devices={cfg.devices}; a run needs at least 1 device")
     if cfg.algo == "grpo" and cfg.group_size < 2:
         raise TrainConfigError("GRPO needs group_size >= 2 (responses per prompt)")
+    if not (isinstance(cfg.nodes, int) and 1 <= cfg.nodes <= cfg.devices):
+        raise TrainConfigError(
+            f"nodes={cfg.nodes!r} must be an int in 1..devices ({cfg.devices}): the devices "
+            "are split into that many equal nodes"
+        )
+    if cfg.devices % cfg.nodes:
+        raise TrainConfigError(
+            f"devices={cfg.devices} do not split into nodes={cfg.nodes} equal nodes; use a "
+            "divisor of devices"
+        )
     if cfg.memory_budget is not None and cfg.memory_budget <= 0:
         raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
     return mc

@@ -55,6 +55,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.emu.types import EMUError, EMUStateLostError
 from nereus_rl.models.model import ModelConfig
@@ -63,6 +65,7 @@ from nereus_rl.runtime import RemoteError, WorkerLostError, WorkerTimeoutError
 from nereus_rl.trainer.config import TrainConfig
 from nereus_rl.trainer.group import WorkerGroup, sync_weights
 from nereus_rl.trainer.recover_check import check_units
+from nereus_rl.trainer.snapshot import Snapshots
 from nereus_rl.trainer.units import TrainerUnits
 
 _LOG = logging.getLogger("nereus_rl.trainer.trainer")
@@ -417,3 +420,112 @@ def _reshard(
         units.forget_all()
         units.adopt(new)
         units.moving = None
+
+
+def restore(
+    group: WorkerGroup,
+    units: TrainerUnits,
+    snapshots: Snapshots,
+    plan: GlobalPlan | None,
+    step: int,
+    error: Exception,
+    *,
+    cfg: TrainConfig,
+    mc: ModelConfig,
+    plan_for: Callable[[list[int]], GlobalPlan],
+    initial: dict[str, dict[str, torch.Tensor]],
+    why: str,
+    noticed: bool = False,
+) -> tuple[GlobalPlan, dict[str, Any], int]:
+    """Continue after a worker died by rebuilding every stage from the committed
+    in-memory snapshot (:mod:`nereus_rl.trainer.snapshot`): the training stages' state
+    as of the snapshot's step, read from the survivors (each shard from its holder or
+    its mirror), the reference from the initial weights, the rollout (and PPO's
+    critic_inference) from the training stages' weights. Every stage of a plan over the
+    survivors (and joined workers) is set up from them, as at start.
+
+    Used where the units cannot rebuild the state: a stage lost every unit, a death
+    came while a step's update was under way (some stages may have stepped, others not;
+    the snapshot is the last step every stage finished), or during start-up (the
+    snapshot is then the initial states). A worker dying while this runs starts it over
+    the survivors.
+
+    Arguments:
+        group, units: the run's workers and EMU units (adopted anew on the new plan).
+        snapshots: the committed snapshot.
+        plan: the current plan (None: none was set up yet).
+        step: the step the run would go on from.
+        error: what the loss was noticed by.
+        cfg, mc, plan_for: as for :func:`recover`.
+        initial: the initial full states (the reference's weights; every model's before
+            the first snapshot).
+        why: why the units' recovery was not used (logged in the decision row).
+        noticed: the loss was confirmed already (by a recovery from the units that
+            stopped), so there is no death to wait for.
+
+    Returns:
+        The new plan, the recovery's decision row, and the step to go on from (the one
+        after the snapshot's).
+
+    Raises:
+        the original error: no worker was lost.
+        SnapshotLostError: a shard lost both its holder and its mirror.
+    """
+    if not noticed and not _wait_lost(group, NOTICE_S):
+        raise error
+    t0 = time.perf_counter()
+    rounds: list[dict[str, Any]] = []
+    lost_devices: list[int] = []
+    while True:
+        lost = set(group.lost())
+        dead = sorted(d for d, w in group.device_worker.items() if w in lost)
+        lost_devices += dead
+        row: dict[str, Any] = {"lost_devices": dead, "joined": {}, "error": None}
+        rounds.append(row)
+        try:
+            # read back first: which copy of a shard is read depends on who is alive
+            full = snapshots.full_states(set(group.driver.check_liveness()), initial)
+            device_worker = {d: w for d, w in group.device_worker.items() if d not in dead}
+            row["joined"] = _admit(group, units, cfg.devices, device_worker)
+            group.rebase(device_worker)
+            if group.lost():
+                raise WorkerLostError("a worker died before the default group was formed", ())
+            group.init_world()
+            new = plan_for(sorted(device_worker))
+            group.call_all("rl.setup", [group.desc(sp) for sp in new.stages], mc, full, cfg.hyper())
+            break
+        except _CUT as e:
+            if isinstance(e, EMUStateLostError) or not _wait_lost(group, NOTICE_S):
+                raise
+            row["error"] = f"{type(e).__name__}: {e}"
+            _LOG.warning("a worker died during recovery (%s); starting over the survivors", e)
+    units.forget_all()
+    units.adopt(new)
+    units.moving = units.rebinding = None
+    resume = snapshots.version + 1
+    decision = Decision(
+        step=step,
+        signal="devices",
+        trigger=f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
+        urgent=True,
+        current=plan,
+        candidate=new,
+        taken=True,
+        path="urgent",
+        reason=f"recovery from the in-memory snapshot of step {snapshots.version}",
+        predicted_saving_s=None,
+        predicted_transition_s=None,
+    )
+    outcome = Outcome(
+        measured_s=time.perf_counter() - t0,
+        interrupted=None,
+        cause=str(error),
+        recovery=Recovery(
+            unsound_units=(),
+            adopted_units=(),
+            method="snapshot",
+            fallback=why,
+            rounds=tuple(rounds),
+        ),
+    )
+    return new, decision.to_row(outcome), resume

@@ -57,7 +57,7 @@ def head_start(t_step: float, submitted_at: float, t_wait: float, rollout_s: flo
 
 class StepWork:
     """Mixin of :class:`~nereus_rl.trainer.trainer.Trainer`: the rollout and training work of a
-    step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``plan``, ``driver``,
+    step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``drawn``, ``plan``, ``driver``,
     ``response_len`` and ``_submit_stage``."""
 
     def _rollout_submit(self, step: int, rlen: int | None = None):
@@ -68,7 +68,14 @@ class StepWork:
         # The response limit follows the length schedule; the task level stays at the
         # first step's (fixed_level) so that reward can rise while responses grow.
         level = self.task.level_for_response_len(self.response_len(0) if cfg.fixed_level else rlen)
-        problems = self.task.sample(cfg.batch, level, self.rng)
+        # Drawn once per step, in step order, from the run's one generator: a step run
+        # again after a recovery gets the same prompts, and no step is skipped.
+        drawn = self.drawn.get(step)
+        if drawn is None or drawn[0] != level:
+            drawn = self.drawn[step] = (level, self.task.sample(cfg.batch, level, self.rng))
+            for old in [s for s in self.drawn if s < step - 2]:
+                del self.drawn[old]
+        problems = drawn[1]
         if cfg.algo == "grpo":
             problems = [p for p in problems for _ in range(cfg.group_size)]
         prompts = encode_prompts(problems)

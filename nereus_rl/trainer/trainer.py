@@ -49,6 +49,7 @@ import torch
 
 from nereus_rl.core.globalplan import GlobalPlan
 from nereus_rl.data.tasks import LengthCurriculum, LengthTrace, get_task, warm_start
+from nereus_rl.emu.types import EMUStateLostError
 from nereus_rl.models.model import Decoder
 from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
 from nereus_rl.trainer.adapt.adapter import Adapter
@@ -68,8 +69,11 @@ from nereus_rl.trainer.config import (
     stage_names,
 )
 from nereus_rl.trainer.group import WorkerGroup, sync_weights
+from nereus_rl.trainer.recover import RecoveryStateLostError
 from nereus_rl.trainer.recover import recover as recover_run
+from nereus_rl.trainer.recover import restore as restore_run
 from nereus_rl.trainer.report import RunLog
+from nereus_rl.trainer.snapshot import Snapshots
 from nereus_rl.trainer.step import StepWork, head_start
 from nereus_rl.trainer.units import TrainerUnits
 from nereus_rl.transition import KINDS, TransitionExecutionError
@@ -135,7 +139,9 @@ class Trainer(StepWork):
         self.log = log
         self.progress = progress
         self.result = TrainResult(cfg)
+        # the run's prompt generator, and each step's draw (kept for a step run again)
         self.rng = random.Random(cfg.seed)
+        self.drawn: dict[int, tuple[int, list]] = {}
         # no workers yet: the adapter plans over every configured device until they join
         self.group = WorkerGroup(driver, device=cfg.device)
         # Planned before any process starts, so that too few devices or too little
@@ -147,6 +153,12 @@ class Trainer(StepWork):
         self.plan: GlobalPlan | None = None
         self.units: TrainerUnits | None = None
         self.on_recovery_phase: Callable[[str, int], None] | None = None
+        # the committed in-memory snapshot of the training stages (None: cfg.mirror off)
+        self.snapshots: Snapshots | None = None
+        self._initial: dict[str, dict[str, torch.Tensor]] = {}
+        # A step's update is under way and not committed to the snapshot: the units may
+        # hold it half applied, so a loss now restores the snapshot (recover).
+        self._dirty = False
         # a worker loss at a step's end (its boundary, or the async weight sync): the
         # step is recorded, then recovered from (run)
         self._boundary_loss: Exception | None = None
@@ -176,7 +188,12 @@ class Trainer(StepWork):
     # ------------------------------------------------------------------ setup
 
     def start(self, plan: GlobalPlan | None = None) -> None:
-        """Spawn/attach workers, warm-start the policy, choose the first plan, build stages."""
+        """Spawn/attach workers, warm-start the policy, choose the first plan, build stages.
+
+        A worker that dies after joining (during the group's forming, the calibration or
+        the stages' setup) is recovered from: the stages are set up from the initial
+        states on a plan over the survivors (with ``mirror``; else the error ends the run).
+        """
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.own_driver:
@@ -188,24 +205,31 @@ class Trainer(StepWork):
             )
         self.group.attach(workers)
         self.driver.import_module("nereus_rl.trainer.worker")
-        self.group.init_world()
-        self.result.timings["spawn_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        full = self._initial_states()
-        self.result.timings["warm_start_s"] = time.perf_counter() - t0
-        if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
-            self._calibrate(full)
-        t0 = time.perf_counter()
-        if cfg.adapt:
-            # After calibration: the model (and budget) the run's decisions start from.
-            self.adapter.prepare_buckets(self.response_len(0))
-        self._set_plan(0, plan or self.first_plan)
-        self._setup(self.plan, full)
-        # From here on each stage's shards are EMU units' tensors (no copy is made).
+        # The stages' shards will be EMU units' tensors (no copy is made).
         live = KINDS if cfg.transitions == "emu" else ()
         self.units = TrainerUnits(self.group, self.mc, self.adapter.cm, live_kinds=live)
-        self.units.adopt(self.plan)
-        self.result.timings["setup_s"] = time.perf_counter() - t0
+        if cfg.mirror:
+            self.snapshots = Snapshots(self.group, self.mc, cfg.devices, cfg.nodes)
+        self._initial = self._initial_states()
+        self._dirty = True  # nothing is set up yet: a loss now restores the initial states
+        try:
+            self.group.init_world()
+            self.result.timings["spawn_s"] = time.perf_counter() - t0
+            if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
+                self._calibrate(self._initial)
+            t0 = time.perf_counter()
+            if cfg.adapt:
+                # After calibration: the model (and budget) the run's decisions start from.
+                self.adapter.prepare_buckets(self.response_len(0))
+            self._set_plan(0, plan or self.first_plan)
+            self._setup(self.plan, self._initial)
+            self.units.adopt(self.plan)
+            self.result.timings["setup_s"] = time.perf_counter() - t0
+        except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+            if self.snapshots is None:
+                raise
+            self.recover(0, e)
+        self._dirty = False
 
     def _setup(self, plan: GlobalPlan, full: dict[str, dict[str, torch.Tensor]]) -> None:
         """Build ``plan``'s stages on the workers from the full states ``full``."""
@@ -218,8 +242,8 @@ class Trainer(StepWork):
         what was measured. The probes draw prompts of their own and leave the trainer's
         plan as it was: the run's prompt stream and state do not depend on them."""
         cfg = self.cfg
-        saved = self.rng, self.plan
-        self.rng = random.Random(cfg.seed * 7919 + 1)
+        saved = self.rng, self.drawn, self.plan
+        self.rng, self.drawn = random.Random(cfg.seed * 7919 + 1), {}
 
         def setup(plan: GlobalPlan) -> None:
             self.plan = plan
@@ -238,19 +262,22 @@ class Trainer(StepWork):
                 worker_inference=cfg.mode == "async", num_probes=cfg.calibration_probes,
             )  # fmt: skip
         finally:
-            self.rng, self.plan = saved
+            self.rng, self.drawn, self.plan = saved
         self.result.calibration = rec
         self.result.timings["calibration_s"] = rec["seconds"]
         self.adapter.calibrated(observed)
         self.first_plan = self.adapter.initial_plan(self.response_len(0))
 
     def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The warm-started initial full states (``actor``, ``reference``, ``critic``)."""
         cfg = self.cfg
+        t0 = time.perf_counter()
         key = (cfg.algo == "ppo", cfg.model, cfg.task, cfg.seed, cfg.warm_steps)
         if key not in _WARM_CACHE:
             if len(_WARM_CACHE) > 8:
                 _WARM_CACHE.clear()
             _WARM_CACHE[key] = self._warm_start()
+        self.result.timings["warm_start_s"] = time.perf_counter() - t0
         return _WARM_CACHE[key]
 
     def _warm_start(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -348,24 +375,56 @@ class Trainer(StepWork):
         """
         self._ahead = [j if "sequences" in j else self._rollout_wait(j) for j in self._ahead]
 
-    def recover(self, step: int, error: Exception) -> None:
-        """Continue after a worker died (:func:`nereus_rl.trainer.recover.recover`: a new
-        default group over the survivors, a plan over the remaining devices, every
-        stage's state rebuilt from its units that lost no device).
+    def recover(self, step: int, error: Exception) -> int:
+        """Continue after a worker died, and return the step to go on from.
+
+        From the units where they hold the state (:func:`nereus_rl.trainer.recover.recover`:
+        a new default group over the survivors, a plan over the remaining devices, every
+        stage's state rebuilt from its units that lost no device); from the committed
+        in-memory snapshot (:func:`nereus_rl.trainer.recover.restore`) where a stage lost
+        every unit, or the death came while a step's update was under way or during
+        start-up. The snapshot is then taken again on the new plan, so that the next
+        death finds every copy on a survivor.
 
         Raises:
-            the original error: no worker was lost, or some stage lost its state.
+            the original error: no worker was lost, or (``mirror`` off) some stage lost
+            its state. SnapshotLostError: a shard lost its holder and its mirror.
         """
-        new, row = recover_run(
-            self.group, self.units, self.plan, step, error,
-            cfg=self.cfg, mc=self.mc,
-            plan_for=lambda devices: self.adapter.best_plan(
-                self.response_len(step), devices=devices
-            )[0],
-            on_phase=self.on_recovery_phase,
-        )  # fmt: skip
-        self._set_plan(step, new)
+        snaps = self.snapshots
+
+        def plan_for(devices: list[int]) -> GlobalPlan:
+            return self.adapter.best_plan(self.response_len(step), devices=devices)[0]
+
+        why, noticed = None, False
+        if snaps is not None and self._dirty:
+            why = "a worker died while a step's update or the start-up was under way"
+        else:
+            try:
+                new, row = recover_run(
+                    self.group, self.units, self.plan, step, error,
+                    cfg=self.cfg, mc=self.mc, plan_for=plan_for,
+                    on_phase=self.on_recovery_phase,
+                )  # fmt: skip
+                resume = step
+            except (RecoveryStateLostError, EMUStateLostError) as e:
+                if snaps is None:
+                    raise
+                why, noticed = f"{type(e).__name__}: {e}", True
+        if why is not None:
+            new, row, resume = restore_run(
+                self.group, self.units, snaps, self.plan, step, error,
+                cfg=self.cfg, mc=self.mc, plan_for=plan_for, initial=self._initial,
+                why=why, noticed=noticed,
+            )  # fmt: skip
+        self._set_plan(resume, new)
         self.log_decision(row)
+        self._dirty = False
+        if snaps is not None and snaps.version >= 0:
+            try:
+                snaps.take(new, snaps.version)
+            except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
+                return self.recover(resume, e)
+        return resume
 
     # ------------------------------------------------------------------ loop
 
@@ -381,7 +440,7 @@ class Trainer(StepWork):
             except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
                 # the step is run again on the new plan, its rollouts sent again there
                 self._ahead, self._synced_for = [], None
-                self.recover(step, e)
+                step = self.recover(step, e)
                 continue
             step += 1
             lost, self._boundary_loss = self._boundary_loss, None
@@ -390,7 +449,9 @@ class Trainer(StepWork):
                 # still running may wait on the lost worker, so it is sent again.
                 self._ahead = [j for j in self._ahead if "sequences" in j]
                 self._synced_for = None
-                self.recover(step, lost)
+                resume = self.recover(step, lost)
+                if resume != step:  # rolled back further: those rollouts are not its
+                    self._ahead, step = [], resume
         return self.result
 
     def _step(self, step: int) -> None:
@@ -419,7 +480,15 @@ class Trainer(StepWork):
             # The next step's rollout runs on the current rollout weights while this
             # step trains (on disjoint devices the two overlap).
             ahead.append(self._rollout_submit(step + 1))
+        self._dirty = True
         m = self._train_on(job)
+        if self.snapshots is not None:
+            # Committed before anything else of the step: a loss from here on finds
+            # this step's update in the snapshot, and the step is recorded once.
+            t_snap = time.perf_counter()
+            m.update(self.snapshots.take(self.plan, step))
+            m["snapshot_s"] = time.perf_counter() - t_snap
+        self._dirty = False
         m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read
         try:
             # measured bytes of model state (weights, Adam moments) on the fullest worker

@@ -5,7 +5,8 @@ Imported on every worker by :class:`nereus_rl.trainer.trainer.Trainer` (through
 job's default process group), ``rl.setup`` (build the stages from full initial
 states), ``rl.rebind`` (rebuild stages on new layouts from their EMU units),
 ``rl.move`` (reshard a stage between layouts), ``rl.generate``, ``rl.infer`` and
-``rl.train`` (a stage's work), ``rl.held_bytes``, ``rl.shards`` and ``rl.close``.
+``rl.train`` (a stage's work), ``rl.held_bytes``, ``rl.shards`` and ``rl.close``, and
+(:mod:`nereus_rl.trainer.worker_snapshot`) ``rl.snapshot`` and ``rl.snapshot_get``.
 
 A worker is one device (:mod:`nereus_rl.trainer.worker_device`: where the stages live,
 host copies, the move transport). It joins a default gloo (or, on GPU,
@@ -57,8 +58,9 @@ from nereus_rl.models.model import ModelConfig, shard_tensor
 from nereus_rl.models.parallel import allreduce_gradients, response_logprobs, response_values
 from nereus_rl.models.pipeline import pipeline_forward, pipeline_forward_backward
 from nereus_rl.runtime.context import WorkerContext, register
-from nereus_rl.trainer import worker_device
+from nereus_rl.trainer import worker_device, worker_snapshot  # noqa: F401 (registers rl.snapshot*)
 from nereus_rl.trainer.worker_state import (
+    ADAM_KEYS,
     build_model,
     layout,
     load_state,
@@ -153,11 +155,19 @@ def setup(
             replace_stage(rl, desc["stage"], None)
             continue
         full = full_states[desc["model"]]
+        # A training stage restored from a snapshot gets its Adam moments and step too
+        # (nereus_rl.trainer.snapshot); the initial states have none (a fresh AdamW).
+        adam = desc["trains"] and "adam_step" in full
         shards = {}
+        dev = worker_device.device_of(rl)
+        g = model.groups
         for spec in model.local_specs():
-            shards[spec.name] = shard_tensor(
-                full[spec.name], spec.split_dim, model.groups.tp_rank, model.groups.tp_size
-            ).to(worker_device.device_of(rl), copy=True)
+            for name in [spec.name] + ([f"{k}.{spec.name}" for k in ADAM_KEYS] if adam else []):
+                shards[name] = shard_tensor(full[name], spec.split_dim, g.tp_rank, g.tp_size).to(
+                    dev, copy=True
+                )
+        if adam:
+            shards["adam_step"] = full["adam_step"].to(dev, copy=True)
         entry = {"model": model, "desc": desc, "trains": desc["trains"]}
         load_state(entry, shards, hp)
         replace_stage(rl, desc["stage"], entry)

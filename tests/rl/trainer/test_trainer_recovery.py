@@ -118,11 +118,12 @@ def _instrument(tr: Trainer, d: Driver, kills: dict[int, int], tag: dict) -> Non
     recover = tr.recover
 
     def recover_and_note(step, error):
-        recover(step, error)
+        resume = recover(step, error)
         tag["after"].append(_stage_states(tr))
         tag["live"] = {u.uid for u in tr.units.emus.units()}
         if tag.get("deferred") is not None:
             kill(tag.pop("deferred"))
+        return resume
 
     tr.progress = progress
     tr.recover = recover_and_note
@@ -202,8 +203,11 @@ def test_a_death_during_recovery_starts_it_over_the_survivors(phase):
     assert {uid for uid, ranks in tag["intact"][0].items() if second not in ranks} <= tag["live"]
 
 
-def test_a_stage_with_no_intact_unit_left_stops_the_run_with_a_clear_message(tmp_path):
-    # reference has one unit, on device 1: its death takes the reference model's state.
+def test_without_the_mirror_a_stage_with_no_intact_unit_left_stops_the_run_with_a_clear_message(
+    tmp_path,
+):
+    # reference has one unit, on device 1: its death takes the reference model's state
+    # (with the mirror, the default, it is rebuilt: tests/rl/trainer/test_trainer_snapshot.py).
     plan = GlobalPlan((
         StagePlan("rollout", "actor", False, 2, 1, 1, ((0,), (1,))),
         StagePlan("reference", "reference", False, 1, 1, 1, ((1,),)),
@@ -217,7 +221,7 @@ def test_a_stage_with_no_intact_unit_left_stops_the_run_with_a_clear_message(tmp
 
         res = train(
             steps=3, driver=driver, devices=2, plan=plan, adapt=False, run_dir=tmp_path,
-            seed=5,
+            seed=5, mirror=False,
             progress=kill_after_step_one, **FAST,
         )  # fmt: skip
     assert res.error is not None and "'reference'" in res.error, res.error

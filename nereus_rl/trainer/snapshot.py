@@ -1,0 +1,260 @@
+"""In-memory snapshots of the training state, so that no single worker death (and no
+whole node's, with two or more nodes) loses a run.
+
+A stage's state lives in its units; a stage with one unit (dp 1), or whose units all
+share one node, dies with that worker or node. The reference is the frozen initial
+policy and the rollout (and PPO's critic_inference) hold actor_train's (critic_train's)
+weights, so only the training stages' state is the run's own: weights, Adam moments
+and step. After each step's optimizer step, :meth:`Snapshots.take` keeps it twice:
+
+* every rank of one unit of each training stage copies its shards into its own host
+  memory (``own``), so that a rollback to the last finished step reads an unchanged
+  copy even where a death interrupted the next update half way;
+* where the stage is *exposed* (some worker, or some node when ``nodes >= 2``, meets
+  every unit), each rank's shards also go to a *buddy* on another node (another
+  worker with one node), which keeps them as a ``mirror``, as Gemini keeps its
+  in-memory checkpoints on peers. Buddies are distinct, so the mirror is a unit layout
+  of its own and the copy is one nereus_comm reshard.
+
+A version is committed when every rank of every training stage has it; the driver
+then knows, for each shard, which workers hold it. :meth:`Snapshots.full_states` reads
+the committed version back for a recovery, each shard from its holder if alive, else
+from its buddy, and gives every model's full state: actor and critic from the
+snapshot, the reference from the initial weights. The recovery
+(:func:`nereus_rl.trainer.recover.restore`) builds every stage of a new plan on the
+survivors from them. Before the first version, the initial states are the version.
+
+Cost: the copy is a host memcpy per step on the unit's ranks; the mirror moves one
+unit's state (about 12 bytes per parameter in float32) between distinct workers per
+step. :func:`mirror_seconds` prices it with the cost model's host-copy and link
+bandwidths; ``metrics.jsonl`` records what it took (``snapshot_s``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nereus_comm.layout import Layout
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.models.model import ModelConfig
+from nereus_rl.trainer.group import WorkerGroup
+from nereus_rl.trainer.worker_state import tensor_specs
+
+
+class SnapshotLostError(RuntimeError):
+    """A shard of the committed snapshot has neither its holder nor its buddy alive."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """Where one committed version of a training stage lives.
+
+    Attributes:
+        stage, model: the stage and its model (``"actor"`` or ``"critic"``).
+        tp, pp: the unit's layout the shards were taken from.
+        holders: the worker of each layout position (``own`` copies).
+        buddies: the worker keeping each position's ``mirror`` (None: not exposed).
+    """
+
+    stage: str
+    model: str
+    tp: int
+    pp: int
+    holders: tuple[int, ...]
+    buddies: tuple[int, ...] | None
+
+
+def exposed(sp: StagePlan, node_of: dict[int, int]) -> bool:
+    """Whether one worker, or one node, meets every unit of ``sp`` (its state would die
+    with it). ``node_of``: plan device -> node."""
+    if sp.dp == 1:
+        return True
+    nodes = [{node_of[d] for d in u} for u in sp.units]
+    return len(set(node_of.values())) > 1 and bool(set.intersection(*nodes))
+
+
+def buddies(unit: tuple[int, ...], devices: list[int], node_of: dict[int, int]) -> list[int] | None:
+    """A distinct buddy device for each device of ``unit``: never itself, on another node
+    where there is one, else outside the unit where there is room (None: one device).
+
+    Among equals the next device after it (in device order) is taken, which spreads the
+    mirrors of a unit over the others.
+    """
+    n = len(devices)
+    pos = {d: i for i, d in enumerate(devices)}
+    used: set[int] = set()
+    out = []
+    for d in unit:
+        options = [c for c in devices if c != d and c not in used]
+        if not options:
+            return None
+        options.sort(key=lambda c: (node_of[c] == node_of[d], c in unit, (pos[c] - pos[d]) % n))
+        used.add(options[0])
+        out.append(options[0])
+    return out
+
+
+def node_map(devices: list[int], num_devices: int, nodes: int) -> dict[int, int]:
+    """Plan device -> node when ``num_devices`` devices are split in ``nodes`` equal
+    nodes in device order (device ids keep their node after a loss)."""
+    per = max(1, num_devices // max(1, nodes))
+    return {d: min(d // per, nodes - 1) for d in devices}
+
+
+def mirror_seconds(nbytes: int, host_copy_bw: float, link_bw: float) -> float:
+    """Predicted seconds of one snapshot of ``nbytes`` of unit state per rank: the host
+    copy plus the send to the buddy (the two are not overlapped)."""
+    return nbytes / host_copy_bw + nbytes / link_bw
+
+
+class Snapshots:
+    """The committed snapshot of a run's training stages (see the module docstring).
+
+    Arguments:
+        group: the run's workers.
+        mc: the model's config.
+        num_devices: the run's configured devices (the node split is over them).
+        nodes: failure domains the devices are split into (1: each worker alone).
+
+    Attributes:
+        version: the step whose update the committed snapshot holds (-1: the initial
+            states, before any step).
+        held: stage -> :class:`Held` of the committed version.
+    """
+
+    def __init__(self, group: WorkerGroup, mc: ModelConfig, num_devices: int, nodes: int = 1):
+        self.group = group
+        self.mc = mc
+        self.num_devices = num_devices
+        self.nodes = nodes
+        self.version = -1
+        self.held: dict[str, Held] = {}
+        # workers that may keep older versions of a stage (pruned by the next take)
+        self._keepers: dict[str, set[int]] = {}
+
+    def node_of(self, devices: list[int]) -> dict[int, int]:
+        """Plan device -> node for ``devices``."""
+        return node_map(devices, self.num_devices, self.nodes)
+
+    def layouts(self, plan: GlobalPlan) -> dict[str, tuple[StagePlan, list[int] | None]]:
+        """Per training stage of ``plan``: the unit snapshot (as a one-unit StagePlan) and
+        its buddy devices (None: the stage is not exposed, or there is no other device)."""
+        devices = sorted(self.group.device_worker)
+        node_of = self.node_of(devices)
+        out = {}
+        for sp in plan.stages:
+            if not sp.trains:
+                continue
+            unit = sp.units[0]
+            one = StagePlan(sp.stage, sp.model, True, 1, sp.tp, sp.pp, (unit,))
+            out[sp.stage] = (one, buddies(unit, devices, node_of) if exposed(sp, node_of) else None)
+        return out
+
+    def take(self, plan: GlobalPlan, version: int) -> dict[str, float]:
+        """Keep version ``version`` of every training stage of ``plan`` (own copies, and
+        mirrors where exposed) and commit it once all ranks have it.
+
+        Raises:
+            WorkerLostError, WorkerTimeoutError, RemoteError: a worker failed before the
+                version was committed (the previous one stays committed).
+        """
+        g = self.group
+        pend = []
+        held = {}
+        for stage, (one, bud) in self.layouts(plan).items():
+            src = g.desc(one)
+            dst = None
+            workers = g.ranks(one.units[0])
+            if bud is not None:
+                mirror = StagePlan(stage, one.model, True, 1, one.tp, one.pp, (tuple(bud),))
+                dst = g.desc(mirror)
+                workers += g.ranks(bud)
+            keepers = self._keepers.setdefault(stage, set())
+            alive = set(g.workers)
+            # older versions on workers off this layout are pruned by the same call
+            call = sorted((set(workers) | keepers) & alive)
+            pend.append(
+                g.driver.submit(
+                    call, "rl.snapshot", stage, version, src, dst, keep_from=self.version
+                )
+            )
+            self._keepers[stage] = set(workers)
+            held[stage] = Held(
+                stage, one.model, one.tp, one.pp, tuple(g.ranks(one.units[0])),
+                None if bud is None else tuple(g.ranks(bud)),
+            )  # fmt: skip
+        copy_s = total_s = sent = 0.0
+        for p in pend:
+            for rep in g.driver.wait(p).values():
+                copy_s = max(copy_s, rep["copy_s"])
+                total_s = max(total_s, rep["seconds"])
+                sent += rep["bytes_sent"]
+        self.held, self.version = held, version
+        return {"snapshot_copy_s": copy_s, "snapshot_worker_s": total_s, "mirror_bytes": sent}
+
+    def full_states(
+        self, lost: set[int], initial: dict[str, dict[str, torch.Tensor]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Every model's full state at the committed version, read back from the workers
+        not in ``lost``: each shard from its holder, else its buddy.
+
+        The reference is always the initial weights; before the first version every
+        model is its initial state.
+
+        Raises:
+            SnapshotLostError: a shard has neither copy left (say which and what to do).
+        """
+        out = dict(initial)
+        if self.version < 0:
+            return out
+        for h in self.held.values():
+            sources = []
+            for i, w in enumerate(h.holders):
+                if w not in lost:
+                    sources.append((w, "own"))
+                elif h.buddies is not None and h.buddies[i] not in lost:
+                    sources.append((h.buddies[i], "mirror"))
+                else:
+                    raise SnapshotLostError(
+                        f"shard {i} of {h.stage!r} (version {self.version}) was on worker {w}"
+                        + (
+                            f" and its mirror on worker {h.buddies[i]}"
+                            if h.buddies is not None
+                            else " with no mirror"
+                        )
+                        + f"; both are lost ({sorted(lost)}), so the state is gone from "
+                        "memory. Restart the run from a checkpoint; with nodes >= 2 the "
+                        "mirrors are kept on another node"
+                    )
+            shards = [
+                self.group.driver.call([w], "rl.snapshot_get", h.stage, self.version, which)[w]
+                for w, which in sources
+            ]
+            out[h.model] = assemble(self.mc, h, shards)
+        return out
+
+
+def assemble(
+    mc: ModelConfig, h: Held, shards: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The full tensors of a stage's state from the shards of each position of its
+    unit layout (tp x pp), each written where the layout puts it."""
+    specs = tensor_specs(mc, h.model == "critic", with_adam=True)
+    lay = Layout(1, h.tp, h.pp, tuple(range(len(shards))), num_layers=mc.num_layers)
+    out = {}
+    for spec in specs:
+        full = torch.empty(spec.shape, dtype=spec.dtype)
+        filled = torch.zeros(spec.shape, dtype=torch.bool)
+        for pos, shard in enumerate(shards):
+            box = lay.box(spec, pos)
+            if box is None:
+                continue
+            index = tuple(slice(a, b) for a, b in box)
+            full[index] = shard[spec.name].reshape(full[index].shape)
+            filled[index] = True
+        if not bool(filled.all()):
+            raise SnapshotLostError(f"the snapshot's shards do not cover {spec.name!r}")
+        out[spec.name] = full
+    return out

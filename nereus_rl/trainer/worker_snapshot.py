@@ -1,0 +1,118 @@
+"""Worker-side in-memory snapshots of the training stages: ``rl.snapshot`` and
+``rl.snapshot_get`` (the driver's side is :mod:`nereus_rl.trainer.snapshot`).
+
+After each step's optimizer step, every rank of one unit of a training stage copies
+its shards (weights, Adam moments and step) into host memory (its *own* copy), and,
+where the stage would otherwise die with one worker or node, sends them to a buddy
+rank that keeps them as a *mirror*. Both are kept by (stage, version), the version
+being the step whose update they hold. A recovery reads a whole version back
+(``rl.snapshot_get``): from the holders that survived, and from the buddies of the
+ones that did not.
+
+Why host copies and not the live tensors: the next optimizer step changes the live
+tensors in place, and a death in the middle of it must find the last finished
+version unchanged. Why two versions: a death while version ``k`` is being written
+leaves some ranks with it and some without, and the driver then restores ``k - 1``,
+which every rank still has (the driver names in each call the oldest version it may
+still need, ``keep_from``; older ones are dropped).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from nereus_comm.reshard import reshard
+from nereus_comm.transport import GlooTransport
+from nereus_rl.runtime.context import WorkerContext, register
+from nereus_rl.trainer.worker_state import layout, reshard_plan, rl_state, state_of, tensor_specs
+
+
+def _store(rl: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, torch.Tensor]]]:
+    return rl.setdefault("snapshots", {})
+
+
+@register("rl.snapshot")
+def snapshot(
+    ctx: WorkerContext,
+    stage: str,
+    version: int,
+    src_desc: dict[str, Any],
+    mirror_desc: dict[str, Any] | None,
+    keep_from: int,
+    timeout: float = 120.0,
+) -> dict[str, float]:
+    """Keep version ``version`` of ``stage``'s state: a host copy on each rank of the
+    unit ``src_desc`` (one unit, default-group ranks) and, when ``mirror_desc`` is given
+    (the same tp x pp on other ranks), a mirror of shard ``i`` on its rank ``i``.
+
+    Called on the ranks of both layouts only (the copy to the buddies is a nereus_comm
+    reshard between them). Versions of ``stage`` older than ``keep_from`` are dropped
+    first. Returns the seconds and bytes of this rank's part.
+    """
+    rl = rl_state(ctx)
+    snaps = _store(rl)
+    for key in [k for k in snaps if k[0] == stage and (k[1] < keep_from or k[1] == version)]:
+        del snaps[key]
+    config = rl["config"]
+    n = config.num_layers
+    src = layout(src_desc, n)
+    t0 = time.perf_counter()
+    rec: dict[str, dict[str, torch.Tensor]] = {}
+    if rl["rank"] in src:
+        live = state_of(rl["stages"].get(stage))
+        if not live:
+            raise RuntimeError(
+                f"rank {rl['rank']} is in {stage!r}'s unit {src_desc['units']} but holds no "
+                "state of it; the driver's plan and this worker disagree"
+            )
+        # a copy, on every device: the next optimizer step writes the live tensors
+        rec["own"] = {k: v.detach().to("cpu", copy=True) for k, v in live.items()}
+    copied = time.perf_counter() - t0
+    sent = received = 0
+    if mirror_desc is not None:
+        specs = tensor_specs(config, src_desc["model"] == "critic", with_adam=True)
+        plan = reshard_plan(specs, src, layout(mirror_desc, n))
+        res = reshard(plan, rl["rank"], rec.get("own", {}), GlooTransport(), timeout=timeout)
+        if res.tensors:
+            rec["mirror"] = dict(res.tensors)
+        sent, received = res.bytes_sent, res.bytes_received
+    if rec:
+        snaps[(stage, version)] = rec
+    return {
+        "copy_s": copied,
+        "seconds": time.perf_counter() - t0,
+        "bytes_sent": float(sent),
+        "bytes_received": float(received),
+    }
+
+
+@register("rl.snapshot_get")
+def snapshot_get(
+    ctx: WorkerContext, stage: str, version: int, which: str
+) -> dict[str, torch.Tensor]:
+    """This worker's ``which`` copy (``"own"`` or ``"mirror"``) of ``stage`` at ``version``.
+
+    Raises:
+        KeyError: this worker keeps no such copy (the driver asked the wrong worker).
+    """
+    rec = _store(rl_state(ctx)).get((stage, version), {})
+    if which not in rec:
+        raise KeyError(
+            f"worker {ctx.rank} keeps no {which!r} copy of {stage!r} at version {version} "
+            f"(it keeps {sorted((k, sorted(v)) for k, v in _store(rl_state(ctx)).items())})"
+        )
+    return rec[which]
+
+
+@register("rl.snapshot_bytes")
+def snapshot_bytes(ctx: WorkerContext) -> int:
+    """Bytes of host memory this worker's snapshots take."""
+    return sum(
+        t.numel() * t.element_size()
+        for rec in _store(rl_state(ctx)).values()
+        for copy in rec.values()
+        for t in copy.values()
+    )

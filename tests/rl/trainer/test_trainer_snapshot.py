@@ -1,0 +1,257 @@
+"""The in-memory snapshot that keeps a run alive when a stage's only copy dies.
+
+Unit tests of the buddy choice and of the reassembly (against slicing written out
+here); then runs where a SIGKILL takes the only copy of a stage (actor_train's, the
+reference's), comes in the middle of a step's update, or during start-up: each run
+must finish every step once, with the state the snapshot held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.models.model import get_preset, state_specs
+from nereus_rl.runtime import Driver
+from nereus_rl.trainer.snapshot import (
+    Held,
+    SnapshotLostError,
+    Snapshots,
+    assemble,
+    buddies,
+    exposed,
+    node_map,
+)
+from nereus_rl.trainer.trainer import TrainConfig, Trainer
+
+FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def _sp(units, tp=1, pp=1):
+    return StagePlan("actor_train", "actor", True, len(units), tp, pp, tuple(units))
+
+
+def test_a_stage_is_exposed_when_one_worker_or_node_meets_every_unit():
+    one_node = node_map([0, 1, 2, 3], 4, 1)
+    two_nodes = node_map([0, 1, 2, 3], 4, 2)
+    assert two_nodes == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert exposed(_sp([(0,)]), one_node)
+    assert not exposed(_sp([(0,), (1,)]), one_node)
+    assert exposed(_sp([(0,), (1,)]), two_nodes)  # both units on node 0
+    assert not exposed(_sp([(0,), (2,)]), two_nodes)
+
+
+def test_buddies_are_distinct_never_the_device_itself_and_on_another_node():
+    devs = [0, 1, 2, 3]
+    two = node_map(devs, 4, 2)
+    assert buddies((0, 1), devs, two) == [2, 3]
+    assert buddies((1, 2), devs, two) == [3, 0]  # off the node, and outside the unit first
+    one = node_map(devs, 4, 1)
+    b = buddies((0, 1, 2, 3), devs, one)  # no device outside the unit: a rotation
+    assert sorted(b) == devs and all(x != d for x, d in zip(b, (0, 1, 2, 3)))
+    assert buddies((0,), [0], {0: 0}) is None
+    # after a loss: node sizes differ, the buddy still avoids its device's node
+    assert buddies((3,), [0, 2, 3], node_map([0, 2, 3], 4, 2)) == [0]
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_assemble_puts_each_shard_where_the_layout_slices_it(tp, pp):
+    mc = get_preset("tiny")
+    g = torch.Generator().manual_seed(tp * 10 + pp)
+    params = {s.name: (s, torch.randn(s.shape, generator=g)) for s in state_specs(mc)}
+    full = {n: t for n, (_, t) in params.items()}
+    for k in ("exp_avg", "exp_avg_sq"):
+        full.update({f"{k}.{n}": torch.randn(s.shape, generator=g) for n, (s, _) in params.items()})
+    full["adam_step"] = torch.tensor([7.0])
+    # the shards, sliced here: pipeline stage p holds layer p (tiny has 2 layers), tp
+    # rank t holds chunk t of the split dim; position = p * tp + t
+    shards = []
+    for p in range(pp):
+        for t in range(tp):
+            mine = {"adam_step": full["adam_step"].clone()}
+            for name, (spec, _) in params.items():
+                if pp == 2 and spec.layer != p:
+                    continue
+                for key in (name, f"exp_avg.{name}", f"exp_avg_sq.{name}"):
+                    x = full[key]
+                    if spec.split_dim is not None:
+                        x = torch.chunk(x, tp, dim=spec.split_dim)[t]
+                    mine[key] = x.clone()
+            shards.append(mine)
+    h = Held("actor_train", "actor", tp, pp, tuple(range(tp * pp)), None)
+    out = assemble(mc, h, shards)
+    assert sorted(out) == sorted(full)
+    for name, t in full.items():
+        assert torch.equal(out[name], t), name
+    shards[0].pop("embed.weight")
+    with pytest.raises(KeyError):
+        assemble(mc, h, shards)
+
+
+def test_a_shard_that_lost_its_holder_and_its_mirror_is_reported():
+    s = Snapshots(group=None, mc=get_preset("tiny"), num_devices=2)
+    s.version = 3
+    s.held = {"actor_train": Held("actor_train", "actor", 1, 1, (10,), (11,))}
+    with pytest.raises(SnapshotLostError, match="worker 10 and its mirror on worker 11"):
+        s.full_states({10, 11}, {"reference": {}})
+    s.held = {"actor_train": Held("actor_train", "actor", 1, 1, (10,), None)}
+    with pytest.raises(SnapshotLostError, match="with no mirror"):
+        s.full_states({10}, {"reference": {}})
+
+
+# ---------------------------------------------------------------- runs with a death
+
+
+@contextmanager
+def _workers(n: int) -> Iterator[Driver]:
+    d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
+    try:
+        d.spawn_local(n, method="forkserver")
+        yield d
+    finally:
+        d.shutdown()
+
+
+def _plan(rollout, reference, actor_train) -> GlobalPlan:
+    def sp(stage, model, trains, units):
+        return StagePlan(stage, model, trains, len(units), 1, 1, tuple((d,) for d in units))
+
+    return GlobalPlan((
+        sp("rollout", "actor", False, rollout),
+        sp("reference", "reference", False, reference),
+        sp("actor_train", "actor", True, actor_train),
+    ))  # fmt: skip
+
+
+def _full(tr: Trainer, stage: str) -> dict[str, torch.Tensor]:
+    """A stage's full state read from one of its units (dp units, tp = pp = 1)."""
+    (d,) = tr.plan.stage(stage).units[0]
+    w = tr.device_worker[d]
+    return tr.driver.call([w], "rl.shards", stage)[w]
+
+
+def _recoveries(res) -> list[dict]:
+    return [x for x in res.decisions if "lost devices" in x["trigger"]]
+
+
+def _arm(driver: Driver, victim: int, fn: str, **match) -> None:
+    driver.call([victim], "import", "tests.support.worker_faults")
+    driver.call([victim], "faults.die_after", fn, match)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim_device", [2, 1], ids=["actor_train", "reference"])
+def test_the_only_copy_of_a_stage_dies_and_the_run_finishes_from_the_snapshot(victim_device):
+    # dp 1 everywhere: device 2 holds actor_train's only copy, device 1 the reference's.
+    plan = _plan((0,), (1,), (2,))
+    cfg = TrainConfig(steps=4, adapt=False, plan=plan, devices=3, seed=5, **FAST)
+    tag: dict = {}
+    with _workers(3) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+
+            def progress(step, m):
+                if step == 1:
+                    tag["actor"] = _full(tr, "actor_train")
+                    driver.kill(tr.device_worker[victim_device])
+
+            recover = tr.recover
+
+            def recover_and_note(step, error):
+                resume = recover(step, error)
+                tag["after"] = {s: _full(tr, s) for s in ("actor_train", "rollout", "reference")}
+                return resume
+
+            tr.progress = progress
+            tr.recover = recover_and_note
+            tr.adapter.best_plan = lambda rlen, devices=None: (
+                _plan((devices[0],), (devices[1],), (devices[0],)),
+                0.0,
+            )
+            res = tr.run()
+            initial = tr._initial["reference"]
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    (rec,) = _recoveries(res)
+    assert rec["recovery"] == "snapshot", rec
+    after = tag["after"]
+    # actor_train as the snapshot of step 1 held it, to the byte
+    assert sorted(after["actor_train"]) == sorted(tag["actor"])
+    for name, t in tag["actor"].items():
+        assert torch.equal(after["actor_train"][name], t), name
+    # the rollout holds actor_train's weights, the reference the initial ones
+    for name, t in after["rollout"].items():
+        assert torch.equal(t, tag["actor"][name]), name
+    for name, t in after["reference"].items():
+        assert torch.equal(t, initial[name]), name
+    assert all(m.get("snapshot_s") is not None for m in res.metrics)
+
+
+@pytest.mark.slow
+def test_a_death_inside_a_steps_update_rolls_back_to_the_last_snapshot():
+    # actor_train dp 2: both units step, then one worker dies before replying. The
+    # update is on the survivor's unit too; the step is run again from the snapshot,
+    # so the optimizer steps once per step (three, not four).
+    plan = _plan((0, 1), (1, 0), (0, 1))
+    cfg = TrainConfig(steps=3, adapt=False, plan=plan, devices=2, seed=5, **FAST)
+    with _workers(2) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+
+            def progress(step, m):
+                if step == 0:
+                    _arm(driver, tr.device_worker[1], "rl.train")
+
+            submit, sent = tr._rollout_submit, []
+
+            def note(step, rlen=None):
+                job = submit(step, rlen)
+                sent.append((step, job["problems"]))
+                return job
+
+            tr._rollout_submit = note
+            tr.progress = progress
+            tr.adapter.best_plan = lambda rlen, devices=None: (_plan((0,), (0,), (0,)), 0.0)
+            res = tr.run()
+            adam_step = _full(tr, "actor_train")["adam_step"]
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2]
+    (rec,) = _recoveries(res)
+    assert rec["step"] == 1 and rec["recovery"] == "snapshot", rec
+    assert adam_step.tolist() == [3.0]
+    # step 1 was sent twice (before and after the death), with the same prompts
+    again = [p for st, p in sent if st == 1]
+    assert len(again) == 2 and again[0] == again[1], sent
+
+
+@pytest.mark.slow
+def test_a_death_during_start_up_is_recovered_from_the_initial_states():
+    plan = _plan((0,), (1,), (2,))
+    cfg = TrainConfig(steps=2, adapt=False, plan=plan, devices=3, seed=5, **FAST)
+    with _workers(3) as driver:
+        driver.import_module("nereus_rl.trainer.worker")
+        _arm(driver, sorted(driver.workers)[2], "rl.init")
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.adapter.best_plan = lambda rlen, devices=None: (_plan((0,), (1,), (0,)), 0.0)
+            tr.start()
+            res = tr.run()
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1]
+    (rec,) = _recoveries(res)
+    assert rec["step"] == 0 and rec["recovery"] == "snapshot", rec
