@@ -5,6 +5,12 @@ Commands are functions ``fn(ctx, *args, **kwargs)`` registered by name with
 imported (the driver asks every worker to import it, see
 ``Driver.import_module``). Workers move tensors among themselves over gloo
 groups that the driver names by a group id (:meth:`WorkerContext.group`).
+
+When the driver learns that workers died, a running command's gloo collectives
+are aborted at once (nereus_rl.runtime.abort): they raise, and the command fails.
+A command can also ask: :meth:`WorkerContext.aborted`, :meth:`WorkerContext.lost_ranks`,
+and :meth:`WorkerContext.liveness` (a ``liveness`` callable for nereus_comm's
+transports and ``reshard``).
 """
 
 from __future__ import annotations
@@ -13,13 +19,15 @@ import datetime
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nereus_rl.runtime import protocol as P
+from nereus_rl.runtime.abort import AbortState
 
 COMMANDS: dict[str, Callable[..., Any]] = {}
 
@@ -49,15 +57,70 @@ class WorkerContext:
         store: the store client (commands may use it for small rendezvous data).
         state: free-form per-process state kept between commands (e.g. EMU shards).
         timings: (command name, seconds) of every command run so far.
+        abort: the driver's abort notices as this worker has read them (the
+            worker's watcher applies them; see nereus_rl.runtime.abort).
     """
 
-    def __init__(self, rank: int, store: dist.Store, group_timeout: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        store: dist.Store,
+        group_timeout: float,
+        abort: AbortState | None = None,
+    ) -> None:
         self.rank = rank
         self.store = store
         self.state: dict[str, Any] = {}
         self.timings: list[tuple[str, float]] = []
         self._groups: dict[int, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
         self._group_timeout = group_timeout
+        # Without a watcher (a context built outside serve) nothing is ever broken.
+        self.abort = abort if abort is not None else AbortState(rank)
+
+    # ------------------------------------------------------------ aborts
+
+    def aborted(self) -> bool:
+        """True if the driver reported a death while the running command ran.
+
+        The command's gloo connections (those of groups with a lost member, and
+        those of groups this worker cannot name the members of) were shut down
+        then, so their ops raise; a command that catches such an error can tell an
+        abort from another failure with this.
+        """
+        return self.abort.aborted()
+
+    @property
+    def abort_epoch(self) -> int:
+        """How many abort notices the driver has written that this worker has read."""
+        return self.abort.epoch
+
+    def lost_ranks(self) -> frozenset[int]:
+        """Worker ranks the driver reported lost so far. Cheap; never blocks."""
+        return self.abort.lost_ranks()
+
+    def liveness(self, ranks: Sequence[int] | None = None) -> Callable[[], frozenset[int]]:
+        """A ``liveness`` callable for nereus_comm (``Transport.exchange``/``start``,
+        ``reshard``): it answers the ranks the driver reported lost, so a transfer
+        waiting on one ends with PeerLostError at once.
+
+        Arguments:
+            ranks: None when the transfer's ranks are worker ranks (this context's
+                groups, the EMU layouts); else the worker rank of each rank of the
+                transfer's group, in group-rank order (the trainer's default group,
+                whose ranks are not the workers'), and the callable answers in them.
+        """
+        return self.abort.liveness(ranks)
+
+    def track_group(self, key: object, members: Iterable[int]) -> AbstractContextManager[None]:
+        """Context manager: the connections opened inside belong to a group over the
+        worker ranks ``members`` (e.g. ``dist.init_process_group`` of the trainer's
+        default group).
+
+        An abort then breaks them only if it names one of ``members``; connections
+        no group claims break on every abort that finds a command running. Build
+        only that group inside the block (gloo connects while it builds).
+        """
+        return self.abort.track(key, members)
 
     @property
     def group_timeout(self) -> float:
@@ -97,7 +160,9 @@ class WorkerContext:
         t0 = time.perf_counter()
         store = dist.PrefixStore(P.group_prefix(group_id), self.store)
         t = datetime.timedelta(seconds=timeout if timeout is not None else self._group_timeout)
-        pg = dist.ProcessGroupGloo(store, ranks.index(self.rank), len(ranks), t)
+        # Its connections are known, so an abort spares it while its members live.
+        with self.abort.track(("group", group_id), ranks):
+            pg = dist.ProcessGroupGloo(store, ranks.index(self.rank), len(ranks), t)
         self._groups[group_id] = (tuple(ranks), pg)
         return pg, time.perf_counter() - t0
 
@@ -106,6 +171,7 @@ class WorkerContext:
         n = 0
         for gid in group_ids:
             if self._groups.pop(gid, None) is not None:
+                self.abort.untrack(("group", gid))
                 n += 1
         return n
 

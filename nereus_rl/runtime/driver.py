@@ -14,6 +14,11 @@ did not answer. Membership and liveness are nereus_comm.world.World's (the
 driver creates the World, workers join it; heartbeats are counters compared
 on the watcher's own clock) and, for local workers, the process itself.
 
+When the driver notices that workers died (:meth:`Driver.check_liveness`, which
+:meth:`Driver.wait` runs every 0.2 s while it waits) it publishes a sealed abort
+notice, and every survivor's running command has its gloo collectives broken at
+once (nereus_rl.runtime.abort) rather than waiting out their group timeout.
+
 Thread safety: threads may call :meth:`Driver.submit`, :meth:`Driver.wait`,
 :meth:`Driver.call` and the membership queries at once (the transition
 executor runs EMU primitives on disjoint workers from its threads). A submit
@@ -124,6 +129,8 @@ class Driver:
         self._seen_alive: set[int] = set()
         self._joined_at: dict[int, float] = {}
         self._lost: set[int] = set()
+        # Abort notices written so far (see _publish_abort); each command carries it.
+        self._abort_epoch = 0
         self._imports: list[str] = []
         self._closed = False
         # Guards the membership tables and the per-worker sequence numbers, and makes
@@ -288,6 +295,9 @@ class Driver:
     def check_liveness(self) -> tuple[int, ...]:
         """Look at heartbeats (and local processes) now.
 
+        Workers found lost for the first time are announced to the others (an
+        abort notice: their running collectives are broken at once).
+
         Returns:
             All workers known to be lost so far (sorted).
         """
@@ -297,19 +307,44 @@ class Driver:
     def _check_liveness_locked(self) -> tuple[int, ...]:
         alive = self.world.alive()
         now = time.monotonic()
+        new: list[int] = []
         for rank in list(self.infos):
             if rank in self._lost:
                 continue
             proc = self._procs.get(rank)
             if proc is not None and proc.poll() is not None:
-                self._lost.add(rank)
+                new.append(rank)
             elif P.member_of_rank(rank) in alive:
                 self._seen_alive.add(rank)
             elif rank in self._seen_alive or now - self._joined_at[rank] > self.heartbeat_timeout:
                 # Its heartbeat stopped for heartbeat_timeout (or it left); a fresh
                 # joiner gets that long for the World's watcher to first see it.
-                self._lost.add(rank)
+                new.append(rank)
+        if new:
+            self._lost.update(new)
+            self._publish_abort(new)
         return tuple(sorted(self._lost))
+
+    def _publish_abort(self, new: list[int]) -> None:
+        """Tell every worker that ``new`` died: survivors abort their running collectives.
+
+        A survivor may be waiting in a gloo collective on another survivor that has
+        left it (that one got an error from the dead worker and returned); gloo ends
+        such a wait only at the group's timeout. Each worker's abort watcher reads
+        the notice at once and breaks its running command's connections
+        (nereus_rl.runtime.abort). One key per epoch, so a watcher waits for its
+        next key (woken by its arrival) instead of polling one key for changes;
+        sealed like every control message, so nobody without the secret can make
+        workers abort (a forged notice is logged and ignored). Commands sent from
+        now on carry the new epoch, so this notice never breaks them.
+        """
+        self._abort_epoch += 1
+        key = P.abort_key(self._abort_epoch)
+        notice = P.AbortNotice(self._abort_epoch, tuple(sorted(self._lost)), tuple(sorted(new)))
+        try:
+            self.store.set(key, P.seal(self._secret, key, notice))
+        except RuntimeError as e:  # the store is going away: so are the workers
+            P.log.warning("could not publish the abort notice for workers %s: %s", new, e)
 
     def wait_for_loss(self, timeout: float) -> tuple[int, ...]:
         """Block until some worker is noticed lost, or ``timeout`` seconds pass.
@@ -333,6 +368,9 @@ class Driver:
             )
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        # Known dead now: the survivors' collectives are aborted at once (a pending
+        # wait would also notice within its next liveness check).
+        self.check_liveness()
 
     # ---------------------------------------------------------------- calls
 
@@ -360,7 +398,7 @@ class Driver:
                 P.put(
                     self.store,
                     P.cmd_key(rank, seq),
-                    P.Command(seq, fn, cmd_args, kwargs),
+                    P.Command(seq, fn, cmd_args, kwargs, self._abort_epoch),
                     self._secret,
                 )
                 seqs[rank] = seq

@@ -13,10 +13,16 @@ through the store: workers move tensors among themselves over gloo groups.
 A per-worker sequence number orders the commands of one worker, so a worker
 runs its commands one at a time in the order the driver issued them.
 
+Aborts: when the driver learns that workers died it writes an AbortNotice under
+``abort/<epoch>`` (epochs 1, 2, ...); every worker's abort watcher waits for the
+next epoch's key on a store connection of its own and breaks the gloo connections
+of the command it is running (nereus_rl.runtime.abort), so survivors stop waiting
+on each other at once instead of at their group timeout.
+
 Authentication: anyone who reaches the store's port can read and write it, and a
-pickle runs code when loaded. So every message (Command, Reply, WorkerInfo)
-carries an HMAC-SHA256 tag, under the job's secret, over its store key and its
-bytes, and the reader checks the tag before it unpickles anything: a message
+pickle runs code when loaded. So every message (Command, Reply, WorkerInfo,
+AbortNotice) carries an HMAC-SHA256 tag, under the job's secret, over its store
+key and its bytes, and the reader checks the tag before it unpickles anything: a message
 from someone without the secret is rejected (logged with its key) and changes
 nothing, and a genuine message copied under another key fails its check. The
 driver generates the secret (:func:`new_secret`), hands it to the workers it
@@ -84,6 +90,11 @@ def info_key(rank: int) -> str:
     return f"{PREFIX}worker/{rank}"
 
 
+def abort_key(epoch: int) -> str:
+    """Store key of the driver's ``epoch``-th :class:`AbortNotice` (epochs count from 1)."""
+    return f"{PREFIX}abort/{epoch}"
+
+
 def group_prefix(group_id: int) -> str:
     """Store prefix under which the members of one gloo group rendezvous."""
     return f"{PREFIX}pg/{group_id}/"
@@ -114,6 +125,9 @@ class Command:
     fn: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    # The driver's abort epoch when it sent this command: aborts up to it happened
+    # before the command began, so they never break the connections it makes.
+    abort_epoch: int = 0
 
     def __repr__(self) -> str:
         return f"Command(#{self.seq} {self.fn})"
@@ -133,8 +147,27 @@ class Reply:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class AbortNotice:
+    """The driver's word that workers died: survivors abort their in-flight collectives.
+
+    Written (sealed) under :func:`abort_key` of its epoch, one notice per liveness
+    check that found new losses (see nereus_rl.runtime.abort for what a worker does).
+
+    Arguments:
+        epoch: 1 for the job's first notice, then one more per notice.
+        lost: every worker rank lost so far (ranks are never reused).
+        new: the ranks this notice is the first to name.
+    """
+
+    epoch: int
+    lost: tuple[int, ...]
+    new: tuple[int, ...]
+
+
 def encode(obj: Any) -> bytes:
-    """Serialize a Command, Reply or WorkerInfo (unauthenticated: see :func:`seal`)."""
+    """Serialize a Command, Reply, WorkerInfo or AbortNotice (unauthenticated: see
+    :func:`seal`)."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 

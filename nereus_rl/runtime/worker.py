@@ -17,7 +17,9 @@ its first allocation, so it must be in the environment the worker starts with).
 The worker joins the job's nereus_comm World (its rank is its member id - 1,
 the driver being member 0; the World carries its heartbeat), then runs
 commands in the order the driver sends them (see nereus_rl.runtime.context
-for how commands are registered and what they see). A worker that cannot
+for how commands are registered and what they see). A daemon thread watches
+for the driver's abort notices and breaks the running command's collectives
+when workers die (nereus_rl.runtime.abort). A worker that cannot
 reach the store gives up after --connect-timeout seconds with an error that
 names the address.
 """
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from nereus_comm.errors import MembershipError
 from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
+from nereus_rl.runtime.abort import AbortState, AbortWatcher, store_peers
 from nereus_rl.runtime.context import COMMANDS, WorkerContext
 
 
@@ -73,6 +76,8 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
 
 def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
     t0 = time.perf_counter()
+    # Abort notices newer than the command break its connections from here on.
+    ctx.abort.begin(cmd.abort_epoch)
     try:
         fn = COMMANDS.get(cmd.fn)
         if fn is None:
@@ -94,6 +99,8 @@ def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
             traceback=traceback.format_exc(),
             seconds=time.perf_counter() - t0,
         )
+    finally:
+        ctx.abort.end()
 
 
 def serve(
@@ -122,6 +129,9 @@ def serve(
     # would otherwise be a member whose every message the driver rejects.
     store = connect_store(host, port, connect_timeout)
     P.check_job_secret(store, secret, f"{host}:{port}")
+    # The abort watcher's client: `store` is held by the long waits for commands
+    # below, and a TCPStore client runs one operation at a time.
+    watch_store = connect_store(host, port, connect_timeout)
     try:
         # Registration and heartbeats are the World's; the worker never enters a
         # generation (its data groups are standalone, see WorkerContext.group).
@@ -135,7 +145,9 @@ def serve(
     rank = P.rank_of_member(world.member_id)
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
     store.set(P.info_key(rank), P.seal(secret, P.info_key(rank), info))
-    ctx = WorkerContext(rank, store, group_timeout)
+    abort = AbortState(rank, store_peers(host, port))
+    ctx = WorkerContext(rank, store, group_timeout, abort)
+    watcher = AbortWatcher(watch_store, secret, abort).start()
     seq = 0
     # Long waits: a new command wakes the wait at once, and a dead driver
     # breaks the connection; a short timeout would only log timeouts.
@@ -180,6 +192,7 @@ def serve(
                 )
             seq += 1
     finally:
+        watcher.stop(timeout=0)
         world.leave()
 
 
