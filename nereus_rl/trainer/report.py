@@ -1,4 +1,5 @@
-"""The run folder: metrics.jsonl, decisions.jsonl, plans.jsonl, plots and a summary table.
+"""The run folder: metrics.jsonl, decisions.jsonl, plans.jsonl, workers.jsonl, plots and a
+summary table.
 
 Lines are appended and flushed as they happen, so a run that stops early (a
 worker died, Ctrl-C) keeps everything logged up to that point. A decisions.jsonl line is
@@ -41,7 +42,7 @@ class RunLog:
             json.dumps(_plain(dataclasses.asdict(config)), indent=1) + "\n"
         )
         self._files = {}
-        for name in ("metrics", "decisions", "plans"):
+        for name in ("metrics", "decisions", "plans", "workers"):
             self._files[name] = open(self.dir / f"{name}.jsonl", "w")
         self.started = time.time()
 
@@ -61,6 +62,11 @@ class RunLog:
     def plan(self, step: int, plan: Any) -> None:
         """Record the plan in force from ``step`` on."""
         self._write("plans", {"step": step, "plan": repr(plan)})
+
+    def workers(self, step: int, pids: dict[int, int]) -> None:
+        """Record which process holds each plan device from ``step`` on (at start and
+        after each recovery), so that drills and operators can tell a device's worker."""
+        self._write("workers", {"step": step, "pids": {str(d): p for d, p in pids.items()}})
 
     def error(self, message: str) -> None:
         """Record why the run ended early."""

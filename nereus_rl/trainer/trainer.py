@@ -204,6 +204,7 @@ class Trainer(StepWork):
                 f"{cfg.devices} devices asked but only {len(workers)} workers joined"
             )
         self.group.attach(workers)
+        self._log_workers(0)
         self.driver.import_module("nereus_rl.trainer.worker")
         # The stages' shards will be EMU units' tensors (no copy is made).
         live = KINDS if cfg.transitions == "emu" else ()
@@ -301,6 +302,11 @@ class Trainer(StepWork):
         if self.log is not None:
             self.log.plan(step, plan)
 
+    def _log_workers(self, step: int) -> None:
+        if self.log is not None:
+            infos = self.driver.infos
+            self.log.workers(step, {d: infos[w].pid for d, w in self.group.device_worker.items()})
+
     def log_decision(self, row: dict[str, Any]) -> None:
         """Record a decision row in the result and the run folder."""
         self.result.decisions.append(row)
@@ -391,6 +397,7 @@ class Trainer(StepWork):
             its state. SnapshotLostError: a shard lost its holder and its mirror.
         """
         snaps = self.snapshots
+        noticed_at = time.time()
 
         def plan_for(devices: list[int]) -> GlobalPlan:
             return self.adapter.best_plan(self.response_len(step), devices=devices)[0]
@@ -416,7 +423,10 @@ class Trainer(StepWork):
                 cfg=self.cfg, mc=self.mc, plan_for=plan_for, initial=self._initial,
                 why=why, noticed=noticed,
             )  # fmt: skip
+        # wall clock, so that a drill can time detection from its own kill
+        row["recovery_started_at"] = noticed_at
         self._set_plan(resume, new)
+        self._log_workers(resume)
         self.log_decision(row)
         self._dirty = False
         if snaps is not None and snaps.version >= 0:
