@@ -91,8 +91,9 @@ def init_world(
     """Join the job's default process group as ``rank`` of ``world_size``.
 
     ``timeout``: seconds a collective may wait for a peer, on the default group and on
-    every stage model's groups (default: the worker's ``group_timeout``). It is what
-    ends a survivor's wait on a peer that is alive but has left the collective.
+    every stage model's groups (default: the worker's ``group_timeout``). A death the
+    driver notices ends a survivor's wait sooner (nereus_rl.runtime.abort breaks the
+    running command's connections); the timeout bounds what it does not notice.
     ``device``: ``"cpu"`` (a gloo group; shards in host memory) or ``"cuda"`` (shards
     on :func:`worker_device`'s GPU; gloo for host tensors and NCCL for device ones).
     """
