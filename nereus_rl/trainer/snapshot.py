@@ -24,14 +24,19 @@ snapshot, the reference from the initial weights. The recovery
 (:func:`nereus_rl.trainer.recover.restore`) builds every stage of a new plan on the
 survivors from them. Before the first version, the initial states are the version.
 
-Cost: the copy is a host memcpy per step on the unit's ranks; the mirror moves one
-unit's state (about 12 bytes per parameter in float32) between distinct workers per
-step. :func:`mirror_seconds` prices it with the cost model's host-copy and link
-bandwidths; ``metrics.jsonl`` records what it took (``snapshot_s``).
+Cost: the copy is a host memcpy on the unit's ranks; the mirror moves one unit's
+state (12 bytes per parameter in float32: weights and two Adam moments) between
+distinct workers. :func:`snapshot_seconds` prices both with the cost model's
+cluster (memory bandwidth, link tiers); the trainer takes a snapshot every step
+when the price is within 5% of the predicted step, else every
+:func:`snapshot_interval` steps (a death then rolls back up to that many steps,
+which run again with their own prompts). ``metrics.jsonl`` records what each took
+(``snapshot_s``) beside the prediction (``snapshot_predicted_s``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,10 +108,36 @@ def node_map(devices: list[int], num_devices: int, nodes: int) -> dict[int, int]
     return {d: min(d // per, nodes - 1) for d in devices}
 
 
-def mirror_seconds(nbytes: int, host_copy_bw: float, link_bw: float) -> float:
-    """Predicted seconds of one snapshot of ``nbytes`` of unit state per rank: the host
-    copy plus the send to the buddy (the two are not overlapped)."""
-    return nbytes / host_copy_bw + nbytes / link_bw
+def snapshot_seconds(plan: GlobalPlan, mc: ModelConfig, cluster, node_of: dict[int, int]) -> float:
+    """Predicted seconds one snapshot of ``plan``'s training stages adds to a step, on
+    ``cluster`` (a :class:`~nereus_rl.core.spec.ClusterSpec`).
+
+    Per training stage, a rank's share of the unit's state (weights, two Adam moments)
+    is read and written once by the host copy (twice its bytes over the device's
+    memory bandwidth) and, where the stage is exposed, sent to its buddy over the link
+    tier between them. The stages run one after the other on the driver's wait, so
+    their seconds add up.
+    """
+    total = 0.0
+    for sp in plan.stages:
+        if not sp.trains:
+            continue
+        specs = tensor_specs(mc, sp.model == "critic", with_adam=True)
+        per_rank = sum(s.nbytes for s in specs) / (sp.tp * sp.pp)
+        total += 2 * per_rank / cluster.device.mem_bw_Bps
+        bud = buddies(sp.units[0], sorted(node_of), node_of) if exposed(sp, node_of) else None
+        if bud is not None:
+            tier = cluster.tier(tuple(sp.units[0]) + tuple(bud))
+            total += tier.latency_s + per_rank / tier.bandwidth_Bps
+    return total
+
+
+def snapshot_interval(predicted_s: float, step_s: float, budget: float) -> int:
+    """Steps between snapshots so that their predicted cost stays within ``budget`` (a
+    fraction) of the predicted step: 1 (every step) when it fits."""
+    if step_s <= 0 or predicted_s <= budget * step_s:
+        return 1
+    return max(1, math.ceil(predicted_s / (budget * step_s)))
 
 
 class Snapshots:
@@ -131,12 +162,33 @@ class Snapshots:
         self.nodes = nodes
         self.version = -1
         self.held: dict[str, Held] = {}
+        # Each take writes under a new tag (the workers key their copies by it), so a
+        # take cut short, or one of the same version on a new plan after a recovery,
+        # never overwrites the committed copies.
+        self.tag = -1
+        self._next_tag = 0
+        # steps between snapshots (price()), and the prediction it came from
+        self.interval = 1
+        self.predicted_s: float | None = None
         # workers that may keep older versions of a stage (pruned by the next take)
         self._keepers: dict[str, set[int]] = {}
 
     def node_of(self, devices: list[int]) -> dict[int, int]:
         """Plan device -> node for ``devices``."""
         return node_map(devices, self.num_devices, self.nodes)
+
+    def price(self, plan: GlobalPlan, cluster, step_s: float, budget: float) -> int:
+        """Set :attr:`interval` from the cost model's prediction for ``plan`` (a step of
+        ``step_s`` predicted seconds, a ``budget`` fraction of it for the snapshot).
+        Returns the interval."""
+        node_of = self.node_of(sorted(self.group.device_worker))
+        self.predicted_s = snapshot_seconds(plan, self.mc, cluster, node_of)
+        self.interval = snapshot_interval(self.predicted_s, step_s, budget)
+        return self.interval
+
+    def due(self, step: int) -> bool:
+        """Whether ``step``'s update is to be committed (every :attr:`interval` steps)."""
+        return step - self.version >= self.interval
 
     def layouts(self, plan: GlobalPlan) -> dict[str, tuple[StagePlan, list[int] | None]]:
         """Per training stage of ``plan``: the unit snapshot (as a one-unit StagePlan) and
@@ -163,6 +215,7 @@ class Snapshots:
         g = self.group
         pend = []
         held = {}
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
         for stage, (one, bud) in self.layouts(plan).items():
             src = g.desc(one)
             dst = None
@@ -175,11 +228,7 @@ class Snapshots:
             alive = set(g.workers)
             # older versions on workers off this layout are pruned by the same call
             call = sorted((set(workers) | keepers) & alive)
-            pend.append(
-                g.driver.submit(
-                    call, "rl.snapshot", stage, version, src, dst, keep_from=self.version
-                )
-            )
+            pend.append(g.driver.submit(call, "rl.snapshot", stage, tag, src, dst, self.tag))
             self._keepers[stage] = set(workers)
             held[stage] = Held(
                 stage, one.model, one.tp, one.pp, tuple(g.ranks(one.units[0])),
@@ -191,7 +240,7 @@ class Snapshots:
                 copy_s = max(copy_s, rep["copy_s"])
                 total_s = max(total_s, rep["seconds"])
                 sent += rep["bytes_sent"]
-        self.held, self.version = held, version
+        self.held, self.version, self.tag = held, version, tag
         return {"snapshot_copy_s": copy_s, "snapshot_worker_s": total_s, "mirror_bytes": sent}
 
     def full_states(
@@ -229,7 +278,7 @@ class Snapshots:
                         "mirrors are kept on another node"
                     )
             shards = [
-                self.group.driver.call([w], "rl.snapshot_get", h.stage, self.version, which)[w]
+                self.group.driver.call([w], "rl.snapshot_get", h.stage, self.tag, which)[w]
                 for w, which in sources
             ]
             out[h.model] = assemble(self.mc, h, shards)

@@ -94,6 +94,10 @@ __all__ = [
     "train",
 ]
 
+# The share of a step's predicted time the in-memory snapshot may take: above it, the
+# snapshot is taken every few steps instead of every step (nereus_rl.trainer.snapshot).
+SNAPSHOT_BUDGET = 0.05
+
 # Warm-started initial states by (critic, model, task, seed, warm steps): runs in one
 # process (tests, benchmarks) that differ only in plan or algorithm share the warm start.
 _WARM_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
@@ -159,6 +163,7 @@ class Trainer(StepWork):
         # A step's update is under way and not committed to the snapshot: the units may
         # hold it half applied, so a loss now restores the snapshot (recover).
         self._dirty = False
+        self._priced_plan: GlobalPlan | None = None
         # a worker loss at a step's end (its boundary, or the async weight sync): the
         # step is recorded, then recovered from (run)
         self._boundary_loss: Exception | None = None
@@ -302,6 +307,18 @@ class Trainer(StepWork):
         if self.log is not None:
             self.log.plan(step, plan)
 
+    def _price_snapshot(self, step: int) -> float:
+        """The cost model's price of the current plan's snapshot (seconds), and the
+        snapshot interval that keeps it within :data:`SNAPSHOT_BUDGET` of the predicted
+        step (priced again whenever the plan changed)."""
+        snaps = self.snapshots
+        if self._priced_plan is not self.plan:
+            self._priced_plan = self.plan
+            cm = self.adapter.cm
+            step_s = cm.step_total(self.plan, self.adapter.workload(self.response_len(step)))
+            snaps.price(self.plan, cm.cluster, step_s, SNAPSHOT_BUDGET)
+        return snaps.predicted_s
+
     def _log_workers(self, step: int) -> None:
         if self.log is not None:
             infos = self.driver.infos
@@ -425,6 +442,11 @@ class Trainer(StepWork):
             )  # fmt: skip
         # wall clock, so that a drill can time detection from its own kill
         row["recovery_started_at"] = noticed_at
+        if resume < step:
+            # Steps after the snapshot's are undone and run again (their rows in
+            # metrics.jsonl stay, as what happened; the result keeps the re-run's).
+            row["rolled_back_steps"] = list(range(resume, step))
+            self.result.metrics = [m for m in self.result.metrics if m["step"] < resume]
         self._set_plan(resume, new)
         self._log_workers(resume)
         self.log_decision(row)
@@ -492,13 +514,21 @@ class Trainer(StepWork):
             ahead.append(self._rollout_submit(step + 1))
         self._dirty = True
         m = self._train_on(job)
-        if self.snapshots is not None:
-            # Committed before anything else of the step: a loss from here on finds
-            # this step's update in the snapshot, and the step is recorded once.
-            t_snap = time.perf_counter()
-            m.update(self.snapshots.take(self.plan, step))
-            m["snapshot_s"] = time.perf_counter() - t_snap
-        self._dirty = False
+        snaps = self.snapshots
+        if snaps is not None:
+            m["snapshot_s"] = 0.0
+            m["snapshot_predicted_s"] = self._price_snapshot(step)
+            if snaps.due(step):
+                # Committed before anything else of the step: a loss from here on finds
+                # this step's update in the snapshot, and the step is recorded once.
+                t_snap = time.perf_counter()
+                m.update(snaps.take(self.plan, step))
+                m["snapshot_s"] = time.perf_counter() - t_snap
+                self._dirty = False
+                # no step at or before a committed one runs again
+                self.drawn = {s: d for s, d in self.drawn.items() if s > step}
+        else:
+            self._dirty = False
         m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read
         try:
             # measured bytes of model state (weights, Adam moments) on the fullest worker

@@ -4,17 +4,17 @@
 After each step's optimizer step, every rank of one unit of a training stage copies
 its shards (weights, Adam moments and step) into host memory (its *own* copy), and,
 where the stage would otherwise die with one worker or node, sends them to a buddy
-rank that keeps them as a *mirror*. Both are kept by (stage, version), the version
-being the step whose update they hold. A recovery reads a whole version back
-(``rl.snapshot_get``): from the holders that survived, and from the buddies of the
-ones that did not.
+rank that keeps them as a *mirror*. Both are kept by (stage, tag), the tag being
+the driver's count of snapshots taken (the driver knows which step each holds). A
+recovery reads a whole snapshot back (``rl.snapshot_get``): from the holders that
+survived, and from the buddies of the ones that did not.
 
 Why host copies and not the live tensors: the next optimizer step changes the live
-tensors in place, and a death in the middle of it must find the last finished
-version unchanged. Why two versions: a death while version ``k`` is being written
-leaves some ranks with it and some without, and the driver then restores ``k - 1``,
-which every rank still has (the driver names in each call the oldest version it may
-still need, ``keep_from``; older ones are dropped).
+tensors in place, and a death in the middle of it must find the last committed
+snapshot unchanged. Why two at a time: a death while snapshot ``k`` is being written
+leaves some ranks with it and some without, and the driver then restores the
+committed one, which every rank still has (each call names it, ``keep_from``; older
+ones are dropped, and a new one never overwrites it).
 """
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ def _store(rl: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, torc
 def snapshot(
     ctx: WorkerContext,
     stage: str,
-    version: int,
+    tag: int,
     src_desc: dict[str, Any],
     mirror_desc: dict[str, Any] | None,
     keep_from: int,
     timeout: float = 120.0,
 ) -> dict[str, float]:
-    """Keep version ``version`` of ``stage``'s state: a host copy on each rank of the
+    """Keep snapshot ``tag`` of ``stage``'s state: a host copy on each rank of the
     unit ``src_desc`` (one unit, default-group ranks) and, when ``mirror_desc`` is given
     (the same tp x pp on other ranks), a mirror of shard ``i`` on its rank ``i``.
 
     Called on the ranks of both layouts only (the copy to the buddies is a nereus_comm
-    reshard between them). Versions of ``stage`` older than ``keep_from`` are dropped
+    reshard between them). Snapshots of ``stage`` older than ``keep_from`` are dropped
     first. Returns the seconds and bytes of this rank's part.
     """
     rl = rl_state(ctx)
     snaps = _store(rl)
-    for key in [k for k in snaps if k[0] == stage and (k[1] < keep_from or k[1] == version)]:
+    for key in [k for k in snaps if k[0] == stage and k[1] < keep_from]:
         del snaps[key]
     config = rl["config"]
     n = config.num_layers
@@ -80,7 +80,7 @@ def snapshot(
             rec["mirror"] = dict(res.tensors)
         sent, received = res.bytes_sent, res.bytes_received
     if rec:
-        snaps[(stage, version)] = rec
+        snaps[(stage, tag)] = rec
     return {
         "copy_s": copied,
         "seconds": time.perf_counter() - t0,
@@ -90,18 +90,17 @@ def snapshot(
 
 
 @register("rl.snapshot_get")
-def snapshot_get(
-    ctx: WorkerContext, stage: str, version: int, which: str
-) -> dict[str, torch.Tensor]:
-    """This worker's ``which`` copy (``"own"`` or ``"mirror"``) of ``stage`` at ``version``.
+def snapshot_get(ctx: WorkerContext, stage: str, tag: int, which: str) -> dict[str, torch.Tensor]:
+    """This worker's ``which`` copy (``"own"`` or ``"mirror"``) of ``stage``'s snapshot
+    ``tag``.
 
     Raises:
         KeyError: this worker keeps no such copy (the driver asked the wrong worker).
     """
-    rec = _store(rl_state(ctx)).get((stage, version), {})
+    rec = _store(rl_state(ctx)).get((stage, tag), {})
     if which not in rec:
         raise KeyError(
-            f"worker {ctx.rank} keeps no {which!r} copy of {stage!r} at version {version} "
+            f"worker {ctx.rank} keeps no {which!r} copy of {stage!r} snapshot {tag} "
             f"(it keeps {sorted((k, sorted(v)) for k, v in _store(rl_state(ctx)).items())})"
         )
     return rec[which]

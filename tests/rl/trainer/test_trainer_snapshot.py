@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.spec import local_cpu_cluster
 from nereus_rl.models.model import get_preset, state_specs
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer.snapshot import (
@@ -25,6 +26,8 @@ from nereus_rl.trainer.snapshot import (
     buddies,
     exposed,
     node_map,
+    snapshot_interval,
+    snapshot_seconds,
 )
 from nereus_rl.trainer.trainer import TrainConfig, Trainer
 
@@ -104,6 +107,20 @@ def test_a_shard_that_lost_its_holder_and_its_mirror_is_reported():
     s.held = {"actor_train": Held("actor_train", "actor", 1, 1, (10,), None)}
     with pytest.raises(SnapshotLostError, match="with no mirror"):
         s.full_states({10}, {"reference": {}})
+
+
+def test_the_snapshot_is_priced_and_spaced_to_stay_within_its_budget():
+    mc = get_preset("tiny")
+    cluster = local_cpu_cluster(4)
+    alone = _plan((0,), (1,), (2,))  # actor_train exposed: host copy and mirror
+    spread = _plan((0,), (1,), (2, 3))  # dp 2 on one node: host copy only
+    node_of = node_map([0, 1, 2, 3], 4, 1)
+    t_alone = snapshot_seconds(alone, mc, cluster, node_of)
+    t_spread = snapshot_seconds(spread, mc, cluster, node_of)
+    assert 0 < t_spread < t_alone
+    assert snapshot_interval(0.01, 1.0, 0.05) == 1
+    assert snapshot_interval(0.12, 1.0, 0.05) == 3  # 0.12 s every 3rd step: 4% a step
+    assert snapshot_interval(0.5, 0.0, 0.05) == 1
 
 
 # ---------------------------------------------------------------- runs with a death
@@ -255,3 +272,38 @@ def test_a_death_during_start_up_is_recovered_from_the_initial_states():
     assert [m["step"] for m in res.metrics] == [0, 1]
     (rec,) = _recoveries(res)
     assert rec["step"] == 0 and rec["recovery"] == "snapshot", rec
+
+
+@pytest.mark.slow
+def test_with_a_snapshot_every_third_step_a_death_rolls_back_and_runs_the_steps_again():
+    plan = _plan((0,), (1,), (2,))
+    cfg = TrainConfig(steps=6, adapt=False, plan=plan, devices=3, seed=5, **FAST)
+    with _workers(3) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            snaps = tr.snapshots
+
+            def every_third(plan, cluster, step_s, budget):
+                snaps.interval, snaps.predicted_s = 3, 0.0
+                return 3
+
+            snaps.price = every_third
+
+            def progress(step, m):
+                if step == 3 and 2 in tr.device_worker:  # after step 3; committed: step 2
+                    driver.kill(tr.device_worker[2])
+
+            tr.progress = progress
+            tr.adapter.best_plan = lambda rlen, devices=None: (_plan((0,), (1,), (0,)), 0.0)
+            res = tr.run()
+            adam_step = _full(tr, "actor_train")["adam_step"]
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3, 4, 5]
+    (rec,) = _recoveries(res)
+    assert rec["recovery"] == "snapshot" and rec["rolled_back_steps"] == [3], rec
+    assert adam_step.tolist() == [6.0]  # step 3's first update was undone
+    taken = [m["step"] for m in res.metrics if m["snapshot_s"] > 0]
+    assert taken == [2, 5], taken
