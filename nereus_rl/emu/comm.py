@@ -26,7 +26,7 @@ from nereus_comm.reshard import (
     prepare_reshard,
     reshard,
 )
-from nereus_comm.transport import Transport
+from nereus_comm.transport import Liveness, Transport
 
 __all__ = [
     "PLAN_CACHE_SIZE",
@@ -86,6 +86,7 @@ def move_state(
     workspace: Workspace | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     consume_sources: bool = False,
+    liveness: Liveness | None = None,
 ) -> tuple[ReshardResult, dict[str, float]]:
     """This rank's part of moving a stage's state from layout src to layout dst.
 
@@ -111,6 +112,8 @@ def move_state(
             (:func:`nereus_comm.remap.move_ranges`) after this returns (every peer is
             done reading the sources then), before anything reads ``out``, and swaps
             them back should the primitive fail.
+        liveness: the ranks known dead (nereus_comm's ``Liveness``): a transfer waiting
+            on one raises PeerLostError at once, on every route.
 
     Returns:
         (nereus_comm's ReshardResult, {"plan_s" (the plan and this rank's program of
@@ -138,6 +141,7 @@ def move_state(
         workspace=workspace,
         out=out,
         local_done=done,
+        liveness=liveness,
     )
     packed = result.staged_bytes_sent
     return result, {

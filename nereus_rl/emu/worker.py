@@ -387,6 +387,9 @@ def _reshard(
             specs, src_layout, dst_layout, ctx.rank, tensors, transport,
             timeout=timeout, workspace=workspace, out=out,
             consume_sources=consume and own and block is not None,
+            # the layouts' ranks are worker ranks: the driver's word on deaths ends a
+            # wait on a dead peer at once, on the same-host routes too
+            liveness=ctx.liveness(),
         )  # fmt: skip
     except BaseException:
         release(block)

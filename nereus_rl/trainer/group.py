@@ -63,7 +63,9 @@ class WorkerGroup:
         # a fresh prefix per run: workers reused by another run must not meet old keys
         prefix = f"rl.world.{uuid.uuid4().hex[:12]}/"
         pend = [
-            self.driver.submit([w], "rl.init", i, n, prefix, device=self.device)
+            self.driver.submit(
+                [w], "rl.init", i, n, prefix, device=self.device, workers=self.workers
+            )
             for i, w in enumerate(self.workers)
         ]
         for p in pend:

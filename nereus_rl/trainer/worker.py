@@ -62,6 +62,7 @@ from nereus_rl.trainer import worker_device, worker_snapshot  # noqa: F401 (regi
 from nereus_rl.trainer.worker_state import (
     ADAM_KEYS,
     build_model,
+    default_liveness,
     layout,
     load_state,
     reader,
@@ -87,6 +88,7 @@ def init_world(
     prefix: str,
     timeout: float | None = None,
     device: str = "cpu",
+    workers: list[int] | None = None,
 ) -> int:
     """Join the job's default process group as ``rank`` of ``world_size``.
 
@@ -96,6 +98,8 @@ def init_world(
     running command's connections); the timeout bounds what it does not notice.
     ``device``: ``"cpu"`` (a gloo group; shards in host memory) or ``"cuda"`` (shards
     on :func:`worker_device`'s GPU; gloo for host tensors and NCCL for device ones).
+    ``workers``: the worker of each rank of the group (its deaths, which the driver
+    reports in worker ranks, end a move's waits on it at once; None: they do not).
     """
     torch.set_num_threads(1)
     if timeout is None:
@@ -128,6 +132,7 @@ def init_world(
     rl_state(ctx)["timeout"] = timeout
     rl_state(ctx)["device"] = dev
     rl_state(ctx)["world"] = (store, world_size)
+    rl_state(ctx)["world_workers"] = None if workers is None else list(workers)
     warm_optimizer()
     return rank
 
@@ -237,7 +242,8 @@ def move(
     t0 = time.perf_counter()
     n = config.num_layers
     plan = reshard_plan(specs, layout(src_desc, n), layout(dst_desc, n))
-    result = reshard(plan, rl["rank"], src_state, transport, timeout=timeout)
+    live = default_liveness(ctx)
+    result = reshard(plan, rl["rank"], src_state, transport, timeout=timeout, liveness=live)
     if result.tensors:
         if replace:
             entry = {"model": new_model, "desc": dst_desc, "trains": dst_desc["trains"]}

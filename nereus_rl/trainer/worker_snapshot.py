@@ -27,7 +27,14 @@ import torch
 from nereus_comm.reshard import reshard
 from nereus_comm.transport import GlooTransport
 from nereus_rl.runtime.context import WorkerContext, register
-from nereus_rl.trainer.worker_state import layout, reshard_plan, rl_state, state_of, tensor_specs
+from nereus_rl.trainer.worker_state import (
+    default_liveness,
+    layout,
+    reshard_plan,
+    rl_state,
+    state_of,
+    tensor_specs,
+)
 
 
 def _store(rl: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, torch.Tensor]]]:
@@ -75,7 +82,10 @@ def snapshot(
     if mirror_desc is not None:
         specs = tensor_specs(config, src_desc["model"] == "critic", with_adam=True)
         plan = reshard_plan(specs, src, layout(mirror_desc, n))
-        res = reshard(plan, rl["rank"], rec.get("own", {}), GlooTransport(), timeout=timeout)
+        res = reshard(
+            plan, rl["rank"], rec.get("own", {}), GlooTransport(), timeout=timeout,
+            liveness=default_liveness(ctx),
+        )  # fmt: skip
         if res.tensors:
             rec["mirror"] = dict(res.tensors)
         sent, received = res.bytes_sent, res.bytes_received

@@ -34,6 +34,14 @@ def rl_state(ctx: WorkerContext) -> dict[str, Any]:
     return ctx.state.setdefault("rl", {"stages": {}})
 
 
+def default_liveness(ctx: WorkerContext):
+    """Which default-group ranks the driver reports dead, as nereus_comm's ``liveness``
+    callable (a move or snapshot waiting on one raises at once, on every route); None
+    where ``rl.init`` was not told the group's workers."""
+    workers = rl_state(ctx).get("world_workers")
+    return None if workers is None else ctx.liveness(workers)
+
+
 def tensor_specs(config: ModelConfig, critic: bool, with_adam: bool) -> list[TensorSpec]:
     """nereus_comm TensorSpecs of a model's state (and of its Adam moments)."""
     out = [TensorSpec(*s) for s in state_specs(config, value_head=critic)]
