@@ -85,8 +85,7 @@ def _cluster(name: str) -> ClusterSpec:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="plan() ranks asynchronous workloads by the synchronous formula (issue 25, "
-    "deliverable 5, not done)",
+    reason="plan() ranks asynchronous workloads by the synchronous formula (not met yet)",
 )
 @pytest.mark.parametrize("cluster,cm_kw,kw", CASES)
 def test_async_plan_is_step_latency_optimum(cluster: str, cm_kw: dict, kw: dict) -> None:
