@@ -1,4 +1,4 @@
-"""Aborting survivors' collectives when the driver learns of a death (issue 25).
+"""Aborting survivors' collectives when the driver learns of a death.
 
 The failure ended here: survivor 0 waits in a gloo op on survivor 1, which is
 alive but has left it, while worker 2 dies; without an abort, 0 waits out its
