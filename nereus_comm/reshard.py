@@ -343,7 +343,7 @@ def reshard(
             made already (e.g. by moving pages, see :mod:`nereus_comm.remap`); skipped.
         liveness: a callable returning the global ranks known dead now (e.g. from a
             World's heartbeats; see :data:`nereus_comm.transport.Liveness`). Every wait
-            of the transport and shared-memory routes asks it every
+            of the transport, shared-memory and cross-memory-attach routes asks it every
             LIVENESS_POLL_S and, once a rank of this plan (source or destination) is
             dead, ends with PeerLostError naming it, however long ``timeout`` is; the
             dead peer's shared-memory files are removed. A rank of the plan, not only a
@@ -415,7 +415,7 @@ def reshard(
     if route in ("auto", "cma") and device_type == "cpu" and prog.peers:
         cma = _cma_for(transport)
         cma_sends, cma_recvs = cma.prepare(
-            send_totals, recv_totals, timeout=timeout, control=transport
+            send_totals, recv_totals, timeout=timeout, control=transport, liveness=liveness
         )
         fallback = {p: r for p, r in cma.reasons.items() if p in prog.peers}
         missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
@@ -468,6 +468,7 @@ def reshard(
             {p: len(slots) for p, slots in cma_recv_slots.items()},
             timeout=timeout,
             control=transport,
+            liveness=liveness,
         )
     send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
     recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
@@ -523,6 +524,7 @@ def reshard(
             list(cma_send_slots),
             timeout=max(deadline - time.monotonic(), 1.0),
             control=transport,
+            liveness=liveness,
         )
     pending.wait()
     exchanged_at = time.perf_counter()

@@ -28,6 +28,17 @@ Protocol (over a control transport, e.g. the GlooTransport reshard was given)
        reported to both sides (TransportError), and that direction is off from then
        on (its later exchanges take the fallback route).
 
+Dead peers
+    Given ``liveness`` (see :data:`nereus_comm.transport.Liveness`), every wait of the
+    route (a probe round, a receiver waiting for its senders' tables, a sender waiting
+    for its readers' completion records) is a control exchange that asks it every
+    LIVENESS_POLL_S and ends with PeerLostError naming the dead rank once a rank of
+    the group is dead; without it a wait ends at its timeout, or sooner where the
+    control transport sees the peer's connection close (PeerTimeoutError). A read
+    whose sender's process is gone (``process_vm_readv`` answers ESRCH; the probe has
+    shown the pid was that peer's) raises PeerLostError naming the sender at once.
+    The route keeps no file or segment, so a dead peer leaves nothing of it behind.
+
 Limits
     Linux, host memory, peers on one host that the kernel lets read each other (same
     uid and no Yama ptrace restriction, or CAP_SYS_PTRACE). The sender's tensors must
@@ -48,7 +59,7 @@ import torch
 from nereus_comm import _C
 from nereus_comm.errors import TransportArgumentError, TransportError
 from nereus_comm.pack import Region, RegionTable, copy_table, region_table
-from nereus_comm.transport import Transport
+from nereus_comm.transport import Liveness, Transport, lost_error
 from nereus_comm.transport_shm import host_identity
 
 __all__ = ["CMA_ENV", "CMA_THREADS", "CmaRoute", "cma_disabled"]
@@ -162,8 +173,12 @@ class CmaRoute:
             )
         return control
 
-    def _swap(self, control: Transport, sends, recvs, timeout: float) -> None:
-        control.exchange(sends, recvs, timeout=timeout)
+    def _swap(
+        self, control: Transport, sends, recvs, timeout: float, liveness: Liveness | None
+    ) -> None:
+        # Passed only when given: a Transport of another framework's may predate liveness.
+        extra = {} if liveness is None else {"liveness": liveness}
+        control.exchange(sends, recvs, timeout=timeout, **extra)
         self.control_bytes[0] += sum(t.nbytes for _, t in sends)
         self.control_bytes[1] += sum(t.nbytes for _, t in recvs)
 
@@ -195,17 +210,25 @@ class CmaRoute:
         *,
         timeout: float,
         control: Transport | None = None,
+        liveness: Liveness | None = None,
     ) -> tuple[frozenset[int], frozenset[int]]:
         """Probe peers not probed yet (collective with them); say which may use the route.
 
         Every peer named must call prepare in the same exchange with this rank named
         (the peers of a reshard plan are symmetric).
 
+        Arguments:
+            send_peers / recv_peers: peers this rank sends to / receives from.
+            timeout: seconds for each probe round.
+            control: the transport for the records (default: the constructor's).
+            liveness: ends a probe round early when a rank dies (see the module doc).
+
         Returns:
             (peers to send to, peers to receive from) by cross-memory attach.
 
         Raises:
             PeerTimeoutError: a peer did not take part in a probe round in time.
+            PeerLostError: ``liveness`` reported a rank of the group dead.
         """
         control = self._control_or(control)
         peers = sorted(set(send_peers) | set(recv_peers))
@@ -216,7 +239,8 @@ class CmaRoute:
                         int(self._nonce[0]))  # fmt: skip
             mine[4:] = self._host
             got = {p: torch.empty(_RECORD * 8, dtype=torch.uint8) for p in new}
-            self._swap(control, [(p, _as_bytes(mine)) for p in new], list(got.items()), timeout)
+            mine_to = [(p, _as_bytes(mine)) for p in new]
+            self._swap(control, mine_to, list(got.items()), timeout, liveness)
             codes = {}
             for p in new:
                 record = got[p].view(torch.int64).numpy()
@@ -224,7 +248,7 @@ class CmaRoute:
                 codes[p] = self._probe_one(record)
             back = {p: torch.empty(_DONE * 8, dtype=torch.uint8) for p in new}
             sends = [(p, _as_bytes(np.array([_MAGIC, 0, codes[p]]))) for p in new]
-            self._swap(control, sends, list(back.items()), timeout)
+            self._swap(control, sends, list(back.items()), timeout, liveness)
             self.probe_rounds += 2
             for p in new:
                 self.read_reasons[p] = None if codes[p] == 0 else _why(codes[p])
@@ -243,16 +267,24 @@ class CmaRoute:
         *,
         timeout: float,
         control: Transport | None = None,
+        liveness: Liveness | None = None,
     ) -> dict[int, np.ndarray]:
         """Swap region tables: send each peer in ``sends`` where its bytes are here.
 
         Arguments:
             sends: per peer this rank sends to, its source regions in wire order.
             recvs: per peer this rank receives from, how many regions it sends.
+            timeout: seconds for the swap.
+            control: the transport for the tables (default: the constructor's).
+            liveness: ends the wait for a sender's table early when a rank dies.
 
         Returns:
             Per receive peer, its source table (int64 (n, 4): address, rows, row
             bytes, stride bytes) after a header of (magic, total bytes).
+
+        Raises:
+            PeerTimeoutError: a peer did not send or take its table in time.
+            PeerLostError: ``liveness`` reported a rank of the group dead.
         """
         control = self._control_or(control)
         out = []
@@ -263,7 +295,7 @@ class CmaRoute:
             out.append((p, _as_bytes(np.concatenate([head, table.reshape(-1)]))))
             self._published[p] = int(head[1])
         got = {p: torch.empty((_HEAD + 4 * n) * 8, dtype=torch.uint8) for p, n in recvs.items()}
-        self._swap(control, out, list(got.items()), timeout)
+        self._swap(control, out, list(got.items()), timeout, liveness)
         return {p: t.view(torch.int64).numpy() for p, t in got.items()}
 
     def read(self, peer: int, table: np.ndarray, regions: Sequence[Region], nbytes: int) -> int:
@@ -271,6 +303,9 @@ class CmaRoute:
 
         Returns:
             0, or the errno (or code) that stopped the read, for :meth:`finish`.
+
+        Raises:
+            PeerLostError: the peer's process is gone (ESRCH): it died after the probe.
         """
         if len(table) < _HEAD or int(table[0]) != _MAGIC or int(table[1]) != nbytes:
             # A different plan on the peer: nothing is read, both sides raise.
@@ -289,6 +324,14 @@ class CmaRoute:
         except ValueError:  # a malformed table from the peer: report it, never hang it
             return errno.EBADMSG
         self.bytes_received += got
+        if err == errno.ESRCH:
+            # The probe read this pid's nonce, so the pid was the peer's: no process
+            # by it now means the peer died (an exited process's mm is gone, a zombie's
+            # too). Said now, as liveness would say it later.
+            raise lost_error(
+                self.rank, [peer], [peer], "reading its memory: process_vm_readv found no "
+                f"process {self._pid[peer]} (ESRCH)"
+            )  # fmt: skip
         if not err and got != nbytes:
             err = errno.EIO
         return err
@@ -300,21 +343,27 @@ class CmaRoute:
         *,
         timeout: float,
         control: Transport | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         """Tell each peer read from how its read went; wait for the peers reading us.
 
         Arguments:
             results: per peer read from, :meth:`read`'s return.
             senders: wait, per peer that reads from this rank, for its record.
+            timeout: seconds for the wait.
+            control: the transport for the records (default: the constructor's).
+            liveness: ends the wait for a reader's record early when a rank dies.
 
         Raises:
+            PeerTimeoutError: a peer did not send or take its record in time.
+            PeerLostError: ``liveness`` reported a rank of the group dead.
             TransportError: a read failed on either side (that direction is then off:
                 the next exchange takes the fallback route).
         """
         control = self._control_or(control)
         sends = [(p, _as_bytes(np.array([_MAGIC, 0, code]))) for p, code in results.items()]
         got = {p: torch.empty(_DONE * 8, dtype=torch.uint8) for p in senders}
-        self._swap(control, sends, list(got.items()), timeout)
+        self._swap(control, sends, list(got.items()), timeout, liveness)
         failed = []
         for p, code in results.items():
             if code:
