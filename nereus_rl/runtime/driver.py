@@ -50,6 +50,9 @@ from nereus_comm.environment import worker_env, worker_environ
 from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
 
+# Local workers that die before joining are replaced, this many in all per spawn_local.
+SPAWN_RESTARTS = 3
+
 
 @dataclass
 class PendingCall:
@@ -172,19 +175,19 @@ class Driver:
         Returns:
             Their global ranks, in the order they were started.
 
+        A worker that exits before joining is replaced by a new process (up to
+        :data:`SPAWN_RESTARTS` in all): it held nothing yet.
+
         Raises:
-            WorkerLostError: a worker exited before joining.
+            WorkerLostError: workers kept exiting before joining.
             WorkerTimeoutError: not all of them joined in time.
         """
         if method not in ("forkserver", "subprocess"):
             raise P.RuntimeUserError(f"method must be 'forkserver' or 'subprocess', got {method!r}")
-        procs: list[Any] = []
-        for _ in range(num_workers):
+
+        def start() -> Any:
             if method == "forkserver":
-                procs.append(
-                    _ForkedWorker(self.host, self.port, num_threads, group_timeout, self._secret)
-                )
-                continue
+                return _ForkedWorker(self.host, self.port, num_threads, group_timeout, self._secret)
             cmd = [
                 sys.executable,
                 "-m",
@@ -201,29 +204,56 @@ class Driver:
             # The secret travels in the environment, never on the command line (which
             # every user of the machine can read in /proc/PID/cmdline).
             env[P.SECRET_ENV] = self._secret.hex()
-            procs.append(subprocess.Popen(cmd, env=env))
+            return subprocess.Popen(cmd, env=env)
+
+        procs: list[Any] = [start() for _ in range(num_workers)]
         by_pid = {p.pid: p for p in procs}
         deadline = time.monotonic() + timeout
         ranks: dict[int, int] = {}
-        while len(ranks) < num_workers:
-            for info in self._poll_joined():
-                if info.pid in by_pid:
-                    ranks[info.pid] = info.rank
-                    self._procs[info.rank] = by_pid[info.pid]
+        restarts = 0
+        try:
+            while len(ranks) < num_workers:
+                for info in self._poll_joined():
+                    if info.pid in by_pid:
+                        ranks[info.pid] = info.rank
+                        self._procs[info.rank] = by_pid[info.pid]
+                for i, p in enumerate(procs):
+                    if p.pid in ranks or p.poll() is None:
+                        continue
+                    # Died before joining: it holds nothing yet, so another process
+                    # takes its place (a few times; then the machine is the problem).
+                    if restarts >= SPAWN_RESTARTS:
+                        raise P.WorkerLostError(
+                            f"local worker pid {p.pid} exited with code {p.returncode} "
+                            f"before joining, after {restarts} restarts of workers that "
+                            "died while starting; check the workers' output above",
+                            (),
+                        )
+                    restarts += 1
+                    P.log.warning(
+                        "local worker pid %d exited with code %s before joining; starting "
+                        "another in its place",
+                        p.pid,
+                        p.returncode,
+                    )
+                    procs[i] = start()
+                    by_pid[procs[i].pid] = procs[i]
+                if len(ranks) < num_workers:
+                    if time.monotonic() > deadline:
+                        raise P.WorkerTimeoutError(
+                            f"only {len(ranks)} of {num_workers} local workers joined "
+                            f"within {timeout:g} s",
+                            (),
+                        )
+                    time.sleep(0.05)
+        except BaseException:
+            # Those that did not join are not the driver's to stop at shutdown: stop
+            # them here, so that a failed start leaves no process behind.
             for p in procs:
-                if p.pid not in ranks and p.poll() is not None:
-                    raise P.WorkerLostError(
-                        f"local worker pid {p.pid} exited with code {p.returncode} before joining",
-                        (),
-                    )
-            if len(ranks) < num_workers:
-                if time.monotonic() > deadline:
-                    raise P.WorkerTimeoutError(
-                        f"only {len(ranks)} of {num_workers} local workers joined "
-                        f"within {timeout:g} s",
-                        (),
-                    )
-                time.sleep(0.05)
+                if p.pid not in ranks and p.poll() is None:
+                    p.kill()
+                    p.wait()
+            raise
         return [ranks[p.pid] for p in procs]
 
     def wait_for_workers(self, num_workers: int, timeout: float = 60.0) -> list[int]:
