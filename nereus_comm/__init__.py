@@ -3,7 +3,8 @@
 Plans which bytes of sharded state move from which rank to which between two
 layouts (C++ planner), packs and unpacks them (C++ host path, Triton on GPU),
 moves them over gloo (CPU; shared memory or cross-memory attach between ranks on
-one host) or NCCL (GPU, loaded at run time), moves the bytes a rank keeps by
+one host) or NCCL (GPU, loaded at run time) or over a framework's own
+torch.distributed group (ProcessGroupTransport), moves the bytes a rank keeps by
 remapping pages, pools communicators, and lets processes join a running job.
 
 Example (on every rank of both layouts)::
@@ -67,6 +68,7 @@ from nereus_comm.reshard import (
 )
 from nereus_comm.specs import transformer_state_specs
 from nereus_comm.transport import GlooTransport, Liveness, NcclTransport, Transport
+from nereus_comm.transport_pg import ProcessGroupTransport
 from nereus_comm.transport_shm import ShmTransport
 from nereus_comm.world import World
 
@@ -99,6 +101,7 @@ __all__ = [
     "PoolBackend",
     "PoolError",
     "PoolStats",
+    "ProcessGroupTransport",
     "Region",
     "RemapError",
     "ReshardPlan",

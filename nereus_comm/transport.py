@@ -10,7 +10,11 @@ Several buffers to or from the same peer are matched in the order they are
 listed, so sender and receiver must list them in the same order (a reshard
 plan's messages do). Empty buffers are skipped on both sides.
 
-- :class:`GlooTransport`: torch.distributed gloo (host memory).
+- :class:`GlooTransport`: torch.distributed gloo (host memory), also over a
+  standalone gloo group that torch.distributed does not know.
+- :class:`~nereus_comm.transport_pg.ProcessGroupTransport`: any torch.distributed
+  group (gloo: host memory; NCCL: device memory) through ``batch_isend_irecv``, so a
+  framework's own group carries the bytes.
 - :class:`~nereus_comm.transport_shm.ShmTransport`: shared-memory segments between
   ranks on one host (host memory; reshard()'s fallback for same-host peers).
 - :class:`~nereus_comm.transport_cma.CmaRoute` (not a Transport: it reads the
@@ -52,6 +56,7 @@ __all__ = [
     "Transport",
     "TransportArgumentError",
     "TransportStats",
+    "wait_works",
 ]
 
 Buffers = Sequence[tuple[int, torch.Tensor]]
@@ -303,6 +308,113 @@ def _chunks(t: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
     return [flat[i : i + chunk_bytes] for i in range(0, flat.numel(), chunk_bytes)]
 
 
+def _wait_each(pending, deadline: float, stop=None) -> dict[tuple[str, int], str]:
+    failed: dict[tuple[str, int], str] = {}
+    for what, peer, work in pending:
+        if stop is not None and stop.is_set():
+            break
+        # Work.is_completed() also reports True for timed-out work, so the
+        # outcome of each wait is the only truth about what is still pending.
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            failed.setdefault((what, peer), str(e).splitlines()[-1])
+    return failed
+
+
+def _wait_watching(
+    transport: Transport, pending, deadline: float, liveness: Liveness, started: float
+) -> dict[tuple[str, int], str]:
+    """_wait_each on a helper thread while this one asks liveness.
+
+    A gloo Work has no abort and no non-blocking completion test from Python
+    (is_completed() turns true only once a wait returned), and a wait that times
+    out closes every pair of the group. So one thread makes the usual blocking
+    waits, this one polls liveness; on a death it makes a 1 ms wait time out, which
+    closes the group's pairs and ends the helper's wait at once. (Should a wait
+    outlive that, the daemon helper ends by the deadline; its Work objects keep
+    their buffers alive until then.)
+    """
+    result: dict[tuple[str, int], str] = {}
+    done, stop = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            result.update(_wait_each(pending, deadline, stop))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="nereus-gloo-wait", daemon=True).start()
+    while not done.wait(LIVENESS_POLL_S):
+        lost = dead_among(liveness, transport.ranks)
+        if not lost:
+            continue
+        stop.set()
+        for _, _, work in reversed(pending):
+            if done.is_set():
+                break
+            try:
+                work.wait(datetime.timedelta(milliseconds=1))
+            except RuntimeError:
+                break
+        done.wait(0.2)  # the helper's wait usually ends at once; never wait long
+        transport._break(f"ranks {_peer_list(lost)} died")
+        waited = {p for _, p, _ in pending}
+        how = f"known from liveness after {time.perf_counter() - started:.2f} s"
+        raise lost_error(transport.rank, lost, waited, how)
+    return result
+
+
+def wait_works(
+    transport: Transport,
+    pending: Sequence[tuple[str, int, dist.Work]],
+    deadline: float,
+    timeout: float,
+    liveness: Liveness | None,
+    *,
+    backend: str = "gloo",
+) -> None:
+    """Complete posted torch.distributed Works whose ``wait`` blocks (gloo's), for ``transport``.
+
+    The waiting half of :class:`GlooTransport`, shared with
+    :class:`~nereus_comm.transport_pg.ProcessGroupTransport` over gloo.
+
+    Arguments:
+        transport: the transport that posted them (its rank and ranks; marked broken
+            on a failure).
+        pending: ``(what, peer, work)`` per posted op, ``what`` being "recv from" or
+            "send to" (for the error message), ``peer`` a global rank.
+        deadline: ``time.monotonic()`` by which all must be done.
+        timeout: the exchange's timeout (for the message).
+        liveness: asked while waiting (see :meth:`Transport.exchange`).
+        backend: the backend's name, for the message.
+
+    Raises:
+        PeerLostError: liveness reported a rank of ``transport.ranks`` dead.
+        PeerTimeoutError: works still pending at ``deadline``; names their peers.
+    """
+    if liveness is None:
+        failed = _wait_each(pending, deadline)
+    else:
+        failed = _wait_watching(transport, pending, deadline, liveness, time.perf_counter())
+    if failed:
+        peers = [p for _, p in failed]
+        transport._break(f"peers {_peer_list(peers)} timed out")
+        # A closed connection fails at once, maybe before liveness knows; and the
+        # dead are the ones to name, not the live ones they held up.
+        lost = await_lost(liveness, transport.ranks, deadline)
+        if lost:
+            raise lost_error(transport.rank, lost, peers, "its transfers failed")
+        detail = "; ".join(f"{w} {p}" for w, p in failed)
+        first = next(iter(failed.values()))
+        raise PeerTimeoutError(
+            f"rank {transport.rank}: peers {_peer_list(peers)} did not complete within "
+            f"{timeout:g} s (pending: {detail}; {backend}: {first}). The peer may have "
+            "died; form a new group without it."
+        )
+
+
 class GlooTransport(Transport):
     """Exchange over a torch.distributed gloo process group (host memory).
 
@@ -314,6 +426,11 @@ class GlooTransport(Transport):
       ``dist.ProcessGroupGloo(store, group_rank, size)`` as the EMU runtime
       builds by id: give ``group``, ``ranks`` and ``rank``. torch.distributed
       need not be initialized then.
+
+    :class:`~nereus_comm.transport_pg.ProcessGroupTransport` is the general form
+    for any group torch.distributed knows (NCCL too); over gloo both post the same
+    ops and wait the same way (:func:`wait_works`). This one stays for standalone
+    groups, which ``batch_isend_irecv`` cannot address.
 
     Arguments:
         group: the gloo group (default: the default process group). Peers are
@@ -427,82 +544,8 @@ class GlooTransport(Transport):
             ) from e
         return pending, deadline, timeout, liveness
 
-    @staticmethod
-    def _wait_works(pending, deadline: float, stop=None) -> dict[tuple[str, int], str]:
-        failed: dict[tuple[str, int], str] = {}
-        for what, peer, work in pending:
-            if stop is not None and stop.is_set():
-                break
-            # Work.is_completed() also reports True for timed-out work, so the
-            # outcome of each wait is the only truth about what is still pending.
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as e:
-                failed.setdefault((what, peer), str(e).splitlines()[-1])
-        return failed
-
-    def _wait_watching(self, pending, deadline: float, liveness: Liveness, started: float):
-        """_wait_works on a helper thread while this one asks liveness.
-
-        A gloo Work has no abort and no non-blocking completion test from Python
-        (is_completed() turns true only once a wait returned), and a wait that times
-        out closes every pair of the group. So one thread makes the usual blocking
-        waits, this one polls liveness; on a death it makes a 1 ms wait time out, which
-        closes the group's pairs and ends the helper's wait at once. (Should a wait
-        outlive that, the daemon helper ends by the deadline; its Work objects keep
-        their buffers alive until then.)
-        """
-        result: dict[tuple[str, int], str] = {}
-        done, stop = threading.Event(), threading.Event()
-
-        def run() -> None:
-            try:
-                result.update(self._wait_works(pending, deadline, stop))
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="nereus-gloo-wait", daemon=True).start()
-        while not done.wait(LIVENESS_POLL_S):
-            lost = dead_among(liveness, self.ranks)
-            if not lost:
-                continue
-            stop.set()
-            for _, _, work in reversed(pending):
-                if done.is_set():
-                    break
-                try:
-                    work.wait(datetime.timedelta(milliseconds=1))
-                except RuntimeError:
-                    break
-            done.wait(0.2)  # the helper's wait usually ends at once; never wait long
-            self._break(f"ranks {_peer_list(lost)} died")
-            waited = {p for _, p, _ in pending}
-            how = f"known from liveness after {time.perf_counter() - started:.2f} s"
-            raise lost_error(self.rank, lost, waited, how)
-        return result
-
     def _wait(self, state) -> None:
-        pending, deadline, timeout, liveness = state
-        if liveness is None:
-            failed = self._wait_works(pending, deadline)
-        else:
-            failed = self._wait_watching(pending, deadline, liveness, time.perf_counter())
-        if failed:
-            peers = [p for _, p in failed]
-            self._break(f"peers {_peer_list(peers)} timed out")
-            # A closed connection fails at once, maybe before liveness knows; and the
-            # dead are the ones to name, not the live ones they held up.
-            lost = await_lost(liveness, self.ranks, deadline)
-            if lost:
-                raise lost_error(self.rank, lost, peers, "its transfers failed")
-            detail = "; ".join(f"{w} {p}" for w, p in failed)
-            first = next(iter(failed.values()))
-            raise PeerTimeoutError(
-                f"rank {self.rank}: peers {_peer_list(peers)} did not complete within "
-                f"{timeout:g} s (pending: {detail}; gloo: {first}). The peer may have "
-                "died; form a new group without it."
-            )
+        wait_works(self, *state)
 
 
 class NcclTransport(Transport):
