@@ -43,11 +43,49 @@ members may call ``next_generation()`` again.
 The creator hosts the store: it must stay until the job ends. The store listens
 on the address asked for and nowhere else (:func:`listen_store`): torch's own
 TCPStore server binds every interface whatever host it is given.
+
+Authentication (``secret=``): anyone who reaches the store's port can write it.
+Without a secret the records above are plain text (nothing in them runs code),
+but anyone can forge a heartbeat, a "left" flag or a proposal. With a per-job
+secret (the same bytes in every member) every record the World writes is
+``tag + text``, where ``tag = HMAC-SHA256(secret, key + b"\0" + text)`` over its
+full store key, so a record is bound to the key it was written under. Every read
+checks the tag (``hmac.compare_digest``) before parsing; a record that fails is
+ignored, so it changes nothing, and logged (a warning on the ``nereus_comm.world``
+logger) once per key. What changes with a secret:
+
+- heartbeats: a counter kept by ``add`` cannot carry a tag, so each member
+  ``set``-s its own ``member/<id>/hb`` to a tagged, strictly increasing counter, and
+  a watcher counts a member as beating only when it reads a tagged value greater
+  than the last it accepted: a replayed older (or the same) value changes nothing;
+- ``config``, ``member/<id>/info``, ``member/<id>/left``, ``gen/latest`` and
+  ``gen/<g>/members`` are tagged. A forged proposal found where a proposer wants
+  to write its own is replaced by ``compare_set(key, forged, ours)``, which cannot
+  overwrite a genuine proposal written meanwhile; a joiner waiting for a generation
+  treats a forged one as not agreed yet;
+- a joiner checks the tag of ``config`` before it takes an id: with another
+  secret (or none) ``World.join`` raises MembershipError and leaves no trace but
+  the warning. A process that writes records by hand without the secret is
+  never alive, never a pending joiner, never in a proposal;
+- reads never use ``add`` (which drops the connection of whoever adds to a value
+  that is not an integer) nor a blocking ``get``: a non-blocking
+  ``compare_set`` peek reads a key or learns that it is absent.
+
+Not covered: ``num_ids`` stays a bare counter (ids are handed out atomically by
+``add``), so a forged increment only uses up ids that are never alive; the gloo
+rendezvous under ``gen/<g>/pg/`` is torch's own; and whoever reaches the store
+can still delete or overwrite records, which denies service (a flood of
+overwritten heartbeats makes a member look dead, an overwritten ``config`` stops
+joiners) but never makes a World accept a record it did not get from a holder
+of the secret.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import logging
 import os
 import socket
 import threading
@@ -60,6 +98,13 @@ from nereus_comm.errors import MembershipError
 __all__ = ["World", "listen_store"]
 
 _NS = "nereus/world/"
+_TAG_BYTES = 32  # HMAC-SHA256
+_MIN_SECRET_BYTES = 16
+# What a peek returns for an absent key: compare_set returns the expected value,
+# without creating the key, when the key does not exist.
+_ABSENT = b"\0nereus-world-absent"
+
+log = logging.getLogger(__name__)
 
 
 def listen_store(host: str, port: int = 0, *, timeout: float = 60.0) -> dist.TCPStore:
@@ -112,13 +157,98 @@ def _add(store: dist.Store, key: str, value: int = 0) -> int:
     return int(store.add(_NS + key, value))
 
 
+def _peek(store: dist.Store, key: str) -> bytes | None:
+    """The value under ``_NS + key``, or None if there is none; never blocks.
+
+    A get after a check could block until the store's timeout if the key were
+    deleted in between, and add(key, 0) breaks the connection on a value that is
+    not an integer: both are in reach of anyone who can write the store.
+    """
+    value = bytes(store.compare_set(_NS + key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT else value
+
+
+class _Records:
+    """How a World's records are written and read: plain text, or tagged under a secret.
+
+    Shared by a World and its watcher (two store clients, two threads), so the
+    once-per-key warnings are shared too.
+    """
+
+    def __init__(self, secret: bytes | None) -> None:
+        if secret is not None:
+            secret = bytes(secret)
+            if len(secret) < _MIN_SECRET_BYTES:
+                raise ValueError(
+                    f"a World secret needs at least {_MIN_SECRET_BYTES} bytes, got {len(secret)}"
+                )
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    @property
+    def tagged(self) -> bool:
+        """Whether records carry a tag (the World has a secret)."""
+        return self._secret is not None
+
+    def _tag(self, key: str, data: bytes) -> bytes:
+        assert self._secret is not None
+        # Store keys never contain NUL, so no (key, data) pair can be shifted into another.
+        return hmac.new(self._secret, key.encode() + b"\0" + data, hashlib.sha256).digest()
+
+    def seal(self, key: str, text: str) -> bytes:
+        """The value to store under ``_NS + key`` for ``text``."""
+        data = text.encode()
+        return data if self._secret is None else self._tag(_NS + key, data) + data
+
+    def open(self, key: str, value: bytes) -> str | None:
+        """The text of a record read under ``_NS + key``; None (and a warning) if its tag fails."""
+        value = bytes(value)
+        if self._secret is None:
+            return value.decode(errors="replace")
+        data = value[_TAG_BYTES:]
+        if len(value) < _TAG_BYTES or not hmac.compare_digest(
+            value[:_TAG_BYTES], self._tag(_NS + key, data)
+        ):
+            self.reject(key, "its tag does not match this World's secret")
+            return None
+        return data.decode(errors="replace")
+
+    def reject(self, key: str, why: str) -> None:
+        """Log an ignored record, once per key: a forger rewriting it must not flood the log."""
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(
+            "ignored the record under %r: %s; it was not written by a member of this World "
+            "and changes nothing (later rejections under this key are not logged again)",
+            _NS + key,
+            why,
+        )
+
+    def read(self, store: dist.Store, key: str) -> str | None:
+        """Peek at ``_NS + key`` and open it: None if it is absent or rejected."""
+        value = _peek(store, key)
+        return None if value is None else self.open(key, value)
+
+
 class _Watcher:
     """Heartbeat of one member plus its view of every other member's heartbeat."""
 
-    def __init__(self, host: str, port: int, member_id: int, interval: float, timeout: float):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        member_id: int,
+        interval: float,
+        timeout: float,
+        records: _Records,
+    ):
         self.interval = interval
         self.timeout = timeout
         self._member_id = member_id
+        self._records = records
         # A store client of its own: the main thread's may block in a collective.
         self._store = dist.TCPStore(
             host, port, is_master=False, timeout=datetime.timedelta(seconds=max(timeout, 5.0))
@@ -127,6 +257,8 @@ class _Watcher:
         self._io = threading.Lock()  # one store client, two threads (beat and refresh)
         self._seen: dict[int, tuple[int, float]] = {}  # id -> (counter, when it last moved)
         self._left: set[int] = set()
+        self._beats = 0  # this member's tagged heartbeat counter
+        self._num_ids = 0  # the last registration count read (tagged mode)
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._beat()
@@ -140,22 +272,69 @@ class _Watcher:
         with self._lock:
             known_left = set(self._left)
         with self._io:
-            _add(self._store, f"member/{self._member_id}/hb", 1)
-            num_ids = _add(self._store, "num_ids")
+            self._send_heartbeat()
+            num_ids = self._read_num_ids()
             now = time.monotonic()
             for m in range(num_ids):
                 if m == self._member_id or m in known_left:
                     continue
-                if _add(self._store, f"member/{m}/left"):
+                if self._has_left(m):
                     left.add(m)
                     continue
-                updates[m] = _add(self._store, f"member/{m}/hb")
+                value = self._heartbeat_of(m)
+                if value is not None:
+                    updates[m] = value
+        tagged = self._records.tagged
         with self._lock:
             self._left |= left
             for m, value in updates.items():
                 old = self._seen.get(m)
-                if old is None or old[0] != value:
+                if old is None or (value > old[0] if tagged else value != old[0]):
                     self._seen[m] = (value, now)
+                elif tagged and value < old[0]:
+                    # Only a replay goes back: each member writes its counter from one
+                    # thread over one connection, always upwards.
+                    self._records.reject(
+                        f"member/{m}/hb", f"heartbeat {value} is older than {old[0]} (a replay)"
+                    )
+
+    def _send_heartbeat(self) -> None:
+        key = f"member/{self._member_id}/hb"
+        if not self._records.tagged:
+            _add(self._store, key, 1)
+            return
+        self._beats += 1
+        self._store.set(_NS + key, self._records.seal(key, str(self._beats)))
+
+    def _read_num_ids(self) -> int:
+        if not self._records.tagged:
+            return _add(self._store, "num_ids")
+        # Read, not add(key, 0): a forged non-integer value must not cost us the connection.
+        value = _peek(self._store, "num_ids")
+        try:
+            self._num_ids = max(self._num_ids, int(value or b"0"))
+        except ValueError:
+            self._records.reject("num_ids", f"{value[:40]!r} is not a count")
+        return self._num_ids
+
+    def _has_left(self, m: int) -> bool:
+        key = f"member/{m}/left"
+        if not self._records.tagged:
+            return bool(_add(self._store, key))
+        return self._records.read(self._store, key) == "1"
+
+    def _heartbeat_of(self, m: int) -> int | None:
+        key = f"member/{m}/hb"
+        if not self._records.tagged:
+            return _add(self._store, key)
+        text = self._records.read(self._store, key)
+        if text is None:
+            return None  # no heartbeat yet, or a forged one
+        try:
+            return int(text)
+        except ValueError:
+            self._records.reject(key, f"{text[:40]!r} is not a counter")
+            return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -209,8 +388,10 @@ class World:
         interval: float,
         hb_timeout: float,
         timeout: float,
+        records: _Records,
     ) -> None:
         self._store = store
+        self._records = records
         self.host = host
         self.port = port
         self.member_id = member_id
@@ -219,8 +400,10 @@ class World:
         self._members: tuple[int, ...] = ()
         self._ever_listed: set[int] = set()
         self._closed = False
-        store.set(_NS + f"member/{member_id}/info", f"{socket.gethostname()} {os.getpid()}")
-        self._watcher = _Watcher(host, port, member_id, interval, hb_timeout)
+        self._infos: dict[int, tuple[str, int]] = {}
+        key = f"member/{member_id}/info"
+        store.set(_NS + key, records.seal(key, f"{socket.gethostname()} {os.getpid()}"))
+        self._watcher = _Watcher(host, port, member_id, interval, hb_timeout, records)
 
     # -- making one -----------------------------------------------------------------
 
@@ -234,6 +417,7 @@ class World:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
         timeout: float = 60.0,
+        secret: bytes | None = None,
     ) -> World:
         """Host the store, become member 0, and form generation 1.
 
@@ -245,16 +429,21 @@ class World:
             heartbeat_interval: seconds between heartbeats (for every member).
             heartbeat_timeout: seconds without a heartbeat after which a member is dead.
             timeout: seconds to wait for members and for a group's rendezvous.
+            secret: the job's secret (at least 16 bytes, the same in every member): every
+                record is tagged with it and every record read is checked (see the module
+                docstring). None writes plain records, as for a private network.
 
         Returns:
             The World, in generation 1.
 
         Raises:
-            ValueError: bad figures (min_members < 1, timeout <= interval, ...).
+            ValueError: bad figures (min_members < 1, timeout <= interval, a short
+                secret, ...).
             MembershipError: the port cannot be bound, or members did not come in time.
         """
         if min_members < 1:
             raise ValueError(f"min_members must be >= 1; got {min_members}")
+        records = _Records(secret)
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise ValueError(
                 f"need 0 < heartbeat_interval < heartbeat_timeout; got {heartbeat_interval} "
@@ -265,10 +454,14 @@ class World:
         except (RuntimeError, OSError) as e:
             raise MembershipError(f"cannot host the World's store at {host}:{port}: {e}") from e
         port = store.port
-        store.set(_NS + "config", f"{heartbeat_interval} {heartbeat_timeout}")
+        store.set(
+            _NS + "config", records.seal("config", f"{heartbeat_interval} {heartbeat_timeout}")
+        )
         member_id = _add(store, "num_ids", 1) - 1
         assert member_id == 0, "a fresh store must give the creator id 0"
-        world = cls(store, host, port, member_id, heartbeat_interval, heartbeat_timeout, timeout)
+        world = cls(
+            store, host, port, member_id, heartbeat_interval, heartbeat_timeout, timeout, records
+        )
         try:
             world.wait_for_members(min_members, timeout=timeout)
             world.next_generation()
@@ -278,7 +471,15 @@ class World:
         return world
 
     @classmethod
-    def join(cls, host: str, port: int, *, timeout: float = 60.0, wait: bool = True) -> World:
+    def join(
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 60.0,
+        wait: bool = True,
+        secret: bytes | None = None,
+    ) -> World:
         """Join a running job: register, start heartbeating, wait to be in a generation.
 
         Arguments:
@@ -286,28 +487,50 @@ class World:
             port: its port.
             timeout: seconds to reach the store, and then to be taken into a generation.
             wait: if False, return once registered (call ``wait_until_admitted`` later).
+            secret: the job's secret, as given to ``World.create``; None for a World
+                without one.
 
         Returns:
             The World; with ``wait``, in the first generation that lists this process.
 
         Raises:
+            ValueError: a secret shorter than 16 bytes.
             MembershipError: the store at host:port could not be reached within
-                ``timeout`` seconds, or no generation took this process in time.
+                ``timeout`` seconds, its config is not tagged with ``secret`` (another
+                job's secret, none where the World has one, or one where it has none;
+                checked before this process takes an id), or no generation took this
+                process in time.
         """
+        records = _Records(secret)
         try:
             store = dist.TCPStore(
                 host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
             )
-            config = store.get(_NS + "config").decode().split()
+            value = store.get(_NS + "config")
         except (RuntimeError, OSError, dist.DistStoreError) as e:
             raise MembershipError(
                 f"could not reach the World's store at {host}:{port} within {timeout} s "
                 f"(is the job running and the address right?): {e}"
             ) from e
-        interval, hb_timeout = float(config[0]), float(config[1])
-        hint = _add(store, "gen/latest")
+        config = records.open("config", value)
+        try:
+            if config is None:
+                raise ValueError("its tag does not match")
+            interval, hb_timeout = map(float, config.split())
+        except ValueError:
+            raise MembershipError(
+                f"the config of the World at {host}:{port} fails its check "
+                f"{'under this secret' if records.tagged else 'without a secret'}: join with "
+                f"the secret the World was created with (none if it has none)"
+            ) from None
+        if records.tagged:
+            # A forged hint is ignored: walking forward from generation 1 is slow, not wrong.
+            latest = records.read(store, "gen/latest")
+            hint = int(latest) if latest is not None and latest.isdigit() else 0
+        else:
+            hint = _add(store, "gen/latest")
         member_id = _add(store, "num_ids", 1) - 1
-        world = cls(store, host, port, member_id, interval, hb_timeout, timeout)
+        world = cls(store, host, port, member_id, interval, hb_timeout, timeout, records)
         world._generation = hint
         if wait:
             try:
@@ -330,9 +553,8 @@ class World:
         deadline = time.monotonic() + timeout
         g = self._generation + 1
         while True:
-            key = _NS + f"gen/{g}/members"
-            if self._store.check([key]):
-                members = _parse(self._store.get(key))
+            members = self._read_generation(g)
+            if members is not None:
                 if self.member_id in members:
                     self._enter(g, members)
                     return g
@@ -444,7 +666,8 @@ class World:
         initialised in this process: nothing restarts.
 
         Arguments:
-            timeout: seconds for the new group's rendezvous (default: the World's).
+            timeout: seconds to agree on it and for the new group's rendezvous (default:
+                the World's).
 
         Returns:
             The new generation number.
@@ -459,11 +682,9 @@ class World:
         # Members and joiners the proposer can see; a member we already lost stays out.
         alive = self.alive()
         proposal = sorted((alive & frozenset(self._members)) | self.pending_joiners())
-        key = _NS + f"gen/{g}/members"
-        won = self._store.compare_set(key, "", ",".join(map(str, proposal)))
-        members = _parse(won)
+        members = self._agree(g, tuple(proposal), self._timeout if timeout is None else timeout)
         if members == tuple(proposal):
-            self._store.set(_NS + "gen/latest", str(g))
+            self._store.set(_NS + "gen/latest", self._records.seal("gen/latest", str(g)))
         if self.member_id not in members:
             self.leave()
             raise MembershipError(
@@ -472,6 +693,60 @@ class World:
             )
         self._enter(g, members, timeout)
         return g
+
+    def _read_generation(self, g: int) -> tuple[int, ...] | None:
+        """The agreed members of generation ``g``; None while none is (a forged one is not)."""
+        key = f"gen/{g}/members"
+        if not self._records.tagged:
+            full = _NS + key
+            return _parse(self._store.get(full)) if self._store.check([full]) else None
+        text = self._records.read(self._store, key)
+        return None if text is None else _parse(text)
+
+    def _agree(self, g: int, proposal: tuple[int, ...], timeout: float) -> tuple[int, ...]:
+        """Write ``proposal`` as generation ``g`` unless one is there already; the winner."""
+        key = f"gen/{g}/members"
+        ours = self._records.seal(key, ",".join(map(str, proposal)))
+        expected = b""  # the key is absent
+        deadline = time.monotonic() + timeout
+        tries = 0
+        while True:
+            current = bytes(self._store.compare_set(_NS + key, expected, ours))
+            text = self._records.open(key, current)
+            if text is not None:
+                return _parse(text)
+            # A forged record sits where proposals go. Replace exactly that value: a
+            # genuine proposal written over it meanwhile then wins instead of ours.
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"generation {g} could not be agreed within {timeout} s: the store keeps "
+                    f"holding records under {_NS + key!r} that no member wrote"
+                )
+            tries += 1
+            if tries > 2:
+                time.sleep(min(0.05, self._watcher.interval / 4))
+            # compare_set answers `expected` itself when the key is absent (the forgery
+            # was deleted): then propose as on an empty key.
+            expected = b"" if current == expected else current
+
+    def member_info(self, member: int) -> tuple[str, int] | None:
+        """Host name and process id of a registered process, from its info record.
+
+        Returns:
+            (host, pid); None if ``member`` wrote none, or (with a secret) its record
+            failed the check.
+        """
+        if member in self._infos:
+            return self._infos[member]
+        key = f"member/{member}/info"
+        text = self._records.read(self._store, key)
+        host, _, pid = (text or "").rpartition(" ")
+        if not host or not pid.isdigit():
+            return None
+        # A process writes its info once, before its first heartbeat: keep the first
+        # accepted one, so a later overwrite changes nothing.
+        self._infos[member] = (host, int(pid))
+        return self._infos[member]
 
     def _enter(self, g: int, members: tuple[int, ...], timeout: float | None = None) -> None:
         timeout = self._timeout if timeout is None else timeout
@@ -503,7 +778,8 @@ class World:
         self._closed = True
         self._watcher.stop()
         try:
-            self._store.set(_NS + f"member/{self.member_id}/left", "1")
+            key = f"member/{self.member_id}/left"
+            self._store.set(_NS + key, self._records.seal(key, "1"))
         except (RuntimeError, dist.DistError):
             pass  # the store is gone already: nobody is left to tell
         if dist.is_initialized():

@@ -109,6 +109,7 @@ class Driver:
             min_members=1,
             heartbeat_interval=min(0.5, heartbeat_timeout / 4),
             heartbeat_timeout=heartbeat_timeout,
+            secret=self._secret,
         )
         self.port = self.world.port
         # A client of our own: the World's store object is its business.

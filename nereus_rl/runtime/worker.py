@@ -135,7 +135,7 @@ def serve(
     try:
         # Registration and heartbeats are the World's; the worker never enters a
         # generation (its data groups are standalone, see WorkerContext.group).
-        world = World.join(host, port, timeout=connect_timeout, wait=False)
+        world = World.join(host, port, timeout=connect_timeout, wait=False, secret=secret)
     except MembershipError as e:
         raise P.StoreUnreachableError(
             f"could not join the job at {host}:{port} within {connect_timeout:g} s; check "
