@@ -103,7 +103,7 @@ def store_peers(host: str, port: int) -> frozenset[tuple[str, int]]:
 
 
 def break_connections(
-    skip_peers: Iterable[tuple[str, int]], keep: Iterable[int] = ()
+    skip_peers: Iterable[tuple[str, int]], keep: Iterable[int] = (), force: Iterable[int] = ()
 ) -> list[tuple[str, int]]:
     """Shut down (both ways) every connected TCP socket of this process, with exceptions.
 
@@ -114,12 +114,15 @@ def break_connections(
     Arguments:
         skip_peers: (address, port) of peers whose connections stay (the store's).
         keep: inode numbers of sockets that stay.
+        force: inode numbers of sockets shut down even to a skipped peer (a group's own
+            store client, whose rendezvous waits on a dead member).
 
     Returns:
         The peers of the connections shut down.
     """
     skip = frozenset(skip_peers)
     keep = frozenset(keep)
+    force = frozenset(force)
     broken: list[tuple[str, int]] = []
     try:
         names = os.listdir("/proc/self/fd")
@@ -151,7 +154,7 @@ def break_connections(
                 if sock.type != socket.SOCK_STREAM:
                     continue
                 peer = _peer(sock.getpeername())  # a listening socket has none (ENOTCONN)
-                if peer in skip:
+                if peer in skip and int(target[8:-1]) not in force:
                     continue
                 sock.shutdown(socket.SHUT_RDWR)
                 broken.append(peer)
@@ -183,6 +186,9 @@ class AbortState:
         self._floor = 0  # the running command's abort epoch (see begin)
         self._cmd_aborted = False
         self._groups: dict[object, tuple[frozenset[int], frozenset[int]]] = {}
+        # Groups being built (members, the sockets open before): an abort during the
+        # build claims what was opened since, the rendezvous's store client included.
+        self._building: dict[object, tuple[frozenset[int], frozenset[int]]] = {}
         #: (epoch, peers shut down) of every notice that broke connections.
         self.breaks: list[tuple[int, list[tuple[str, int]]]] = []
 
@@ -232,13 +238,17 @@ class AbortState:
             key: names the group (a later :meth:`track` of the same key replaces it).
             members: worker ranks (the runtime's, not the group's) of its members.
         """
-        before = socket_inodes()
+        before = frozenset(socket_inodes())
+        members = frozenset(int(m) for m in members)
+        with self._lock:
+            self._building[key] = (members, before)
         try:
             yield
         finally:
             opened = frozenset(socket_inodes() - before)
             with self._lock:
-                self._groups[key] = (frozenset(int(m) for m in members), opened)
+                self._building.pop(key, None)
+                self._groups[key] = (members, opened)
 
     def untrack(self, key: object) -> None:
         """Forget a group's sockets (it was released); unknown keys are ignored."""
@@ -277,10 +287,17 @@ class AbortState:
             if not self._skip:
                 return []
             keep: set[int] = set()
-            for members, inodes in self._groups.values():
+            force: set[int] = set()
+            groups = list(self._groups.values())
+            if self._building:
+                now = frozenset(socket_inodes())
+                groups += [(m, now - before) for m, before in self._building.values()]
+            for members, inodes in groups:
                 if not members & self._lost:
                     keep |= inodes
-            broken = break_connections(self._skip, keep)
+                else:  # its store client too: a rendezvous waits there on the dead
+                    force |= inodes
+            broken = break_connections(self._skip, keep, force)
             self.breaks.append((notice.epoch, broken))
         if broken:
             P.log.warning(

@@ -67,8 +67,10 @@ class WorkerContext:
         store: dist.Store,
         group_timeout: float,
         abort: AbortState | None = None,
+        address: tuple[str, int] | None = None,
     ) -> None:
         self.rank = rank
+        self.address = address
         self.store = store
         self.state: dict[str, Any] = {}
         self.timings: list[tuple[str, float]] = []
@@ -121,6 +123,27 @@ class WorkerContext:
         only that group inside the block (gloo connects while it builds).
         """
         return self.abort.track(key, members)
+
+    def store_client(self, timeout: float) -> dist.Store:
+        """A new client connection to the job's store (``timeout``: its blocking ops').
+
+        For a rendezvous that should end when a member dies: opened inside
+        :meth:`track_group`, it belongs to that group, and an abort naming a member
+        shuts it down (the command's own store client is never shut down).
+
+        Raises:
+            RuntimeError: the context was built without the store's address.
+        """
+        if self.address is None:
+            raise RuntimeError("this worker context has no store address (built outside serve)")
+        host, port = self.address
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
 
     @property
     def group_timeout(self) -> float:

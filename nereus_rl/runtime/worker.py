@@ -146,7 +146,7 @@ def serve(
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
     store.set(P.info_key(rank), P.seal(secret, P.info_key(rank), info))
     abort = AbortState(rank, store_peers(host, port))
-    ctx = WorkerContext(rank, store, group_timeout, abort)
+    ctx = WorkerContext(rank, store, group_timeout, abort, address=(host, port))
     watcher = AbortWatcher(watch_store, secret, abort).start()
     seq = 0
     # Long waits: a new command wakes the wait at once, and a dead driver

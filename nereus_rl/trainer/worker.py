@@ -115,19 +115,32 @@ def init_world(
     worker_device.drop_move_transport(rl_state(ctx))
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = dist.PrefixStore(prefix, ctx.store)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     # Host tensors (the driver's batches, staged shards) always have gloo; a stage
     # model's collectives take NCCL when its tensors are on the GPU.
     backend = "gloo" if dev.type == "cpu" else "cpu:gloo,cuda:nccl"
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+
+    def join(client) -> dist.Store:
+        store = dist.PrefixStore(prefix, client)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        return store
+
+    if workers is None or ctx.address is None:
+        store = join(ctx.store)
+    else:
+        # The group, and a store client of its own for its rendezvous, belong to these
+        # workers: a member's death shuts both down on the survivors (the rendezvous
+        # would otherwise wait the whole timeout for it), and a death elsewhere spares
+        # them (nereus_rl.runtime.abort).
+        with ctx.track_group(("rl.world", prefix), workers):
+            store = join(ctx.store_client(timeout))
     rl_state(ctx)["rank"] = rank
     rl_state(ctx)["timeout"] = timeout
     rl_state(ctx)["device"] = dev

@@ -8,6 +8,7 @@ must finish every step once, with the state the snapshot held.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -255,19 +256,27 @@ def test_a_death_inside_a_steps_update_rolls_back_to_the_last_snapshot():
 
 
 @pytest.mark.slow
-def test_a_death_during_start_up_is_recovered_from_the_initial_states():
+@pytest.mark.parametrize("when", ["die_after", "die_before"])
+def test_a_death_during_start_up_is_recovered_from_the_initial_states(when):
+    # die_before: the survivors wait in the default group's rendezvous for the dead
+    # worker; the abort ends that wait at once, not at the 60 s group timeout.
     plan = _plan((0,), (1,), (2,))
     cfg = TrainConfig(steps=2, adapt=False, plan=plan, devices=3, seed=5, **FAST)
     with _workers(3) as driver:
         driver.import_module("nereus_rl.trainer.worker")
-        _arm(driver, sorted(driver.workers)[2], "rl.init")
+        victim = sorted(driver.workers)[2]
+        driver.call([victim], "import", "tests.support.worker_faults")
+        driver.call([victim], f"faults.{when}", "rl.init", {})
         tr = Trainer(cfg, driver=driver)
         try:
             tr.adapter.best_plan = lambda rlen, devices=None: (_plan((0,), (1,), (0,)), 0.0)
+            t0 = time.monotonic()
             tr.start()
+            started_s = time.monotonic() - t0
             res = tr.run()
         finally:
             tr.close()
+    assert started_s < 30.0, started_s
     assert res.error is None, res.error
     assert [m["step"] for m in res.metrics] == [0, 1]
     (rec,) = _recoveries(res)
