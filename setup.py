@@ -50,7 +50,7 @@ setup(
     # nereus_comm/kernels is a link to kernels/, so the Triton kernels install as
     # nereus_comm.kernels and also import from a source checkout.
     packages=find_packages(include=["nereus_comm*", "nereus_rl*"]),
-    package_data={"nereus_rl.data": ["*.csv"]},
+    package_data={"nereus_rl.data": ["*.csv", "*.jsonl"]},
     ext_modules=[
         CMakeExtension("nereus_comm._C", "_C"),
         CMakeExtension("nereus_rl._native", "_native"),

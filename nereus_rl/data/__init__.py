@@ -2,10 +2,32 @@
 supervised warm start, and response-length schedules (a curriculum or a recorded trace,
 ``length_trace.csv``).
 
-Everything is in :mod:`.tasks`. Imports ``nereus_rl.core`` and ``nereus_rl.models`` (the
-warm start and evaluation generate with the model) only; the trainer uses it.
+The bundled tasks are in :mod:`.tasks`. Data that users bring: prompt datasets from
+JSONL or Parquet files (:mod:`.datasets`), built-in verifiers (:mod:`.verifiers`), user
+reward functions loaded by name (:mod:`.rewards`), and a generated arithmetic word-problem
+dataset, ``arith_word.jsonl`` (:mod:`.make_arith_word`). Imports ``nereus_rl.core`` and
+``nereus_rl.models`` (the warm start and evaluation generate with the model) only; the
+trainer uses it.
 """
 
+from nereus_rl.data.datasets import (
+    ARITH_WORD,
+    DatasetError,
+    OptionalDependencyError,
+    PromptDataset,
+    PromptExample,
+    load_prompts,
+)
+from nereus_rl.data.rewards import (
+    RewardFn,
+    RewardFnError,
+    RewardFunction,
+    RewardRuntimeError,
+    check_reward_fn,
+    load_reward_fn,
+    resolve_reward,
+    wrap_reward_fn,
+)
 from nereus_rl.data.tasks import (
     DEFAULT_TRACE,
     TASKS,
@@ -25,23 +47,61 @@ from nereus_rl.data.tasks import (
     score_responses,
     warm_start,
 )
+from nereus_rl.data.verifiers import (
+    VERIFIERS,
+    UnknownVerifierError,
+    Verifier,
+    VerifierError,
+    exact_match,
+    final_number,
+    format_check,
+    get_verifier,
+    make_format_check,
+    normalize_whitespace,
+    numeric_match,
+)
 
 __all__ = [
+    "ARITH_WORD",
     "DEFAULT_TRACE",
     "TASKS",
     "TOKENIZER",
+    "VERIFIERS",
     "CharTokenizer",
+    "DatasetError",
     "LengthCurriculum",
     "LengthSchedule",
     "LengthTrace",
+    "OptionalDependencyError",
     "Problem",
+    "PromptDataset",
+    "PromptExample",
+    "RewardFn",
+    "RewardFnError",
+    "RewardFunction",
+    "RewardRuntimeError",
     "Task",
     "TraceFormatError",
     "UnknownTaskError",
+    "UnknownVerifierError",
+    "Verifier",
+    "VerifierError",
     "WarmStartResult",
+    "check_reward_fn",
     "encode_prompts",
     "evaluate",
+    "exact_match",
+    "final_number",
+    "format_check",
     "get_task",
+    "get_verifier",
+    "load_prompts",
+    "load_reward_fn",
+    "make_format_check",
+    "normalize_whitespace",
+    "numeric_match",
+    "resolve_reward",
     "score_responses",
     "warm_start",
+    "wrap_reward_fn",
 ]
