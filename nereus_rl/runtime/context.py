@@ -49,6 +49,35 @@ def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return deco
 
 
+def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """Connect to the job's store as a client.
+
+    Arguments:
+        host, port: the store's address.
+        timeout: seconds to keep trying before giving up; also the timeout of
+            blocking store operations on this client.
+
+    Returns:
+        A connected TCPStore client.
+
+    Raises:
+        StoreUnreachableError: nothing answered at host:port within timeout.
+    """
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as e:
+        raise P.StoreUnreachableError(
+            f"could not reach the job's store at {host}:{port} within {timeout:g} s ({e}); "
+            "check that the driver is running and that HOST:PORT is its store address"
+        ) from None
+
+
 class WorkerContext:
     """What a command sees of its worker: rank, store, gloo groups and held state.
 
@@ -136,14 +165,7 @@ class WorkerContext:
         """
         if self.address is None:
             raise RuntimeError("this worker context has no store address (built outside serve)")
-        host, port = self.address
-        return dist.TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
+        return connect_store(*self.address, timeout)
 
     @property
     def group_timeout(self) -> float:

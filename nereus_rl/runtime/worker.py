@@ -42,36 +42,7 @@ from nereus_comm.errors import MembershipError
 from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
 from nereus_rl.runtime.abort import AbortState, AbortWatcher, store_peers
-from nereus_rl.runtime.context import COMMANDS, WorkerContext
-
-
-def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """Connect to the job's store as a client.
-
-    Arguments:
-        host, port: the store's address.
-        timeout: seconds to keep trying before giving up; also the timeout of
-            blocking store operations on this client.
-
-    Returns:
-        A connected TCPStore client.
-
-    Raises:
-        StoreUnreachableError: nothing answered at host:port within timeout.
-    """
-    try:
-        return dist.TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-    except (RuntimeError, OSError) as e:
-        raise P.StoreUnreachableError(
-            f"could not reach the job's store at {host}:{port} within {timeout:g} s ({e}); "
-            "check that the driver is running and that HOST:PORT is its store address"
-        ) from None
+from nereus_rl.runtime.context import COMMANDS, WorkerContext, connect_store
 
 
 def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:

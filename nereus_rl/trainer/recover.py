@@ -193,19 +193,6 @@ def recover(
                 raise
             rounds[-1]["error"] = f"{type(e).__name__}: {e}"
             _LOG.warning("a worker died during recovery (%s); starting over the survivors", e)
-    decision = Decision(
-        step=step,
-        signal="devices",
-        trigger=f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
-        urgent=True,
-        current=old,
-        candidate=new,
-        taken=True,
-        path="urgent",
-        reason="recovery from the intact units after a worker died",
-        predicted_saving_s=None,
-        predicted_transition_s=None,
-    )
     outcome = Outcome(
         measured_s=time.perf_counter() - t0,
         interrupted=ctx["interrupted"],
@@ -220,8 +207,26 @@ def recover(
             rounds=tuple(rounds),
         ),
     )
-    row = decision.to_row(outcome)
-    return new, row
+    reason = "recovery from the intact units after a worker died"
+    return new, _row(step, error, lost_devices, old, new, reason, outcome)
+
+
+def _row(step, error, lost_devices, current, new, reason: str, outcome: Outcome) -> dict[str, Any]:
+    """A recovery's decisions.jsonl row: an urgent, taken move to ``new``."""
+    decision = Decision(
+        step=step,
+        signal="devices",
+        trigger=f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
+        urgent=True,
+        current=current,
+        candidate=new,
+        taken=True,
+        path="urgent",
+        reason=reason,
+        predicted_saving_s=None,
+        predicted_transition_s=None,
+    )
+    return decision.to_row(outcome)
 
 
 def _round(
@@ -503,19 +508,6 @@ def restore(
     units.adopt(new)
     units.moving = units.rebinding = None
     resume = snapshots.version + 1
-    decision = Decision(
-        step=step,
-        signal="devices",
-        trigger=f"lost devices {sorted(lost_devices)} ({type(error).__name__})",
-        urgent=True,
-        current=plan,
-        candidate=new,
-        taken=True,
-        path="urgent",
-        reason=f"recovery from the in-memory snapshot of step {snapshots.version}",
-        predicted_saving_s=None,
-        predicted_transition_s=None,
-    )
     outcome = Outcome(
         measured_s=time.perf_counter() - t0,
         interrupted=None,
@@ -528,4 +520,5 @@ def restore(
             rounds=tuple(rounds),
         ),
     )
-    return new, decision.to_row(outcome), resume
+    reason = f"recovery from the in-memory snapshot of step {snapshots.version}"
+    return new, _row(step, error, lost_devices, plan, new, reason, outcome), resume

@@ -9,16 +9,14 @@ must finish every step once, with the state the snapshot held.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
+from test_trainer_recovery import FAST, _arm, _plan, _recoveries, _workers
 
-from nereus_rl.core.globalplan import GlobalPlan, StagePlan
+from nereus_rl.core.globalplan import StagePlan
 from nereus_rl.core.spec import local_cpu_cluster
 from nereus_rl.models.model import get_preset, state_specs
-from nereus_rl.runtime import Driver
 from nereus_rl.trainer.snapshot import (
     Held,
     SnapshotLostError,
@@ -31,9 +29,6 @@ from nereus_rl.trainer.snapshot import (
     snapshot_seconds,
 )
 from nereus_rl.trainer.trainer import TrainConfig, Trainer
-
-FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
-
 
 # ---------------------------------------------------------------- pure parts
 
@@ -127,41 +122,11 @@ def test_the_snapshot_is_priced_and_spaced_to_stay_within_its_budget():
 # ---------------------------------------------------------------- runs with a death
 
 
-@contextmanager
-def _workers(n: int) -> Iterator[Driver]:
-    d = Driver(heartbeat_timeout=60.0, call_timeout=300.0)
-    try:
-        d.spawn_local(n, method="forkserver")
-        yield d
-    finally:
-        d.shutdown()
-
-
-def _plan(rollout, reference, actor_train) -> GlobalPlan:
-    def sp(stage, model, trains, units):
-        return StagePlan(stage, model, trains, len(units), 1, 1, tuple((d,) for d in units))
-
-    return GlobalPlan((
-        sp("rollout", "actor", False, rollout),
-        sp("reference", "reference", False, reference),
-        sp("actor_train", "actor", True, actor_train),
-    ))  # fmt: skip
-
-
 def _full(tr: Trainer, stage: str) -> dict[str, torch.Tensor]:
     """A stage's full state read from one of its units (dp units, tp = pp = 1)."""
     (d,) = tr.plan.stage(stage).units[0]
     w = tr.device_worker[d]
     return tr.driver.call([w], "rl.shards", stage)[w]
-
-
-def _recoveries(res) -> list[dict]:
-    return [x for x in res.decisions if "lost devices" in x["trigger"]]
-
-
-def _arm(driver: Driver, victim: int, fn: str, **match) -> None:
-    driver.call([victim], "import", "tests.support.worker_faults")
-    driver.call([victim], "faults.die_after", fn, match)
 
 
 @pytest.mark.slow
