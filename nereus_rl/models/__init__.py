@@ -3,7 +3,8 @@ parallelism, and generation with a KV cache.
 
 :mod:`.model` (``Decoder``, ``ModelConfig``, presets, state specs and sharding),
 :mod:`.parallel` (process groups and the tensor-parallel collectives), :mod:`.pipeline`
-(pipeline-parallel forward and backward), :mod:`.generate` (sampling). Imports only
+(pipeline-parallel forward and backward), :mod:`.generate` (sampling), :mod:`.hf`
+(Hugging Face Llama/Qwen2 checkpoints in and out; needs ``safetensors`` when called). Imports only
 ``nereus_rl.core`` of nereus_rl (for the model specs); the trainer and ``data`` use it.
 """
 
@@ -14,13 +15,26 @@ from nereus_rl.models.generate import (
     make_generator,
     make_row_generators,
 )
+from nereus_rl.models.hf import (
+    HFCheckpointError,
+    hf_config,
+    load_hf_weights,
+    merge_shards,
+    merge_tp_shards,
+    read_hf_shards,
+    save_hf,
+    save_hf_stage,
+)
 from nereus_rl.models.model import (
     PRESETS,
     Decoder,
+    Llama3RopeScaling,
     ModelConfig,
     ParamSpec,
     ShardStateError,
     UnknownPresetError,
+    allreduce_tied_gradients,
+    as_model_config,
     check_tp_divisible,
     get_preset,
     shard_tensor,
@@ -43,23 +57,34 @@ __all__ = [
     "PRESETS",
     "Decoder",
     "GenerationOutput",
+    "HFCheckpointError",
     "KVCache",
+    "Llama3RopeScaling",
     "ModelConfig",
     "ParallelGroups",
     "ParamSpec",
     "ShardStateError",
     "UnknownPresetError",
     "allreduce_gradients",
+    "allreduce_tied_gradients",
+    "as_model_config",
     "check_tp_divisible",
     "generate",
     "get_preset",
+    "hf_config",
     "init_parallel_groups",
+    "load_hf_weights",
     "make_generator",
     "make_row_generators",
+    "merge_shards",
+    "merge_tp_shards",
     "pipeline_forward",
     "pipeline_forward_backward",
+    "read_hf_shards",
     "response_logprobs",
     "response_values",
+    "save_hf",
+    "save_hf_stage",
     "shard_tensor",
     "stage_layers",
     "state_specs",

@@ -1,9 +1,11 @@
 """A compact Llama-style decoder that runs under tensor, pipeline and data parallelism.
 
-RMSNorm, rotary position embeddings, SwiGLU and grouped-query attention, with no
-biases and untied input/output embeddings (so pipeline stages never share a
-parameter). One :class:`Decoder` object is one rank's piece of the model: the
-layers of its pipeline stage, each linear holding its tensor-parallel shard.
+RMSNorm, rotary position embeddings (optionally Llama 3's frequency scaling), SwiGLU and
+grouped-query attention; the presets have no biases and untied input/output embeddings,
+and a :class:`ModelConfig` adds what Hugging Face Llama and Qwen2 checkpoints need
+(rope theta, norm eps, q/k/v biases, tied embeddings; :mod:`nereus_rl.models.hf`
+reads and writes those checkpoints). One :class:`Decoder` object is one rank's piece of
+the model: the layers of its pipeline stage, each linear holding its tensor-parallel shard.
 With no process groups (``ParallelGroups.single()``) it is the plain
 single-process model, and every sharded model built from the same seed holds
 exactly the slices of that model's tensors, whatever the layout.
@@ -11,9 +13,19 @@ exactly the slices of that model's tensors, whatever the layout.
 Sharding follows Megatron's conventions, so that ``nereus_comm`` can reshard a
 running model: q/k/v/gate/up split on dim 0 (column parallel), o/down on dim 1
 (row parallel), embedding and lm head vocab-split on dim 0, norms and the
-critic's value head replicated. The pipeline key of a tensor is its layer
-index; the embedding belongs to layer 0 and the final norm and head to the last
-layer. :func:`state_specs` lists the full state in that form.
+critic's value head replicated; q/k/v biases split on dim 0 with their weights. The
+pipeline key of a tensor is its layer index; the embedding belongs to layer 0 and the
+final norm and head to the last layer. :func:`state_specs` lists the full state in that
+form.
+
+Tied embeddings (``tie_embeddings``): the state still names two tensors,
+``embed.weight`` (layer 0) and ``lm_head.weight`` (the last layer), holding equal
+values, so every layout's stages own whole named tensors and resharding stays a plain
+copy of named slices. With one pipeline stage they are one Parameter (listed under both
+names by :meth:`Decoder.shard_state_dict`); with several, the first and last stage each
+hold a copy, and :func:`allreduce_tied_gradients` sums their gradients so that the copies
+stay equal through training (Megatron's embedding group). Loading a stage that holds both
+names checks that the two are equal.
 
 The parallel machinery lives in :mod:`nereus_rl.models.parallel` (groups,
 Megatron f/g ops, vocab-parallel log-probs, data-parallel gradient all-reduce),
@@ -26,6 +38,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -35,6 +48,7 @@ from torch import nn
 from nereus_rl.core.spec import MODEL_PRESETS, ModelSpec, SpecError
 from nereus_rl.models.parallel import (
     ParallelGroups,
+    all_reduce,
     copy_to_tp,
     reduce_from_tp,
     stage_layers,
@@ -53,9 +67,83 @@ class ShardStateError(ValueError):
     """A shard state dict does not match this rank's shards (names, shapes, dtypes)."""
 
 
-#: The decoder's shape is the decision layer's ModelSpec: one type, one set of preset
-#: values (nereus_rl.core.spec.MODEL_PRESETS), so the cost model prices exactly what runs.
-ModelConfig = ModelSpec
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face ``rope_type: "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, repr=False)
+class ModelConfig(ModelSpec):
+    """The decision layer's :class:`ModelSpec` plus the architecture details of a checkpoint.
+
+    The presets are plain ``ModelSpec`` objects (the cost model's single truth); every
+    function here reads them as a ModelConfig with the defaults below
+    (:func:`as_model_config`), which are exactly what the presets have always run.
+
+    Fields added to ModelSpec's:
+        rope_theta: rotary base.
+        rope_scaling: None, or Llama 3's frequency scaling.
+        norm_eps: RMSNorm epsilon.
+        qkv_bias: q/k/v projections have biases (Qwen2).
+        tie_embeddings: the lm head shares the embedding's weight (see the module doc).
+        arch: the Hugging Face model type written on save: ``"llama"`` or ``"qwen2"``.
+    """
+
+    rope_theta: float = ROPE_THETA
+    rope_scaling: Llama3RopeScaling | None = None
+    norm_eps: float = NORM_EPS
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    arch: str = "llama"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.arch not in ("llama", "qwen2"):
+            raise SpecError(
+                f"ModelConfig {self.name!r}: arch={self.arch!r}; use 'llama' or 'qwen2'"
+            )
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise SpecError(
+                f"ModelConfig {self.name!r}: rope_theta={self.rope_theta} and "
+                f"norm_eps={self.norm_eps} must be > 0"
+            )
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer, q/k/v biases included."""
+        bias = self.hidden + 2 * self.num_kv_heads * self.head_dim if self.qkv_bias else 0
+        return super().layer_params + bias
+
+    @property
+    def num_params(self) -> int:
+        """Distinct parameters (a tied embedding counts once)."""
+        tied = self.embedding_params if self.tie_embeddings else 0
+        return super().num_params - tied
+
+    def __repr__(self) -> str:
+        extra = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name not in _SPEC_FIELDS and getattr(self, f.name) != f.default
+        ]
+        base = super().__repr__()
+        return base if not extra else f"{base[:-1]} {' '.join(extra)})"
+
+
+_SPEC_FIELDS = {f.name for f in fields(ModelSpec)}
+
+
+def as_model_config(config: ModelSpec) -> ModelConfig:
+    """``config`` as a :class:`ModelConfig` (a plain ModelSpec gets the default fields)."""
+    if isinstance(config, ModelConfig):
+        return config
+    return ModelConfig(**{f: getattr(config, f) for f in _SPEC_FIELDS})
+
 
 #: The presets the trainer runs (tests and the CPU job: tiny ~0.1M parameters;
 #: small ~4.5M; medium ~142M and large ~280M for benchmarks on a device).
@@ -104,19 +192,22 @@ def state_specs(
 
     Returns:
         One :class:`ParamSpec` per parameter: embedding first, then layers in order,
-        then the final norm and the head.
+        then the final norm and the head. A tied lm head is listed as its own tensor
+        (equal to the embedding; see the module doc).
     """
-    c = config
+    c = as_model_config(config)
     kv = c.num_kv_heads * c.head_dim
     last = c.num_layers - 1
     specs = [ParamSpec("embed.weight", (c.vocab, c.hidden), dtype, 0, 0)]
     for i in range(c.num_layers):
         p = f"layers.{i}."
+        specs.append(ParamSpec(p + "attn_norm.weight", (c.hidden,), dtype, None, i))
+        # nn.Linear registers weight then bias: keep that order (parameter order).
+        for proj, rows in (("q", c.hidden), ("k", kv), ("v", kv)):
+            specs.append(ParamSpec(p + f"attn.{proj}.weight", (rows, c.hidden), dtype, 0, i))
+            if c.qkv_bias:
+                specs.append(ParamSpec(p + f"attn.{proj}.bias", (rows,), dtype, 0, i))
         specs += [
-            ParamSpec(p + "attn_norm.weight", (c.hidden,), dtype, None, i),
-            ParamSpec(p + "attn.q.weight", (c.hidden, c.hidden), dtype, 0, i),
-            ParamSpec(p + "attn.k.weight", (kv, c.hidden), dtype, 0, i),
-            ParamSpec(p + "attn.v.weight", (kv, c.hidden), dtype, 0, i),
             ParamSpec(p + "attn.o.weight", (c.hidden, c.hidden), dtype, 1, i),
             ParamSpec(p + "mlp_norm.weight", (c.hidden,), dtype, None, i),
             ParamSpec(p + "mlp.gate.weight", (c.ffn_hidden, c.hidden), dtype, 0, i),
@@ -150,6 +241,8 @@ def _init_full(spec: ParamSpec, seed: int, num_layers: int) -> torch.Tensor:
     """The full fp32 initial value of one tensor; depends only on (seed, name)."""
     if spec.name.endswith("norm.weight"):
         return torch.ones(spec.shape)
+    if spec.name.endswith(".bias"):
+        return torch.zeros(spec.shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**62)
     std = INIT_STD
     if spec.name.endswith(("attn.o.weight", "mlp.down.weight")):
@@ -168,20 +261,56 @@ def shard_tensor(full: torch.Tensor, split_dim: int | None, tp_rank: int, tp_siz
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale, computed in fp32."""
 
-    def __init__(self, dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype, device, eps: float = NORM_EPS) -> None:
         super().__init__()
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, heads, head_dim] by its positions [T] (Llama's rotate-half form)."""
+def rope_inv_freq(
+    head_dim: int,
+    device,
+    theta: float = ROPE_THETA,
+    scaling: Llama3RopeScaling | None = None,
+) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2], fp32.
+
+    The expressions follow Hugging Face's (``compute_default_rope_parameters`` and
+    ``_compute_llama3_parameters``) operation by operation, so that the two agree to the
+    last bit wherever torch's kernels do.
+    """
+    d = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    if scaling is None:
+        return inv_freq
+    factor = scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotate ``x`` [B, T, heads, head_dim] by its positions [T] (Llama's rotate-half form).
+
+    ``inv_freq`` defaults to :func:`rope_inv_freq` with the default theta.
+    """
     d = x.shape[-1]
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, device=x.device).float() / d))
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(d, x.device)
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None, :]
@@ -191,8 +320,8 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def _linear(out_features: int, in_features: int, dtype, device) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+def _linear(out_features: int, in_features: int, dtype, device, bias: bool = False) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
 class Attention(nn.Module):
@@ -201,23 +330,33 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, groups: ParallelGroups, layer: int, dtype, device):
         super().__init__()
         tp = groups.tp_size
+        config = as_model_config(config)
         self.groups = groups
         self.layer = layer
         self.head_dim = config.head_dim
         self.num_heads = config.num_heads // tp
         self.num_kv_heads = config.num_kv_heads // tp
+        self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
         kv = self.num_kv_heads * self.head_dim
-        self.q = _linear(self.num_heads * self.head_dim, config.hidden, dtype, device)
-        self.k = _linear(kv, config.hidden, dtype, device)
-        self.v = _linear(kv, config.hidden, dtype, device)
+        bias = config.qkv_bias
+        self.q = _linear(self.num_heads * self.head_dim, config.hidden, dtype, device, bias)
+        self.k = _linear(kv, config.hidden, dtype, device, bias)
+        self.v = _linear(kv, config.hidden, dtype, device, bias)
         self.o = _linear(config.hidden, self.num_heads * self.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         # Megatron's f once for the three column-parallel projections (as a fused qkv would).
         x = copy_to_tp(x, self.groups)
-        q = apply_rotary(self.q(x).view(b, t, self.num_heads, self.head_dim), positions)
-        k = apply_rotary(self.k(x).view(b, t, self.num_kv_heads, self.head_dim), positions)
+        # A few hundred flops per call; computing them here keeps them off the state and
+        # on x's device, as they always were.
+        inv_freq = rope_inv_freq(self.head_dim, x.device, self.rope_theta, self.rope_scaling)
+        q = self.q(x).view(b, t, self.num_heads, self.head_dim)
+        q = apply_rotary(q, positions, inv_freq)
+        k = apply_rotary(
+            self.k(x).view(b, t, self.num_kv_heads, self.head_dim), positions, inv_freq
+        )
         v = self.v(x).view(b, t, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         past = 0
@@ -261,9 +400,10 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, groups: ParallelGroups, layer: int, dtype, device):
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden, dtype, device)
+        eps = as_model_config(config).norm_eps
+        self.attn_norm = RMSNorm(config.hidden, dtype, device, eps)
         self.attn = Attention(config, groups, layer, dtype, device)
-        self.mlp_norm = RMSNorm(config.hidden, dtype, device)
+        self.mlp_norm = RMSNorm(config.hidden, dtype, device, eps)
         self.mlp = MLP(config, groups, dtype, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
@@ -302,8 +442,8 @@ class Decoder(nn.Module):
         dtype: parameter dtype (fp32 on CPU).
         device: where the parameters live.
 
-    ``config`` may be any object with ModelConfig's fields and ``head_dim`` (e.g. the
-    decision layer's ``ModelSpec``).
+    ``config`` is a :class:`ModelConfig` or the decision layer's ``ModelSpec`` (read with
+    ModelConfig's defaults).
 
     Raises:
         ValueError: tp does not divide the heads, ffn or vocab; pp exceeds the layers; an odd
@@ -337,17 +477,26 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): Block(config, groups, i, dtype, device) for i in self.layer_ids}
         )
+        full = as_model_config(config)
+        self.tied = full.tie_embeddings and not value_head
         if self.is_last:
-            self.norm = RMSNorm(config.hidden, dtype, device)
+            self.norm = RMSNorm(config.hidden, dtype, device, full.norm_eps)
             if value_head:
                 self.value_head = _linear(1, config.hidden, dtype, device)
             else:
                 self.lm_head = _linear(config.vocab // groups.tp_size, config.hidden, dtype, device)
+                if self.tied and self.is_first:
+                    # One stage: one Parameter under both names (module doc).
+                    self.lm_head.weight = self.embed.weight
         self.reset_parameters(seed)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        """Parameters by full-state name; a tied weight appears under both of its names."""
+        return dict(self.named_parameters(remove_duplicate=False))
 
     def local_specs(self) -> list[ParamSpec]:
         """Full-state specs of the tensors this rank holds a shard of, in parameter order."""
-        mine = dict(self.named_parameters())
+        mine = self._params()
         return [
             s
             for s in state_specs(self.config, value_head=self.is_critic, dtype=self.dtype)
@@ -361,15 +510,24 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Set every shard to its slice of the seed's full initial tensor."""
-        params = dict(self.named_parameters())
+        params = self._params()
         for spec in self.local_specs():
-            full = _init_full(spec, seed, self.config.num_layers)
+            if self.tied and spec.name == "lm_head.weight":
+                # The tied copy starts from the embedding's value, on every stage.
+                spec = spec._replace(name="embed.weight")
+                full = _init_full(spec, seed, self.config.num_layers)
+                spec = spec._replace(name="lm_head.weight")
+            else:
+                full = _init_full(spec, seed, self.config.num_layers)
             shard = shard_tensor(full, spec.split_dim, self.groups.tp_rank, self.groups.tp_size)
             params[spec.name].copy_(shard)
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards by full-state name (detached views of the parameters)."""
-        return {name: p.detach() for name, p in self.named_parameters()}
+        """This rank's shards by full-state name (detached views of the parameters).
+
+        A tied weight held once (one pipeline stage) is listed under both of its names.
+        """
+        return {name: p.detach() for name, p in self._params().items()}
 
     @torch.no_grad()
     def load_shard_state_dict(
@@ -383,10 +541,11 @@ class Decoder(nn.Module):
                 (e.g. a critic from a policy's weights, leaving the head as it is).
 
         Raises:
-            ShardStateError: missing or unexpected names (strict), or a shape/dtype mismatch.
-                Nothing is copied when it is raised.
+            ShardStateError: missing or unexpected names (strict), a shape/dtype mismatch,
+                or unequal values for the two names of a tied weight held once. Nothing is
+                copied when it is raised.
         """
-        params = dict(self.named_parameters())
+        params = self._params()
         if strict:
             missing = sorted(set(params) - set(state))
             extra = sorted(set(state) - set(params))
@@ -404,6 +563,17 @@ class Decoder(nn.Module):
                     f"{tuple(params[name].shape)} {params[name].dtype} (tp={self.groups.tp_size}"
                     f", rank {self.groups.tp_rank}); reshard to this layout first"
                 )
+        both = ("embed.weight", "lm_head.weight")
+        if (
+            self.tied
+            and all(n in state and n in params for n in both)
+            and not torch.equal(state[both[0]], state[both[1]])
+        ):
+            raise ShardStateError(
+                "embed.weight and lm_head.weight differ, but this rank holds them as one tied "
+                "weight; their copies on the first and last pipeline stage must stay equal "
+                "(sum their gradients with allreduce_tied_gradients)"
+            )
         for name, t in state.items():
             if name in params:
                 params[name].copy_(t)
@@ -437,3 +607,38 @@ class Decoder(nn.Module):
         if self.is_critic:
             return self.value_head(h).squeeze(-1)
         return self.lm_head(copy_to_tp(h, self.groups))
+
+
+def allreduce_tied_gradients(model: Decoder) -> None:
+    """Sum the gradients of a tied embedding's two copies (first and last pipeline stage).
+
+    With tied embeddings and several pipeline stages, ``embed.weight`` (first stage) and
+    ``lm_head.weight`` (last stage) are copies of one weight: the weight's gradient is the
+    sum of theirs, and each copy takes that sum, so that the same optimizer step keeps
+    them equal. Collective over the pipeline group: every stage calls it (middle stages
+    add zeros). Call it after the backward pass, before the data-parallel all-reduce or
+    after it (both are sums). A no-op without a tied pipeline.
+    """
+    groups = model.groups
+    if not model.tied or groups.pp_group is None:
+        return
+    rows = model.config.vocab // groups.tp_size
+    held = [
+        m for m in (getattr(model, "embed", None), getattr(model, "lm_head", None)) if m is not None
+    ]
+    grads = []
+    for mod in held:
+        w = mod.weight
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        grads.append(w.grad)
+    if grads:
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+    else:
+        device = next(model.parameters()).device
+        total = torch.zeros(rows, model.config.hidden, dtype=model.dtype, device=device)
+    all_reduce(total, groups.pp_group)
+    for g in grads:
+        g.copy_(total)
