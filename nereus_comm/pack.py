@@ -45,6 +45,7 @@ __all__ = [
     "region_view",
     "unpack",
     "unpack_reference",
+    "unsupported_reason",
 ]
 
 _BACKENDS = ("host", "triton")
@@ -57,7 +58,8 @@ class Region(NamedTuple):
     """num_rows rows of row_elems elements of `tensor`, row r at offset + r * row_stride.
 
     All counts are in elements of tensor.dtype, relative to tensor.data_ptr(); the
-    tensor must be contiguous and its storage must hold every row.
+    tensor must be a plain dense tensor (no subclass such as DTensor, not sparse,
+    quantized, nested or meta), contiguous, and its storage must hold every row.
     """
 
     tensor: torch.Tensor
@@ -89,9 +91,76 @@ class _TensorInfo(NamedTuple):
     device: torch.device
 
 
-def _tensor_info(t: object, index: int, what: str) -> _TensorInfo:
+#: The tensor types whose storage holds exactly their data (a Parameter is a plain tensor).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def unsupported_reason(t: object) -> str | None:
+    """Why the bytes of ``t`` cannot be copied by address, and what to pass instead.
+
+    Region copies, transports and cross-memory-attach reads move the bytes at
+    ``t.data_ptr()``. That is the tensor's data only for a plain, dense, strided
+    tensor in memory that can be addressed; everything else would move garbage, or
+    hand a null address to the native core (a DTensor's ``data_ptr()`` is 0).
+
+    Arguments:
+        t: anything handed in as a tensor.
+
+    Returns:
+        None when ``t`` is a plain dense tensor with addressable data; otherwise a
+        phrase that completes "tensor ..." and says what to do, e.g. "is a DTensor
+        ...; pass dtensor.to_local() ...".
+    """
     if not isinstance(t, torch.Tensor):
-        raise PackError(f"{what} {index}: tensor is a {type(t).__name__}, expected torch.Tensor")
+        return f"is a {type(t).__name__}, not a torch.Tensor"
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        name = kind.__name__
+        if hasattr(t, "to_local"):  # DTensor (and look-alikes): a wrapper over a local shard
+            return (
+                f"is a {name}, a wrapper whose own storage is not its data; pass "
+                "dtensor.to_local() (this rank's shard, a plain tensor) and describe the "
+                "full tensor in the TensorSpec"
+            )
+        return (
+            f"is a tensor subclass ({kind.__module__}.{name}), whose storage need not be its "
+            "data; pass the plain torch.Tensor that holds its values (e.g. materialize it, "
+            "or t.as_subclass(torch.Tensor) where its storage is its data)"
+        )
+    if t.is_nested:
+        return "is a nested tensor; pass its components (t.unbind()) or t.to_padded_tensor(0)"
+    if t.layout is not torch.strided:
+        return f"has layout {t.layout} (not dense); pass t.to_dense()"
+    if t.is_quantized:
+        return (
+            f"is quantized ({t.dtype}): its bytes are the integers without the scale and zero "
+            "point; pass t.dequantize(), or t.int_repr() under an integer spec and move "
+            "q_scale()/q_zero_point() yourself"
+        )
+    if t.is_meta:
+        return (
+            "is on the meta device and has no data; materialize it first "
+            "(e.g. torch.empty_like(t, device='cpu') and load its values)"
+        )
+    if t.is_conj() or t.is_neg():
+        fix = "t.resolve_conj()" if t.is_conj() else "t.resolve_neg()"
+        return f"carries a lazy conjugation or negation its bytes do not hold; pass {fix}"
+    try:
+        addr = t.data_ptr()
+    except RuntimeError as e:  # e.g. a functorch-wrapped tensor inside vmap/grad
+        return f"has no addressable data ({str(e).splitlines()[0]}); pass a plain tensor"
+    if addr == 0 and t.numel() > 0:
+        return "has no data (data_ptr() is 0); pass a plain tensor that holds the values"
+    return None
+
+
+def _tensor_info(t: object, index: int, what: str) -> _TensorInfo:
+    if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized:
+        why = unsupported_reason(t)
+        if why is not None:
+            raise PackError(f"{what} {index}: tensor {why}")
+    elif t.is_nested or t.is_meta or t.is_conj() or t.is_neg():
+        raise PackError(f"{what} {index}: tensor {unsupported_reason(t)}")
     if not t.is_contiguous():
         raise PackError(
             f"{what} {index}: tensor of shape {tuple(t.shape)} is not contiguous; region "
@@ -99,7 +168,10 @@ def _tensor_info(t: object, index: int, what: str) -> _TensorInfo:
         )
     es = t.element_size()
     available = t.untyped_storage().nbytes() // es - t.storage_offset()
-    return _TensorInfo(t.data_ptr(), es, available, t.device)
+    addr = t.data_ptr()
+    if addr == 0 and available > 0:
+        raise PackError(f"{what} {index}: tensor {unsupported_reason(t) or 'has a null address'}")
+    return _TensorInfo(addr, es, available, t.device)
 
 
 def _check_region(
@@ -203,9 +275,11 @@ def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable
         addresses: the regions' tensors must stay alive while it is used.
 
     Raises:
-        PackError: a region is not a Region, its tensor is not contiguous, it lies
-            outside its tensor's storage or has negative sizes or overlapping rows,
-            or two regions are on different devices.
+        PackError: a region is not a Region, its tensor is not contiguous or its
+            bytes are not its data (a tensor subclass such as DTensor, sparse,
+            quantized, nested, meta or lazily conjugated: see :func:`unsupported_reason`),
+            it lies outside its tensor's storage or has negative sizes or overlapping
+            rows, or two regions are on different devices.
     """
     n = len(regions)
     if not all(type(r) is Region or (isinstance(r, tuple) and len(r) == 5) for r in regions):
@@ -221,14 +295,16 @@ def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable
         key = id(r[0])
         j = index_of.get(key)
         if j is None:
+            # The device first: a table that mixes devices is told so, whatever else is wrong.
+            other = getattr(r[0], "device", None)
+            if device is not None and isinstance(other, torch.device) and other != device:
+                raise PackError(
+                    f"{what} {i} is on {other} but {what} 0 is on {device}; one table "
+                    "holds one device's memory, so split the table by device"
+                )
             info = _tensor_info(r[0], i, what)
             if device is None:
                 device = info.device
-            elif info.device != device:
-                raise PackError(
-                    f"{what} {i} is on {info.device} but {what} 0 is on {device}; one table "
-                    "holds one device's memory, so split the table by device"
-                )
             j = index_of[key] = len(infos)
             infos.append(info)
         which.append(j)
@@ -409,8 +485,9 @@ def pack(
         when given), on the regions' device (CPU when the table is empty).
 
     Raises:
-        PackError: a region outside its tensor's storage, a non-contiguous tensor,
-            regions on different devices, a bad or too small `out`.
+        PackError: a region outside its tensor's storage, a non-contiguous tensor or
+            one whose bytes are not its data (see :func:`unsupported_reason`), regions
+            on different devices, a bad or too small `out`.
     """
     src = region_table(regions, "region")
     nbytes = int(src.nbytes.sum())

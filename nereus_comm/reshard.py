@@ -4,8 +4,15 @@ Every rank of the source and destination layouts calls :func:`reshard` with the
 same plan. Each rank:
 
 1. validates every tensor it was handed (and every ``out`` tensor) against its
-   spec and its box in the layout: name, shape, dtype, device, contiguity.
-   Nothing moves before all checks pass;
+   spec and its box in the layout: name, shape, dtype, device, contiguity, and
+   that its bytes are its data (no DTensor or other subclass, sparse, quantized,
+   nested or meta tensor). A source shard may be a strided view whose elements lie
+   in rows of one stride (``full[:, a:b]``): its pieces are read in place. Then
+   it checks with every peer it exchanges bytes with that both derived the same
+   plan: each sends each peer a 40-byte digest of the specs, the layouts, the
+   route and the pair's wire buffers, in one batched exchange; where two disagree,
+   both send each other their spec tables and raise PlanError naming the tensors
+   (or settings) that differ. Nothing moves before all checks pass;
 2. builds the wire buffers of each message (:func:`wire_groups`): every piece
    of at least 512 KiB travels as its own buffer, the smaller ones share one.
    A buffer that is one contiguous block of a shard is sent from, or received
@@ -44,6 +51,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -51,20 +60,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nereus_comm.errors import PlanError
+from nereus_comm.errors import PeerTimeoutError, PlanError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.pack import Region, copy_regions, pack, unpack
 from nereus_comm.plan import ReshardPlan
 from nereus_comm.reshard_program import (
     DIRECT_MIN_BYTES,
+    VERIFY_RECORD_BYTES,
+    RankProgram,
     Slot,
     check_shards,
+    plan_table,
     program,
+    rebind_sources,
     wire_groups,
 )
 from nereus_comm.transport import Liveness, Transport, TransportArgumentError
 from nereus_comm.transport_cma import CmaRoute
-from nereus_comm.transport_shm import ShmTransport
+from nereus_comm.transport_shm import ShmTransport, sweep_orphans
 
 __all__ = [
     "CMA_MIN_RUN_BYTES",
@@ -136,6 +149,11 @@ class ReshardResult:
     #: per peer of this call that cross-memory attach could not serve (route "auto"),
     #: why not (from the probe, e.g. EPERM under Yama or missing credentials).
     fallback_reasons: dict[int, str] = field(default_factory=dict)
+    #: the plan check before any data moved (``verify_plan``): its seconds (of
+    #: pack_seconds) and the bytes this rank sent through the transport for it (it
+    #: received as many); not counted in bytes_sent / bytes_received.
+    verify_seconds: float = 0.0
+    verify_bytes: int = 0
 
     def __repr__(self) -> str:
         return (
@@ -274,6 +292,141 @@ def _long_runs(nbytes: int, runs: int) -> bool:
     return nbytes >= CMA_MIN_RUN_BYTES * max(runs, 1)
 
 
+#: The most bytes of a peer's plan table the check accepts (its record says how many
+#: follow); far above any real table, it only keeps a garbled record from allocating.
+_MAX_TABLE_BYTES = 1 << 28
+
+
+def _spec_text(row: list) -> str:
+    _, shape, dtype, split, stage = row
+    return f"{dtype} {shape} split_dim={split} stage_key={stage}"
+
+
+def _differences(rank: int, peer: int, mine: dict, theirs: dict) -> tuple[list[str], list[str]]:
+    """(what differs between two ranks' plan tables, the tensor names among it)."""
+    lines: list[str] = []
+    names: list[str] = []
+    for key, what in (("specs", ""), ("dst_specs", " (as the destination holds it)")):
+        # dst_specs is None where the destination holds the specs as the source does.
+        a = mine[key] if mine[key] is not None else mine["specs"]
+        b = theirs[key] if theirs[key] is not None else theirs["specs"]
+        if a == b or (key == "dst_specs" and mine[key] is None and theirs[key] is None):
+            continue
+        by_a, by_b = {r[0]: r for r in a}, {r[0]: r for r in b}
+        found = False
+        for name in [*by_a, *(n for n in by_b if n not in by_a)]:
+            ra, rb = by_a.get(name), by_b.get(name)
+            if ra == rb:
+                continue
+            found = True
+            if name not in names:
+                names.append(name)
+            if rb is None:
+                lines.append(f"tensor {name!r}{what}: only rank {rank} has it")
+            elif ra is None:
+                lines.append(f"tensor {name!r}{what}: only rank {peer} has it")
+            else:
+                lines.append(
+                    f"tensor {name!r}{what}: {_spec_text(ra)} on rank {rank}, "
+                    f"{_spec_text(rb)} on rank {peer}"
+                )
+        if not found:
+            lines.append(f"the specs{what} are in a different order")
+    for key, what in (("src", "source layout"), ("dst", "destination layout")):
+        if mine[key] != theirs[key]:
+            lines.append(f"the {what}: {mine[key]} on rank {rank}, {theirs[key]} on rank {peer}")
+    for key in ("route", "direct_min_bytes"):
+        if mine[key] != theirs[key]:
+            lines.append(f"{key}={mine[key]!r} on rank {rank}, {theirs[key]!r} on rank {peer}")
+    if not lines:
+        lines.append(
+            f"equal specs and layouts gave different plans or wire buffers (plan totals "
+            f"{mine['plan']} on rank {rank}, {theirs['plan']} on rank {peer}): different "
+            "nereus_comm versions?"
+        )
+    return lines, names
+
+
+def _verify_plan(
+    plan: ReshardPlan,
+    prog: RankProgram,
+    rank: int,
+    transport: Transport,
+    device: torch.device,
+    route: str,
+    direct_min_bytes: int,
+    timeout: float,
+    extra: dict,
+) -> int:
+    """Check with every peer of this rank that both derived the same plan; bytes sent.
+
+    One batched exchange of VERIFY_RECORD_BYTES per peer (a digest of the plan table
+    and the call's route and direct_min_bytes, one of the pair's wire buffers, and
+    the table's length). Both ends of a pair compare the same two records, so where
+    they differ both know it: they then exchange their tables (each knows the other's
+    length from its record) and both raise PlanError naming what differs. A peer
+    whose plan says the two do not exchange at all posts nothing, so this rank waits
+    for it until ``timeout`` (PeerTimeoutError), as for a peer that never calls.
+
+    Raises:
+        PlanError: this rank's plan and a peer's differ (names the tensors or settings).
+        PeerTimeoutError, PeerLostError: as for the data exchange.
+    """
+    peers = sorted(prog.peers)
+    if not peers:
+        return 0
+    digest, table = plan_table(plan)
+    call = json.dumps({"route": route, "direct_min_bytes": direct_min_bytes}).encode()
+    head = hashlib.blake2b(digest + call, digest_size=16).digest()
+    tail = (len(table) + 1 + len(call)).to_bytes(8, "little")
+    n = VERIFY_RECORD_BYTES
+    mine = b"".join(head + prog.pair_digests[p] + tail for p in peers)
+    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    recv = torch.empty(len(mine), dtype=torch.uint8, device=device)
+    transport.exchange(
+        [(p, send[i * n : (i + 1) * n]) for i, p in enumerate(peers)],
+        [(p, recv[i * n : (i + 1) * n]) for i, p in enumerate(peers)],
+        timeout=timeout,
+        **extra,
+    )
+    got = recv.cpu().numpy().tobytes()
+    bad = [i for i in range(len(peers)) if got[i * n : (i + 1) * n] != mine[i * n : (i + 1) * n]]
+    if not bad:
+        return len(mine)
+    # Both ends of every differing pair are here: swap the tables to say what differs.
+    payload = table + b"\n" + call
+    sizes = {i: int.from_bytes(got[(i + 1) * n - 8 : (i + 1) * n], "little") for i in bad}
+    readable = [i for i in bad if 0 < sizes[i] <= _MAX_TABLE_BYTES]
+    theirs = {i: torch.empty(sizes[i], dtype=torch.uint8, device=device) for i in readable}
+    out = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    transport.exchange(
+        [(peers[i], out) for i in readable],
+        [(peers[i], theirs[i]) for i in readable],
+        timeout=timeout,
+        **extra,
+    )
+    own = {**json.loads(table), **json.loads(call)}
+    parts, tensors = [], []
+    for i in bad:
+        peer = peers[i]
+        try:
+            body, _, their_call = theirs[i].cpu().numpy().tobytes().partition(b"\n")
+            other = {**json.loads(body), **json.loads(their_call)}
+            lines, names = _differences(rank, peer, own, other)
+        except (KeyError, ValueError, TypeError):
+            lines, names = [f"rank {peer}'s plan record is unreadable"], []
+        tensors += [t for t in names if t not in tensors]
+        shown = lines[:8] + ([f"and {len(lines) - 8} more"] if len(lines) > 8 else [])
+        parts.append(f"with rank {peer}: " + "; ".join(shown))
+    named = f" (tensors {', '.join(map(repr, tensors[:8]))})" if tensors else ""
+    raise PlanError(
+        f"rank {rank}: its reshard plan differs from its peers'{named}, found before any "
+        f"data moved: {' | '.join(parts)}. Every rank must plan_reshard the same specs "
+        "(names, shapes, dtypes, split dims, stage keys, in the same order) and layouts, "
+        "and pass reshard the same route and direct_min_bytes"
+    )
+
+
 def prepare_reshard(
     plan: ReshardPlan, rank: int, *, direct_min_bytes: int = DIRECT_MIN_BYTES
 ) -> None:
@@ -315,6 +468,7 @@ def reshard(
     route: str = "auto",
     local_done: frozenset[int] = frozenset(),
     liveness: Liveness | None = None,
+    verify_plan: bool = True,
 ) -> ReshardResult:
     """Move this rank's part of a reshard: local copies, pack, one batched exchange, unpack.
 
@@ -349,13 +503,28 @@ def reshard(
             dead peer's shared-memory files are removed. A rank of the plan, not only a
             peer of this one: a live peer may be stuck waiting on the dead one. None:
             wait until done or ``timeout``.
+        verify_plan: before any data moves, check with every peer that both derived
+            the same plan (one batched exchange of 40 bytes per peer, about one round
+            trip; see the module docstring): specs or layouts that differ between
+            ranks otherwise move garbage when their byte counts agree, or abort the
+            process inside gloo when they do not. Every rank must pass the same value.
+            False skips it, for a caller that guarantees agreement (e.g. every rank
+            got the plan's specs from one) and cannot spare the round trip.
 
     Returns:
         The destination shards and what was measured.
 
     Raises:
         TensorMismatchError: a tensor is missing, unknown, or differs from its spec
-            (shape vs its box, dtype, device, contiguity); raised before any byte moves.
+            (shape vs its box, dtype, device: the transport's type and, for a CUDA
+            transport, its GPU), is non-contiguous where no single row stride
+            describes it (a destination shard must be contiguous), or its bytes are not
+            its data (a DTensor or other tensor subclass, sparse, quantized, nested,
+            meta, lazily conjugated); the message names the tensor and what to pass.
+            Raised before any byte moves.
+        PlanError: a peer's plan differs from this rank's (``verify_plan``): both
+            raise, naming the tensors (or layouts, route, direct_min_bytes) that differ;
+            before any data moves.
         TransportArgumentError: rank is not the transport's, a peer is unreachable,
             an unknown route, or route="cma"/"shm" with device memory or a peer that
             route cannot reach (the message says why); raised before any byte moves.
@@ -387,16 +556,34 @@ def reshard(
     prog = program(plan, rank, direct_min_bytes)
     specs, src, dst = plan.specs, plan.src, plan.dst
     dst_specs = getattr(plan, "dst_specs", specs)
-    check_shards(tensors, specs, prog.src_expected, src, rank, device_type, "source")
+    device = getattr(transport, "device", None) or torch.device(device_type)
+    views = check_shards(
+        tensors, specs, prog.src_expected, src, rank, device_type, "source",
+        device=device, strided=True,
+    )  # fmt: skip
+    # Strided source shards: their pieces placed in their row layout (the rest as is).
+    prog_sends, local_src, src_tensors = prog.sends, prog.local_src, tensors
+    if views:
+        prog_sends, local_src, src_tensors = rebind_sources(prog, tensors, views, specs, rank)
+        named = (prog.local_src[i][0] for i in local_done if 0 <= i < len(prog.local_src))
+        moved = sorted(set(named) & set(views))
+        if moved:
+            raise TensorMismatchError(
+                f"local_done names local copies of source tensors {moved}, which are strided "
+                "views: page moves assume contiguous shards; pass them .contiguous() or make "
+                "those copies here (leave them out of local_done)"
+            )
     reachable = set(transport.ranks)
     for peer in sorted(prog.peers):
         if peer not in reachable:
             raise TransportArgumentError(
                 f"rank {rank} exchanges with rank {peer}, which {transport!r} cannot reach"
             )
-    device = getattr(transport, "device", None) or torch.device(device_type)
     if out is not None:
-        check_shards(out, dst_specs, prog.dst_expected, dst, rank, device_type, "destination")
+        check_shards(
+            out, dst_specs, prog.dst_expected, dst, rank, device_type, "destination",
+            device=device,
+        )  # fmt: skip
         dst_tensors = dict(out)
     else:
         dst_tensors = {
@@ -407,7 +594,22 @@ def reshard(
     if liveness is not None:
         liveness = _within(liveness, frozenset(src.ranks) | frozenset(dst.ranks))
 
+    # Passed only when given: a Transport of another framework's may predate liveness.
+    extra = {} if liveness is None else {"liveness": liveness}
     start = time.perf_counter()
+    verify_bytes = 0
+    if verify_plan:
+        try:
+            verify_bytes = _verify_plan(
+                plan, prog, rank, transport, device, route, direct_min_bytes, timeout, extra
+            )
+        except PeerTimeoutError:
+            # As the shared-memory route does on its own timeouts: a dead peer's segment
+            # files (created, never mapped) are orphans now; remove them.
+            if device_type == "cpu" and route in ("auto", "shm"):
+                sweep_orphans()
+            raise
+    verified_at = time.perf_counter()
     deadline = time.monotonic() + timeout
     send_totals = {p: n for p, n in prog.send_totals.items() if n}
     recv_totals = {p: n for p, n in prog.recv_totals.items() if n}
@@ -437,7 +639,7 @@ def reshard(
         long_send = {p for p in cma_sends if _long_runs(send_totals[p], prog.send_runs[p])}
         long_recv = {p for p in cma_recvs if _long_runs(recv_totals[p], prog.recv_runs[p])}
     sends, cma_send_slots, cma_send_bytes = _take(
-        prog.sends,
+        prog_sends,
         lambda b: b.peer in long_send or (b.peer in cma_sends and _long_runs(b.nbytes, b.runs)),
     )
     recvs, cma_recv_slots, cma_recv_bytes = _take(
@@ -464,7 +666,7 @@ def reshard(
         # Before the transport's batch is posted, so both ends of a pair post their
         # records and their data in the same order.
         tables = cma.publish(
-            {p: [_region(sl, tensors) for sl in slots] for p, slots in cma_send_slots.items()},
+            {p: [_region(sl, src_tensors) for sl in slots] for p, slots in cma_send_slots.items()},
             {p: len(slots) for p, slots in cma_recv_slots.items()},
             timeout=timeout,
             control=transport,
@@ -472,19 +674,17 @@ def reshard(
         )
     send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
     recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
-    send_bufs, send_staged = _bind(sends, tensors, send_stage)
+    send_bufs, send_staged = _bind(sends, src_tensors, send_stage)
     recv_bufs, recv_staged = _bind(recvs, dst_tensors, recv_stage)
     if send_staged:
         pack(send_staged, out=send_stage)
     packed_at = time.perf_counter()
 
     # The local copies and the shared-memory messages run while the bytes are on the wire.
-    # Passed only when given: a Transport of another framework's may predate liveness.
-    extra = {} if liveness is None else {"liveness": liveness}
     pending = transport.start(send_bufs, recv_bufs, timeout=timeout, **extra)
     for peer, slots in shm_send_slots.items():
         # The pack is the send: straight from the shards into the peer's segment.
-        regions = [_region(sl, tensors) for sl in slots]
+        regions = [_region(sl, src_tensors) for sl in slots]
         shm.send(
             peer,
             shm_send_bytes[peer],
@@ -502,10 +702,10 @@ def reshard(
     # After this rank's reads, while its peers may still read from it (cma.finish waits
     # for them): the copies fill that wait. Not on a helper thread beside the reads: each
     # rank's CMA_THREADS reads already fill the cores.
-    local = [i for i in range(len(prog.local_src)) if i not in local_done]
+    local = [i for i in range(len(local_src)) if i not in local_done]
     if local:
         copy_regions(
-            [_region(prog.local_src[i], tensors) for i in local],
+            [_region(local_src[i], src_tensors) for i in local],
             [_region(prog.local_dst[i], dst_tensors) for i in local],
         )
     copied_at = time.perf_counter()
@@ -544,7 +744,7 @@ def reshard(
         messages_received=prog.messages_received,
         buffers_sent=sum(1 for b in prog.sends if b.nbytes),
         buffers_received=sum(1 for b in prog.recvs if b.nbytes),
-        staged_bytes_sent=_staged_nbytes(prog.sends),
+        staged_bytes_sent=_staged_nbytes(prog_sends),
         staged_bytes_received=_staged_nbytes(prog.recvs),
         shm_bytes_sent=sum(shm_send_bytes.values()),
         shm_bytes_received=sum(shm_recv_bytes.values()),
@@ -556,6 +756,8 @@ def reshard(
         unpack_seconds=end - exchanged_at,
         read_seconds=read_at - packed_at,
         local_seconds=copied_at - read_at,
+        verify_seconds=verified_at - start,
+        verify_bytes=verify_bytes,
     )
 
 

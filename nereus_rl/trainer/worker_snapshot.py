@@ -84,7 +84,7 @@ def snapshot(
         plan = reshard_plan(specs, src, layout(mirror_desc, n))
         res = reshard(
             plan, rl["rank"], rec.get("own", {}), GlooTransport(), timeout=timeout,
-            liveness=default_liveness(ctx),
+            liveness=default_liveness(ctx), verify_plan=False,  # one plan, from the driver
         )  # fmt: skip
         if res.tensors:
             rec["mirror"] = dict(res.tensors)

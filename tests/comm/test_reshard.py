@@ -33,7 +33,7 @@ from nereus_comm.reshard import (
     reshard,
     shards_from_full,
 )
-from nereus_comm.reshard_program import program
+from nereus_comm.reshard_program import VERIFY_RECORD_BYTES, program
 from nereus_comm.testing import LocalWorkers, WorkerContext
 from nereus_comm.transport import GlooTransport, TransportArgumentError
 
@@ -170,8 +170,13 @@ def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> lis
                 "bytes_sent": res.bytes_sent,
                 "bytes_received": res.bytes_received,
                 "bytes_local": res.bytes_local,
-                "wire_sent": after[0] - before[0],
-                "wire_received": after[1] - before[1],
+                # The plan check's records go through gloo too (as many each way).
+                "wire_sent": after[0] - before[0] - res.verify_bytes,
+                "wire_received": after[1] - before[1] - res.verify_bytes,
+                "verify_bytes": (
+                    res.verify_bytes,
+                    VERIFY_RECORD_BYTES * len(program(plan, rank).peers),
+                ),
                 "routes": (
                     res.shm_bytes_sent,
                     res.shm_bytes_received,
@@ -260,6 +265,7 @@ def _check(results_by_rank: list[list[dict]], cases, cma_ok: bool) -> None:
             assert row["msgs"] == row["plan_msgs"], where
             assert row["buffers_ok"], where
             assert row["routes"] == row["want_routes"], (where, row["routes"])
+            assert row["verify_bytes"][0] == row["verify_bytes"][1], (where, row["verify_bytes"])
             if cma_ok:
                 assert row["fallback"] == {}, (where, row["fallback"])
         total, local, num_messages = rows[0]["stats"]

@@ -115,7 +115,8 @@ def _reshard_on_subgroup(ctx: WorkerContext, seed: int, route: str) -> dict:
         "bad": [n for n in want if not _bytes_equal(res.tensors[n], want[n])],
         "ranks": t.ranks,
         "group_rank": dist.get_group_rank(t.group, ctx.rank),
-        "bytes_sent": t.stats.bytes_sent,
+        # the transport also carried the plan check's records
+        "bytes_sent": t.stats.bytes_sent - res.verify_bytes,
         "plan_sent": sum(m.nbytes for m in plan.sends(ctx.rank)),
         "repr": repr(t),
     }
