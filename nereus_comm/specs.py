@@ -9,12 +9,14 @@ the optimizer's step counter is replicated on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from nereus_comm.errors import LayoutError, as_int
 from nereus_comm.layout import TensorSpec
 
-__all__ = ["LLAMA_PRESETS", "llama_state_specs", "transformer_state_specs"]
+__all__ = ["LLAMA_PRESETS", "llama_state_specs", "training_state_specs", "transformer_state_specs"]
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {
     "llama-3.1-8b": dict(
@@ -96,16 +98,37 @@ def transformer_state_specs(
         raise LayoutError(f"transformer sizes must be >= 1, got {bad}")
     if sizes["hidden"] % sizes["num_heads"]:
         raise LayoutError(f"hidden={hidden} must be a multiple of num_heads={num_heads}")
-    params = _param_specs(**sizes)
-    kinds: list[tuple[str, torch.dtype]] = [("", param_dtype)]
+    params = [
+        TensorSpec(name, shape, param_dtype, split_dim=split, stage_key=layer)
+        for name, shape, split, layer in _param_specs(**sizes)
+    ]
+    return training_state_specs(params, adam=adam, master_fp32=master_fp32)
+
+
+def training_state_specs(
+    params: Sequence[TensorSpec], *, adam: bool = True, master_fp32: bool = True
+) -> list[TensorSpec]:
+    """Parameters plus the optimizer state that follows each one's split and stage.
+
+    Arguments:
+        params: the parameter specs (their own dtype).
+        adam: add "optim.exp_avg.<name>" and "optim.exp_avg_sq.<name>" (fp32) per
+            parameter and a replicated fp32 "optim.step".
+        master_fp32: add fp32 "master.<name>" weights per parameter.
+
+    Returns:
+        Specs in a fixed order: parameters, then master weights, then exp_avg, then
+        exp_avg_sq, then the step counter.
+    """
+    kinds: list[tuple[str, torch.dtype | None]] = [("", None)]
     if master_fp32:
         kinds.append(("master.", torch.float32))
     if adam:
         kinds += [("optim.exp_avg.", torch.float32), ("optim.exp_avg_sq.", torch.float32)]
     specs = [
-        TensorSpec(prefix + name, shape, dtype, split_dim=split, stage_key=layer)
+        TensorSpec(prefix + p.name, p.shape, dtype or p.dtype, p.split_dim, p.stage_key)
         for prefix, dtype in kinds
-        for name, shape, split, layer in params
+        for p in params
     ]
     if adam:
         specs.append(TensorSpec("optim.step", (), torch.float32))
