@@ -349,7 +349,12 @@ def kill_specs(
 def _kill_at(spec: KillSpec, t: Timings, t_workers: float | None, row_times: list[float]):
     """The wall-clock moment to kill at, once what it hangs on has happened; else None."""
     if spec.phase == "startup":
-        return None if t_workers is None else t_workers + spec.frac * t.startup_s
+        if t_workers is None:
+            return None
+        at = t_workers + spec.frac * t.startup_s
+        # A start-up shorter than the pilot's (load varies): the kill lands at the first
+        # step at the latest, never after the run (it is then marked off its phase).
+        return min(at, row_times[0]) if row_times else at
     if len(row_times) < spec.step:
         return None
     t_row = row_times[spec.step - 1]  # the previous step's row: step `spec.step` runs

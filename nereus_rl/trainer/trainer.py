@@ -210,15 +210,19 @@ class Trainer(StepWork):
             )
         self.group.attach(workers)
         self._log_workers(0)
-        self.driver.import_module("nereus_rl.trainer.worker")
         # The stages' shards will be EMU units' tensors (no copy is made).
         live = KINDS if cfg.transitions == "emu" else ()
-        self.units = TrainerUnits(self.group, self.mc, self.adapter.cm, live_kinds=live)
+
+        def units() -> TrainerUnits:
+            return TrainerUnits(self.group, self.mc, self.adapter.cm, live_kinds=live)
+
         if cfg.mirror:
             self.snapshots = Snapshots(self.group, self.mc, cfg.devices, cfg.nodes)
         self._initial = self._initial_states()
         self._dirty = True  # nothing is set up yet: a loss now restores the initial states
         try:
+            self.driver.import_module("nereus_rl.trainer.worker")
+            self.units = units()  # (its manager sets up the workers' EMU side)
             self.group.init_world()
             self.result.timings["spawn_s"] = time.perf_counter() - t0
             if plan is None and cfg.calibration_probes and (cfg.adapt or cfg.plan == "auto"):
@@ -234,6 +238,10 @@ class Trainer(StepWork):
         except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
             if self.snapshots is None:
                 raise
+            # the survivors have the commands even if the death cut the import short
+            self.driver.import_module("nereus_rl.trainer.worker")
+            if self.units is None:
+                self.units = units()
             self.recover(0, e)
         self._dirty = False
 

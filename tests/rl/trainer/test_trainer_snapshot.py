@@ -221,17 +221,20 @@ def test_a_death_inside_a_steps_update_rolls_back_to_the_last_snapshot():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["die_after", "die_before"])
-def test_a_death_during_start_up_is_recovered_from_the_initial_states(when):
-    # die_before: the survivors wait in the default group's rendezvous for the dead
-    # worker; the abort ends that wait at once, not at the 60 s group timeout.
+@pytest.mark.parametrize(
+    "fn,when", [("rl.init", "die_after"), ("rl.init", "die_before"), ("import", "die_before")]
+)
+def test_a_death_during_start_up_is_recovered_from_the_initial_states(fn, when):
+    # rl.init, die_before: the survivors wait in the default group's rendezvous for the
+    # dead worker; the abort ends that wait at once, not at the 60 s group timeout.
+    # import: the death comes as the workers learn the trainer's commands.
     plan = _plan((0,), (1,), (2,))
     cfg = TrainConfig(steps=2, adapt=False, plan=plan, devices=3, seed=5, **FAST)
     with _workers(3) as driver:
         driver.import_module("nereus_rl.trainer.worker")
         victim = sorted(driver.workers)[2]
         driver.call([victim], "import", "tests.support.worker_faults")
-        driver.call([victim], f"faults.{when}", "rl.init", {})
+        driver.call([victim], f"faults.{when}", fn, {})
         tr = Trainer(cfg, driver=driver)
         try:
             tr.adapter.best_plan = lambda rlen, devices=None: (_plan((0,), (1,), (0,)), 0.0)
