@@ -14,9 +14,15 @@ changes with the plan). The last pipeline stage picks the token and broadcasts i
 to the other stages. Generation does not pipeline micro-batches: the whole batch
 walks the stages one step at a time (fine for the rollout sizes used here).
 
-Prompts in a batch share one length (the bundled tasks pad them to a fixed
-width), so no attention padding mask is needed; finished sequences are padded
-after their EOS token.
+Prompts of different lengths are left-padded to one width P with a ``prompt_mask``
+(1 = real token; :func:`left_pad` builds both): every response then starts at column P,
+so response masks, :func:`nereus_rl.models.parallel.response_logprobs` and
+``response_values`` stay as they are. Each row's positions count from its first real
+token and no query attends to a padding key, in the prompt's forward and in every
+cached decoding step (the attention mask grows by one real column per step, as in
+Hugging Face's generation), so a row generates what it would generate alone. Without a
+``prompt_mask`` (or with one that has no zero) prompts share one length and no mask is
+built. Finished sequences are padded after their EOS token.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nereus_rl.models.model import full_attention_mask
 from nereus_rl.models.parallel import ParallelGroups, vocab_parallel_argmax
 from nereus_rl.models.pipeline import broadcast_from_last, recv, send
 
@@ -68,15 +75,71 @@ class KVCache:
 @dataclass
 class GenerationOutput:
     """``sequences`` [B, P + N]: prompts then responses; ``response_mask`` [B, N] (float):
-    1 for generated tokens up to and including EOS, 0 for the padding after it."""
+    1 for generated tokens up to and including EOS, 0 for the padding after it;
+    ``prompt_mask`` [B, P]: the left-padded prompts' mask as given to :func:`generate`
+    (None for prompts of one length)."""
 
     sequences: torch.Tensor
     response_mask: torch.Tensor
     prompt_len: int
+    prompt_mask: torch.Tensor | None = None
 
     @property
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_len :]
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """[B, P + N] for scoring ``sequences`` (pipeline_forward's ``attention_masks``),
+        None for prompts of one length."""
+        if self.prompt_mask is None:
+            return None
+        return full_attention_mask(self.prompt_mask, self.sequences.shape[1])
+
+
+def left_pad(
+    prompts: Sequence[torch.Tensor], pad_id: int = 0, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D prompts of any lengths into ids [B, P] and their ``prompt_mask`` [B, P].
+
+    Arguments:
+        prompts: token ids, one 1-D tensor per row (at least one token each).
+        pad_id: id written in the padding (never attended to; any id in the vocabulary).
+        width: P (default: the longest prompt).
+
+    Raises:
+        ValueError: no prompts, an empty prompt, or one longer than ``width``.
+    """
+    lens = [int(p.shape[0]) for p in prompts]
+    if not lens:
+        raise ValueError("left_pad needs at least one prompt")
+    width = max(lens) if width is None else width
+    if min(lens) < 1 or max(lens) > width:
+        raise ValueError(f"prompt lengths {lens} must be 1 .. width={width}")
+    device = prompts[0].device
+    ids = torch.full((len(lens), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(len(lens), width, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - lens[i] :] = p
+        mask[i, width - lens[i] :] = 1
+    return ids, mask
+
+
+def _check_prompt_mask(prompt_mask: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
+    """``prompt_mask`` as long 0/1, after checking that it left-pads ``prompts``."""
+    if tuple(prompt_mask.shape) != tuple(prompts.shape):
+        raise ValueError(
+            f"prompt_mask is {tuple(prompt_mask.shape)}, prompts are {tuple(prompts.shape)}; "
+            "give one 0/1 per prompt token"
+        )
+    keep = prompt_mask.bool()
+    # Left padding only: a response must start right after each row's last real token.
+    if not bool(keep[:, -1].all()) or bool((keep[:, 1:] < keep[:, :-1]).any()):
+        raise ValueError(
+            "prompt_mask must left-pad the prompts (zeros, then at least one 1 in every row); "
+            "build it with left_pad()"
+        )
+    return keep.long()
 
 
 def make_generator(
@@ -109,7 +172,9 @@ def make_row_generators(seed: int, rows: Sequence[int], device="cpu") -> list[to
     return [torch.Generator(device=device).manual_seed(seed * 1_000_003 + r) for r in rows]
 
 
-def _stage_forward(model, x: torch.Tensor, batch: int, cache, groups: ParallelGroups):
+def _stage_forward(
+    model, x: torch.Tensor, batch: int, cache, groups: ParallelGroups, attention_mask=None
+):
     if not model.is_first:
         x = recv(
             (batch, x.shape[1], model.config.hidden),
@@ -118,7 +183,7 @@ def _stage_forward(model, x: torch.Tensor, batch: int, cache, groups: ParallelGr
             groups.pp_rank - 1,
             groups,
         )
-    y = model(x, cache=cache)
+    y = model(x, cache=cache, attention_mask=attention_mask)
     if not model.is_last:
         send(y, groups.pp_rank + 1, groups)
         return None
@@ -156,6 +221,7 @@ def generate(
     eos_id: int | None = None,
     pad_id: int = 0,
     use_cache: bool = True,
+    prompt_mask: torch.Tensor | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompts``; collective over tp and pp.
 
@@ -170,13 +236,17 @@ def generate(
         eos_id: stop a sequence after this token (all stop -> generation stops early).
         pad_id: written after a sequence's EOS.
         use_cache: keep a KV cache (otherwise recompute the whole prefix every step).
+        prompt_mask: [B, P] (0/1 or bool), 1 = a real prompt token, for prompts of
+            different lengths left-padded to P (see :func:`left_pad`); the same on every
+            rank of the replica. None: every prompt has all P tokens.
 
     Returns:
         The same :class:`GenerationOutput` on every rank of the replica.
 
     Raises:
         ValueError: the sequence would exceed ``max_seq_len``, a critic model, sampling
-            without a generator, or per-row generators that do not match the rows.
+            without a generator, per-row generators that do not match the rows, or a
+            ``prompt_mask`` that does not left-pad ``prompts``.
     """
     groups = groups or model.groups
     if model.is_critic:
@@ -196,13 +266,17 @@ def generate(
                 f"{len(generator)} per-row generators for {batch} prompt rows; pass one per "
                 "row (make_row_generators(seed, rows) with this batch's global row indices)"
             )
+    if prompt_mask is not None:
+        prompt_mask = _check_prompt_mask(prompt_mask, prompts)
     cache = KVCache(model, batch, prompt_len + max_new_tokens) if use_cache else None
     seq = prompts
     finished = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
     masks = []
     for step in range(max_new_tokens):
         x = seq[:, -1:] if (use_cache and step > 0) else seq
-        logits = _stage_forward(model, x, batch, cache, groups)
+        # Every key so far: the prompt's mask, then one real column per generated token.
+        attn = None if prompt_mask is None else full_attention_mask(prompt_mask, seq.shape[1])
+        logits = _stage_forward(model, x, batch, cache, groups, attn)
         tok = None
         if model.is_last:
             tok = _pick(logits[:, -1], temperature, generator, groups, model.config.vocab)
@@ -215,4 +289,4 @@ def generate(
             if bool(finished.all()):
                 break
     mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0, device=prompts.device)
-    return GenerationOutput(seq, mask, prompt_len)
+    return GenerationOutput(seq, mask, prompt_len, prompt_mask)

@@ -27,6 +27,12 @@ hold a copy, and :func:`allreduce_tied_gradients` sums their gradients so that t
 stay equal through training (Megatron's embedding group). Loading a stage that holds both
 names checks that the two are equal.
 
+Prompts of different lengths run left-padded with an attention mask (1 = real token,
+``Decoder.forward``'s ``attention_mask``): each row's positions count from its first real
+token (:func:`position_ids`) and no query attends to a padding key
+(:func:`attention_bias`), so a real token's output is what it would be unpadded, up to
+fp32 rounding. Without a mask, or with one that has no zero, nothing of this runs.
+
 The parallel machinery lives in :mod:`nereus_rl.models.parallel` (groups,
 Megatron f/g ops, vocab-parallel log-probs, data-parallel gradient all-reduce),
 :mod:`nereus_rl.models.pipeline` (micro-batched GPipe schedule) and
@@ -304,20 +310,70 @@ def rope_inv_freq(
 def apply_rotary(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Rotate ``x`` [B, T, heads, head_dim] by its positions [T] (Llama's rotate-half form).
+    """Rotate ``x`` [B, T, heads, head_dim] by its positions (Llama's rotate-half form).
 
+    ``positions`` is [T] (every row alike) or [B, T] (per row, e.g. under left padding).
     ``inv_freq`` defaults to :func:`rope_inv_freq` with the default theta.
     """
     d = x.shape[-1]
     if inv_freq is None:
         inv_freq = rope_inv_freq(d, x.device)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None, :]
+    if positions.dim() == 1:
+        angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None, :]
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None, :]
+    else:
+        angles = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
     xf = x.float()
     x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     rotated = torch.cat([-x2, x1], -1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, S] of a padded batch: each row counts from its first real token.
+
+    ``cumsum(mask) - 1`` with padding set to 0, exactly as Hugging Face's generation
+    computes them, so a left-padded row sees the rotary positions it would see alone.
+
+    Arguments:
+        attention_mask: [B, S] (bool or 0/1), 1 = a real token.
+    """
+    keep = attention_mask.bool()
+    return (keep.long().cumsum(-1) - 1).masked_fill(~keep, 0)
+
+
+def attention_bias(attention_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """The boolean attention mask [B, 1, T, S] (True = may attend) of the last ``T`` of
+    ``S`` positions: causal, and never onto a padding key.
+
+    A padding query also attends to itself. Its output is thrown away, but a query with
+    no key at all makes softmax 0/0: NaN on kernels without torch's safe softmax, which
+    then reaches real tokens through the next layer's values (0 * NaN is NaN) and the
+    gradients. A real query's own key is real, so this changes nothing that is kept.
+
+    Arguments:
+        attention_mask: [B, S] (bool or 0/1) over every key, 1 = a real token.
+        num_queries: T, the queries are the last T positions (S - T are cached).
+    """
+    keep = attention_mask.bool()
+    s = keep.shape[1]
+    keys = torch.arange(s, device=keep.device)
+    queries = keys[s - num_queries :]
+    causal = keys[None, :] <= queries[:, None]  # [T, S]
+    own = keys[None, :] == queries[:, None]
+    return ((causal[None] & keep[:, None, :]) | own[None])[:, None]
+
+
+def full_attention_mask(prompt_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The attention mask [B, seq_len] of left-padded prompts [B, P] followed by responses:
+    the prompt mask, then ones (a response's own padding after EOS comes after every token
+    that counts, so causality already keeps it out)."""
+    b, p = prompt_mask.shape
+    ones = torch.ones(b, seq_len - p, dtype=prompt_mask.dtype, device=prompt_mask.device)
+    return torch.cat([prompt_mask, ones], 1)
 
 
 def _linear(out_features: int, in_features: int, dtype, device, bias: bool = False) -> nn.Linear:
@@ -345,7 +401,15 @@ class Attention(nn.Module):
         self.v = _linear(kv, config.hidden, dtype, device, bias)
         self.o = _linear(config.hidden, self.num_heads * self.head_dim, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache=None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend; ``mask`` [B, 1, T, past + T] (bool, True = may attend) replaces the causal
+        mask when given (see :func:`attention_bias`)."""
         b, t, _ = x.shape
         # Megatron's f once for the three column-parallel projections (as a fused qkv would).
         x = copy_to_tp(x, self.groups)
@@ -367,7 +431,9 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if past == 0:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif t == 1:
             out = F.scaled_dot_product_attention(q, k, v)
@@ -406,8 +472,14 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden, dtype, device, eps)
         self.mlp = MLP(config, groups, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache=None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, cache, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -579,26 +651,55 @@ class Decoder(nn.Module):
                 params[name].copy_(t)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache=None,
+        *,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this stage.
 
         Arguments:
             x: token ids [B, T] on the first stage, hidden states [B, T, hidden] elsewhere.
-            positions: absolute positions [T]; default ``arange(T)`` after the cache's length.
+            positions: absolute positions [T] or [B, T]; default ``arange(T)`` after the
+                cache's length, or :func:`position_ids` of ``attention_mask`` when one is given.
             cache: a :class:`nereus_rl.models.generate.KVCache` (appended to, then advanced by T).
+            attention_mask: [B, past + T] (bool or 0/1), 1 = a real token, over every key
+                this call attends to: the cached ones (``past = cache.length``) then ``x``'s.
+                Padding keys are never attended to; every stage of a pipeline gets the same
+                mask. A mask without a zero is dropped, so equal-length batches take the
+                unmasked path (bitwise what they ran before masks existed).
 
         Returns:
             Hidden states [B, T, hidden] on a non-last stage; on the last stage this tp
-            rank's logits shard [B, T, vocab/tp] (policy) or values [B, T] (critic).
+            rank's logits shard [B, T, vocab/tp] (policy) or values [B, T] (critic). Outputs
+            at padding positions are finite but meaningless.
+
+        Raises:
+            ValueError: ``attention_mask`` is not [B, past + T].
         """
         t = x.shape[1]
+        mask = None
+        if attention_mask is not None:
+            past = cache.length if cache is not None else 0
+            if tuple(attention_mask.shape) != (x.shape[0], past + t):
+                raise ValueError(
+                    f"attention_mask is {tuple(attention_mask.shape)}; it must cover the "
+                    f"{past} cached and {t} new positions of each of the {x.shape[0]} rows: "
+                    f"({x.shape[0]}, {past + t})"
+                )
+            keep = attention_mask.bool()
+            if not bool(keep.all()):
+                if positions is None:
+                    positions = position_ids(keep)[:, past:]
+                mask = attention_bias(keep, t)
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + t, device=x.device)
         h = self.embed(x) if self.is_first else x
         for block in self.layers.values():
-            h = block(h, positions, cache)
+            h = block(h, positions, cache, mask)
         if cache is not None:
             cache.advance(t)
         if not self.is_last:

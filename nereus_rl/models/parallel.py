@@ -240,7 +240,9 @@ def response_logprobs(
         logits: the last stage's logits shard for ``sequences`` [B, P + N, vocab/tp]
             (position ``i`` predicts token ``i + 1``).
         sequences: prompt and response ids [B, P + N].
-        prompt_len: P.
+        prompt_len: P, the padded prompt width when prompts are left-padded (every
+            response starts at column P, so padding shifts nothing here; the logits must
+            come from a forward given the batch's attention mask).
         groups: this rank's groups.
     """
     predicting = logits[:, prompt_len - 1 : -1]
@@ -248,7 +250,11 @@ def response_logprobs(
 
 
 def response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Critic values [B, N] of the states before each response token (positions P-1 .. -2)."""
+    """Critic values [B, N] of the states before each response token (positions P-1 .. -2).
+
+    With left-padded prompts P is the padded width and position P-1 every row's last real
+    prompt token, as in :func:`response_logprobs`.
+    """
     return values[:, prompt_len - 1 : -1]
 
 

@@ -8,6 +8,11 @@ as batches (``batch_isend_irecv``) so a send and a receive in opposite
 directions can meet. Schedules: GPipe (all forwards, then all backwards) and
 1F1B (Megatron's: warm-up forwards, then one forward and one backward per step,
 which bounds the activations a stage holds by the number of stages after it).
+
+Batches of left-padded sequences (prompts of different lengths) pass one attention
+mask per micro-batch (``attention_masks``, [b, T], 1 = real token), given to every stage
+like the token ids: each stage masks padding keys and derives the rows' positions from
+it, so nothing extra travels between stages.
 """
 
 from __future__ import annotations
@@ -58,8 +63,33 @@ def _hidden_shape(model, tokens: torch.Tensor) -> tuple[int, int, int]:
     return (tokens.shape[0], tokens.shape[1], model.config.hidden)
 
 
+def _check_masks(
+    micro_batches: Sequence[torch.Tensor], attention_masks: Sequence[torch.Tensor | None] | None
+) -> list[torch.Tensor | None]:
+    """One attention mask (or None) per micro-batch, each the shape of its token ids."""
+    if attention_masks is None:
+        return [None] * len(micro_batches)
+    masks = list(attention_masks)
+    if len(masks) != len(micro_batches):
+        raise ValueError(
+            f"{len(masks)} attention masks for {len(micro_batches)} micro-batches; "
+            "give one per micro-batch (or None)"
+        )
+    for i, (mask, tokens) in enumerate(zip(masks, micro_batches)):
+        if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
+            raise ValueError(
+                f"micro-batch {i}: attention mask {tuple(mask.shape)} for token ids "
+                f"{tuple(tokens.shape)}; they must match"
+            )
+    return masks
+
+
 def pipeline_forward(
-    model, micro_batches: Sequence[torch.Tensor], groups: ParallelGroups
+    model,
+    micro_batches: Sequence[torch.Tensor],
+    groups: ParallelGroups,
+    *,
+    attention_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor] | None:
     """Forward only (no graph kept): the last stage's outputs per micro-batch.
 
@@ -67,14 +97,21 @@ def pipeline_forward(
         model: this rank's Decoder stage.
         micro_batches: token ids [b, T] per micro-batch, the same on every stage.
         groups: this rank's groups.
+        attention_masks: per micro-batch, None or [b, T] (1 = real token) for left-padded
+            rows (e.g. ``GenerationOutput.attention_mask`` split like the tokens); the
+            same on every stage. None: no padding anywhere.
 
     Returns:
         On the last stage, the head outputs (logits shards or values) per micro-batch;
         None on other stages.
+
+    Raises:
+        ValueError: the masks do not match the micro-batches.
     """
+    masks = _check_masks(micro_batches, attention_masks)
     outs = []
     with torch.no_grad():
-        for tokens in micro_batches:
+        for tokens, mask in zip(micro_batches, masks):
             x = tokens
             if not model.is_first:
                 x = recv(
@@ -84,7 +121,7 @@ def pipeline_forward(
                     groups.pp_rank - 1,
                     groups,
                 )
-            y = model(x)
+            y = model(x, attention_mask=mask)
             if model.is_last:
                 outs.append(y)
             else:
@@ -124,8 +161,9 @@ def _exchange(
 class _StageRunner:
     """Forward and backward steps of one stage, with the activations kept in between."""
 
-    def __init__(self, model, micro_batches, loss_fn, groups: ParallelGroups) -> None:
+    def __init__(self, model, micro_batches, loss_fn, groups: ParallelGroups, masks) -> None:
         self.model, self.mbs, self.loss_fn, self.groups = model, micro_batches, loss_fn, groups
+        self.masks = masks
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
@@ -145,7 +183,7 @@ class _StageRunner:
             x = self.mbs[m]
         else:
             x.requires_grad_(True)
-        y = self.model(x)
+        y = self.model(x, attention_mask=self.masks[m])
         self.inputs[m] = x
         self.live += 1
         self.max_live = max(self.max_live, self.live)
@@ -176,6 +214,7 @@ def pipeline_forward_backward(
     groups: ParallelGroups,
     *,
     schedule: str = "1f1b",
+    attention_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One training pass over micro-batches through the pipeline.
 
@@ -192,18 +231,23 @@ def pipeline_forward_backward(
         groups: this rank's groups.
         schedule: ``"1f1b"`` (one forward, one backward in the steady state, as Megatron)
             or ``"gpipe"`` (all forwards, then all backwards in reverse).
+        attention_masks: per micro-batch, None or [b, T] (1 = real token) for left-padded
+            rows; the same on every stage (see :func:`pipeline_forward`). Padding gets
+            no gradient from the real tokens' outputs; a loss_fn that reads only real
+            positions (response masks) makes it contribute nothing at all.
 
     Returns:
         The micro-batch losses [M] (detached, fp32) on every stage of the pipeline.
 
     Raises:
-        ValueError: unknown schedule or no micro-batches.
+        ValueError: unknown schedule, no micro-batches, or masks that do not match them.
     """
     if schedule not in ("1f1b", "gpipe"):
         raise ValueError(f"unknown pipeline schedule {schedule!r}; use '1f1b' or 'gpipe'")
     if not micro_batches:
         raise ValueError("pipeline_forward_backward needs at least one micro-batch")
-    run = _StageRunner(model, micro_batches, loss_fn, groups)
+    masks = _check_masks(micro_batches, attention_masks)
+    run = _StageRunner(model, micro_batches, loss_fn, groups, masks)
     dtype, device = model.dtype, micro_batches[0].device
     num = len(micro_batches)
 
