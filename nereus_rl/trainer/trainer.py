@@ -200,6 +200,9 @@ class Trainer(StepWork):
         states on a plan over the survivors (with ``mirror``; else the error ends the run).
         """
         cfg = self.cfg
+        # The warm start runs on the driver alone, before any worker exists: a worker
+        # that died while the driver was busy with it would be noticed only after.
+        self._initial = self._initial_states()
         t0 = time.perf_counter()
         if self.own_driver:
             self.driver.spawn_local(cfg.devices)
@@ -218,7 +221,6 @@ class Trainer(StepWork):
 
         if cfg.mirror:
             self.snapshots = Snapshots(self.group, self.mc, cfg.devices, cfg.nodes)
-        self._initial = self._initial_states()
         self._dirty = True  # nothing is set up yet: a loss now restores the initial states
         try:
             self.driver.import_module("nereus_rl.trainer.worker")
