@@ -138,6 +138,7 @@ def _train(args: argparse.Namespace) -> int:
     options = dict(QUICK) if args.quick else {}
     for name in (
         "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
+        "checkpoint_every",
     ):  # fmt: skip
         v = getattr(args, name)
         if v is not None:
@@ -239,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--nodes", type=int, default=None,
         help="failure domains the devices split into (mirrors go to another node)",
+    )  # fmt: skip
+    t.add_argument(
+        "--checkpoint-every", type=int, default=None, metavar="N",
+        help="also write the in-memory snapshot to the run folder every N steps",
     )  # fmt: skip
     t.add_argument(
         "--no-mirror", action="store_true",

@@ -80,6 +80,11 @@ class TrainConfig:
     # Failure domains the devices are split into, in device order (equal nodes): the
     # mirrors go to another node, so a whole node's death loses nothing either.
     nodes: int = 1
+    # Every this many steps, also write the committed snapshot to disk (0: never): the
+    # last resort when a shard's holder and its mirror are lost together. Written to
+    # checkpoint_dir, else the run folder's checkpoint.pt.
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -200,6 +205,15 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             f"nodes={cfg.nodes!r} must be an int in 1..devices ({cfg.devices}): the devices "
             "are split into that many equal nodes"
+        )
+    if not (isinstance(cfg.checkpoint_every, int) and cfg.checkpoint_every >= 0):
+        raise TrainConfigError(
+            f"checkpoint_every={cfg.checkpoint_every!r} must be an int >= 0 (0: no disk checkpoint)"
+        )
+    if cfg.checkpoint_every and not cfg.mirror:
+        raise TrainConfigError(
+            "checkpoint_every writes the in-memory snapshot to disk, which mirror=False "
+            "turns off; turn mirror on or set checkpoint_every=0"
         )
     if cfg.devices % cfg.nodes:
         raise TrainConfigError(

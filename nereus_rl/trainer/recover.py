@@ -65,7 +65,7 @@ from nereus_rl.runtime import RemoteError, WorkerLostError, WorkerTimeoutError
 from nereus_rl.trainer.config import TrainConfig
 from nereus_rl.trainer.group import WorkerGroup, sync_weights
 from nereus_rl.trainer.recover_check import check_units
-from nereus_rl.trainer.snapshot import Snapshots
+from nereus_rl.trainer.snapshot import DiskCheckpoint, Snapshots
 from nereus_rl.trainer.units import TrainerUnits
 
 _LOG = logging.getLogger("nereus_rl.trainer.trainer")
@@ -430,7 +430,7 @@ def _reshard(
 def restore(
     group: WorkerGroup,
     units: TrainerUnits,
-    snapshots: Snapshots,
+    snapshots: Snapshots | DiskCheckpoint,
     plan: GlobalPlan | None,
     step: int,
     error: Exception,
@@ -457,7 +457,7 @@ def restore(
 
     Arguments:
         group, units: the run's workers and EMU units (adopted anew on the new plan).
-        snapshots: the committed snapshot.
+        snapshots: the committed snapshot (or, the last resort, the disk checkpoint).
         plan: the current plan (None: none was set up yet).
         step: the step the run would go on from.
         error: what the loss was noticed by.

@@ -37,7 +37,9 @@ which run again with their own prompts). ``metrics.jsonl`` records what each too
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -307,3 +309,42 @@ def assemble(
             raise SnapshotLostError(f"the snapshot's shards do not cover {spec.name!r}")
         out[spec.name] = full
     return out
+
+
+class DiskCheckpoint:
+    """The last resort: the committed snapshot written to disk every few steps
+    (``TrainConfig.checkpoint_every``), for a loss that takes a shard's holder and its
+    mirror at once (two workers, or a node with ``nodes=1``).
+
+    Written from the holders' own copies through the driver (each training stage's
+    full state, one file, replaced atomically), so it costs a gather and a write per
+    checkpoint; read back by a recovery as :meth:`Snapshots.full_states` is.
+
+    Arguments:
+        path: the file (its folder is created).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.version: int | None = None
+
+    def write(self, snapshots: Snapshots, initial: dict[str, dict[str, torch.Tensor]]) -> int:
+        """Write the committed snapshot; returns the bytes written."""
+        full = snapshots.full_states(set(), initial)
+        trained = {m: full[m] for m in {h.model for h in snapshots.held.values()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({"version": snapshots.version, "states": trained}, tmp)
+        os.replace(tmp, self.path)  # a reader never sees half a file
+        self.version = snapshots.version
+        return self.path.stat().st_size
+
+    def exists(self) -> bool:
+        return self.version is not None and self.path.exists()
+
+    def full_states(
+        self, lost: set[int], initial: dict[str, dict[str, torch.Tensor]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Every model's full state at the checkpoint's step (the reference: initial)."""
+        saved = torch.load(self.path, map_location="cpu", weights_only=True)
+        return {**initial, **saved["states"]}

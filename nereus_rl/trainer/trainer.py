@@ -73,7 +73,7 @@ from nereus_rl.trainer.recover import RecoveryStateLostError
 from nereus_rl.trainer.recover import recover as recover_run
 from nereus_rl.trainer.recover import restore as restore_run
 from nereus_rl.trainer.report import RunLog
-from nereus_rl.trainer.snapshot import Snapshots
+from nereus_rl.trainer.snapshot import DiskCheckpoint, SnapshotLostError, Snapshots
 from nereus_rl.trainer.step import StepWork, head_start
 from nereus_rl.trainer.units import TrainerUnits
 from nereus_rl.transition import KINDS, TransitionExecutionError
@@ -164,6 +164,7 @@ class Trainer(StepWork):
         # hold it half applied, so a loss now restores the snapshot (recover).
         self._dirty = False
         self._priced_plan: GlobalPlan | None = None
+        self._disk_checkpoint: DiskCheckpoint | None = None
         # a worker loss at a step's end (its boundary, or the async weight sync): the
         # step is recorded, then recovered from (run)
         self._boundary_loss: Exception | None = None
@@ -317,6 +318,18 @@ class Trainer(StepWork):
         if self.log is not None:
             self.log.plan(step, plan)
 
+    def _disk(self) -> DiskCheckpoint:
+        if self._disk_checkpoint is None:
+            where = self.cfg.checkpoint_dir
+            if where is None and self.log is not None:
+                where = self.log.dir
+            if where is None:
+                raise TrainConfigError(
+                    "checkpoint_every needs checkpoint_dir, or a run folder to write to"
+                )
+            self._disk_checkpoint = DiskCheckpoint(Path(where) / "checkpoint.pt")
+        return self._disk_checkpoint
+
     def _price_snapshot(self, step: int) -> float:
         """The cost model's price of the current plan's snapshot (seconds), and the
         snapshot interval that keeps it within :data:`SNAPSHOT_BUDGET` of the predicted
@@ -421,7 +434,8 @@ class Trainer(StepWork):
 
         Raises:
             the original error: no worker was lost, or (``mirror`` off) some stage lost
-            its state. SnapshotLostError: a shard lost its holder and its mirror.
+            its state. SnapshotLostError: a shard lost its holder and its mirror, and
+            there is no disk checkpoint (``checkpoint_every``) to go back to.
         """
         snaps = self.snapshots
         noticed_at = time.time()
@@ -445,11 +459,24 @@ class Trainer(StepWork):
                     raise
                 why, noticed = f"{type(e).__name__}: {e}", True
         if why is not None:
-            new, row, resume = restore_run(
-                self.group, self.units, snaps, self.plan, step, error,
-                cfg=self.cfg, mc=self.mc, plan_for=plan_for, initial=self._initial,
-                why=why, noticed=noticed,
-            )  # fmt: skip
+            try:
+                new, row, resume = restore_run(
+                    self.group, self.units, snaps, self.plan, step, error,
+                    cfg=self.cfg, mc=self.mc, plan_for=plan_for, initial=self._initial,
+                    why=why, noticed=noticed,
+                )  # fmt: skip
+            except SnapshotLostError as lost:
+                disk = self._disk_checkpoint
+                if disk is None or not disk.exists():
+                    raise
+                # Both copies of a shard are gone: the last disk checkpoint is the state.
+                new, row, resume = restore_run(
+                    self.group, self.units, disk, self.plan, step, error,
+                    cfg=self.cfg, mc=self.mc, plan_for=plan_for, initial=self._initial,
+                    why=f"{why}; {lost}; from the disk checkpoint", noticed=True,
+                )  # fmt: skip
+                row["from_disk"] = str(disk.path)
+                snaps.version, snaps.held = disk.version, {}
         # wall clock, so that a drill can time detection from its own kill
         row["recovery_started_at"] = noticed_at
         if resume < step:
@@ -537,6 +564,10 @@ class Trainer(StepWork):
                 self._dirty = False
                 # no step at or before a committed one runs again
                 self.drawn = {s: d for s, d in self.drawn.items() if s > step}
+                if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
+                    t_disk = time.perf_counter()
+                    m["checkpoint_bytes"] = self._disk().write(snaps, self._initial)
+                    m["checkpoint_s"] = time.perf_counter() - t_disk
         else:
             self._dirty = False
         m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read

@@ -28,7 +28,7 @@ from nereus_rl.trainer.snapshot import (
     snapshot_interval,
     snapshot_seconds,
 )
-from nereus_rl.trainer.trainer import TrainConfig, Trainer
+from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, Trainer, check_config
 
 # ---------------------------------------------------------------- pure parts
 
@@ -117,6 +117,20 @@ def test_the_snapshot_is_priced_and_spaced_to_stay_within_its_budget():
     assert snapshot_interval(0.01, 1.0, 0.05) == 1
     assert snapshot_interval(0.12, 1.0, 0.05) == 3  # 0.12 s every 3rd step: 4% a step
     assert snapshot_interval(0.5, 0.0, 0.05) == 1
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"checkpoint_every": -1}, "checkpoint_every=-1 must be an int >= 0"),
+        ({"checkpoint_every": 2, "mirror": False}, "mirror=False turns off"),
+        ({"nodes": 3}, "do not split into nodes=3"),
+        ({"nodes": 0}, "nodes=0 must be an int in 1..devices"),
+    ],
+)
+def test_fault_tolerance_options_are_checked_before_anything_starts(options, match):
+    with pytest.raises(TrainConfigError, match=match):
+        check_config(TrainConfig(devices=4, **options))
 
 
 # ---------------------------------------------------------------- runs with a death
@@ -284,3 +298,51 @@ def test_with_a_snapshot_every_third_step_a_death_rolls_back_and_runs_the_steps_
     assert adam_step.tolist() == [6.0]  # step 3's first update was undone
     taken = [m["step"] for m in res.metrics if m["snapshot_s"] > 0]
     assert taken == [2, 5], taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["disk", "none"])
+def test_a_shard_that_lost_its_holder_and_its_mirror_comes_back_from_the_disk_checkpoint(
+    tmp_path, checkpoint
+):
+    # actor_train alone on device 2, mirrored on device 3: both die at once.
+    plan = _plan((0,), (1,), (2,))
+    every = {"checkpoint_every": 1, "checkpoint_dir": str(tmp_path)} if checkpoint else {}
+    cfg = TrainConfig(steps=4, adapt=False, plan=plan, devices=4, seed=5, **FAST, **every)
+    with _workers(4) as driver:
+        tr = Trainer(cfg, driver=driver)
+        tag: dict = {}
+        try:
+            tr.start()
+            assert tr.snapshots.layouts(plan)["actor_train"][1] == [3]  # the buddy
+
+            def progress(step, m):
+                if step == 1 and 2 in tr.device_worker:
+                    tag["actor"] = _full(tr, "actor_train")
+                    driver.kill(tr.device_worker[2])
+                    driver.kill(tr.device_worker[3])
+
+            recover = tr.recover
+
+            def recover_and_note(step, error):
+                resume = recover(step, error)
+                tag["after"] = _full(tr, "actor_train")
+                return resume
+
+            tr.progress = progress
+            tr.recover = recover_and_note
+            tr.adapter.best_plan = lambda rlen, devices=None: (_plan((0,), (1,), (0,)), 0.0)
+            if not checkpoint:  # the state is gone from memory: a clear error
+                with pytest.raises(SnapshotLostError, match=r"mirror on worker \d+; both are lost"):
+                    tr.run()
+                return
+            res = tr.run()
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    (rec,) = _recoveries(res)
+    assert rec["recovery"] == "snapshot" and rec["from_disk"].endswith("checkpoint.pt"), rec
+    for name, t in tag["actor"].items():
+        assert torch.equal(tag["after"][name], t), name
+    assert all(m["checkpoint_bytes"] > 0 for m in res.metrics)
