@@ -7,9 +7,10 @@ policy and the rollout (and PPO's critic_inference) hold actor_train's (critic_t
 weights, so only the training stages' state is the run's own: weights, Adam moments
 and step. After each step's optimizer step, :meth:`Snapshots.take` keeps it twice:
 
-* every rank of one unit of each training stage copies its shards into its own host
+* every rank of every unit of each training stage copies its shards into its own host
   memory (``own``), so that a rollback to the last finished step reads an unchanged
-  copy even where a death interrupted the next update half way;
+  copy even where a death interrupted the next update half way (a stage with dp >= 2
+  on separate workers then survives any one death in the copies of its other units);
 * where the stage is *exposed* (some worker, or some node when ``nodes >= 2``, meets
   every unit), each rank's shards also go to a *buddy* on another node (another
   worker with one node), which keeps them as a ``mirror``, as Gemini keeps its
@@ -61,8 +62,11 @@ class Held:
     Attributes:
         stage, model: the stage and its model (``"actor"`` or ``"critic"``).
         tp, pp: the unit's layout the shards were taken from.
-        holders: the worker of each layout position (``own`` copies).
-        buddies: the worker keeping each position's ``mirror`` (None: not exposed).
+        holders: the worker of each layout position of the first unit (``own`` copies).
+        buddies: the worker keeping each of those positions' ``mirror`` (None: the stage
+            is not exposed).
+        others: the workers of the stage's other units, which keep ``own`` copies too (a
+            unit whose workers all survive gives the whole state).
     """
 
     stage: str
@@ -71,6 +75,7 @@ class Held:
     pp: int
     holders: tuple[int, ...]
     buddies: tuple[int, ...] | None
+    others: tuple[tuple[int, ...], ...] = ()
 
 
 def exposed(sp: StagePlan, node_of: dict[int, int]) -> bool:
@@ -172,6 +177,7 @@ class Snapshots:
         # steps between snapshots (price()), and the prediction it came from
         self.interval = 1
         self.predicted_s: float | None = None
+        self._pending: tuple | None = None  # sent, not committed (begin)
         # workers that may keep older versions of a stage (pruned by the next take)
         self._keepers: dict[str, set[int]] = {}
 
@@ -214,10 +220,29 @@ class Snapshots:
             WorkerLostError, WorkerTimeoutError, RemoteError: a worker failed before the
                 version was committed (the previous one stays committed).
         """
+        self.begin(plan, version)
+        return self.finish()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a snapshot was sent (:meth:`begin`) and not yet committed."""
+        return self._pending is not None
+
+    def abandon(self) -> None:
+        """Forget a snapshot sent and not committed (a worker died meanwhile)."""
+        self._pending = None
+
+    def begin(self, plan: GlobalPlan, version: int) -> None:
+        """Send the snapshot of version ``version`` (see :meth:`take`), not waiting: the
+        workers take it in their command order, before anything the driver sends them
+        after, and :meth:`finish` commits it. The driver thus pays no round trip of its
+        own for it; the state must not change (no training) before :meth:`finish`."""
+        self._pending = None
         g = self.group
         pend = []
         held = {}
         tag, self._next_tag = self._next_tag, self._next_tag + 1
+        alive = set(g.workers)
         for stage, (one, bud) in self.layouts(plan).items():
             src = g.desc(one)
             dst = None
@@ -227,15 +252,36 @@ class Snapshots:
                 dst = g.desc(mirror)
                 workers += g.ranks(bud)
             keepers = self._keepers.setdefault(stage, set())
-            alive = set(g.workers)
             # older versions on workers off this layout are pruned by the same call
             call = sorted((set(workers) | keepers) & alive)
             pend.append(g.driver.submit(call, "rl.snapshot", stage, tag, src, dst, self.tag))
-            self._keepers[stage] = set(workers)
+            others = []
+            for u in plan.stage(stage).units[1:]:
+                other = StagePlan(stage, one.model, True, 1, one.tp, one.pp, (u,))
+                ws = g.ranks(u)
+                pend.append(
+                    g.driver.submit(ws, "rl.snapshot", stage, tag, g.desc(other), None, self.tag)
+                )
+                others.append(tuple(ws))
+            self._keepers[stage] = set(workers).union(*others)
             held[stage] = Held(
                 stage, one.model, one.tp, one.pp, tuple(g.ranks(one.units[0])),
-                None if bud is None else tuple(g.ranks(bud)),
+                None if bud is None else tuple(g.ranks(bud)), tuple(others),
             )  # fmt: skip
+        self._pending = (pend, held, version, tag)
+
+    def finish(self) -> dict[str, float]:
+        """Wait for the snapshot :meth:`begin` sent and commit it (empty: none pending).
+
+        Raises:
+            WorkerLostError, WorkerTimeoutError, RemoteError: a worker failed before the
+                version was committed (the previous one stays committed).
+        """
+        if self._pending is None:
+            return {}
+        pend, held, version, tag = self._pending
+        self._pending = None
+        g = self.group
         copy_s = total_s = sent = 0.0
         for p in pend:
             for rep in g.driver.wait(p).values():
@@ -261,6 +307,14 @@ class Snapshots:
         if self.version < 0:
             return out
         for h in self.held.values():
+            whole = [u for u in (h.holders, *h.others) if not set(u) & lost]
+            if whole:  # a unit whose every rank kept its own copy
+                shards = [
+                    self.group.driver.call([w], "rl.snapshot_get", h.stage, self.tag, "own")[w]
+                    for w in whole[0]
+                ]
+                out[h.model] = assemble(self.mc, h, shards)
+                continue
             sources = []
             for i, w in enumerate(h.holders):
                 if w not in lost:
@@ -329,8 +383,12 @@ class DiskCheckpoint:
         self.version: int | None = None
 
     def write(self, snapshots: Snapshots, initial: dict[str, dict[str, torch.Tensor]]) -> int:
-        """Write the committed snapshot; returns the bytes written."""
-        full = snapshots.full_states(set(), initial)
+        """Write the committed snapshot; returns the bytes written.
+
+        Raises:
+            SnapshotLostError: the snapshot lost a shard already (nothing is written).
+        """
+        full = snapshots.full_states(set(snapshots.group.driver.check_liveness()), initial)
         trained = {m: full[m] for m in {h.model for h in snapshots.held.values()}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")

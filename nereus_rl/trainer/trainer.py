@@ -39,6 +39,7 @@ addresses them in :mod:`nereus_rl.trainer.group`; recovery from a worker's death
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -93,6 +94,8 @@ __all__ = [
     "stage_names",
     "train",
 ]
+
+_LOG = logging.getLogger("nereus_rl.trainer.trainer")
 
 # The share of a step's predicted time the in-memory snapshot may take: above it, the
 # snapshot is taken every few steps instead of every step (nereus_rl.trainer.snapshot).
@@ -318,6 +321,29 @@ class Trainer(StepWork):
         if self.log is not None:
             self.log.plan(step, plan)
 
+    def _commit_snapshot(self) -> dict[str, Any]:
+        """Commit the snapshot sent after the last update, if one is pending (then the
+        state is that snapshot's: not dirty), and write the disk checkpoint when due.
+        Returns what it measured, for the step's metrics."""
+        snaps = self.snapshots
+        if snaps is None or not snaps.pending:
+            return {}
+        t0 = time.perf_counter()
+        out: dict[str, Any] = snaps.finish()
+        out["snapshot_commit_s"] = time.perf_counter() - t0
+        self._dirty = False
+        v = snaps.version
+        # no step at or before a committed one runs again
+        self.drawn = {s: d for s, d in self.drawn.items() if s > v}
+        if self.cfg.checkpoint_every and (v + 1) % self.cfg.checkpoint_every == 0:
+            t_disk = time.perf_counter()
+            try:
+                out["checkpoint_bytes"] = self._disk().write(snaps, self._initial)
+            except SnapshotLostError as e:  # the disk keeps the last one written
+                _LOG.warning("no disk checkpoint of step %d: %s", v, e)
+            out["checkpoint_s"] = time.perf_counter() - t_disk
+        return out
+
     def _disk(self) -> DiskCheckpoint:
         if self._disk_checkpoint is None:
             where = self.cfg.checkpoint_dir
@@ -439,6 +465,13 @@ class Trainer(StepWork):
         """
         snaps = self.snapshots
         noticed_at = time.time()
+        if snaps is not None and snaps.pending:
+            # The snapshot sent after the last update may be whole yet (the dead worker
+            # held none of it): committed, the state is its own again.
+            try:
+                self._commit_snapshot()
+            except (WorkerLostError, WorkerTimeoutError, RemoteError):
+                snaps.abandon()
 
         def plan_for(devices: list[int]) -> GlobalPlan:
             return self.adapter.best_plan(self.response_len(step), devices=devices)[0]
@@ -512,6 +545,11 @@ class Trainer(StepWork):
                 step = self.recover(step, e)
                 continue
             step += 1
+            if step == cfg.steps:  # the last step's snapshot: nothing runs after it
+                try:
+                    self._commit_snapshot()
+                except (WorkerLostError, WorkerTimeoutError, RemoteError):
+                    self.snapshots.abandon()
             lost, self._boundary_loss = self._boundary_loss, None
             if lost is not None:  # the step finished; its boundary's transition did not
                 # A finished rollout stays valid (its weights were the ones to use); one
@@ -549,25 +587,23 @@ class Trainer(StepWork):
             # The next step's rollout runs on the current rollout weights while this
             # step trains (on disjoint devices the two overlap).
             ahead.append(self._rollout_submit(step + 1))
+        # The last step's snapshot is committed before this step's update is sent.
+        committed = self._commit_snapshot()
         self._dirty = True
         m = self._train_on(job)
+        m.update(committed)
         snaps = self.snapshots
         if snaps is not None:
             m["snapshot_s"] = 0.0
             m["snapshot_predicted_s"] = self._price_snapshot(step)
             if snaps.due(step):
-                # Committed before anything else of the step: a loss from here on finds
-                # this step's update in the snapshot, and the step is recorded once.
+                # Sent now, committed before the next update (or by a recovery): the
+                # workers take it before anything sent after, and the driver waits on
+                # it only then, when it is long done. Until then the step is not
+                # committed: a loss rolls back to the last snapshot and runs it again.
                 t_snap = time.perf_counter()
-                m.update(snaps.take(self.plan, step))
+                snaps.begin(self.plan, step)
                 m["snapshot_s"] = time.perf_counter() - t_snap
-                self._dirty = False
-                # no step at or before a committed one runs again
-                self.drawn = {s: d for s, d in self.drawn.items() if s > step}
-                if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
-                    t_disk = time.perf_counter()
-                    m["checkpoint_bytes"] = self._disk().write(snaps, self._initial)
-                    m["checkpoint_s"] = time.perf_counter() - t_disk
         else:
             self._dirty = False
         m["held_bytes_max"] = None  # unmeasured when a worker dies before it is read
