@@ -34,7 +34,10 @@ with step+boundary beside it in case the mirror's copy runs at the boundary.
 
 A kill run "finished with the state intact" when the CLI exits 0, the run folder records
 no error (no ``error.txt``, no "stopped early" in ``summary.txt``), every step is in
-``metrics.jsonl`` and ``decisions.jsonl`` has a recovery row. Recovery time is that row's
+``metrics.jsonl`` and ``decisions.jsonl`` has a recovery row (or, for a worker killed
+before it joined, the driver's log says it started another in its place: it held
+nothing). Node-kill runs give each worker ``NODE_BUDGET`` bytes, under which the run
+fits on the surviving node. Recovery time is that row's
 measured seconds (``recovery.measured_s`` or ``outcome.measured_s`` where the row nests
 them, else ``measured_transition_s``). Detection time runs from this script's
 ``time.time()`` at the kill to the recovery's start: a wall-clock start the row carries
@@ -81,6 +84,13 @@ SHM_DIR = "/dev/shm"
 # and the native core into a process that only watches)
 SHM_PREFIX = "nereus-shm-"
 # Keys a recovery row may carry its wall-clock start under (seconds since the epoch).
+# The driver's log line when a local worker died before joining and was replaced.
+REPLACED = "starting another in its place"
+# Node-kill runs: per-worker memory under which the run fits on one node (2 of the 4
+# devices). The automatic budget is sized to force moves on all 4 and holds the later
+# steps' responses on no plan of 2, so a run that lost a node could not go on there.
+NODE_BUDGET = 8 << 20
+
 WALL_KEYS = ("recovery_started_at", "started_at", "detected_at", "wall_start")
 GOAL_RECOVERY_P95_S = 5.0
 GOAL_MIRROR_COST = 0.05
@@ -474,6 +484,14 @@ def run_one(
     row["t_first_row_s"] = round(metrics.seen[0][0] - t0, 3) if metrics.seen else None
     _read_result(row, run_dir, steps, metrics, decisions, t_kill, spec)
     row["log_tail"] = _tail(run_dir.parent / f"{name}.log")
+    try:
+        log_text = (run_dir.parent / f"{name}.log").read_text(errors="replace")
+    except OSError:
+        log_text = ""
+    if row["why"] == "no recovery row" and REPLACED in log_text:
+        # Killed before it joined: it held nothing, and the driver started another in
+        # its place; nothing was there to recover.
+        row.update(intact=True, why=None, handled="replaced before joining")
     return row
 
 
@@ -712,7 +730,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(HEADER)
     for spec in specs:
-        extra = ["--nodes", "2"] if spec.kind == "node" and has_nodes else []
+        extra = []
+        if spec.kind == "node" and has_nodes:
+            extra = ["--nodes", "2", "--memory-budget", str(NODE_BUDGET)]
         r = go(f"kill{spec.index:02d}", extra, spec, timings)
         if spec.phase == "transition" and spec.step not in timings.moves:
             r["phase_note"] = "no move in the pilot at that step: killed at its weight sync"
