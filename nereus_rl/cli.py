@@ -138,7 +138,7 @@ def _train(args: argparse.Namespace) -> int:
     options = dict(QUICK) if args.quick else {}
     for name in (
         "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
-        "checkpoint_every",
+        "checkpoint_every", "heartbeat_timeout",
     ):  # fmt: skip
         v = getattr(args, name)
         if v is not None:
@@ -166,7 +166,10 @@ def _train(args: argparse.Namespace) -> int:
     driver = None
     try:
         if args.port is not None or args.local_workers is not None:
-            driver = Driver(args.host, args.port or 0, heartbeat_timeout=30.0, call_timeout=600.0)
+            driver = Driver(
+                args.host, args.port or 0, heartbeat_timeout=args.heartbeat_timeout or 30.0,
+                call_timeout=600.0,
+            )  # fmt: skip
             if not _is_loopback(args.host):
                 warning = EXPOSED_WARNING.format(host=args.host, port=driver.port)
                 print(f"nereus-rl train: warning: {warning}", file=sys.stderr)
@@ -240,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--nodes", type=int, default=None,
         help="failure domains the devices split into (mirrors go to another node)",
+    )  # fmt: skip
+    t.add_argument(
+        "--heartbeat-timeout", type=float, default=None, metavar="S",
+        help="seconds without a heartbeat before a joined worker counts as dead (30)",
     )  # fmt: skip
     t.add_argument(
         "--checkpoint-every", type=int, default=None, metavar="N",

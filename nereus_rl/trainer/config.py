@@ -85,6 +85,10 @@ class TrainConfig:
     # checkpoint_dir, else the run folder's checkpoint.pt.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    # Seconds without a heartbeat after which a worker counts as dead. A local worker's
+    # death is seen at once from its process; this bounds the detection of a joined
+    # one's. Too short, and a worker starved of CPU on a loaded machine looks dead.
+    heartbeat_timeout: float = 30.0
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -214,6 +218,10 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             "checkpoint_every writes the in-memory snapshot to disk, which mirror=False "
             "turns off; turn mirror on or set checkpoint_every=0"
+        )
+    if not (isinstance(cfg.heartbeat_timeout, (int, float)) and cfg.heartbeat_timeout > 0):
+        raise TrainConfigError(
+            f"heartbeat_timeout={cfg.heartbeat_timeout!r} must be positive seconds"
         )
     if cfg.devices % cfg.nodes:
         raise TrainConfigError(

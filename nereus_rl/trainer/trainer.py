@@ -176,7 +176,7 @@ class Trainer(StepWork):
         self._ahead: list[dict[str, Any]] = []
         self._synced_for: int | None = None
         self.own_driver = driver is None
-        self.driver = driver or Driver(heartbeat_timeout=30.0, call_timeout=600.0)
+        self.driver = driver or Driver(heartbeat_timeout=cfg.heartbeat_timeout, call_timeout=600.0)
         self.group.driver = self.driver
 
     @property

@@ -126,6 +126,7 @@ def test_the_snapshot_is_priced_and_spaced_to_stay_within_its_budget():
         ({"checkpoint_every": 2, "mirror": False}, "mirror=False turns off"),
         ({"nodes": 3}, "do not split into nodes=3"),
         ({"nodes": 0}, "nodes=0 must be an int in 1..devices"),
+        ({"heartbeat_timeout": 0}, "heartbeat_timeout=0 must be positive seconds"),
     ],
 )
 def test_fault_tolerance_options_are_checked_before_anything_starts(options, match):
