@@ -85,6 +85,10 @@ class TrainConfig:
     # checkpoint_dir, else the run folder's checkpoint.pt.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    # The share of a step the snapshot may take on average: a dearer one (priced by the
+    # cost model, then measured) is taken every few steps, and a death rolls back to it.
+    # float("inf"): every step, whatever it costs.
+    snapshot_budget: float = 0.05
     # Seconds without a heartbeat after which a worker counts as dead. A local worker's
     # death is seen at once from its process; this bounds the detection of a joined
     # one's. Too short, and a worker starved of CPU on a loaded machine looks dead.
@@ -218,6 +222,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             "checkpoint_every writes the in-memory snapshot to disk, which mirror=False "
             "turns off; turn mirror on or set checkpoint_every=0"
+        )
+    if not (isinstance(cfg.snapshot_budget, (int, float)) and cfg.snapshot_budget > 0):
+        raise TrainConfigError(
+            f"snapshot_budget={cfg.snapshot_budget!r} must be a positive share of a step "
+            "(0.05: 5%; float('inf'): a snapshot every step)"
         )
     if not (isinstance(cfg.heartbeat_timeout, (int, float)) and cfg.heartbeat_timeout > 0):
         raise TrainConfigError(

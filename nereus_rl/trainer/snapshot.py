@@ -174,9 +174,11 @@ class Snapshots:
         # never overwrites the committed copies.
         self.tag = -1
         self._next_tag = 0
-        # steps between snapshots (price()), and the prediction it came from
+        # steps between snapshots (price()), the prediction, and what they took (smoothed)
         self.interval = 1
         self.predicted_s: float | None = None
+        self.observed_s: float | None = None
+        self._priced: tuple | None = None
         self._pending: tuple | None = None  # sent, not committed (begin)
         # workers that may keep older versions of a stage (pruned by the next take)
         self._keepers: dict[str, set[int]] = {}
@@ -186,13 +188,22 @@ class Snapshots:
         return node_map(devices, self.num_devices, self.nodes)
 
     def price(self, plan: GlobalPlan, cluster, step_s: float, budget: float) -> int:
-        """Set :attr:`interval` from the cost model's prediction for ``plan`` (a step of
-        ``step_s`` predicted seconds, a ``budget`` fraction of it for the snapshot).
-        Returns the interval."""
-        node_of = self.node_of(sorted(self.group.device_worker))
-        self.predicted_s = snapshot_seconds(plan, self.mc, cluster, node_of)
-        self.interval = snapshot_interval(self.predicted_s, step_s, budget)
+        """Set :attr:`interval` for ``plan``: a snapshot's seconds (the cost model's price,
+        or what snapshots measured when that is more) against a ``budget`` fraction of a
+        step of ``step_s`` seconds. Returns the interval."""
+        devices = tuple(sorted(self.group.device_worker))
+        if self._priced != (plan, devices):  # priced once per plan (called every step)
+            node_of = self.node_of(list(devices))
+            self.predicted_s = snapshot_seconds(plan, self.mc, cluster, node_of)
+            self._priced = (plan, devices)
+        cost = max(self.predicted_s, self.observed_s or 0.0)
+        self.interval = snapshot_interval(cost, step_s, budget)
         return self.interval
+
+    def observe(self, seconds: float) -> None:
+        """Feed what a committed snapshot took (smoothed over the last few)."""
+        old = self.observed_s
+        self.observed_s = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def due(self, step: int) -> bool:
         """Whether ``step``'s update is to be committed (every :attr:`interval` steps)."""

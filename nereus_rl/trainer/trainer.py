@@ -97,10 +97,6 @@ __all__ = [
 
 _LOG = logging.getLogger("nereus_rl.trainer.trainer")
 
-# The share of a step's predicted time the in-memory snapshot may take: above it, the
-# snapshot is taken every few steps instead of every step (nereus_rl.trainer.snapshot).
-SNAPSHOT_BUDGET = 0.05
-
 # Warm-started initial states by (critic, model, task, seed, warm steps): runs in one
 # process (tests, benchmarks) that differ only in plan or algorithm share the warm start.
 _WARM_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
@@ -166,7 +162,8 @@ class Trainer(StepWork):
         # A step's update is under way and not committed to the snapshot: the units may
         # hold it half applied, so a loss now restores the snapshot (recover).
         self._dirty = False
-        self._priced_plan: GlobalPlan | None = None
+        # the measured step time, smoothed (None before the first step)
+        self._step_ema: float | None = None
         self._disk_checkpoint: DiskCheckpoint | None = None
         # a worker loss at a step's end (its boundary, or the async weight sync): the
         # step is recorded, then recovered from (run)
@@ -331,6 +328,8 @@ class Trainer(StepWork):
         t0 = time.perf_counter()
         out: dict[str, Any] = snaps.finish()
         out["snapshot_commit_s"] = time.perf_counter() - t0
+        # what it took: the workers' part and the driver's wait for it
+        snaps.observe(out.get("snapshot_worker_s", 0.0) + out["snapshot_commit_s"])
         self._dirty = False
         v = snaps.version
         # no step at or before a committed one runs again
@@ -358,14 +357,19 @@ class Trainer(StepWork):
 
     def _price_snapshot(self, step: int) -> float:
         """The cost model's price of the current plan's snapshot (seconds), and the
-        snapshot interval that keeps it within :data:`SNAPSHOT_BUDGET` of the predicted
-        step (priced again whenever the plan changed)."""
+        snapshot interval that keeps it within ``cfg.snapshot_budget`` of a step.
+
+        Before anything is measured, the step is the cost model's prediction; then the
+        measured step and snapshot times take over (:meth:`Snapshots.price`): on a small
+        model a snapshot's fixed costs (a command, a reshard's set-up) outweigh its bytes,
+        which the model prices.
+        """
         snaps = self.snapshots
-        if self._priced_plan is not self.plan:
-            self._priced_plan = self.plan
+        step_s = self._step_ema
+        if step_s is None:
             cm = self.adapter.cm
             step_s = cm.step_total(self.plan, self.adapter.workload(self.response_len(step)))
-            snaps.price(self.plan, cm.cluster, step_s, SNAPSHOT_BUDGET)
+        snaps.price(self.plan, self.adapter.cm.cluster, step_s, self.cfg.snapshot_budget)
         return snaps.predicted_s
 
     def _log_workers(self, step: int) -> None:
@@ -651,6 +655,9 @@ class Trainer(StepWork):
                 self._boundary_loss = e
             m["boundary_s"] = time.perf_counter() - t_boundary
         m["decision_s"] = max(0.0, m["boundary_s"] - m["transition_s"])
+        if step > 0:  # step 0 pays the first weight sync and warm-ups
+            s = m["step_s"]
+            self._step_ema = s if self._step_ema is None else 0.7 * self._step_ema + 0.3 * s
         self.result.metrics.append(m)
         if self.log is not None:
             self.log.metrics(m)

@@ -12,7 +12,8 @@ import time
 
 import pytest
 import torch
-from test_trainer_recovery import FAST, _arm, _plan, _recoveries, _workers
+from test_trainer_recovery import FAST as _FAST
+from test_trainer_recovery import _arm, _plan, _recoveries, _workers
 
 from nereus_rl.core.globalplan import StagePlan
 from nereus_rl.core.spec import local_cpu_cluster
@@ -29,6 +30,9 @@ from nereus_rl.trainer.snapshot import (
     snapshot_seconds,
 )
 from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, Trainer, check_config
+
+# A snapshot every step, whatever it costs here: each test says which step it holds.
+FAST = {**_FAST, "snapshot_budget": float("inf")}
 
 # ---------------------------------------------------------------- pure parts
 
@@ -132,6 +136,17 @@ def test_the_snapshot_is_priced_and_spaced_to_stay_within_its_budget():
 def test_fault_tolerance_options_are_checked_before_anything_starts(options, match):
     with pytest.raises(TrainConfigError, match=match):
         check_config(TrainConfig(devices=4, **options))
+
+
+def test_a_measured_snapshot_dearer_than_its_price_spaces_the_snapshots_out():
+    from types import SimpleNamespace
+
+    snaps = Snapshots(SimpleNamespace(device_worker={0: 0, 1: 1, 2: 2}), get_preset("tiny"), 3)
+    plan, cluster = _plan((0,), (1,), (2,)), local_cpu_cluster(3)
+    assert snaps.price(plan, cluster, step_s=0.06, budget=0.05) == 1  # priced: bytes only
+    snaps.observe(0.007)  # 7 ms measured: over 5% of a 60 ms step
+    assert snaps.price(plan, cluster, step_s=0.06, budget=0.05) == 3
+    assert snaps.due(2) and not snaps.due(1)  # version -1: every third step from step 2
 
 
 # ---------------------------------------------------------------- runs with a death
