@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 
 import pytest
@@ -61,9 +59,8 @@ safetensors = pytest.importorskip(
     "safetensors", reason="safetensors is not installed (pip install -e '.[hf]')"
 )
 
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from support.gloo_pool import GlooPool  # noqa: E402
 
 from nereus_rl.models.hf import (  # noqa: E402
     HFCheckpointError,
@@ -539,68 +536,9 @@ def case_tied_grads(folder, tokens):
     return (mod.weight.grad - want).abs().max().item() / want.abs().max().item()
 
 
-def _worker(rank, init_file, tasks, results):
-    torch.set_num_threads(1)
-    from datetime import timedelta
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    while True:
-        item = tasks.get()
-        if item is None:
-            break
-        name, args = item
-        try:
-            results.put((rank, True, globals()[name](*args)))
-        except Exception:
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class _Pool:
-    """Four gloo processes running the module's case functions."""
-
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.dir = tempfile.mkdtemp()
-        self.tasks = [ctx.Queue() for _ in range(WORLD)]
-        self.results = ctx.Queue()
-        init_file = os.path.join(self.dir, "init")
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, init_file, self.tasks[r], self.results))
-            for r in range(WORLD)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def run(self, name, *args, timeout=120.0):
-        for q in self.tasks:
-            q.put((name, args))
-        out = {}
-        for _ in range(WORLD):
-            rank, ok, val = self.results.get(timeout=timeout)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{val}")
-            out[rank] = val
-        return [out[r] for r in range(WORLD)]
-
-    def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-
-
 @pytest.fixture(scope="module")
 def pool():
-    p = _Pool()
+    p = GlooPool(__name__, WORLD)
     yield p
     p.close()
 

@@ -25,14 +25,9 @@ gradient, with the same 2e-5.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from support.gloo_pool import GlooPool
 
 from nereus_rl.models.generate import generate, left_pad
 from nereus_rl.models.model import (
@@ -385,68 +380,9 @@ def case_sharded(tp: int, pp: int, dp: int, critic: bool) -> dict:
     return res
 
 
-def _worker(rank, init_file, tasks, results):
-    torch.set_num_threads(1)
-    from datetime import timedelta
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    while True:
-        item = tasks.get()
-        if item is None:
-            break
-        name, args = item
-        try:
-            results.put((rank, True, globals()[name](*args)))
-        except Exception:
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class _Pool:
-    """Four gloo processes running this module's case functions."""
-
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.dir = tempfile.mkdtemp()
-        self.tasks = [ctx.Queue() for _ in range(WORLD)]
-        self.results = ctx.Queue()
-        init_file = os.path.join(self.dir, "init")
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, init_file, self.tasks[r], self.results))
-            for r in range(WORLD)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def run(self, name: str, *args, timeout: float = 120.0) -> list:
-        for q in self.tasks:
-            q.put((name, args))
-        out = {}
-        for _ in range(WORLD):
-            rank, ok, val = self.results.get(timeout=timeout)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{val}")
-            out[rank] = val
-        return [out[r] for r in range(WORLD)]
-
-    def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-
-
 @pytest.fixture(scope="module")
 def pool():
-    p = _Pool()
+    p = GlooPool(__name__, WORLD)
     yield p
     p.close()
 
