@@ -114,14 +114,3 @@ def snapshot_get(ctx: WorkerContext, stage: str, tag: int, which: str) -> dict[s
             f"(it keeps {sorted((k, sorted(v)) for k, v in _store(rl_state(ctx)).items())})"
         )
     return rec[which]
-
-
-@register("rl.snapshot_bytes")
-def snapshot_bytes(ctx: WorkerContext) -> int:
-    """Bytes of host memory this worker's snapshots take."""
-    return sum(
-        t.numel() * t.element_size()
-        for rec in _store(rl_state(ctx)).values()
-        for copy in rec.values()
-        for t in copy.values()
-    )

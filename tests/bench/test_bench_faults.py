@@ -81,7 +81,7 @@ time.sleep(60)
 
 def test_find_workers_in_a_process_tree_and_kill_the_group():
     # A "driver" with three worker-like children (the runtime's module name on their
-    # command line, spawned in order) and one other child; in a session of its own.
+    # command line, spawned in order) and one other child, in a process group of its own.
     root = subprocess.Popen(
         [sys.executable, "-c", _TREE], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
