@@ -92,7 +92,7 @@ def row_view(t: torch.Tensor) -> RowView | None:
 
     Returns:
         (rows, width, stride): the trailing dims that are contiguous among themselves
-        make one row (``width`` elements), the leading dims must step uniformly over
+        make one row (``width`` elements), the outer dims must step uniformly over
         those rows (``stride`` elements), rows must not overlap (no stride-0 expand).
         None otherwise, e.g. a transposed view (``full.t()``).
     """
