@@ -28,7 +28,9 @@ from nereus_rl.trainer.trainer import TrainConfig, Trainer, train
 # Multi-process: out of the fast lane (-m "not slow").
 pytestmark = pytest.mark.slow
 
-FAST = {"warm_steps": 30, "batch": 4, "group_size": 2}
+# A snapshot every step, whatever it costs here: spaced snapshots would roll a death back
+# over steps that then run again, and the kills below are keyed to steps.
+FAST = {"warm_steps": 30, "batch": 4, "group_size": 2, "snapshot_budget": float("inf")}
 
 
 @contextmanager

@@ -12,8 +12,7 @@ import time
 
 import pytest
 import torch
-from test_trainer_recovery import FAST as _FAST
-from test_trainer_recovery import _arm, _plan, _recoveries, _workers
+from test_trainer_recovery import FAST, _arm, _plan, _recoveries, _workers
 
 from nereus_rl.core.globalplan import StagePlan
 from nereus_rl.core.spec import local_cpu_cluster
@@ -30,9 +29,6 @@ from nereus_rl.trainer.snapshot import (
     snapshot_seconds,
 )
 from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, Trainer, check_config
-
-# A snapshot every step, whatever it costs here: each test says which step it holds.
-FAST = {**_FAST, "snapshot_budget": float("inf")}
 
 # ---------------------------------------------------------------- pure parts
 
