@@ -25,11 +25,10 @@ Plan space (``N`` available devices):
 Objective (``CostModel.step_latency``): ``sum_p max_G T_{G,p}`` with
 ``T_{G,p} = sum_{s in G, phase p} t_s``; the rollout's time includes the weight sync,
 intra-node iff rollout and actor_train share a group within one node (or the cluster is
-one node). An asynchronous workload (``Workload.rollout_ahead``) is ranked by the same
-synchronous formula: its ``latency_s`` is not the overlapped step that ``step_latency``
-prices (the trainer re-ranks the k best with its own measured model). Ranking it by the
-overlapped step exactly needs a search whose cost on local CPU workers (0.1 s and more
-per call for six-stage PPO) does not fit an adaptation boundary.
+one node). An asynchronous workload (``Workload.rollout_ahead``) is ranked by the
+overlapped step that ``step_latency`` prices for it: ``planner.overlap_search``, seeded
+with the synchronous search's best plans (below), returns the plan space's minimum and
+every ``latency_s`` is ``step_latency``'s total of its plan.
 
 Algorithm (exact branch and bound; each step in its own module):
     1. Stage tables (``planner_tables``, here): for every stage and power of two ``n``,
@@ -114,6 +113,7 @@ from nereus_rl.core.spec import ClusterSpec
 from nereus_rl.core.workload import StageWork, Workload
 from nereus_rl.costmodel.costmodel import CostModel, stage_tiers
 from nereus_rl.planner import native as planner_native
+from nereus_rl.planner import overlap_search
 from nereus_rl.planner import placed as planner_placed
 from nereus_rl.planner import reference as planner_reference
 from nereus_rl.planner.place import SHARED_PLACED, infeasible, place
@@ -182,6 +182,7 @@ class Planner:
         self._shapes: dict = {}  # stage ids -> (phases, r_i, a_i, tables)
         self._wls: dict = {}  # id(workload) -> (workload, stages, stage ids, shape)
         self._pidx: dict = {}  # (stages, devices) -> compiled partition index
+        self._overlapped: dict = {}  # async results: (shapes, version, cap, devices, k) -> ...
         self._ver = costmodel.version
         # The latest compiled call's (stage ids, tables, phases, r_i, a_i, capacity,
         # partition index): what _on_refine rebuilds ahead of the next call.
@@ -258,6 +259,7 @@ class Planner:
             self._pareto.clear()
             self._groups.clear()
             self._ginfo.clear()
+            self._overlapped.clear()
             self._ver = ver
 
     def _on_refine(self) -> None:
@@ -355,6 +357,8 @@ class Planner:
         by_place = self.cluster.num_nodes > 1 and dpn & (dpn - 1) != 0
         args = (stages, tables, sid, r_i, a_i, cap, devs, ver, workload.dtype, by_place)
         cm = self.costmodel
+        if workload.rollout_ahead:
+            return self._plan_overlapped(workload, args, phases, k, t0)
         ranked, timings = self._ranked(phases, args, k)
         plans = [(obj, self._place(stages, tables, sid, picks, devs)) for obj, picks in ranked]
         timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
@@ -373,6 +377,38 @@ class Planner:
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         timings["aligned"] = aligned
         return PlanResult(plans[0][1], plans[0][0], tuple(plans), timings, cm, workload)
+
+    def _plan_overlapped(self, workload: Workload, args: tuple, phases, k: int, t0: float):
+        """``plan`` for an asynchronous workload (``planner.overlap_search``), seeded with
+        the synchronous search's best plans. Kept per (stage shapes, efficiency version,
+        capacity, devices, k): the search is a pure function of them, and a job asks the
+        same question at every boundary until a signal or the model changes."""
+        stages, tables, sid, r_i, _, cap, devs, ver, _, by_place = args
+        N = len(devs)
+        dkey = (devs[0], N) if isinstance(devs, range) else tuple(devs)
+        key = (sid, ver, cap, dkey, k, workload.stage_order)
+        got = self._overlapped.get(key)
+        if got is None:
+            ranked, timings = self._ranked(phases, args, k)
+            timings["tables_ms"] += (timings.pop("_start") - t0) * 1e3
+            seeds = [self._place(stages, tables, sid, picks, devs) for _, picks in ranked]
+            plans, extra = overlap_search.search(
+                self, workload, stages, tables, r_i, cap, devs, k, seeds, sid
+            )
+            for name, v in extra.items():
+                timings[name] = timings.get(name, 0.0) + v
+            dpn = self.cluster.devices_per_node
+            timings["aligned"] = (
+                self._node_aligned(plans[0][1])
+                if by_place
+                else devs[-1] - devs[0] == N - 1 and devs[0] % dpn == 0
+            )
+            if len(self._overlapped) >= 64:
+                self._overlapped.clear()
+            got = self._overlapped[key] = (tuple(plans), timings)
+        plans, timings = got
+        timings = dict(timings, total_ms=(time.perf_counter() - t0) * 1e3)
+        return PlanResult(plans[0][1], plans[0][0], plans, timings, self.costmodel, workload)
 
     def _ranked(self, phases, args: tuple, k: int) -> tuple[list, dict]:
         """``([(objective, picks)] best first, timings)`` of the k best plans with each
