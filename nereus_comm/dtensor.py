@@ -1,0 +1,367 @@
+"""DTensor state dicts resharded to another DeviceMesh in one exchange.
+
+:func:`reshard_dtensors` takes a state dict of DTensors (and plain tensors and other
+values, e.g. an optimizer's step counters and hyperparameters), a destination
+DeviceMesh and placements, and returns the state as DTensors there. The destination
+mesh may have any shape, rank count and rank set (growing, shrinking, moving to other
+ranks), where ``DTensor.redistribute`` needs the same mesh. Each DTensor's placements
+become a :class:`~nereus_comm.placement.Sharding` (``Shard``, ``Replicate``,
+``_StridedShard`` and a non-default ``shard_order``), and one
+:func:`~nereus_comm.placement.plan_sharded` plan moves every tensor at once, the
+bytes sent equal to what the destination ranks lack.
+
+Every rank of ``group`` calls it. The ranks first exchange what they hold (names,
+shapes, dtypes, meshes, placements; one ``all_gather_object``), so a rank outside
+every source mesh learns what to receive and every rank refuses the same bad input
+(a Partial placement, ranks that disagree on a tensor, a destination shape that
+differs from the source's, a placement for a dim the tensor lacks) with the same
+error, naming the tensor, before any tensor byte moves.
+
+Plain tensors (e.g. a per-parameter ``step``) are taken as replicated on the ranks
+that passed a state and are returned as plain tensors on every destination rank;
+other values travel in the metadata exchange.
+
+Example (every rank of the default group)::
+
+    new_mesh = init_device_mesh("cpu", (6,))
+    out = reshard_dtensors(model.state_dict(), new_mesh, [Shard(0)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor.placement_types import Placement as TorchPlacement
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from nereus_comm.errors import LayoutError, NereusCommError, PlanError
+from nereus_comm.layout import TensorSpec
+from nereus_comm.placement import (
+    MeshPlacement,
+    RankMesh,
+    Replicate,
+    Shard,
+    ShardedPlan,
+    Sharding,
+    StridedShard,
+    plan_sharded,
+    reshard_sharded,
+)
+from nereus_comm.transport import Transport
+from nereus_comm.transport_pg import ProcessGroupTransport
+
+__all__ = [
+    "DTensorReshardError",
+    "DstPlacements",
+    "from_torch_placements",
+    "plan_dtensors",
+    "reshard_dtensors",
+    "sharding_of",
+]
+
+
+class DTensorReshardError(NereusCommError, ValueError):
+    """A DTensor state that :func:`reshard_dtensors` cannot move (the message names the
+    tensor); raised on every rank of the group before any tensor byte moves."""
+
+
+DstPlacements = (
+    Sequence[TorchPlacement]
+    | Mapping[str, "Sequence[TorchPlacement] | DTensor"]
+    | Callable[[str, tuple[int, ...]], Sequence[TorchPlacement]]
+)
+"""The destination placements: one list for every DTensor, a mapping by name (a list,
+or a DTensor on the destination mesh whose placements and shape are taken), or a
+callable (name, global shape) -> list."""
+
+
+def from_torch_placements(
+    placements: Sequence[TorchPlacement], ndim: int, name: str = "?"
+) -> tuple[MeshPlacement, ...]:
+    """nereus_comm placements for torch DTensor placements.
+
+    Arguments:
+        placements: ``Shard``, ``Replicate`` or ``_StridedShard`` per mesh dim.
+        ndim: the tensor's number of dims (normalizes a negative Shard dim).
+        name: the tensor's name, for errors.
+
+    Raises:
+        DTensorReshardError: a Partial (or any other) placement, or a dim the tensor
+            lacks.
+    """
+    out: list[MeshPlacement] = []
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            dim = p.dim
+            q = StridedShard(dim + ndim if dim < 0 else dim, int(p.split_factor))
+        elif isinstance(p, TorchShard):
+            dim = p.dim
+            q = Shard(dim + ndim if dim < 0 else dim)
+        elif isinstance(p, TorchReplicate):
+            out.append(Replicate())
+            continue
+        else:
+            what = "a Partial (unreduced values)" if p.is_partial() else repr(p)
+            raise DTensorReshardError(
+                f"tensor {name!r}: placement {p!r} on mesh dim {m} is {what}; only Shard, "
+                "Replicate and _StridedShard can be resharded (reduce it first, e.g. "
+                "dtensor.redistribute(mesh, [Replicate()]) or full_tensor())"
+            )
+        if not 0 <= q.dim < ndim:
+            raise DTensorReshardError(
+                f"tensor {name!r}: {p!r} on mesh dim {m} shards dim {p.dim} of a {ndim}-D tensor"
+            )
+        out.append(q)
+    return tuple(out)
+
+
+def _rank_mesh(mesh: DeviceMesh) -> RankMesh:
+    return RankMesh.of(mesh.mesh)
+
+
+def _shard_order(dt: DTensor, placements: tuple[MeshPlacement, ...]):
+    """The DTensor's shard_order where it is not the left-to-right default, else None."""
+    order = getattr(dt._spec, "shard_order", None)
+    if not order:
+        return None
+    given = tuple((int(e.tensor_dim), tuple(int(m) for m in e.mesh_dims)) for e in order)
+    default: dict[int, list[int]] = {}
+    for m, p in enumerate(placements):
+        if isinstance(p, (Shard, StridedShard)):
+            default.setdefault(p.dim, []).append(m)
+    if given == tuple((d, tuple(ms)) for d, ms in sorted(default.items())):
+        return None
+    return given
+
+
+def sharding_of(dt: DTensor, name: str = "?") -> Sharding:
+    """The Sharding of a DTensor (its mesh's global ranks, its placements and shard order).
+
+    Raises:
+        DTensorReshardError: a placement that cannot be resharded (Partial).
+    """
+    placements = from_torch_placements(dt.placements, dt.ndim, name)
+    try:
+        return Sharding(_rank_mesh(dt.device_mesh), placements, _shard_order(dt, placements))
+    except LayoutError as e:
+        raise DTensorReshardError(f"tensor {name!r}: {e}") from None
+
+
+def _describe(name: str, value: Any):
+    """(kind, shape, dtype, sharding or value) of one state entry; an error string
+    where the entry cannot be moved."""
+    if isinstance(value, DTensor):
+        try:
+            sh = sharding_of(value, name)
+        except NereusCommError as e:
+            return ("error", str(e))
+        return ("dtensor", tuple(value.shape), value.dtype, sh)
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+            return ("error", f"tensor {name!r} is a {type(value).__name__}, not a plain tensor")
+        return ("tensor", tuple(value.shape), value.dtype, None)
+    return ("value", None, None, value)
+
+
+def _merge(gathered: list, group_ranks: list[int]) -> tuple[dict, list[int]]:
+    """The one description of every entry that all state-holding ranks agree on,
+    and those ranks; raises DTensorReshardError (the same on every rank) otherwise."""
+    holders = [r for r, m in zip(group_ranks, gathered) if m is not None]
+    for r, m in zip(group_ranks, gathered):
+        for d in (m or {}).values():
+            if d[0] == "error":
+                raise DTensorReshardError(f"rank {r}: {d[1]}")
+    if not holders:
+        return {}, []
+    first = holders[0]
+    ref = gathered[group_ranks.index(first)]
+    for r in holders[1:]:
+        m = gathered[group_ranks.index(r)]
+        if list(m) != list(ref):
+            diff = sorted(set(m) ^ set(ref)) or ["(order)"]
+            raise DTensorReshardError(
+                f"ranks {first} and {r} pass different state entries: {diff[:10]}"
+            )
+        for name, d in m.items():
+            e = ref[name]
+            if d[0] == "value":
+                continue  # a value comes from the first holder
+            if d[:3] != e[:3] or (d[0] == "dtensor" and d[3] != e[3]):
+                raise DTensorReshardError(
+                    f"tensor {name!r}: rank {first} holds {_text(e)} but rank {r} holds {_text(d)}"
+                )
+    return ref, holders
+
+
+def _text(d) -> str:
+    kind, shape, dtype, sh = d
+    where = f" as {sh!r}" if kind == "dtensor" else ""
+    return f"a {kind} {list(shape)} {dtype}{where}"
+
+
+def _dst_placements(dst: DstPlacements, name: str, shape: tuple[int, ...], mesh: DeviceMesh):
+    if callable(dst) and not isinstance(dst, Mapping):
+        return tuple(dst(name, shape))
+    if isinstance(dst, Mapping):
+        if name not in dst:
+            raise DTensorReshardError(f"tensor {name!r} has no destination placements")
+        p = dst[name]
+        if isinstance(p, DTensor):
+            if tuple(p.shape) != tuple(shape):
+                raise DTensorReshardError(
+                    f"tensor {name!r} is {list(shape)} in the source but its destination "
+                    f"template is {list(p.shape)}; a reshard keeps the global shape"
+                )
+            if p.device_mesh != mesh:
+                raise DTensorReshardError(
+                    f"tensor {name!r}: its destination template lies on {p.device_mesh}, "
+                    f"not on the destination mesh {mesh}"
+                )
+            return tuple(p.placements)
+        return tuple(p)
+    return tuple(dst)
+
+
+#: Plans by their input (specs, source and destination shardings), oldest first.
+_PLANS: dict[tuple, ShardedPlan] = {}
+_MAX_PLANS = 8
+
+
+def plan_dtensors(
+    meta: Mapping[str, tuple],
+    holders: Sequence[int],
+    dst_mesh: DeviceMesh,
+    placements: DstPlacements,
+) -> tuple[ShardedPlan, dict[str, tuple[TorchPlacement, ...]]]:
+    """The plan for the tensors of ``meta`` (as :func:`reshard_dtensors` merges it) and
+    the torch placements of each DTensor on the destination mesh."""
+    dst_rank_mesh = _rank_mesh(dst_mesh)
+    flat_dst = RankMesh((len(dst_rank_mesh.ranks),), dst_rank_mesh.ranks)
+    flat_src = RankMesh((len(holders),), tuple(holders)) if holders else None
+    specs, src, dst, torch_pl = [], {}, {}, {}
+    for name, (kind, shape, dtype, sh) in meta.items():
+        if kind == "value":
+            continue
+        specs.append(TensorSpec(name, shape, dtype))
+        if kind == "dtensor":
+            pl = _dst_placements(placements, name, shape, dst_mesh)
+            if len(pl) != dst_mesh.ndim:
+                raise DTensorReshardError(
+                    f"tensor {name!r}: {len(pl)} placements for a {dst_mesh.ndim}-D "
+                    f"destination mesh: {list(pl)}"
+                )
+            torch_pl[name] = pl
+            src[name] = sh
+            dst[name] = Sharding(dst_rank_mesh, from_torch_placements(pl, len(shape), name))
+        else:  # a plain tensor: the same on every holder, wanted on every destination rank
+            src[name] = Sharding(flat_src, (Replicate(),))
+            dst[name] = Sharding(flat_dst, (Replicate(),))
+    key = (tuple(specs), tuple(src[s.name] for s in specs), tuple(dst[s.name] for s in specs))
+    plan = _PLANS.get(key)
+    if plan is None:
+        try:
+            plan = plan_sharded(specs, src, dst)
+        except (LayoutError, PlanError) as e:
+            raise DTensorReshardError(str(e)) from None
+        # The same state moved again (a weight sync every step) reuses the plan, and with
+        # it reshard's per-plan program.
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan, torch_pl
+
+
+def reshard_dtensors(
+    state: Mapping[str, Any] | None,
+    dst_mesh: DeviceMesh,
+    placements: DstPlacements,
+    *,
+    group: dist.ProcessGroup | None = None,
+    transport: Transport | None = None,
+    timeout: float = 300.0,
+    route: str = "auto",
+) -> dict[str, Any]:
+    """Reshard a DTensor state dict onto ``dst_mesh``: every rank of ``group`` calls it.
+
+    Arguments:
+        state: this rank's state dict (DTensors, plain tensors, other values); None or
+            empty on a rank outside every source mesh. Every rank that passes one
+            passes the same names, shapes, dtypes and DTensor placements.
+        dst_mesh: the destination DeviceMesh (any shape, ranks and size; built on every
+            rank, as torch builds meshes).
+        placements: the destination placements of each DTensor (see
+            :data:`DstPlacements`).
+        group: the process group holding every source and destination rank (default:
+            the default group); the metadata exchange and the bytes go over it.
+        transport: carries the bytes (default: a ProcessGroupTransport over ``group``).
+        timeout: seconds for the exchange.
+        route: as :func:`~nereus_comm.reshard.reshard` ("auto" uses shared memory or
+            cross-memory attach between ranks on one host).
+
+    Returns:
+        On a rank of ``dst_mesh``: every entry of the state, DTensors on ``dst_mesh`` with
+        their new placements, plain tensors and values as they were. Elsewhere: {}.
+
+    Raises:
+        DTensorReshardError: on every rank, before any tensor byte moves: a Partial
+            placement, ranks that disagree on an entry, a destination template whose
+            shape differs, a placement for a dim the tensor lacks, a missing destination
+            placement (each names the tensor).
+        TensorMismatchError, PlanError, TransportError: as reshard.
+    """
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank()
+    local = {name: _describe(name, v) for name, v in (state or {}).items()} if state else None
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    group_ranks = dist.get_process_group_ranks(group)
+    meta, holders = _merge(gathered, group_ranks)
+    if not meta:
+        return {}
+    plan, torch_pl = plan_dtensors(meta, holders, dst_mesh, placements)
+    plan_index = {s.name: i for i, s in enumerate(plan.specs)}
+    mine: dict[str, torch.Tensor] = {}
+    if state:
+        for name, (kind, *_rest) in meta.items():
+            # A DTensor on a rank outside its own mesh holds nothing of it.
+            if kind == "dtensor" and rank in plan.src[plan_index[name]].mesh:
+                mine[name] = state[name].to_local().contiguous()
+            elif kind == "tensor":
+                mine[name] = state[name].detach().contiguous()
+    # ranks of the plan that hold nothing of it (and ranks outside it) skip the exchange
+    if plan.inner is not None and transport is None:
+        transport = ProcessGroupTransport(group)
+    res = reshard_sharded(plan, rank, mine, transport, timeout=timeout, route=route)
+    if rank not in _rank_mesh(dst_mesh):
+        return {}
+    out: dict[str, Any] = {}
+    for name, (kind, shape, _dtype, value) in meta.items():
+        if kind == "value":
+            out[name] = value
+        elif kind == "tensor":
+            out[name] = res.tensors[name]
+        else:
+            out[name] = DTensor.from_local(
+                res.tensors[name],
+                dst_mesh,
+                torch_pl[name],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_contiguous_stride(shape),
+            )
+    return out
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))

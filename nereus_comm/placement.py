@@ -1,0 +1,804 @@
+"""Sharded layouts over N-D meshes of ranks, and resharding between them.
+
+A :class:`Sharding` says how one tensor is laid out over a :class:`RankMesh` (an
+N-D array of global ranks, any rank set): each mesh dim is :class:`Shard` (``dim``),
+:class:`Replicate` or :class:`StridedShard` (``dim``, ``split_factor``), with the
+semantics of torch DTensor's ``Shard``, ``Replicate`` and ``_StridedShard``:
+
+- mesh dims are applied left to right, each to the local tensor the previous ones
+  left; several mesh dims sharding one tensor dim nest (the second chunks the first's
+  shard);
+- ``Shard`` follows ``torch.chunk``: chunk = ceil(n / parts), trailing shards may be
+  smaller or empty;
+- ``StridedShard(dim, split_factor=f)`` over a mesh dim of size m first chunks the
+  local dim into f pieces, chunks each piece into m, and gives coordinate c the
+  concatenation of the c-th chunk of every piece (what FSDP2 makes of a
+  tensor-parallel parameter: ``_StridedShard``).
+
+So a rank holds, per tensor dim, an ordered list of global intervals; its local
+shard is their cartesian product, concatenated in that order. Each product cell is a
+:class:`Fragment` (a global box and where it starts in the local shard); a plain
+``Shard`` layout gives one fragment per rank, a strided one several.
+
+:func:`plan_sharded` plans moving a set of tensors from one sharding to another
+(any meshes, rank sets and sizes): every destination fragment is cut by the source
+fragments it overlaps; a cut the destination rank already holds is copied locally,
+each other cut is fetched once, from one of its holders (holders on the receiver's
+node first, then the least loaded). Those fetches become the tensors of an ordinary
+:class:`~nereus_comm.plan.ReshardPlan` (each lives on one source and one destination
+rank), so :func:`reshard_sharded` runs them through :func:`~nereus_comm.reshard.reshard`:
+plan check between peers, one batched exchange, C++ pack/unpack, same-host routes.
+The bytes sent equal the lower bound: the bytes of each destination shard that its
+rank does not hold in the source.
+
+Example (on every rank of both sides)::
+
+    mesh = RankMesh.of([[0, 1], [2, 3]])
+    src = Sharding(mesh, (Shard(0), Shard(1)))          # FSDP x TP
+    dst = Sharding(RankMesh.of([0, 1, 2]), (Shard(0),))  # 3 ranks
+    plan = plan_sharded([TensorSpec("w", (8, 8), torch.float32)], src, dst)
+    out = reshard_sharded(plan, rank, {"w": my_local_shard}, transport)
+    out.tensors["w"]                                      # this rank's new shard
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from nereus_comm.errors import LayoutError, PlanError, TensorMismatchError, as_int
+from nereus_comm.layout import Box, Layout, TensorSpec, box_numel, chunk_range
+from nereus_comm.pack import unsupported_reason
+from nereus_comm.plan import ReshardPlan, plan_reshard
+from nereus_comm.reshard import ReshardResult, reshard
+from nereus_comm.reshard_program import row_view
+from nereus_comm.transport import Transport
+
+__all__ = [
+    "Fragment",
+    "MeshPlacement",
+    "RankMesh",
+    "Replicate",
+    "Shard",
+    "ShardedPiece",
+    "ShardedPlan",
+    "ShardedResult",
+    "Sharding",
+    "StridedShard",
+    "plan_sharded",
+    "reshard_sharded",
+    "sharding_from_layout",
+]
+
+_MAX_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The mesh dim cuts tensor dim ``dim`` (torch.chunk semantics)."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every coordinate of the mesh dim holds the same data."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """The mesh dim cuts tensor dim ``dim`` in ``split_factor`` strided runs (``_StridedShard``).
+
+    The local dim is chunked into ``split_factor`` pieces, each piece into as many
+    chunks as the mesh dim has coordinates, and coordinate c holds the c-th chunk of
+    every piece, concatenated in piece order.
+    """
+
+    dim: int
+    split_factor: int
+
+    def __repr__(self) -> str:
+        return f"StridedShard({self.dim}, sf={self.split_factor})"
+
+
+MeshPlacement = Shard | Replicate | StridedShard
+"""What one mesh dim does to a tensor."""
+
+
+@dataclass(frozen=True)
+class RankMesh:
+    """An N-D array of distinct global ranks (row-major in ``ranks``).
+
+    Arguments:
+        shape: the mesh shape (each size >= 1).
+        ranks: prod(shape) distinct global rank ids, row-major.
+        node_of: node id of each entry of ``ranks`` (same length); None puts every
+            rank on node 0. Used to keep fetches on-node where a choice exists.
+
+    Raises:
+        LayoutError: a size < 1, the wrong number of ranks, repeated ranks, node_of
+            of the wrong length.
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    node_of: tuple[int, ...] | None = None
+    _pos: dict[int, int] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        shape = tuple(as_int(s, "RankMesh size", LayoutError, lo=1, hi=_MAX_ID) for s in self.shape)
+        ranks = tuple(as_int(r, "RankMesh rank", LayoutError, lo=0, hi=_MAX_ID) for r in self.ranks)
+        if len(ranks) != math.prod(shape):
+            raise LayoutError(
+                f"RankMesh of shape {shape} needs {math.prod(shape)} ranks, got {len(ranks)}"
+            )
+        pos = {r: i for i, r in enumerate(ranks)}
+        if len(pos) != len(ranks):
+            raise LayoutError(f"RankMesh ranks must be distinct, got {ranks}")
+        if self.node_of is not None:
+            node_of = tuple(as_int(n, "RankMesh node id", LayoutError) for n in self.node_of)
+            if len(node_of) != len(ranks):
+                raise LayoutError(
+                    f"RankMesh node_of has {len(node_of)} entries for {len(ranks)} ranks"
+                )
+            object.__setattr__(self, "node_of", node_of)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "_pos", pos)
+
+    @classmethod
+    def of(cls, ranks: object, node_of: Sequence[int] | None = None) -> RankMesh:
+        """A mesh from a nested list (or tensor / ndarray) of ranks, e.g. ``[[0, 1], [2, 3]]``.
+
+        Raises:
+            LayoutError: ragged nesting, or what the constructor refuses.
+        """
+        if isinstance(ranks, torch.Tensor):
+            return cls(tuple(ranks.shape), tuple(ranks.reshape(-1).tolist()), node_of)
+        if hasattr(ranks, "tolist") and hasattr(ranks, "shape"):  # numpy
+            return cls(tuple(ranks.shape), tuple(ranks.reshape(-1).tolist()), node_of)
+        shape: list[int] = []
+        level = ranks
+        while isinstance(level, (list, tuple)):
+            shape.append(len(level))
+            if not level:
+                break
+            level = level[0]
+        flat: list[int] = []
+
+        def walk(x: object, depth: int) -> None:
+            if depth == len(shape):
+                if isinstance(x, (list, tuple)):
+                    raise LayoutError(f"ragged RankMesh nesting: {ranks!r}")
+                flat.append(x)  # type: ignore[arg-type]
+                return
+            if not isinstance(x, (list, tuple)) or len(x) != shape[depth]:
+                raise LayoutError(f"ragged RankMesh nesting: {ranks!r}")
+            for y in x:
+                walk(y, depth + 1)
+
+        walk(ranks, 0)
+        return cls(tuple(shape), tuple(flat), None if node_of is None else tuple(node_of))
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh dims."""
+        return len(self.shape)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._pos
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """The mesh coordinates of ``rank``.
+
+        Raises:
+            LayoutError: the rank is not in the mesh.
+        """
+        try:
+            i = self._pos[rank]
+        except (KeyError, TypeError):
+            raise LayoutError(f"rank {rank!r} is not in {self!r}") from None
+        out = []
+        for s in reversed(self.shape):
+            i, c = divmod(i, s)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def node(self, rank: int) -> int:
+        """Node id of ``rank`` (0 when node_of is None)."""
+        return 0 if self.node_of is None else self.node_of[self._pos[rank]]
+
+    def __repr__(self) -> str:
+        return f"RankMesh({list(self.shape)} ranks={list(self.ranks)})"
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One box of a tensor a rank holds: ``box`` (global) starts at ``origin`` locally."""
+
+    box: Box
+    origin: tuple[int, ...]
+
+
+def _select(intervals: tuple[tuple[int, int], ...], ranges: list[tuple[int, int]]):
+    """The global intervals of local ranges ``ranges`` of a dim whose local order is
+    ``intervals`` (adjacent results merged)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        at = 0
+        for g0, g1 in intervals:
+            n = g1 - g0
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                ga, gb = g0 + a - at, g0 + b - at
+                if out and out[-1][1] == ga:
+                    out[-1] = (out[-1][0], gb)
+                else:
+                    out.append((ga, gb))
+            at += n
+    return tuple(out)
+
+
+@lru_cache(maxsize=65536)
+def _dim_intervals(
+    length: int, ops: tuple[tuple[int, int, int], ...]
+) -> tuple[tuple[int, int], ...]:
+    """Global intervals (in local order) of a dim of ``length`` after the shard ops
+    ``ops``: (parts, coordinate, split_factor; 0 for a plain Shard), applied in order."""
+    intervals: tuple[tuple[int, int], ...] = ((0, length),) if length else ()
+    for parts, c, sf in ops:
+        n = sum(b - a for a, b in intervals)
+        if sf == 0:
+            ranges = [chunk_range(n, parts, c)]
+        else:
+            ranges = []
+            for j in range(sf):
+                fa, fb = chunk_range(n, sf, j)
+                a, b = chunk_range(fb - fa, parts, c)
+                ranges.append((fa + a, fa + b))
+        intervals = _select(intervals, ranges)
+    return intervals
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one tensor lies over a mesh: one MeshPlacement per mesh dim.
+
+    Arguments:
+        mesh: the ranks.
+        placements: one per mesh dim (Shard, Replicate, StridedShard).
+        shard_order: for a tensor dim sharded by several mesh dims, the order they
+            apply in, as ((tensor_dim, (mesh_dim, ...)), ...) (DTensor's
+            ``shard_order``); None applies mesh dims left to right.
+
+    Raises:
+        LayoutError: a placement count that differs from the mesh's dims, an
+            unknown placement, a negative dim, a split_factor < 1.
+    """
+
+    mesh: RankMesh
+    placements: tuple[MeshPlacement, ...]
+    shard_order: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+
+    def __post_init__(self) -> None:
+        placements = tuple(self.placements)
+        object.__setattr__(self, "placements", placements)
+        if not isinstance(self.mesh, RankMesh):
+            raise LayoutError(f"Sharding mesh must be a RankMesh, got {type(self.mesh).__name__}")
+        if len(placements) != self.mesh.ndim:
+            raise LayoutError(
+                f"Sharding over a {self.mesh.ndim}-D mesh needs {self.mesh.ndim} placements, "
+                f"got {len(placements)}: {placements}"
+            )
+        for p in placements:
+            if isinstance(p, Replicate):
+                continue
+            if not isinstance(p, (Shard, StridedShard)):
+                raise LayoutError(
+                    f"unsupported placement {p!r}: use Shard, Replicate or StridedShard "
+                    "(a Partial holds unreduced values, not a piece of the tensor)"
+                )
+            as_int(p.dim, f"{p!r} dim", LayoutError, lo=0, hi=_MAX_ID)
+            if isinstance(p, StridedShard):
+                as_int(p.split_factor, f"{p!r} split_factor", LayoutError, lo=1, hi=_MAX_ID)
+        if self.shard_order is not None:
+            order = tuple((int(d), tuple(int(m) for m in ms)) for d, ms in self.shard_order)
+            for d, ms in order:
+                for m in ms:
+                    p = placements[m] if 0 <= m < len(placements) else None
+                    if not isinstance(p, (Shard, StridedShard)) or p.dim != d:
+                        raise LayoutError(
+                            f"shard_order entry ({d}, {ms}) names mesh dim {m}, whose placement "
+                            f"{p!r} does not shard tensor dim {d}"
+                        )
+            object.__setattr__(self, "shard_order", order)
+
+    def _ops(self, ndim: int, coords: tuple[int, ...], name: str) -> list[tuple]:
+        ops: list[list[tuple[int, int, int]]] = [[] for _ in range(ndim)]
+        order = dict(self.shard_order or ())
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Replicate):
+                continue
+            if p.dim >= ndim:
+                raise LayoutError(
+                    f"tensor {name!r}: {p!r} on mesh dim {m} shards dim {p.dim}, but the "
+                    f"tensor has {ndim} dims"
+                )
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Replicate) or p.dim in order:
+                continue
+            sf = p.split_factor if isinstance(p, StridedShard) else 0
+            ops[p.dim].append((self.mesh.shape[m], coords[m], sf))
+        for d, ms in order.items():
+            for m in ms:
+                p = self.placements[m]
+                sf = p.split_factor if isinstance(p, StridedShard) else 0
+                ops[d].append((self.mesh.shape[m], coords[m], sf))
+        return [tuple(o) for o in ops]
+
+    def intervals(
+        self, shape: Sequence[int], rank: int, name: str = "?"
+    ) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        """Per tensor dim, the global intervals ``rank`` holds, in local order.
+
+        Returns:
+            None when the rank is not in the mesh. A dim of which the rank holds
+            nothing has an empty tuple.
+
+        Raises:
+            LayoutError: a placement shards a dim the tensor lacks.
+        """
+        if rank not in self.mesh:
+            return None
+        ops = self._ops(len(shape), self.mesh.coords(rank), name)
+        return tuple(_dim_intervals(int(n), o) for n, o in zip(shape, ops))
+
+    def local_shape(
+        self, shape: Sequence[int], rank: int, name: str = "?"
+    ) -> tuple[int, ...] | None:
+        """The shape of ``rank``'s local shard (None when the rank is not in the mesh)."""
+        iv = self.intervals(shape, rank, name)
+        if iv is None:
+            return None
+        return tuple(sum(b - a for a, b in dim) for dim in iv)
+
+    def fragments(
+        self, shape: Sequence[int], rank: int, name: str = "?"
+    ) -> tuple[Fragment, ...] | None:
+        """The boxes ``rank`` holds, each with its origin in the local shard.
+
+        Returns:
+            None when the rank is not in the mesh; an empty tuple when it holds no
+            element (an empty chunk).
+        """
+        iv = self.intervals(shape, rank, name)
+        if iv is None:
+            return None
+        return _product(iv)
+
+    def __repr__(self) -> str:
+        order = "" if self.shard_order is None else f" order={self.shard_order}"
+        return f"Sharding({list(self.placements)} over {self.mesh!r}{order})"
+
+
+def _product(iv) -> tuple[Fragment, ...]:
+    frags: list[tuple[Box, tuple[int, ...]]] = [((), ())]
+    for dim in iv:
+        nxt = []
+        for box, origin in frags:
+            at = 0
+            for a, b in dim:
+                nxt.append(((*box, (a, b)), (*origin, at)))
+                at += b - a
+        frags = nxt
+    return tuple(Fragment(box, origin) for box, origin in frags)
+
+
+def sharding_from_layout(
+    layout: Layout, spec: TensorSpec, num_layers: int | None = None
+) -> Sharding:
+    """The Sharding that gives every rank the same box as ``layout.box(spec, rank)``.
+
+    A tensor on one pipeline stage lies over a (dp, tp) mesh of that stage's ranks,
+    one on every stage over a (dp, pp, tp) mesh; tp is Shard(split_dim) or Replicate.
+
+    Raises:
+        LayoutError: as Layout.stage_of (a stage_key without num_layers, ...).
+    """
+    tp = Replicate() if spec.split_dim is None else Shard(spec.split_dim)
+    stage = layout.stage_of(spec, num_layers)
+    node = layout.node_of
+    if stage is None:
+        mesh = RankMesh((layout.dp, layout.pp, layout.tp), layout.ranks, node)
+        return Sharding(mesh, (Replicate(), Replicate(), tp))
+    pos = [
+        (d * layout.pp + stage) * layout.tp + t for d in range(layout.dp) for t in range(layout.tp)
+    ]
+    ranks = tuple(layout.ranks[i] for i in pos)
+    nodes = None if node is None else tuple(node[i] for i in pos)
+    return Sharding(RankMesh((layout.dp, layout.tp), ranks, nodes), (Replicate(), tp))
+
+
+# -- planning ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardedPiece:
+    """A box of one tensor that moves (or is copied) from ``src`` to ``dst``.
+
+    Arguments:
+        tensor: index into the plan's specs.
+        src, dst: global ranks (equal for a local copy).
+        box: the global box.
+        src_local, dst_local: the same box in the source and destination local shards.
+        nbytes: bytes in the box.
+        name: the name of the inner plan's tensor that carries it (None for a local copy).
+    """
+
+    tensor: int
+    src: int
+    dst: int
+    box: Box
+    src_local: Box
+    dst_local: Box
+    nbytes: int
+    name: str | None = None
+
+
+def _shift(box: Box, frag: Fragment) -> Box:
+    return tuple((a - g0 + o, b - g0 + o) for (a, b), (g0, _), o in zip(box, frag.box, frag.origin))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _geometry(shape: tuple[int, ...], src: Sharding, dst: Sharding):
+    """Per destination rank, the cuts of its fragments by the source fragments:
+    (dst rank, global box, dst-local box, ((holder, src-local box), ...)), deterministic."""
+    holders: dict[Box, list[tuple[int, Fragment]]] = {}
+    for r in src.mesh.ranks:
+        for f in src.fragments(shape, r) or ():
+            holders.setdefault(f.box, []).append((r, f))
+    src_boxes = sorted(holders)
+    out = []
+    for r in sorted(dst.mesh.ranks):
+        for f in dst.fragments(shape, r) or ():
+            for sb in src_boxes:
+                cut = _intersect(f.box, sb) if shape else ()
+                if cut is None:
+                    continue
+                hs = tuple(sorted((h, _shift(cut, hf)) for h, hf in holders[sb]))
+                out.append((r, cut, _shift(cut, f), hs))
+    return tuple(out)
+
+
+class ShardedPlan:
+    """A plan moving tensors between two Shardings each (build with :func:`plan_sharded`).
+
+    Attributes:
+        specs: the tensors (name, shape, dtype; split_dim and stage_key unused).
+        src, dst: the Sharding of each tensor on each side, by spec order.
+        local: the pieces copied on their own rank.
+        remote: the pieces that travel, each one tensor of ``inner``.
+        inner: the ReshardPlan that carries ``remote`` (None when nothing travels).
+        total_bytes: bytes sent; lower_bound_bytes: bytes of destination shards their
+            rank does not hold in the source (equal to total_bytes); local_bytes.
+    """
+
+    def __init__(self, specs, src, dst, local, remote, inner, lower_bound_bytes) -> None:
+        self.specs: tuple[TensorSpec, ...] = specs
+        self.src: tuple[Sharding, ...] = src
+        self.dst: tuple[Sharding, ...] = dst
+        self.local: tuple[ShardedPiece, ...] = local
+        self.remote: tuple[ShardedPiece, ...] = remote
+        self.inner: ReshardPlan | None = inner
+        self.total_bytes = sum(p.nbytes for p in remote)
+        self.local_bytes = sum(p.nbytes for p in local)
+        self.lower_bound_bytes = lower_bound_bytes
+        ranks: set[int] = set()
+        for s in (*src, *dst):
+            ranks.update(s.mesh.ranks)
+        self.ranks: tuple[int, ...] = tuple(sorted(ranks))
+
+    def src_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """The local shard shape of every tensor ``rank`` holds in the source, by name."""
+        out = {}
+        for spec, s in zip(self.specs, self.src):
+            shape = s.local_shape(spec.shape, rank, spec.name)
+            if shape is not None:
+                out[spec.name] = shape
+        return out
+
+    def dst_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """The local shard shape of every tensor ``rank`` holds in the destination, by name."""
+        out = {}
+        for spec, s in zip(self.specs, self.dst):
+            shape = s.local_shape(spec.shape, rank, spec.name)
+            if shape is not None:
+                out[spec.name] = shape
+        return out
+
+    def sends(self, rank: int) -> list[ShardedPiece]:
+        """The remote pieces ``rank`` sends."""
+        return [p for p in self.remote if p.src == rank]
+
+    def recvs(self, rank: int) -> list[ShardedPiece]:
+        """The remote pieces ``rank`` receives."""
+        return [p for p in self.remote if p.dst == rank]
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedPlan({len(self.specs)} tensors, {len(self.ranks)} ranks, "
+            f"{self.total_bytes}B sent (lower bound {self.lower_bound_bytes}B), "
+            f"{self.local_bytes}B local, {len(self.remote)} remote pieces)"
+        )
+
+
+def _per_tensor(what, specs, side: str) -> tuple[Sharding, ...]:
+    if isinstance(what, Sharding):
+        return (what,) * len(specs)
+    if not isinstance(what, Mapping):
+        raise LayoutError(f"{side} must be a Sharding or a mapping name -> Sharding")
+    out = []
+    for s in specs:
+        sh = what.get(s.name)
+        if sh is None:
+            raise PlanError(f"tensor {s.name!r} has no {side} Sharding")
+        if not isinstance(sh, Sharding):
+            raise LayoutError(f"tensor {s.name!r}: {side} is a {type(sh).__name__}, not a Sharding")
+        out.append(sh)
+    extra = sorted(set(what) - {s.name for s in specs})
+    if extra:
+        raise PlanError(f"{side} names tensors that are not in specs: {extra[:10]}")
+    return tuple(out)
+
+
+def plan_sharded(
+    specs: Sequence[TensorSpec],
+    src: Sharding | Mapping[str, Sharding],
+    dst: Sharding | Mapping[str, Sharding],
+) -> ShardedPlan:
+    """Plan moving tensors from their ``src`` Shardings to their ``dst`` Shardings.
+
+    Every rank computes the same plan without communication.
+
+    Arguments:
+        specs: the tensors (name, full shape, dtype).
+        src, dst: one Sharding for every tensor, or a mapping name -> Sharding.
+            Meshes may differ in shape, size and rank set between tensors and sides.
+
+    Returns:
+        The plan: local copies, remote pieces (one fetch per destination cut, from one
+        holder: the receiver's node first, then the holder with the fewest bytes to
+        send so far), and the inner ReshardPlan that carries them.
+
+    Raises:
+        LayoutError: duplicate names, a placement that shards a dim the tensor lacks.
+        PlanError: a tensor without a Sharding on one side, a Sharding for an unknown
+            tensor.
+    """
+    specs = tuple(specs)
+    names = set()
+    for s in specs:
+        if not isinstance(s, TensorSpec):
+            raise LayoutError(f"specs must be TensorSpec objects, got {type(s).__name__}")
+        if s.name in names:
+            raise LayoutError(f"two specs are named {s.name!r}")
+        names.add(s.name)
+    srcs, dsts = _per_tensor(src, specs, "src"), _per_tensor(dst, specs, "dst")
+    local: list[ShardedPiece] = []
+    remote: list[ShardedPiece] = []
+    load: dict[int, int] = {}
+    pairs: set[tuple[int, int]] = set()
+    lower = 0
+    for t, (spec, s, d) in enumerate(zip(specs, srcs, dsts)):
+        esize = spec.element_size
+        node_of_src = s.mesh.node if s.mesh.node_of is not None else None
+        node_of_dst = d.mesh.node if d.mesh.node_of is not None else None
+        try:
+            # Cached by (shape, shardings): the layers of a model share their geometry.
+            geometry = _geometry(spec.shape, s, d)
+        except LayoutError:
+            for sh in (s, d):  # raise again, naming the tensor
+                sh.intervals(spec.shape, sh.mesh.ranks[0], spec.name)
+            raise
+        for r, box, dloc, hs in geometry:
+            nbytes = box_numel(box) * esize
+            if nbytes == 0:
+                continue
+            mine = next((sl for h, sl in hs if h == r), None)
+            if mine is not None:
+                local.append(ShardedPiece(t, r, r, box, mine, dloc, nbytes))
+                continue
+            lower += nbytes
+            here = node_of_dst(r) if node_of_dst else 0
+            # On the receiver's node first, then the least loaded holder, then one
+            # already sending to the receiver (one message less), then the lowest rank.
+            h, sl = min(
+                hs,
+                key=lambda item, r=r, here=here, of=node_of_src: (
+                    (of(item[0]) if of else 0) != here,
+                    load.get(item[0], 0),
+                    (item[0], r) not in pairs,
+                    item[0],
+                ),
+            )
+            load[h] = load.get(h, 0) + nbytes
+            pairs.add((h, r))
+            remote.append(
+                ShardedPiece(t, h, r, box, sl, dloc, nbytes, f"{spec.name}@{r}#{len(remote)}")
+            )
+    inner = _inner_plan(specs, remote, srcs, dsts) if remote else None
+    return ShardedPlan(specs, srcs, dsts, tuple(local), tuple(remote), inner, lower)
+
+
+def _inner_plan(specs, remote, srcs, dsts) -> ReshardPlan:
+    """A ReshardPlan with one tensor per remote piece, each on one pipeline stage of a
+    pp-only layout (one rank per stage): stage = its sender in the source, its receiver
+    in the destination."""
+    src_ranks = sorted({r for s in srcs for r in s.mesh.ranks})
+    dst_ranks = sorted({r for d in dsts for r in d.mesh.ranks})
+    src_pos = {r: i for i, r in enumerate(src_ranks)}
+    dst_pos = {r: i for i, r in enumerate(dst_ranks)}
+
+    def nodes(ranks, shardings):
+        known: dict[int, int] = {}
+        for sh in shardings:
+            if sh.mesh.node_of is not None:
+                for r in sh.mesh.ranks:
+                    known.setdefault(r, sh.mesh.node(r))
+        return tuple(known.get(r, 0) for r in ranks) if known else None
+
+    src_nodes, dst_nodes = nodes(src_ranks, srcs), nodes(dst_ranks, dsts)
+    if src_nodes is not None and dst_nodes is not None:
+        # A rank's node must agree between the sides; where one side lacks it, take the other's.
+        src_node = dict(zip(src_ranks, src_nodes))
+        dst_nodes = tuple(src_node.get(r, n) for r, n in zip(dst_ranks, dst_nodes))
+    vsrc, vdst = [], []
+    for p in remote:
+        spec = specs[p.tensor]
+        shape = tuple(b - a for a, b in p.box)
+        vsrc.append(TensorSpec(p.name, shape, spec.dtype, None, src_pos[p.src]))
+        vdst.append(TensorSpec(p.name, shape, spec.dtype, None, dst_pos[p.dst]))
+    src_layout = Layout(1, 1, len(src_ranks), tuple(src_ranks), src_nodes, len(src_ranks))
+    dst_layout = Layout(1, 1, len(dst_ranks), tuple(dst_ranks), dst_nodes, len(dst_ranks))
+    return plan_reshard(vsrc, src_layout, dst_layout, dst_specs=vdst)
+
+
+# -- execution ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardedResult:
+    """One rank's destination shards (by tensor name) and the inner reshard's result
+    (None when nothing travelled to or from this rank)."""
+
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    result: ReshardResult | None
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _check_inputs(
+    plan: ShardedPlan, rank: int, tensors: Mapping[str, torch.Tensor], what: str, expected
+):
+    by_name = {s.name: s for s in plan.specs}
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise TensorMismatchError(
+            f"rank {rank}: {what} tensors {unknown[:10]} are not this rank's in the plan"
+        )
+    for name, shape in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            raise TensorMismatchError(f"rank {rank}: {what} tensor {name!r} is missing")
+        why = unsupported_reason(t)
+        if why is not None:
+            raise TensorMismatchError(f"rank {rank}: {what} tensor {name!r} {why}")
+        spec = by_name[name]
+        if tuple(t.shape) != tuple(shape) or t.dtype != spec.dtype:
+            raise TensorMismatchError(
+                f"rank {rank}: {what} tensor {name!r} is {tuple(t.shape)} {t.dtype}; its "
+                f"sharding gives this rank {tuple(shape)} {spec.dtype}"
+            )
+        if not t.is_contiguous():
+            raise TensorMismatchError(
+                f"rank {rank}: {what} tensor {name!r} is not contiguous; pass t.contiguous()"
+            )
+
+
+def reshard_sharded(
+    plan: ShardedPlan,
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport | None,
+    *,
+    out: Mapping[str, torch.Tensor] | None = None,
+    **kwargs,
+) -> ShardedResult:
+    """Run ``plan`` on ``rank``: every rank of the plan calls it with the same plan.
+
+    Arguments:
+        plan: from :func:`plan_sharded`.
+        rank: this rank (the transport's).
+        tensors: this rank's source local shards, by name (contiguous, plain tensors,
+            shapes as their Sharding gives); empty for a rank outside every source mesh.
+        transport: carries the remote pieces (GlooTransport, ProcessGroupTransport, ...);
+            may be None when the plan moves nothing.
+        out: destination local shards to fill, by name (contiguous); default: fresh.
+        kwargs: passed to :func:`~nereus_comm.reshard.reshard` (timeout, route, ...).
+
+    Returns:
+        The rank's destination shards (empty for a rank outside every destination mesh).
+
+    Raises:
+        TensorMismatchError: a shard missing, unknown, of the wrong shape or dtype,
+            non-contiguous, or not a plain tensor (names it); before any byte moves.
+        As reshard for the exchange itself.
+    """
+    _check_inputs(plan, rank, tensors, "source", plan.src_shapes(rank))
+    dst_shapes = plan.dst_shapes(rank)
+    by_name = {s.name: s for s in plan.specs}
+    # Fresh shards live where the transport moves bytes (host memory for gloo).
+    device = getattr(transport, "device", None) or torch.device(
+        getattr(transport, "device_type", "cpu")
+    )
+    if out is not None:
+        _check_inputs(plan, rank, out, "destination", dst_shapes)
+        result = dict(out)
+    else:
+        result = {
+            n: torch.empty(sh, dtype=by_name[n].dtype, device=device)
+            for n, sh in dst_shapes.items()
+        }
+    names = [s.name for s in plan.specs]
+    sends: dict[str, torch.Tensor] = {}
+    outs: dict[str, torch.Tensor] = {}
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p in plan.remote:
+        if p.src == rank:
+            view = tensors[names[p.tensor]][_slices(p.src_local)]
+            # reshard reads a strided source piece in place where one row stride
+            # describes it; any other view is copied once here.
+            sends[p.name] = view if row_view(view) is not None else view.contiguous()
+        if p.dst == rank:
+            view = result[names[p.tensor]][_slices(p.dst_local)]
+            if view.is_contiguous():
+                outs[p.name] = view
+            else:  # reshard fills contiguous shards: land it beside, copy it in after
+                tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                outs[p.name] = tmp
+                later.append((view, tmp))
+    res = None
+    inner = plan.inner
+    if inner is not None and (rank in inner.src or rank in inner.dst):
+        if transport is None:
+            raise TensorMismatchError(f"rank {rank}: the plan moves bytes but transport is None")
+        res = reshard(inner, rank, sends, transport, out=outs, **kwargs)
+    for p in plan.local:
+        if p.dst == rank:
+            name = names[p.tensor]
+            result[name][_slices(p.dst_local)].copy_(tensors[name][_slices(p.src_local)])
+    for view, tmp in later:
+        view.copy_(tmp)
+    return ShardedResult(result, res)
