@@ -341,6 +341,10 @@ def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable
     bad |= ~empty & (end > available)
     if bad.any():
         i = int(np.argmax(bad))
+        # A large region before it is checked exactly first, so the error names the
+        # first bad region of the table whichever check finds it.
+        for j in np.flatnonzero(big[:i]).tolist():
+            _check_region(regions[j], j, what, infos[which[j]])
         _check_region(regions[i], i, what)
         raise AssertionError(f"{what} {i} failed the vectorized check but not the exact one")
     num_rows = np.where(empty, 0, num_rows)
