@@ -10,14 +10,24 @@ rejected, logged, and changes nothing. The driver then calls
 registered worker commands on any set of workers and gets their results, or a
 :class:`RemoteError` carrying the remote traceback, or within a bounded time a
 :class:`WorkerTimeoutError` / :class:`WorkerLostError` naming the workers that
-did not answer. Membership and liveness are nereus_comm.world.World's (the
-driver creates the World, workers join it; heartbeats are counters compared
-on the watcher's own clock) and, for local workers, the process itself.
+did not answer. Membership is nereus_comm.world.World's (the driver creates the
+World, workers join it). A worker counts as lost when any of three signs says so:
+
+* its liveness connection ended without a goodbye (nereus_rl.runtime.liveness):
+  every worker, spawned or joined, holds one TCP connection to the driver open,
+  and the kernel closes it the moment the process dies, however it dies; this
+  finds a dead process within milliseconds wherever it ran;
+* for a local worker, its process has exited;
+* its World heartbeat (a counter compared on the watcher's own clock) has been
+  silent for ``heartbeat_timeout``: the bound for what closes no socket, a hung
+  process or a machine that is unreachable.
 
 When the driver notices that workers died (:meth:`Driver.check_liveness`, which
-:meth:`Driver.wait` runs every 0.2 s while it waits) it publishes a sealed abort
-notice, and every survivor's running command has its gloo collectives broken at
-once (nereus_rl.runtime.abort) rather than waiting out their group timeout.
+the liveness listener's thread runs at once on a closed connection, and
+:meth:`Driver.wait` every 0.2 s while it waits and at once when the listener has
+seen a death) it publishes a sealed abort notice, and every survivor's running
+command has its gloo collectives broken at once (nereus_rl.runtime.abort) rather
+than waiting out their group timeout.
 
 Thread safety: threads may call :meth:`Driver.submit`, :meth:`Driver.wait`,
 :meth:`Driver.call` and the membership queries at once (the transition
@@ -49,6 +59,7 @@ import torch.distributed as dist
 from nereus_comm.environment import worker_env, worker_environ
 from nereus_comm.world import World
 from nereus_rl.runtime import protocol as P
+from nereus_rl.runtime.liveness import LivenessListener
 
 # Local workers that die before joining are replaced, this many in all per spawn_local.
 SPAWN_RESTARTS = 3
@@ -69,15 +80,20 @@ class Driver:
     Arguments:
         host: address the store listens on (only there) and workers connect to. An
             address other than loopback lets anyone who reaches the port disrupt the
-            job, and whoever holds the job's secret run code on its workers.
+            job, and whoever holds the job's secret run code on its workers. The
+            liveness listener listens there too, on a port the OS picks (published
+            in the store): workers on other machines need to reach both.
         port: store port (0 picks a free one; see :attr:`address`).
         heartbeat_timeout: seconds without a heartbeat after which a worker counts
             as lost (the World's; its heartbeat interval is min(0.5, timeout / 4)).
+            A process that dies is seen at once through its liveness connection;
+            this bounds what closes no connection (a hung process, a lost machine).
         call_timeout: default seconds a call waits for its replies.
         secret: the job's secret (default: a fresh random one, the usual choice).
 
     Raises:
         MembershipError: the store cannot listen at host:port.
+        OSError: the liveness listener cannot listen on host.
         JobSecretError: the secret file's folder is not private to this user.
 
     Attributes:
@@ -117,11 +133,6 @@ class Driver:
             host, self.port, is_master=False, timeout=datetime.timedelta(seconds=30)
         )
         P.publish_secret_check(self.store, self._secret)
-        try:
-            self.secret_file = P.write_secret_file(P.secret_file_for(host, self.port), self._secret)
-        except BaseException:
-            self.world.leave()
-            raise
         self.heartbeat_timeout = heartbeat_timeout
         self.call_timeout = call_timeout
         self.records: list[dict[str, Any]] = []
@@ -142,6 +153,30 @@ class Driver:
         # in one global order, so commands that span workers (collectives) never wait
         # on each other in a cycle. Reentrant: a late joiner's imports are sent under it.
         self._lock = threading.RLock()
+        # Started last: its thread calls back into the tables above.
+        self._liveness: LivenessListener | None = None
+        try:
+            # The listener's thread reads the registration count on a client of its
+            # own (a TCPStore client runs one operation at a time).
+            liveness_store = dist.TCPStore(
+                host, self.port, is_master=False, timeout=datetime.timedelta(seconds=30)
+            )
+            # On the store's own address, so it is exposed exactly where the store is.
+            self._liveness = LivenessListener(
+                host,
+                self._secret,
+                lambda: _registered_ranks(liveness_store),
+                self._on_liveness_death,
+            )
+            self.store.set(
+                P.LIVENESS_KEY, P.seal(self._secret, P.LIVENESS_KEY, self._liveness.port)
+            )
+            self.secret_file = P.write_secret_file(P.secret_file_for(host, self.port), self._secret)
+        except BaseException:
+            if self._liveness is not None:
+                self._liveness.close()
+            self.world.leave()
+            raise
 
     @property
     def address(self) -> str:
@@ -324,7 +359,7 @@ class Driver:
             return sorted(r for r in self.infos if r not in self._lost)
 
     def check_liveness(self) -> tuple[int, ...]:
-        """Look at heartbeats (and local processes) now.
+        """Look at liveness connections, local processes and heartbeats now.
 
         Workers found lost for the first time are announced to the others (an
         abort notice: their running collectives are broken at once).
@@ -337,13 +372,14 @@ class Driver:
 
     def _check_liveness_locked(self) -> tuple[int, ...]:
         alive = self.world.alive()
+        closed = self._liveness.dead() if self._liveness is not None else frozenset()
         now = time.monotonic()
         new: list[int] = []
         for rank in list(self.infos):
             if rank in self._lost:
                 continue
             proc = self._procs.get(rank)
-            if proc is not None and proc.poll() is not None:
+            if rank in closed or (proc is not None and proc.poll() is not None):
                 new.append(rank)
             elif P.member_of_rank(rank) in alive:
                 self._seen_alive.add(rank)
@@ -355,6 +391,22 @@ class Driver:
             self._lost.update(new)
             self._publish_abort(new)
         return tuple(sorted(self._lost))
+
+    def _on_liveness_death(self, rank: int) -> None:
+        """The listener saw ``rank``'s connection end: publish the abort notice now.
+
+        Runs on the listener's thread, which must not wait on the driver's lock
+        (a holder may be in a long call): when the lock is busy, its holder or the
+        next waiter runs the liveness check instead (:meth:`wait` checks at once
+        when :attr:`LivenessListener.deaths` moves).
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self._closed and rank in self.infos:
+                self._check_liveness_locked()
+        finally:
+            self._lock.release()
 
     def _publish_abort(self, new: list[int]) -> None:
         """Tell every worker that ``new`` died: survivors abort their running collectives.
@@ -452,6 +504,9 @@ class Driver:
         replies: dict[int, P.Reply] = {}
         sleep = 0.0002
         next_liveness = time.monotonic() + 0.2
+        # A death the liveness listener saw is checked at once, not at the next period.
+        listener = self._liveness
+        deaths = listener.deaths if listener is not None else 0
         keys = {rank: P.reply_key(rank, seq) for rank, seq in waiting.items()}
 
         def take(rank: int) -> None:
@@ -476,13 +531,17 @@ class Driver:
                 if not waiting:
                     break
             now = time.monotonic()
-            if now > next_liveness or now > deadline:
+            if listener is not None and listener.deaths != deaths:
+                deaths = listener.deaths
+                next_liveness = now
+            if now >= next_liveness or now > deadline:
+                # Replies first: a worker that answered and then died owes nothing.
                 for rank in list(waiting):
                     if self.store.check([keys[rank]]):
                         take(rank)
                 if not waiting:
                     break
-            if now > next_liveness:
+            if now >= next_liveness:
                 next_liveness = now + 0.2
                 lost = [r for r in waiting if r in self.check_liveness()]
                 if lost:
@@ -558,6 +617,9 @@ class Driver:
             if self._closed:
                 return
             self._closed = True
+            # Workers told to exit close their connections: that is no death.
+            if self._liveness is not None:
+                self._liveness.expect_exit()
             live = [r for r in self.workers if r not in self._lost]
             for rank in live:
                 try:
@@ -574,6 +636,8 @@ class Driver:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._liveness is not None:
+            self._liveness.close()
         self.world.leave()
         try:
             # Only our own: a later job on the same port may have written its file there.
@@ -587,6 +651,21 @@ class Driver:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _registered_ranks(store: dist.TCPStore) -> int:
+    """How many worker ranks were ever handed out (the World's registration count).
+
+    Read with compare_set, which never blocks and never fails on a value that is
+    not a count (``add`` would break the connection on one: anyone who reaches the
+    store can write it).
+
+    Raises:
+        ValueError: the count was overwritten with something that is not one.
+    """
+    absent = b"\0absent"
+    value = bytes(store.compare_set(P.WORLD_NUM_IDS_KEY, absent, absent))
+    return 0 if value == absent else P.rank_of_member(int(value))
 
 
 class _ForkedWorker:

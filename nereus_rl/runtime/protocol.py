@@ -19,6 +19,11 @@ next epoch's key on a store connection of its own and breaks the gloo connection
 of the command it is running (nereus_rl.runtime.abort), so survivors stop waiting
 on each other at once instead of at their group timeout.
 
+Liveness: besides its World heartbeat, every worker holds one TCP connection to
+the driver's liveness listener open (port under :data:`LIVENESS_KEY`, sealed), so
+the driver sees a worker process die the moment the kernel closes it
+(nereus_rl.runtime.liveness).
+
 Authentication: anyone who reaches the store's port can read and write it, and a
 pickle runs code when loaded. So every message (Command, Reply, WorkerInfo,
 AbortNotice) carries an HMAC-SHA256 tag, under the job's secret, over its store
@@ -54,6 +59,8 @@ PREFIX = "nereus/rt/"
 SHUTDOWN_KEY = PREFIX + "shutdown"
 # A nonce and its tag under the job's secret: a worker checks its secret here before joining.
 AUTH_KEY = PREFIX + "auth"
+#: The port of the driver's liveness listener (an int, sealed; nereus_rl.runtime.liveness).
+LIVENESS_KEY = PREFIX + "liveness"
 #: Environment variable holding the job's secret (hex) for a worker.
 SECRET_ENV = "NEREUS_JOB_SECRET"
 SECRET_BYTES = 32

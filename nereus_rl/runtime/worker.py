@@ -15,8 +15,11 @@ workers it starts: torch then advises its large CPU allocations to transparent h
 pages, and a new unit's state faults in far fewer pages (torch reads the setting at
 its first allocation, so it must be in the environment the worker starts with).
 The worker joins the job's nereus_comm World (its rank is its member id - 1,
-the driver being member 0; the World carries its heartbeat), then runs
-commands in the order the driver sends them (see nereus_rl.runtime.context
+the driver being member 0; the World carries its heartbeat), opens its liveness
+connection to the driver (nereus_rl.runtime.liveness: the driver learns of its
+death the moment the process dies; before it writes its WorkerInfo, so there is
+no moment at which the driver knows the worker but would not see its death),
+then runs commands in the order the driver sends them (see nereus_rl.runtime.context
 for how commands are registered and what they see). A daemon thread watches
 for the driver's abort notices and breaks the running command's collectives
 when workers die (nereus_rl.runtime.abort). A worker that cannot
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 from nereus_comm.errors import MembershipError
 from nereus_comm.world import World
+from nereus_rl.runtime import liveness
 from nereus_rl.runtime import protocol as P
 from nereus_rl.runtime.abort import AbortState, AbortWatcher, store_peers
 from nereus_rl.runtime.context import COMMANDS, WorkerContext, connect_store
@@ -114,57 +118,103 @@ def serve(
         ) from None
     torch.set_num_threads(num_threads)
     rank = P.rank_of_member(world.member_id)
+    live = _connect_liveness(store, host, secret, rank, connect_timeout)
     info = P.WorkerInfo(rank, socket.gethostname(), os.getpid(), num_threads)
     store.set(P.info_key(rank), P.seal(secret, P.info_key(rank), info))
-    abort = AbortState(rank, store_peers(host, port))
+    # An abort breaks the running command's connections but never the store's nor
+    # the liveness connection: closing that one would tell the driver we died.
+    keep = store_peers(host, port)
+    if live is not None:
+        keep |= store_peers(host, live.peer[1])
+    abort = AbortState(rank, keep)
     ctx = WorkerContext(rank, store, group_timeout, abort, address=(host, port))
     watcher = AbortWatcher(watch_store, secret, abort).start()
+    try:
+        _command_loop(ctx, store, secret)
+        # A clean end (told to exit, or the job is over): not a death.
+        if live is not None:
+            live.close(bye=True)
+    finally:
+        if live is not None:
+            live.close()
+        watcher.stop(timeout=0)
+        world.leave()
+
+
+def _connect_liveness(
+    store: dist.TCPStore, host: str, secret: bytes, rank: int, timeout: float
+) -> liveness.LivenessConnection | None:
+    """Open this worker's liveness connection; None (and a warning) if that fails.
+
+    Without it the worker still works; its death is then seen by its heartbeat only.
+    """
+    try:
+        if not store.check([P.LIVENESS_KEY]):
+            P.log.warning(
+                "worker %d: the driver publishes no liveness port; its death will be "
+                "seen by its heartbeat only",
+                rank,
+            )
+            return None
+        port = P.unseal(secret, P.LIVENESS_KEY, bytes(store.get(P.LIVENESS_KEY)))
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise P.UnauthenticatedMessageError(P.LIVENESS_KEY, b"")
+        return liveness.connect(host, port, secret, rank, timeout)
+    except (OSError, P.UnauthenticatedMessageError, RuntimeError) as e:
+        P.log.warning(
+            "worker %d: no liveness connection to the driver (%s); its death will be seen "
+            "by its heartbeat only",
+            rank,
+            e,
+        )
+        return None
+
+
+def _command_loop(ctx: WorkerContext, store: dist.TCPStore, secret: bytes) -> None:
+    """Run the driver's commands in order until told to exit or the job ends."""
+    rank = ctx.rank
     seq = 0
     # Long waits: a new command wakes the wait at once, and a dead driver
     # breaks the connection; a short timeout would only log timeouts.
     poll = datetime.timedelta(seconds=30.0)
-    try:
-        while True:
-            key = P.cmd_key(rank, seq)
+    while True:
+        key = P.cmd_key(rank, seq)
+        try:
+            store.wait([key], poll)
+        except RuntimeError:
+            # Timed out (or the store went away): stop if told to or if
+            # the driver's store is gone, else keep waiting.
             try:
-                store.wait([key], poll)
+                if store.check([P.SHUTDOWN_KEY]):
+                    return
             except RuntimeError:
-                # Timed out (or the store went away): stop if told to or if
-                # the driver's store is gone, else keep waiting.
-                try:
-                    if store.check([P.SHUTDOWN_KEY]):
-                        return
-                except RuntimeError:
-                    return
-                continue
-            try:
-                cmd = P.take(store, key, secret)
-            except P.UnauthenticatedMessageError as e:
-                # Logged by take; run nothing and wait for the driver's own command.
-                if not _wait_replaced(store, key, e.head):
-                    return
-                continue
-            if not isinstance(cmd, P.Command) or cmd.seq != seq:
-                # Tagged with the secret, so the driver's; never expected.
-                raise AssertionError(f"the driver sent {cmd!r} under {key!r}")
-            if cmd.fn == "exit":
-                P.put(store, P.reply_key(rank, seq), P.Reply(seq, rank, True, value=rank), secret)
                 return
-            reply = _run(ctx, cmd)
-            try:
-                P.put(store, P.reply_key(rank, seq), reply, secret)
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                why = f"the result of {cmd.fn!r} cannot be pickled: {e}"
-                P.put(
-                    store,
-                    P.reply_key(rank, seq),
-                    P.Reply(seq, rank, False, None, type(e).__name__, why),
-                    secret,
-                )
-            seq += 1
-    finally:
-        watcher.stop(timeout=0)
-        world.leave()
+            continue
+        try:
+            cmd = P.take(store, key, secret)
+        except P.UnauthenticatedMessageError as e:
+            # Logged by take; run nothing and wait for the driver's own command.
+            if not _wait_replaced(store, key, e.head):
+                return
+            continue
+        if not isinstance(cmd, P.Command) or cmd.seq != seq:
+            # Tagged with the secret, so the driver's; never expected.
+            raise AssertionError(f"the driver sent {cmd!r} under {key!r}")
+        if cmd.fn == "exit":
+            P.put(store, P.reply_key(rank, seq), P.Reply(seq, rank, True, value=rank), secret)
+            return
+        reply = _run(ctx, cmd)
+        try:
+            P.put(store, P.reply_key(rank, seq), reply, secret)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            why = f"the result of {cmd.fn!r} cannot be pickled: {e}"
+            P.put(
+                store,
+                P.reply_key(rank, seq),
+                P.Reply(seq, rank, False, None, type(e).__name__, why),
+                secret,
+            )
+        seq += 1
 
 
 def _wait_replaced(store: dist.TCPStore, key: str, head: bytes) -> bool:
