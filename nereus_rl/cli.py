@@ -3,6 +3,8 @@
     nereus-rl train                 # GRPO on `sort`, 4 local CPU workers, adaptive
     nereus-rl train --quick         # the CI-sized variant (well under two minutes)
     nereus-rl train --algo ppo --steps 40 --no-adapt --run-dir runs/ppo
+    nereus-rl train --model PATH --data FILE --reward numeric --save-every 10
+                                    # a Hugging Face folder on a JSONL/Parquet dataset
     nereus-rl worker --store HOST:PORT --secret-file PATH   # join a running job
 
 The job's store listens on 127.0.0.1 only unless --host names another address. A job
@@ -130,37 +132,43 @@ def _progress_bar(total: int):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from nereus_rl.data.datasets import OptionalDependencyError
     from nereus_rl.runtime import Driver
     from nereus_rl.trainer.config import check_config, check_local_devices
     from nereus_rl.trainer.report import summary_table
-    from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, train
+    from nereus_rl.trainer.trainer import TrainConfig, TrainConfigError, run_prompts, train
 
     options = dict(QUICK) if args.quick else {}
     for name in (
         "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
-        "checkpoint_every", "heartbeat_timeout",
+        "checkpoint_every", "heartbeat_timeout", "data", "tokenizer", "save_every",
+        "prompt_field", "answer_field",
     ):  # fmt: skip
         v = getattr(args, name)
         if v is not None:
             options[name] = v
     if args.no_mirror:
         options["mirror"] = False
+    if args.reward is not None:
+        options["reward_fn"] = args.reward
+    if args.length is not None:
+        options["length_start"] = options["length_end"] = args.length
     steps = options.pop("steps", 60)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     local = args.devices if args.local_workers is None else args.local_workers
     try:
         # Every argument is checked here, before the banner and before any process starts.
         check_args(args)
-        check_config(
-            TrainConfig(
-                algo=args.algo, model=args.model, task=args.task, devices=args.devices,
-                steps=steps, adapt=not args.no_adapt, seed=args.seed, mode=args.mode,
-                memory_budget=args.memory_budget, **options,
-            )
+        cfg = TrainConfig(
+            algo=args.algo, model=args.model, task=args.task, devices=args.devices,
+            steps=steps, adapt=not args.no_adapt, seed=args.seed, mode=args.mode,
+            memory_budget=args.memory_budget, **options,
         )  # fmt: skip
+        # the dataset, tokenizer and reward function too, before any process starts
+        run_prompts(cfg, check_config(cfg))
         if local:
             check_local_devices(TrainConfig(devices=local, device=args.device))
-    except (TrainConfigError, ValueError) as e:
+    except (TrainConfigError, ValueError, OptionalDependencyError) as e:
         print(f"nereus-rl train: {e}", file=sys.stderr)
         return 2
     driver = None
@@ -182,7 +190,8 @@ def _train(args: argparse.Namespace) -> int:
                     "0600, to each worker's machine; whoever holds it can run code on the job)"
                 )
                 driver.wait_for_workers(args.devices, timeout=args.join_timeout)
-        print(f"nereus-rl train: {args.algo} on {args.model}, task {args.task}, "
+        what = f"data {args.data}" if args.data else f"task {args.task}"
+        print(f"nereus-rl train: {args.algo} on {args.model}, {what}, "
               f"{args.devices} devices, {steps} steps, run folder {run_dir}")  # fmt: skip
         result = train(
             algo=args.algo,
@@ -199,7 +208,7 @@ def _train(args: argparse.Namespace) -> int:
             progress=_progress_bar(steps),
             **options,
         )
-    except (TrainConfigError, ValueError) as e:
+    except (TrainConfigError, ValueError, OptionalDependencyError) as e:
         print(f"nereus-rl train: {e}", file=sys.stderr)
         return 2
     finally:
@@ -224,8 +233,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy (GRPO on `sort` by default)")
     t.add_argument("--algo", default="grpo", help="grpo, ppo or remax")
-    t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium, large")
+    t.add_argument(
+        "--model", default="tiny",
+        help="model preset (tiny, small, medium, large) or a Hugging Face folder's path",
+    )  # fmt: skip
     t.add_argument("--task", default="sort", help="bundled task: sort, reverse, addition")
+    t.add_argument(
+        "--data", default=None, metavar="FILE",
+        help="prompt dataset (JSONL or Parquet, fields prompt and answer) instead of --task",
+    )  # fmt: skip
+    t.add_argument(
+        "--reward", default=None, metavar="NAME|module:function",
+        help="reward of --data: numeric, exact, format, module:function or file.py:function",
+    )  # fmt: skip
+    t.add_argument(
+        "--tokenizer", default=None, metavar="FOLDER",
+        help="tokenizer folder for --data (default: the --model folder)",
+    )  # fmt: skip
+    t.add_argument("--prompt-field", default=None, help="the dataset's prompt field (prompt)")
+    t.add_argument("--answer-field", default=None, help="the dataset's answer field (answer)")
+    t.add_argument(
+        "--length", type=int, default=None, metavar="N",
+        help="response length limit of every step (default: a curriculum from 6 to 14)",
+    )  # fmt: skip
+    t.add_argument(
+        "--save-every", type=int, default=None, metavar="N",
+        help="also write the policy (and critic) as Hugging Face folders every N steps",
+    )  # fmt: skip
     t.add_argument("--devices", type=int, default=4, help="worker processes (devices)")
     t.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --quick 8)")
     t.add_argument("--mode", default="sync", help="sync, or async (rollout one step ahead)")

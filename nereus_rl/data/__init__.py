@@ -4,8 +4,10 @@ supervised warm start, and response-length schedules (a curriculum or a recorded
 
 The bundled tasks are in :mod:`.tasks`. Data that users bring: prompt datasets from
 JSONL or Parquet files (:mod:`.datasets`), built-in verifiers (:mod:`.verifiers`), user
-reward functions loaded by name (:mod:`.rewards`), and a generated arithmetic word-problem
-dataset, ``arith_word.jsonl`` (:mod:`.make_arith_word`). Imports ``nereus_rl.core`` and
+reward functions loaded by name (:mod:`.rewards`), Hugging Face tokenizers from a model
+folder (:mod:`.tokenizers`), what the trainer asks of either kind of prompts
+(:mod:`.prompts`), and a generated arithmetic word-problem dataset, ``arith_word.jsonl``
+(:mod:`.make_arith_word`). Imports ``nereus_rl.core`` and
 ``nereus_rl.models`` (the warm start and evaluation generate with the model) only; the
 trainer uses it.
 """
@@ -18,6 +20,7 @@ from nereus_rl.data.datasets import (
     PromptExample,
     load_prompts,
 )
+from nereus_rl.data.prompts import DatasetPrompts, TaskPrompts, as_reward, dataset_prompts
 from nereus_rl.data.rewards import (
     RewardFn,
     RewardFnError,
@@ -47,6 +50,7 @@ from nereus_rl.data.tasks import (
     score_responses,
     warm_start,
 )
+from nereus_rl.data.tokenizers import HFTokenizer, TokenizerError, load_tokenizer
 from nereus_rl.data.verifiers import (
     VERIFIERS,
     UnknownVerifierError,
@@ -69,6 +73,8 @@ __all__ = [
     "VERIFIERS",
     "CharTokenizer",
     "DatasetError",
+    "DatasetPrompts",
+    "HFTokenizer",
     "LengthCurriculum",
     "LengthSchedule",
     "LengthTrace",
@@ -81,13 +87,17 @@ __all__ = [
     "RewardFunction",
     "RewardRuntimeError",
     "Task",
+    "TaskPrompts",
+    "TokenizerError",
     "TraceFormatError",
     "UnknownTaskError",
     "UnknownVerifierError",
     "Verifier",
     "VerifierError",
     "WarmStartResult",
+    "as_reward",
     "check_reward_fn",
+    "dataset_prompts",
     "encode_prompts",
     "evaluate",
     "exact_match",
@@ -97,6 +107,7 @@ __all__ = [
     "get_verifier",
     "load_prompts",
     "load_reward_fn",
+    "load_tokenizer",
     "make_format_check",
     "normalize_whitespace",
     "numeric_match",

@@ -18,6 +18,8 @@ from nereus_rl.models.generate import (
 )
 from nereus_rl.models.hf import (
     HFCheckpointError,
+    HFWeights,
+    check_hf_weights,
     hf_config,
     load_hf_weights,
     merge_shards,
@@ -62,6 +64,7 @@ __all__ = [
     "Decoder",
     "GenerationOutput",
     "HFCheckpointError",
+    "HFWeights",
     "KVCache",
     "Llama3RopeScaling",
     "ModelConfig",
@@ -73,6 +76,7 @@ __all__ = [
     "allreduce_tied_gradients",
     "as_model_config",
     "attention_bias",
+    "check_hf_weights",
     "check_tp_divisible",
     "full_attention_mask",
     "generate",

@@ -36,6 +36,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +48,8 @@ from nereus_rl.models.model import (
     ModelConfig,
     ParamSpec,
     as_model_config,
+    init_full,
+    shard_tensor,
     state_specs,
 )
 from nereus_rl.models.parallel import stage_layers
@@ -56,6 +59,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: transformers' own default shard size for save_pretrained.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+VALUE_HEAD = "value_head.weight"
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
@@ -342,8 +346,6 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
 
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the file holding it (reads headers only)."""
-    from safetensors import safe_open
-
     index = folder / INDEX_FILE
     if index.exists():
         raw = _read_json(index)
@@ -357,8 +359,18 @@ def _weight_files(folder: Path) -> dict[str, Path]:
             f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} is there (only safetensors "
             "checkpoints are read)"
         )
-    with safe_open(single, framework="pt") as f:
+    with _open(single) as f:
         return {k: single for k in f.keys()}
+
+
+def _open(file: Path):
+    """``safe_open`` of a weight file; a file that is not safetensors is an error naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def _local_range(n: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -383,6 +395,7 @@ def read_hf_shards(
     tp_rank: int = 0,
     tp_size: int = 1,
     cast: bool = False,
+    read: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Read this tp rank's shards of ``specs`` from a checkpoint folder.
 
@@ -396,15 +409,16 @@ def read_hf_shards(
         config: the model these specs describe (for the names and the checks).
         tp_rank, tp_size: this rank's tensor-parallel coordinates.
         cast: allow a cast that rounds (e.g. fp32 checkpoint into a bf16 model).
+        read: False checks every tensor's name, shape and dtype from the files' headers
+            and reads no data (returns an empty dict).
 
     Raises:
-        HFCheckpointError: a missing weight file or tensor; a tensor the config does not
-            know (e.g. a layer past ``num_hidden_layers``); a tensor whose shape differs
-            from the config's or whose dtype differs from config.json's ``torch_dtype`` /
-            ``dtype``; a rounding cast without ``cast``. Messages name the tensor and file.
+        HFCheckpointError: a missing weight file or tensor, an unreadable file; a tensor
+            the config does not know (e.g. a layer past ``num_hidden_layers``); a tensor
+            whose shape differs from the config's or whose dtype differs from
+            config.json's ``torch_dtype`` / ``dtype``; a rounding cast without ``cast``.
+            Messages name the tensor and file.
     """
-    from safetensors import safe_open
-
     folder = Path(path)
     if folder.name == CONFIG_FILE:
         folder = folder.parent
@@ -437,7 +451,7 @@ def read_hf_shards(
             if file not in handles:
                 if not file.exists():
                     raise HFCheckpointError(f"{file}: not found (named for {name})")
-                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                handles[file] = stack.enter_context(_open(file))
             sl = handles[file].get_slice(name)
             shape = tuple(sl.get_shape())
             if shape != tuple(spec.shape):
@@ -462,6 +476,8 @@ def read_hf_shards(
                     f"tensor {name} in {file}: dim {spec.split_dim} of {shape} does not divide "
                     f"by tp={tp_size}"
                 )
+            if not read:
+                continue
             if spec.split_dim is None or tp_size == 1:
                 t = sl[:]
             else:
@@ -535,6 +551,50 @@ def load_hf_weights(
     return read_hf_shards(
         path, target, config or folder_config, tp_rank=tp_rank, tp_size=tp_size, cast=cast
     )
+
+
+def check_hf_weights(path: str | os.PathLike, config: ModelConfig) -> None:
+    """Check a folder's weights against ``config`` from the files' headers alone: every
+    tensor present, none extra, shapes and dtypes right. Reads no tensor data.
+
+    Raises:
+        HFCheckpointError: as :func:`read_hf_shards`, naming the tensor and the file.
+    """
+    read_hf_shards(path, state_specs(config), config, read=False)
+
+
+@dataclass(frozen=True)
+class HFWeights:
+    """A model's initial weights as a Hugging Face folder, in place of its full tensors.
+
+    The trainer hands this to its workers instead of the state: each worker reads only
+    the slices its stage holds (:meth:`shards`), so the folder must be readable at
+    ``path`` on every worker's machine. A tensor the checkpoint has no counterpart for (a
+    critic's value head) starts from the seed's initial value, the same on every layout.
+
+    Attributes:
+        path: the folder.
+        seed: the seed of the tensors the folder lacks.
+    """
+
+    path: str
+    seed: int = 0
+
+    def shards(self, model: Decoder) -> dict[str, torch.Tensor]:
+        """``model``'s shards (its stage, its tp rank) by full-state name, in its dtype.
+
+        Raises:
+            HFCheckpointError: see :func:`read_hf_shards`.
+        """
+        g = model.groups
+        specs = model.local_specs()
+        cfg = as_model_config(model.config)
+        out = read_hf_shards(self.path, specs, cfg, tp_rank=g.tp_rank, tp_size=g.tp_size)
+        for spec in specs:
+            if spec.name not in out:
+                full = init_full(spec, self.seed, cfg.num_layers).to(spec.dtype)
+                out[spec.name] = shard_tensor(full, spec.split_dim, g.tp_rank, g.tp_size)
+        return out
 
 
 # ---------------------------------------------------------------------------- save
@@ -746,6 +806,7 @@ def save_hf_stage(
     *,
     stage: int,
     num_stages: int,
+    value_head: bool = False,
 ) -> list[Path]:
     """Write one pipeline stage's file of a Hugging Face folder (one file per stage).
 
@@ -758,10 +819,14 @@ def save_hf_stage(
     Arguments:
         path: the folder.
         stage_state: full tensors of the stage's parameters by our names (all of one
-            dtype; the value head, if any, is skipped).
+            dtype).
         config: the model.
         stage, num_stages: this stage and the pipeline degree (the file is
             ``model-{stage+1:05d}-of-{num_stages:05d}.safetensors``).
+        value_head: the state is a critic's: the folder is a ``LlamaForTokenClassification``
+            / ``Qwen2ForTokenClassification`` with one label, whose ``score`` (the value
+            head, with a zero bias) gives the critic's values. Without it a value head in
+            the state is skipped.
 
     Returns:
         The files written.
@@ -772,7 +837,7 @@ def save_hf_stage(
     """
     c = as_model_config(config)
     layers = set(stage_layers(c.num_layers, num_stages, stage))
-    specs = state_specs(c)
+    specs = state_specs(c, value_head=value_head)
     # A stage's tensors: its layers' (the embedding counts as layer 0 and the head and
     # final norm as the last layer, as everywhere in the state specs).
     per_stage = [
@@ -781,13 +846,17 @@ def save_hf_stage(
     ]
     mine = [s for s in specs if s.layer in layers]
     want = {s.name for s in mine}
-    have = {k for k in stage_state if k != "value_head.weight"}
+    have = set(stage_state) if value_head else {k for k in stage_state if k != VALUE_HEAD}
     if have != want:
         raise ValueError(
             f"stage {stage} of {num_stages} holds {sorted(want)[:4]}...; got missing "
             f"{sorted(want - have)[:4]} unexpected {sorted(have - want)[:4]}"
         )
     tensors = _hf_tensors(stage_state, mine, c)
+    if VALUE_HEAD in want:
+        head = stage_state[VALUE_HEAD].detach()
+        tensors["score.weight"] = head.contiguous().cpu()
+        tensors["score.bias"] = torch.zeros(1, dtype=head.dtype)
     if c.tie_embeddings and stage != 0:
         # The tied head is written once, by the first stage (as embed_tokens).
         tensors.pop("model.embed_tokens.weight", None)
@@ -800,12 +869,26 @@ def save_hf_stage(
             continue
         named: dict[str, _Sized] = {}
         for s in stage_specs:
+            if s.name == VALUE_HEAD:
+                named["score.weight"] = _Sized(s.shape, dtype)
+                named["score.bias"] = _Sized((1,), dtype)
+                continue
             name = hf_name(s.name, c)
             if name is None or (c.tie_embeddings and s.name == "lm_head.weight" and p != 0):
                 continue
             named[name] = _Sized(s.shape, dtype)
         groups.append(named)
-    return _write_folder(Path(path), groups, hf_config_dict(c, dtype), [stage])
+    meta = hf_config_dict(c, dtype)
+    if value_head:
+        meta.update(
+            architectures=[_ARCH_CLASS[c.arch].replace("ForCausalLM", "ForTokenClassification")],
+            num_labels=1,
+            id2label={"0": "LABEL_0"},
+            label2id={"LABEL_0": 0},
+            # the critic has no output embedding to tie
+            tie_word_embeddings=False,
+        )
+    return _write_folder(Path(path), groups, meta, [stage])
 
 
 class _Sized:

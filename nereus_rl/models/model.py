@@ -243,7 +243,7 @@ def check_tp_divisible(config: ModelConfig, tp: int) -> None:
             )
 
 
-def _init_full(spec: ParamSpec, seed: int, num_layers: int) -> torch.Tensor:
+def init_full(spec: ParamSpec, seed: int, num_layers: int) -> torch.Tensor:
     """The full fp32 initial value of one tensor; depends only on (seed, name)."""
     if spec.name.endswith("norm.weight"):
         return torch.ones(spec.shape)
@@ -587,10 +587,10 @@ class Decoder(nn.Module):
             if self.tied and spec.name == "lm_head.weight":
                 # The tied copy starts from the embedding's value, on every stage.
                 spec = spec._replace(name="embed.weight")
-                full = _init_full(spec, seed, self.config.num_layers)
+                full = init_full(spec, seed, self.config.num_layers)
                 spec = spec._replace(name="lm_head.weight")
             else:
-                full = _init_full(spec, seed, self.config.num_layers)
+                full = init_full(spec, seed, self.config.num_layers)
             shard = shard_tensor(full, spec.split_dim, self.groups.tp_rank, self.groups.tp_size)
             params[spec.name].copy_(shard)
 

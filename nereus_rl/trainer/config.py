@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.data.tasks import LengthTrace, get_task
-from nereus_rl.models.model import ModelConfig, get_preset
+from nereus_rl.models.hf import HFCheckpointError, check_hf_weights, hf_config
+from nereus_rl.models.model import PRESETS, ModelConfig, get_preset
 
 ALGOS = ("grpo", "ppo", "remax")
 MODES = ("sync", "async")
@@ -93,6 +96,22 @@ class TrainConfig:
     # death is seen at once from its process; this bounds the detection of a joined
     # one's. Too short, and a worker starved of CPU on a loaded machine looks dead.
     heartbeat_timeout: float = 30.0
+    # A prompt dataset (JSONL or Parquet) in place of the bundled task, with the fields
+    # holding each row's prompt and ground truth (nereus_rl.data.datasets).
+    data: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str | None = "answer"
+    # What scores a dataset's responses: a built-in verifier's name ("exact", "numeric",
+    # "format"), "module:function" / "path/to/file.py:function", or a callable
+    # fn(prompt, response, answer) -> float.
+    reward_fn: str | Callable[..., Any] | None = None
+    # The tokenizer's folder (None: the model's folder); a dataset needs one.
+    tokenizer: str | None = None
+    # Every this many steps, write the policy (and PPO's critic) as Hugging Face folders
+    # (0: only at the end, and only for a Hugging Face model). Written under save_dir,
+    # else the run folder.
+    save_every: int = 0
+    save_dir: str | None = None
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -118,6 +137,8 @@ class TrainResult:
             setup_s).
         calibration: the startup calibration's record (probes, measured stage seconds,
             predictions before and after), or None when it did not run.
+        saves: one dict per Hugging Face save (``saved``: "final" or "step-N", ``path``:
+            the folder holding ``policy/`` and, for PPO, ``critic/``, ``seconds``).
     """
 
     config: TrainConfig
@@ -128,6 +149,7 @@ class TrainResult:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     calibration: dict[str, Any] | None = None
+    saves: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rewards(self) -> list[float]:
@@ -148,12 +170,45 @@ class TrainResult:
         return sum(d.get("fallbacks", 0) for d in self.decisions if d.get("taken"))
 
 
+def is_hf_model(model: str) -> bool:
+    """``model`` names a Hugging Face folder (a path), not a preset."""
+    return model not in PRESETS and (
+        os.sep in model or "/" in model or model.startswith(".") or Path(model).exists()
+    )
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of a preset name or of a Hugging Face folder, whose weights are checked
+    against it from the files' headers (no tensor is read).
+
+    Raises:
+        UnknownPresetError: neither a preset nor a path.
+        HFCheckpointError: a folder without a readable config.json, an unsupported
+            architecture or field, or weights that do not match the config.
+    """
+    if not is_hf_model(model):
+        return get_preset(model)
+    folder = Path(model)
+    if not folder.is_dir():
+        raise HFCheckpointError(
+            f"model {model!r}: no such folder (a Hugging Face model folder holds config.json "
+            f"and safetensors weights; presets are {sorted(PRESETS)})"
+        )
+    mc = hf_config(folder)
+    check_hf_weights(folder, mc)
+    return mc
+
+
 def check_config(cfg: TrainConfig) -> ModelConfig:
     """Validate options before any process starts. Returns the model config.
 
+    The dataset, tokenizer and reward function are loaded and checked by
+    :func:`nereus_rl.data.prompts.dataset_prompts` (the trainer does it before any
+    process starts).
+
     Raises:
         UnknownAlgorithmError, UnknownPresetError, UnknownTaskError, TraceFormatError,
-        TrainConfigError: with what is wrong and what to do.
+        HFCheckpointError, TrainConfigError: with what is wrong and what to do.
     """
     if cfg.algo not in ALGOS:
         raise UnknownAlgorithmError(f"unknown algorithm {cfg.algo!r}; choose one of {ALGOS}")
@@ -184,8 +239,29 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
             f"unknown device {cfg.device!r}; use 'cpu' (worker processes on host memory) or "
             "'cuda' (one GPU per worker)"
         )
-    mc = get_preset(cfg.model)
-    get_task(cfg.task)
+    mc = model_config(cfg.model)
+    if cfg.data is None:
+        get_task(cfg.task)
+        if is_hf_model(cfg.model):
+            raise TrainConfigError(
+                f"model {cfg.model!r} is a Hugging Face folder: give it a prompt dataset "
+                "(data='file.jsonl' and reward_fn=...); the bundled tasks use the character "
+                "tokenizer of the presets"
+            )
+    elif cfg.tokenizer is None and not is_hf_model(cfg.model):
+        raise TrainConfigError(
+            f"data={cfg.data!r} needs a tokenizer: train a Hugging Face model folder (its "
+            "tokenizer is used) or pass tokenizer=FOLDER"
+        )
+    if cfg.data is not None and cfg.reward_fn is None:
+        raise TrainConfigError(
+            "data needs reward_fn: a built-in verifier ('numeric', 'exact', 'format'), "
+            "'module:function', or a callable fn(prompt, response, answer) -> float"
+        )
+    if not (isinstance(cfg.save_every, int) and cfg.save_every >= 0):
+        raise TrainConfigError(
+            f"save_every={cfg.save_every!r} must be an int >= 0 (0: save at the end only)"
+        )
     if isinstance(cfg.plan, GlobalPlan):
         want = [n for n, _, _ in stage_names(cfg.algo)]
         if sorted(cfg.plan.stage_names) != sorted(want):

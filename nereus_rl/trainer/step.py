@@ -17,7 +17,6 @@ import torch
 from nereus_rl.algos.grpo import group_advantages
 from nereus_rl.algos.ppo import gae, kl_penalized_rewards
 from nereus_rl.algos.remax import remax_advantages
-from nereus_rl.data.tasks import TOKENIZER, encode_prompts, score_responses
 
 
 def _split(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -57,8 +56,14 @@ def head_start(t_step: float, submitted_at: float, t_wait: float, rollout_s: flo
 
 class StepWork:
     """Mixin of :class:`~nereus_rl.trainer.trainer.Trainer`: the rollout and training work of a
-    step. Uses the trainer's ``cfg``, ``task``, ``rng``, ``drawn``, ``plan``, ``driver``,
-    ``response_len`` and ``_submit_stage``."""
+    step. Uses the trainer's ``cfg``, ``task``, ``prompts``, ``rng``, ``drawn``, ``plan``,
+    ``driver``, ``response_len`` and ``_submit_stage``.
+
+    Prompts of different lengths (a dataset's) are left-padded to the batch's longest with
+    a prompt mask (``prompts.encode``); every response then starts at the same column,
+    and the mask goes with the rows to every stage (generation, inference, training), so
+    padding is never attended to and never scored: losses, advantages and KL read the
+    response columns only, under the response mask."""
 
     def _rollout_submit(self, step: int, rlen: int | None = None):
         """Sample a step's prompts and send them to the rollout units (not waiting);
@@ -78,9 +83,12 @@ class StepWork:
         problems = drawn[1]
         if cfg.algo == "grpo":
             problems = [p for p in problems for _ in range(cfg.group_size)]
-        prompts = encode_prompts(problems)
+        prompts, prompt_mask = self.prompts.encode(problems)
         rp = self.plan.stage("rollout")
         parts = _split(prompts, rp.dp)
+        kwargs: dict[str, Any] = {"greedy": cfg.algo == "remax", "pad_id": self.prompts.pad_id}
+        if prompt_mask is not None:
+            kwargs["prompt_masks"] = _split(prompt_mask, rp.dp)
         pend = self._submit_stage(
             "rl.generate",
             "rollout",
@@ -88,12 +96,13 @@ class StepWork:
             rlen,
             cfg.temperature,
             cfg.seed * 100_003 + step,
-            TOKENIZER.EOS,
-            greedy=cfg.algo == "remax",
+            self.prompts.eos_id,
+            **kwargs,
         )
         return {
             "step": step,
             "problems": problems,
+            "prompt_mask": prompt_mask,
             "rlen": rlen,
             "level": level,
             "pend": pend,
@@ -116,19 +125,23 @@ class StepWork:
         seqs, mask, old_logp = job["sequences"], job["mask"], job["old_logp"]
         plen = seqs.shape[1] - mask.shape[1]
         problems = job["problems"]
+        prompt_mask = job.get("prompt_mask")
         t0 = time.perf_counter()
-        scores = score_responses(self.task, problems, seqs[:, plen:])
+        scores = self.prompts.score(problems, seqs[:, plen:])
         reward_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         # PPO's reference and critic inference are submitted together: on disjoint
         # devices they run side by side (as the cost model prices the phase).
         inf_stages = ("reference", "critic_inference") if cfg.algo == "ppo" else ("reference",)
-        inf_pend = [
-            self._submit_stage(
-                "rl.infer", s, _split(seqs, self.plan.stage(s).dp), plen, cfg.num_micro
+        inf_pend = []
+        for s in inf_stages:
+            dp = self.plan.stage(s).dp
+            masks = None if prompt_mask is None else _split(prompt_mask, dp)
+            inf_pend.append(
+                self._submit_stage(
+                    "rl.infer", s, _split(seqs, dp), plen, cfg.num_micro, prompt_masks=masks
+                )
             )
-            for s in inf_stages
-        ]
         inf_rep = [self.driver.wait(p) for p in inf_pend]
         ref_logp = _gather(inf_rep[0], "out")
         values = _gather(inf_rep[1], "out") if cfg.algo == "ppo" else None
@@ -143,6 +156,8 @@ class StepWork:
             "old_logp": old_logp,
             "ref_logp": ref_logp,
         }
+        if prompt_mask is not None:
+            batch["prompt_mask"] = prompt_mask
         if cfg.algo == "grpo":
             batch["advantages"] = group_advantages(scores, cfg.group_size)
         elif cfg.algo == "ppo":
@@ -150,7 +165,7 @@ class StepWork:
             adv, ret = gae(rewards, values, mask, whiten=True)
             batch.update(advantages=adv, returns=ret, old_values=values)
         else:
-            gscores = score_responses(self.task, problems, job["greedy"])
+            gscores = self.prompts.score(problems, job["greedy"])
             rewards = kl_penalized_rewards(scores, old_logp, ref_logp, mask, kl_coef=cfg.kl_coef)
             batch["advantages"] = remax_advantages(rewards, gscores, mask)
         t0 = time.perf_counter()

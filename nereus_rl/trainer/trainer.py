@@ -49,8 +49,11 @@ from typing import Any
 import torch
 
 from nereus_rl.core.globalplan import GlobalPlan
+from nereus_rl.data.prompts import DatasetPrompts, TaskPrompts, dataset_prompts
+from nereus_rl.data.rewards import RewardFnError
 from nereus_rl.data.tasks import LengthCurriculum, LengthTrace, get_task, warm_start
 from nereus_rl.emu.types import EMUStateLostError
+from nereus_rl.models.hf import HFWeights
 from nereus_rl.models.model import Decoder
 from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
 from nereus_rl.trainer.adapt.adapter import Adapter
@@ -65,6 +68,7 @@ from nereus_rl.trainer.config import (
     UnknownAlgorithmError,
     check_config,
     check_local_devices,
+    is_hf_model,
     simple_plan,
     stage_desc,
     stage_names,
@@ -108,6 +112,29 @@ def _lengths(cfg: TrainConfig):
     return LengthCurriculum(cfg.length_start, cfg.length_end, cfg.steps)
 
 
+def run_prompts(cfg: TrainConfig, mc) -> TaskPrompts | DatasetPrompts:
+    """A run's prompts: the bundled task's, or (``cfg.data``) the dataset's with its
+    tokenizer and reward function, loaded and checked (before any process starts).
+
+    Raises:
+        UnknownTaskError; DatasetError, TokenizerError, RewardFnError (naming the file and
+        row, the folder or the function); OptionalDependencyError.
+    """
+    if cfg.data is None:
+        return TaskPrompts(get_task(cfg.task))
+    lengths = _lengths(cfg)
+    return dataset_prompts(
+        cfg.data,
+        cfg.tokenizer or cfg.model,
+        cfg.reward_fn,
+        vocab=mc.vocab,
+        max_seq_len=mc.max_seq_len,
+        max_response_len=max(int(lengths.response_len(s)) for s in range(cfg.steps)),
+        prompt_field=cfg.prompt_field,
+        answer_field=cfg.answer_field,
+    )
+
+
 class Trainer(StepWork):
     """The driver side of one run: workers, plan, and the RL loop (see the module docstring).
 
@@ -137,8 +164,11 @@ class Trainer(StepWork):
         self.mc = check_config(cfg)
         if driver is None:  # its workers will be spawned here: can this machine host them?
             check_local_devices(cfg)
-        self.task = get_task(cfg.task)
         self.lengths = _lengths(cfg)
+        # The dataset, its tokenizer and the reward function are checked now: bad input
+        # stops the run before any process starts.
+        self.prompts = run_prompts(cfg, self.mc)
+        self.task = self.prompts if isinstance(self.prompts, DatasetPrompts) else self.prompts.task
         self.log = log
         self.progress = progress
         self.result = TrainResult(cfg)
@@ -201,6 +231,8 @@ class Trainer(StepWork):
         states on a plan over the survivors (with ``mirror``; else the error ends the run).
         """
         cfg = self.cfg
+        if cfg.save_every and self.save_root() is None:
+            raise TrainConfigError("save_every needs save_dir, or a run folder to write to")
         # The warm start runs on the driver alone, before any worker exists: a worker
         # that died while the driver was busy with it would be noticed only after.
         self._initial = self._initial_states()
@@ -285,11 +317,21 @@ class Trainer(StepWork):
         self.adapter.calibrated(observed)
         self.first_plan = self.adapter.initial_plan(self.response_len(0))
 
-    def _initial_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The warm-started initial full states (``actor``, ``reference``, ``critic``)."""
+    def _initial_states(self) -> dict[str, dict[str, torch.Tensor] | HFWeights]:
+        """The initial states (``actor``, ``reference``, ``critic``): a Hugging Face
+        folder's weights, which each worker reads its slices of (the critic's trunk too,
+        with a fresh value head); else a preset's warm-started full states (on a prompt
+        dataset, its seed's initial weights: the warm start is the bundled tasks')."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        key = (cfg.algo == "ppo", cfg.model, cfg.task, cfg.seed, cfg.warm_steps)
+        if is_hf_model(cfg.model):
+            src = HFWeights(str(Path(cfg.model).resolve()))
+            out: dict[str, Any] = {"actor": src, "reference": src}
+            if cfg.algo == "ppo":
+                out["critic"] = HFWeights(src.path, seed=cfg.seed + 1)
+            self.result.timings["warm_start_s"] = time.perf_counter() - t0
+            return out
+        key = (cfg.algo == "ppo", cfg.model, cfg.task, cfg.data, cfg.seed, cfg.warm_steps)
         if key not in _WARM_CACHE:
             if len(_WARM_CACHE) > 8:
                 _WARM_CACHE.clear()
@@ -301,7 +343,8 @@ class Trainer(StepWork):
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         policy = Decoder(self.mc, seed=cfg.seed)
-        warm_start(policy, self.task, steps=cfg.warm_steps, seed=cfg.seed)
+        if cfg.data is None:
+            warm_start(policy, self.task, steps=cfg.warm_steps, seed=cfg.seed)
         actor = {k: v.detach().clone() for k, v in policy.shard_state_dict().items()}
         out = {"actor": actor, "reference": actor}
         if cfg.algo == "ppo":
@@ -549,6 +592,8 @@ class Trainer(StepWork):
                 step = self.recover(step, e)
                 continue
             step += 1
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                self.save(f"step-{step:06d}")
             if step == cfg.steps:  # the last step's snapshot: nothing runs after it
                 try:
                     self._commit_snapshot()
@@ -563,7 +608,41 @@ class Trainer(StepWork):
                 resume = self.recover(step, lost)
                 if resume != step:  # rolled back further: those rollouts are not its
                     self._ahead, step = [], resume
+        if cfg.save_every or is_hf_model(cfg.model):
+            self.save("final")
         return self.result
+
+    def save_root(self) -> Path | None:
+        """Where the Hugging Face folders go: ``save_dir``, else the run folder (None:
+        neither, nothing is saved)."""
+        if self.cfg.save_dir is not None:
+            return Path(self.cfg.save_dir)
+        return None if self.log is None else self.log.dir
+
+    def save(self, label: str) -> Path | None:
+        """Write the policy (actor_train's live shards) and PPO's critic as Hugging Face
+        folders: ``ROOT/policy`` and ``ROOT/critic`` for ``label == "final"``, else
+        ``ROOT/saved/LABEL/...`` (ROOT: :meth:`save_root`). The tokenizer of a prompt
+        dataset is written beside the policy. Each pipeline stage's file is written by a
+        worker of that stage; none gathers the model. Returns the folder (None: no root).
+        """
+        root = self.save_root()
+        if root is None:  # (save_every without one is refused at start)
+            return None
+        base = root if label == "final" else root / "saved" / label
+        t0 = time.perf_counter()
+        pend = []
+        stages = (("actor_train", "policy"), ("critic_train", "critic"))
+        for stage, name in stages if self.cfg.algo == "ppo" else stages[:1]:
+            pend.append(self._submit_stage("rl.save_hf", stage, str(base / name)))
+        for p in pend:
+            self.driver.wait(p)
+        if isinstance(self.prompts, DatasetPrompts):
+            self.prompts.tokenizer.save(base / "policy")
+        row = {"saved": label, "path": str(base), "seconds": time.perf_counter() - t0}
+        self.result.saves.append(row)
+        _LOG.info("saved %s to %s", label, base)
+        return base
 
     def _step(self, step: int) -> None:
         """One RL step and its safe boundary.
@@ -702,7 +781,7 @@ class Trainer(StepWork):
 
 def train(
     algo: str = "grpo",
-    model: str = "tiny",
+    model: str | Path = "tiny",
     task: str = "sort",
     devices: int = 4,
     steps: int = 60,
@@ -712,6 +791,9 @@ def train(
     mode: str = "sync",
     memory_budget: int | None = None,
     *,
+    data: str | Path | None = None,
+    reward_fn: str | Callable[..., Any] | None = None,
+    save_every: int = 0,
     driver: Driver | None = None,
     progress: Callable[[int, dict[str, Any]], None] | None = None,
     **options: Any,
@@ -720,8 +802,21 @@ def train(
 
     Arguments:
         algo: ``"grpo"``, ``"ppo"`` or ``"remax"``.
-        model: model preset (``"tiny"``, ``"small"``, ``"medium"``, ``"large"``).
-        task: bundled task (``"sort"``, ``"reverse"``, ``"addition"``).
+        model: model preset (``"tiny"``, ``"small"``, ``"medium"``, ``"large"``), or the
+            path of a Hugging Face folder (config.json and safetensors weights of a
+            LlamaForCausalLM or Qwen2ForCausalLM, its tokenizer beside them): each
+            worker reads its own slices of the weights, and the trained policy (PPO: and
+            critic) is written back as Hugging Face folders at the end of the run.
+        task: bundled task (``"sort"``, ``"reverse"``, ``"addition"``), when no ``data``.
+        data: a prompt dataset, JSONL or Parquet, one prompt and ground truth per row
+            (fields ``prompt_field``/``answer_field``, default ``prompt`` and ``answer``);
+            ``nereus_rl.data.ARITH_WORD`` is a small one shipped with the package.
+        reward_fn: scores a dataset's decoded responses: a built-in verifier's name
+            (``"numeric"``, ``"exact"``, ``"format"``), ``"module:function"`` or
+            ``"path/to/file.py:function"``, or a callable ``fn(prompt, response,
+            answer) -> float``. It is called once on the first row before the run starts.
+        save_every: also write the policy (and critic) every this many steps, under
+            ``RUN/saved/step-N`` (0: at the end only; see ``save_dir``).
         devices: worker processes (one per device), spawned locally unless ``driver``
             already has them.
         steps: RL steps.
@@ -737,22 +832,24 @@ def train(
         driver: a runtime Driver whose workers to use (they are kept running).
         progress: called after every step with (step, metrics).
         options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
-            admission, transitions, length_start, length_end, device, ...). ``device="cuda"``
+            admission, transitions, length_start, length_end, device, tokenizer,
+            prompt_field, answer_field, save_dir, ...). ``device="cuda"``
             puts each worker's stages on its own GPU (NCCL for the models' collectives);
             the default ``"cpu"`` keeps them in host memory.
 
     Returns:
-        A :class:`TrainResult`; if a worker failed mid-run, ``error`` says so and the
-        metrics hold every step finished before.
+        A :class:`TrainResult`; if a worker or the reward function failed mid-run,
+        ``error`` says so and the metrics hold every step finished before.
 
     Raises:
-        TrainConfigError (and the model/task/trace errors, all ValueError): bad options,
-        raised before any process starts.
+        TrainConfigError (and the model/task/trace/checkpoint/dataset/tokenizer/reward
+        errors, all ValueError, each naming the file and row or the function): bad
+        options or input, raised before any process starts.
     """
     try:
         cfg = TrainConfig(
             algo=algo,
-            model=model,
+            model=str(model),
             task=task,
             devices=devices,
             steps=steps,
@@ -760,6 +857,9 @@ def train(
             seed=seed,
             mode=mode,
             memory_budget=memory_budget,
+            data=None if data is None else str(data),
+            reward_fn=reward_fn,
+            save_every=save_every,
             **options,
         )
     except TypeError as e:
@@ -770,7 +870,9 @@ def train(
     try:
         trainer.start()
         trainer.run()
-    except (KeyboardInterrupt, RuntimeError, OSError) as e:
+    except (KeyboardInterrupt, RuntimeError, OSError, RewardFnError) as e:
+        # A reward function that fails mid-run stops the run like a worker's failure:
+        # the run folder keeps every step finished before, and the error.
         trainer.result.error = f"{type(e).__name__}: {e}"
         if log is not None:
             log.error(trainer.result.error)

@@ -5,7 +5,8 @@ Imported on every worker by :class:`nereus_rl.trainer.trainer.Trainer` (through
 job's default process group), ``rl.setup`` (build the stages from full initial
 states), ``rl.rebind`` (rebuild stages on new layouts from their EMU units),
 ``rl.move`` (reshard a stage between layouts), ``rl.generate``, ``rl.infer`` and
-``rl.train`` (a stage's work), ``rl.held_bytes``, ``rl.shards`` and ``rl.close``, and
+``rl.train`` (a stage's work), ``rl.save_hf`` (a stage as a Hugging Face folder),
+``rl.held_bytes``, ``rl.shards`` and ``rl.close``, and
 (:mod:`nereus_rl.trainer.worker_snapshot`) ``rl.snapshot`` and ``rl.snapshot_get``.
 
 A worker is one device (:mod:`nereus_rl.trainer.worker_device`: where the stages live,
@@ -54,7 +55,13 @@ from nereus_rl.algos.ppo import value_loss
 from nereus_rl.algos.remax import reinforce_loss
 from nereus_rl.emu.worker import bind, register_state_owner, tensors_of
 from nereus_rl.models.generate import generate, make_row_generators
-from nereus_rl.models.model import ModelConfig, shard_tensor
+from nereus_rl.models.hf import HFWeights, merge_tp_shards, save_hf_stage
+from nereus_rl.models.model import (
+    ModelConfig,
+    allreduce_tied_gradients,
+    full_attention_mask,
+    shard_tensor,
+)
 from nereus_rl.models.parallel import allreduce_gradients, response_logprobs, response_values
 from nereus_rl.models.pipeline import pipeline_forward, pipeline_forward_backward
 from nereus_rl.runtime.context import WorkerContext, register
@@ -155,11 +162,14 @@ def setup(
     ctx: WorkerContext,
     stages: list[dict[str, Any]],
     config: ModelConfig,
-    full_states: dict[str, dict[str, torch.Tensor]],
+    full_states: dict[str, dict[str, torch.Tensor] | HFWeights],
     hp: dict[str, Any],
 ) -> dict[str, int]:
     """Build every stage's shard on this worker from full initial states (at start; the
     startup calibration's probes call it once per probe plan, the run's plan last).
+
+    A model's state is its full tensors by name, or an :class:`HFWeights` folder from
+    which each rank reads only its slices.
 
     Collective over all workers (process groups are created in the same order everywhere).
     Returns bytes held per stage on this rank.
@@ -174,19 +184,25 @@ def setup(
             replace_stage(rl, desc["stage"], None)
             continue
         full = full_states[desc["model"]]
-        # A training stage restored from a snapshot gets its Adam moments and step too
-        # (nereus_rl.trainer.snapshot); the initial states have none (a fresh AdamW).
-        adam = desc["trains"] and "adam_step" in full
-        shards = {}
         dev = worker_device.device_of(rl)
-        g = model.groups
-        for spec in model.local_specs():
-            for name in [spec.name] + ([f"{k}.{spec.name}" for k in ADAM_KEYS] if adam else []):
-                shards[name] = shard_tensor(full[name], spec.split_dim, g.tp_rank, g.tp_size).to(
-                    dev, copy=True
-                )
-        if adam:
-            shards["adam_step"] = full["adam_step"].to(dev, copy=True)
+        if isinstance(full, HFWeights):
+            # A Hugging Face folder: this rank reads its own slices, nobody the whole file
+            # (a fresh AdamW, as for any initial state).
+            shards = {k: v.to(dev, copy=True) for k, v in full.shards(model).items()}
+        else:
+            # A training stage restored from a snapshot gets its Adam moments and step too
+            # (nereus_rl.trainer.snapshot); the initial states have none (a fresh AdamW).
+            adam = desc["trains"] and "adam_step" in full
+            shards = {}
+            g = model.groups
+            for spec in model.local_specs():
+                names = [spec.name] + ([f"{k}.{spec.name}" for k in ADAM_KEYS] if adam else [])
+                for name in names:
+                    shards[name] = shard_tensor(
+                        full[name], spec.split_dim, g.tp_rank, g.tp_size
+                    ).to(dev, copy=True)
+            if adam:
+                shards["adam_step"] = full["adam_step"].to(dev, copy=True)
         entry = {"model": model, "desc": desc, "trains": desc["trains"]}
         load_state(entry, shards, hp)
         replace_stage(rl, desc["stage"], entry)
@@ -301,16 +317,25 @@ def rl_generate(
     max_new_tokens: int,
     temperature: float,
     seed: int,
-    eos_id: int,
+    eos_id: int | None,
     *,
     greedy: bool = False,
+    pad_id: int = 0,
+    prompt_masks: list[torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """Sample responses for this rank's unit's prompts, with their behaviour log-probs
-    (and, for ReMax, greedy responses); the unit's reporting rank returns them."""
+    (and, for ReMax, greedy responses); the unit's reporting rank returns them.
+
+    ``prompt_masks``: per unit, the left-padded prompts' mask (1 = real token), for
+    prompts of different lengths; None when they share one length. ``pad_id`` fills
+    what follows a response's EOS."""
     rl = rl_state(ctx)
     entry, g, mine = _mine(rl, stage, prompts)
     if entry is None:
         return None
+    pmask = None
+    if prompt_masks is not None:
+        pmask = worker_device.on_device(prompt_masks[g.dp_rank], mine.device)
     t0 = time.perf_counter()
     model = entry["model"]
     gen = None
@@ -320,13 +345,15 @@ def rl_generate(
         gen = make_row_generators(seed, range(first, first + mine.shape[0]), mine.device)
     out = generate(
         model, mine, max_new_tokens, groups=g, temperature=temperature, generator=gen,
-        eos_id=eos_id,
+        eos_id=eos_id, pad_id=pad_id, prompt_mask=pmask,
     )  # fmt: skip
-    outs = pipeline_forward(model, [out.sequences], g)
+    outs = pipeline_forward(model, [out.sequences], g, attention_masks=[out.attention_mask])
     logp = response_logprobs(outs[0], out.sequences, out.prompt_len, g) if outs else None
     best = None
     if greedy:
-        best = generate(model, mine, max_new_tokens, groups=g, eos_id=eos_id).responses
+        best = generate(
+            model, mine, max_new_tokens, groups=g, eos_id=eos_id, pad_id=pad_id, prompt_mask=pmask
+        ).responses
     secs = time.perf_counter() - t0
     if not _is_reporter(g):
         return None
@@ -334,10 +361,12 @@ def rl_generate(
     pad = max_new_tokens - out.response_mask.shape[1]
     res = {
         "unit": g.dp_rank,
-        "sequences": F.pad(out.sequences, (0, pad)),
+        "sequences": F.pad(out.sequences, (0, pad), value=pad_id),
         "mask": F.pad(out.response_mask, (0, pad)),
         "logp": F.pad(logp, (0, pad)),
-        "greedy": None if best is None else F.pad(best, (0, max_new_tokens - best.shape[1])),
+        "greedy": None
+        if best is None
+        else F.pad(best, (0, max_new_tokens - best.shape[1]), value=pad_id),
         "seconds": secs,
     }
     return worker_device.on_device(res, worker_device.CPU)  # the driver reads host memory
@@ -347,11 +376,30 @@ def _micro(t: torch.Tensor, num_micro: int) -> list[torch.Tensor]:
     return list(t.chunk(max(1, min(num_micro, t.shape[0]))))
 
 
+def _attention_masks(
+    prompt_mask: torch.Tensor | None, idx: list[torch.Tensor], seq_len: int
+) -> list[torch.Tensor] | None:
+    """Per micro-batch (rows ``idx[m]``), the attention mask of left-padded prompts
+    followed by their responses; None for prompts of one length."""
+    if prompt_mask is None:
+        return None
+    full = full_attention_mask(prompt_mask, seq_len)
+    return [full[i] for i in idx]
+
+
 @register("rl.infer")
 def rl_infer(
-    ctx: WorkerContext, stage: str, seqs: list[torch.Tensor], prompt_len: int, num_micro: int
+    ctx: WorkerContext,
+    stage: str,
+    seqs: list[torch.Tensor],
+    prompt_len: int,
+    num_micro: int,
+    *,
+    prompt_masks: list[torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
-    """Response log-probs (policy) or values (critic) of the unit's sequences."""
+    """Response log-probs (policy) or values (critic) of the unit's sequences.
+
+    ``prompt_masks``: per unit, the mask of the left-padded prompts (None: one length)."""
     rl = rl_state(ctx)
     entry, g, mine = _mine(rl, stage, seqs)
     if entry is None:
@@ -359,7 +407,12 @@ def rl_infer(
     t0 = time.perf_counter()
     model = entry["model"]
     mbs = _micro(mine, num_micro)
-    outs = pipeline_forward(model, mbs, g)
+    pmask = None
+    if prompt_masks is not None:
+        pmask = worker_device.on_device(prompt_masks[g.dp_rank], mine.device)
+    rows = list(torch.arange(mine.shape[0], device=mine.device).chunk(len(mbs)))
+    masks = _attention_masks(pmask, rows, mine.shape[1])
+    outs = pipeline_forward(model, mbs, g, attention_masks=masks)
     res = None
     if outs is not None:
         parts = []
@@ -400,6 +453,9 @@ def rl_train(
         )
     )
     mbs = [seqs[i] for i in idx]
+    # left-padded prompts: every stage masks the padding (the losses read response
+    # columns only, under the response mask)
+    masks = _attention_masks(b.get("prompt_mask"), idx, seqs.shape[1])
     stats: dict[str, float] = {}
 
     def loss_fn(y: torch.Tensor, m: int) -> torch.Tensor:
@@ -436,7 +492,8 @@ def rl_train(
     for group in opt.param_groups:
         group["lr"] = hp["lr"]
     opt.zero_grad(set_to_none=False)
-    losses = pipeline_forward_backward(model, mbs, loss_fn, g)
+    losses = pipeline_forward_backward(model, mbs, loss_fn, g, attention_masks=masks)
+    allreduce_tied_gradients(model)
     allreduce_gradients(model, g)
     opt.step()
     if not _is_reporter(g):
@@ -447,6 +504,47 @@ def rl_train(
         "stats": stats,
         "seconds": time.perf_counter() - t0,
     }
+
+
+@register("rl.save_hf")
+def save_hf(ctx: WorkerContext, stage: str, path: str) -> list[str]:
+    """Write a stage's model (the policy, or a critic with its value head) as a Hugging
+    Face folder, from the live shards of its first data-parallel unit.
+
+    Collective over that unit's tensor-parallel groups: each pipeline stage's tp shards
+    are gathered on its tp rank 0, which writes that stage's file (the first stage also
+    config.json and the index; see :func:`nereus_rl.models.hf.save_hf_stage`). No rank
+    holds more than one pipeline stage's tensors. ``path`` must be reachable from every
+    writing worker (a local folder, or a shared file system for joined workers).
+    Returns the files this rank wrote.
+    """
+    entry = rl_state(ctx)["stages"].get(stage)
+    if entry is None:
+        return []
+    model = entry["model"]
+    g = model.groups
+    if g.dp_rank != 0:
+        return []
+    specs = model.local_specs()
+    shards = model.shard_state_dict()
+    gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(g.tp_size)]
+    for spec in specs:
+        t = shards[spec.name].contiguous()
+        if g.tp_size == 1:
+            gathered[0][spec.name] = t.cpu()
+            continue
+        parts = [torch.empty_like(t) for _ in range(g.tp_size)]
+        dist.all_gather(parts, t, group=g.tp_group)
+        for r, part in enumerate(parts):
+            gathered[r][spec.name] = part.cpu()
+    if g.tp_rank != 0:
+        return []
+    full = merge_tp_shards(gathered, specs)
+    files = save_hf_stage(
+        path, full, model.config, stage=g.pp_rank, num_stages=g.pp_size,
+        value_head=model.is_critic,
+    )  # fmt: skip
+    return [str(f) for f in files]
 
 
 @register("rl.held_bytes")

@@ -156,11 +156,14 @@ def state_of(entry: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     if entry is None:
         return {}
     model = entry["model"]
-    out = {n: p.detach() for n, p in model.named_parameters()}
+    # A tied embedding held once (one pipeline stage) is listed under both of its names,
+    # as the state's specs name it (nereus_rl.models.model).
+    params = model.shard_state_dict()
+    out = dict(params)
     opt = entry.get("opt")
     if opt is not None:
         step = 0.0
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters(remove_duplicate=False):
             st = opt.state.get(p, {})
             for k in ADAM_KEYS:
                 out[f"{k}.{name}"] = st[k] if k in st else torch.zeros_like(p)
@@ -187,7 +190,7 @@ def load_state(entry: dict[str, Any], state: dict[str, torch.Tensor], hp: dict[s
     """Load ``state`` (by spec name) into the entry's model, and for a training stage
     into a new optimizer (its Adam moments and step)."""
     model = entry["model"]
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     model.load_shard_state_dict({n: state[n] for n in params})
     if entry.get("trains"):
         opt = make_opt(model, hp)

@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 
 from nereus_rl.core.globalplan import GlobalPlan
-from nereus_rl.core.spec import local_cpu_cluster, model_preset
+from nereus_rl.core.spec import local_cpu_cluster
 from nereus_rl.core.workload import Workload, bucket_of, make_workload
 from nereus_rl.costmodel.calibration import ModelTolerance, StepNoise, TransitionCalibration
 from nereus_rl.costmodel.costmodel import CostModel
@@ -69,7 +69,7 @@ class Planning:
         self.response_len = response_len
         self.host = host
         self.enabled = enabled
-        self.mspec = model_preset(cfg.model)
+        self.mspec = mc
         cores = os.cpu_count() or 1
         self.workers_per_core = max(1.0, cfg.devices / cores)
         # What a step costs beyond the model's price, per worker call (step_overhead);
@@ -139,6 +139,8 @@ class Planning:
     # -------------------------------------------------------------- workload
 
     def _prompt_len(self, rlen: int) -> int:
+        if hasattr(self.task, "prompt_len"):  # a dataset's: its padded prompt width
+            return self.task.prompt_len(rlen)
         level = self.task.level_for_response_len(rlen)
         return len(TOKENIZER.encode(self.task.sample(1, level, random.Random(0))[0].prompt))
 
