@@ -109,8 +109,9 @@ def test_abort_breaks_only_the_running_commands_connections():
 
 
 def _start(joined: bool) -> tuple[Driver, subprocess.Popen | None]:
-    """A driver with workers 0 and 1 local, and 2 local or started by hand."""
-    d = Driver(heartbeat_timeout=2.0, call_timeout=120.0)
+    """A driver with workers 0 and 1 local, and 2 local or started by hand (then with a
+    30 s heartbeat timeout: its death must be seen through its liveness connection)."""
+    d = Driver(heartbeat_timeout=30.0 if joined else 2.0, call_timeout=120.0)
     proc = None
     try:
         d.spawn_local(2 if joined else 3, group_timeout=GROUP_TIMEOUT, method="forkserver")
@@ -169,7 +170,7 @@ def test_survivor_waiting_on_a_live_peer_is_aborted_at_once(dead, group):
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             t0 = time.monotonic()
-            bound = ABORT_BOUND_S + d.heartbeat_timeout  # seen by its heartbeat
+            bound = ABORT_BOUND_S  # its liveness connection closed, not its heartbeat
         with pytest.raises(RemoteError) as e:
             d.wait(pending)
         took = time.monotonic() - t0

@@ -148,7 +148,8 @@ def test_worker_started_by_hand_joins_and_its_loss_is_noticed(driver):
         with pytest.raises(WorkerLostError) as e:
             driver.wait(pending)
         assert e.value.ranks == (2,)
-        assert time.monotonic() - t0 < driver.heartbeat_timeout + 2
+        # seen through its liveness connection, before its heartbeat could say it
+        assert time.monotonic() - t0 < min(1.5, driver.heartbeat_timeout)
         assert driver.workers == [0, 1]
         with pytest.raises(WorkerLostError, match="lost") as e:
             driver.call([2], "ping")
