@@ -7,10 +7,11 @@ policy and the rollout (and PPO's critic_inference) hold actor_train's (critic_t
 weights, so only the training stages' state is the run's own: weights, Adam moments
 and step. After each step's optimizer step, :meth:`Snapshots.take` keeps it twice:
 
-* every rank of every unit of each training stage copies its shards into its own host
+* every rank of unit 0 of each training stage copies its shards into its own host
   memory (``own``), so that a rollback to the last finished step reads an unchanged
-  copy even where a death interrupted the next update half way (a stage with dp >= 2
-  on separate workers then survives any one death in the copies of its other units);
+  copy even where a death interrupted the next update half way; so do the other units'
+  ranks where the stage is not exposed (a stage with dp >= 2 on separate workers then
+  survives any one death in the copies of its other units);
 * where the stage is *exposed* (some worker, or some node when ``nodes >= 2``, meets
   every unit), each rank's shards also go to a *buddy* on another node (another
   worker with one node), which keeps them as a ``mirror``, as Gemini keeps its
@@ -267,7 +268,10 @@ class Snapshots:
             call = sorted((set(workers) | keepers) & alive)
             pend.append(g.driver.submit(call, "rl.snapshot", stage, tag, src, dst, self.tag))
             others = []
-            for u in plan.stage(stage).units[1:]:
+            # With a mirror, unit 0's shards each have two copies on two nodes: any one
+            # death (worker or node) leaves one, so the other units' copies would only
+            # add a host copy per step. Without one, they are what covers unit 0.
+            for u in plan.stage(stage).units[1:] if bud is None else ():
                 other = StagePlan(stage, one.model, True, 1, one.tp, one.pp, (u,))
                 ws = g.ranks(u)
                 pend.append(

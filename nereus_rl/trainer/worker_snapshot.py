@@ -15,6 +15,12 @@ snapshot unchanged. Why two at a time: a death while snapshot ``k`` is being wri
 leaves some ranks with it and some without, and the driver then restores the
 committed one, which every rank still has (each call names it, ``keep_from``; older
 ones are dropped, and a new one never overwrites it).
+
+Why the dropped ones' tensors are written again rather than freed: on CPU workers
+that share the cores, a fresh allocation per snapshot costs page faults and zeroing
+as large as the copy itself, on every step; a dropped copy's tensors of the same
+names, shapes and dtypes take the next copy in place (``copy_``, and the mirror's
+reshard ``out=``), and a workspace per stage keeps the reshard's staging buffers.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 
 import torch
 
-from nereus_comm.reshard import reshard
+from nereus_comm.layout import box_shape
+from nereus_comm.reshard import Workspace, reshard
 from nereus_comm.transport import GlooTransport
 from nereus_rl.runtime.context import WorkerContext, register
 from nereus_rl.trainer.worker_state import (
@@ -39,6 +46,24 @@ from nereus_rl.trainer.worker_state import (
 
 def _store(rl: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, torch.Tensor]]]:
     return rl.setdefault("snapshots", {})
+
+
+def _spare(rl: dict[str, Any]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+    """(stage, "own" | "mirror") -> the tensors of a dropped copy, to be written again."""
+    return rl.setdefault("snapshot_spare", {})
+
+
+def _reusable(
+    spare: dict[str, torch.Tensor] | None, like: dict[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor] | None:
+    """``spare`` when it has exactly the names, shapes and dtypes of ``like``, else None."""
+    if spare is None or spare.keys() != like.keys():
+        return None
+    for k, (shape, dtype) in like.items():
+        t = spare[k]
+        if t.shape != shape or t.dtype != dtype or t.device.type != "cpu":
+            return None
+    return spare
 
 
 @register("rl.snapshot")
@@ -61,8 +86,10 @@ def snapshot(
     """
     rl = rl_state(ctx)
     snaps = _store(rl)
+    spare = _spare(rl)
     for key in [k for k in snaps if k[0] == stage and k[1] < keep_from]:
-        del snaps[key]
+        for which, tensors in snaps.pop(key).items():
+            spare[(stage, which)] = tensors
     config = rl["config"]
     n = config.num_layers
     src = layout(src_desc, n)
@@ -76,15 +103,37 @@ def snapshot(
                 "state of it; the driver's plan and this worker disagree"
             )
         # a copy, on every device: the next optimizer step writes the live tensors
-        rec["own"] = {k: v.detach().to("cpu", copy=True) for k, v in live.items()}
+        into = _reusable(
+            spare.pop((stage, "own"), None), {k: (v.shape, v.dtype) for k, v in live.items()}
+        )
+        if into is None:
+            rec["own"] = {k: v.detach().to("cpu", copy=True) for k, v in live.items()}
+        else:
+            for k, v in live.items():
+                into[k].copy_(v.detach())
+            rec["own"] = into
     copied = time.perf_counter() - t0
     sent = received = 0
     if mirror_desc is not None:
         specs = tensor_specs(config, src_desc["model"] == "critic", with_adam=True)
-        plan = reshard_plan(specs, src, layout(mirror_desc, n))
+        dst = layout(mirror_desc, n)
+        plan = reshard_plan(specs, src, dst)
+        out = None
+        if rl["rank"] in dst:
+            mine = {}
+            for spec in specs:
+                box = dst.box(spec, rl["rank"], n)
+                if box is not None:
+                    mine[spec.name] = (torch.Size(box_shape(box)), spec.dtype)
+            out = _reusable(spare.pop((stage, "mirror"), None), mine)
+        spaces = rl.setdefault("snapshot_workspaces", {})
+        ws = spaces.get(stage)
+        if ws is None:
+            ws = spaces[stage] = Workspace("cpu")
         res = reshard(
             plan, rl["rank"], rec.get("own", {}), GlooTransport(), timeout=timeout,
             liveness=default_liveness(ctx), verify_plan=False,  # one plan, from the driver
+            out=out, workspace=ws,
         )  # fmt: skip
         if res.tensors:
             rec["mirror"] = dict(res.tensors)

@@ -159,8 +159,11 @@ def _full(tr: Trainer, stage: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("victim_device", [2, 1], ids=["actor_train", "reference"])
 def test_the_only_copy_of_a_stage_dies_and_the_run_finishes_from_the_snapshot(victim_device):
     # dp 1 everywhere: device 2 holds actor_train's only copy, device 1 the reference's.
+    # The death comes after the fourth snapshot: from the third on, each is written into
+    # the tensors of the one it drops, so this also checks that reuse never touches
+    # the committed copy.
     plan = _plan((0,), (1,), (2,))
-    cfg = TrainConfig(steps=4, adapt=False, plan=plan, devices=3, seed=5, **FAST)
+    cfg = TrainConfig(steps=5, adapt=False, plan=plan, devices=3, seed=5, **FAST)
     tag: dict = {}
     with _workers(3) as driver:
         tr = Trainer(cfg, driver=driver)
@@ -168,7 +171,7 @@ def test_the_only_copy_of_a_stage_dies_and_the_run_finishes_from_the_snapshot(vi
             tr.start()
 
             def progress(step, m):
-                if step == 1:
+                if step == 3:
                     tag["actor"] = _full(tr, "actor_train")
                     driver.kill(tr.device_worker[victim_device])
 
@@ -190,11 +193,11 @@ def test_the_only_copy_of_a_stage_dies_and_the_run_finishes_from_the_snapshot(vi
         finally:
             tr.close()
     assert res.error is None, res.error
-    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3]
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3, 4]
     (rec,) = _recoveries(res)
     assert rec["recovery"] == "snapshot", rec
     after = tag["after"]
-    # actor_train as the snapshot of step 1 held it, to the byte
+    # actor_train as the snapshot of step 3 held it, to the byte
     assert sorted(after["actor_train"]) == sorted(tag["actor"])
     for name, t in tag["actor"].items():
         assert torch.equal(after["actor_train"][name], t), name
@@ -204,6 +207,51 @@ def test_the_only_copy_of_a_stage_dies_and_the_run_finishes_from_the_snapshot(vi
     for name, t in after["reference"].items():
         assert torch.equal(t, initial[name]), name
     assert all(m.get("snapshot_s") is not None for m in res.metrics)
+
+
+@pytest.mark.slow
+def test_a_death_while_a_snapshot_is_taken_restores_the_committed_one_from_its_mirror():
+    # actor_train's only copy is on device 2, mirrored to a buddy. Its worker dies right
+    # after taking snapshot 3 (the buddy has received its mirror of 3), before replying:
+    # 3 is not committed, so the run rolls back to 2, read from the buddy's mirror. Each
+    # take from the third on writes into the tensors of the one it drops; a take that
+    # wrote into the committed one's would lose or corrupt it here.
+    plan = _plan((0,), (1,), (2,))
+    cfg = TrainConfig(steps=5, adapt=False, plan=plan, devices=3, seed=5, **FAST)
+    tag: dict = {}
+    with _workers(3) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+
+            def progress(step, m):
+                if step == 2:
+                    tag["actor"] = _full(tr, "actor_train")
+                    _arm(driver, tr.device_worker[2], "rl.snapshot")
+
+            recover = tr.recover
+
+            def recover_and_note(step, error):
+                resume = recover(step, error)
+                tag["after"] = _full(tr, "actor_train")
+                return resume
+
+            tr.progress = progress
+            tr.recover = recover_and_note
+            tr.adapter.best_plan = lambda rlen, devices=None: (
+                _plan((devices[0],), (devices[1],), (devices[0],)),
+                0.0,
+            )
+            res = tr.run()
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    assert [m["step"] for m in res.metrics] == [0, 1, 2, 3, 4]
+    (rec,) = _recoveries(res)
+    assert rec["recovery"] == "snapshot" and rec["rolled_back_steps"] == [3], rec
+    assert sorted(tag["after"]) == sorted(tag["actor"])
+    for name, t in tag["actor"].items():
+        assert torch.equal(tag["after"][name], t), name
 
 
 @pytest.mark.slow
