@@ -30,7 +30,10 @@ both medians (``refine_loop_plan_cpu_ms``, ``refine_loop_refine_cpu_ms``): the w
 refinement moves out of the decision is not hidden from the total.
 
 Workload: PPO, Llama-3.1-8B actor, critic, reference and reward model, batch 2 x
-devices prompts of 1,024 tokens. All latencies are cost-model predictions.
+devices prompts of 1,024 tokens. All latencies are cost-model predictions. The same
+sequence is also planned for the asynchronous workload (the rollout one step ahead,
+ranked by its overlapped step: ``planner.overlap_search``), CPU ms apart
+(``async_plan_cpu_ms``).
 
     python benchmarks/bench_planner.py --quick --json out.json
     python benchmarks/bench_planner.py --quick --json new.json --compare old.json
@@ -75,13 +78,14 @@ def _repeated(
     prepare: bool = False,
     native: bool | None = None,
     answers: list | None = None,
+    ahead: bool = False,
 ):
     """Wall and CPU ms of the calls of ``repeats`` runs of the sequence (each run's first
     call left out when the planner is persistent), and each call's median CPU ms. Each
     call's (latency, k-best) is appended to ``answers`` when given."""
     wall, cpu, per_call = [], [], [[] for _ in signals]
     for _ in range(repeats):
-        w, c, parts = _calls(n_dev, signals, persistent, prepare, native, answers)
+        w, c, parts = _calls(n_dev, signals, persistent, prepare, native, answers, ahead)
         skip = 1 if persistent else 0
         wall += w[skip:]
         cpu += c[skip:]
@@ -97,14 +101,17 @@ def _calls(
     prepare: bool = False,
     native: bool | None = None,
     answers: list | None = None,
+    ahead: bool = False,
 ):
     """Wall and CPU (process) milliseconds of each call of the signal sequence, and the
-    number of set partitions each call searched (``native``: see ``Planner``)."""
+    number of set partitions each call searched (``native``: see ``Planner``; ``ahead``:
+    the asynchronous workload, ranked by its overlapped step)."""
     c = cluster_preset(f"h200x{n_dev}")
     cm = CostModel(c)
     base = make_workload(
-        "ppo", reward="llama-3.1-8b", batch=2 * n_dev, prompt_len=1024, response_len=2048
-    )
+        "ppo", reward="llama-3.1-8b", batch=2 * n_dev, prompt_len=1024, response_len=2048,
+        rollout_ahead=ahead,
+    )  # fmt: skip
     planner = Planner(c, cm, native=native)
     if prepare:  # a job knows its bucket edges: price their layouts at start-up
         planner.prepare(base.with_response_len(r) for r in sorted({s[0] for s in signals}))
@@ -126,7 +133,7 @@ def _calls(
         res = p.plan(w, devices=devs)
         cpu.append((time.process_time() - c0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
-        parts.append(res.timings["partitions"])
+        parts.append(res.timings.get("partitions", 0))
         if answers is not None:
             answers.append(res.k_best)
     return wall, cpu, parts
@@ -277,6 +284,16 @@ def main() -> None:
             f"{row['cpsat_status'][:9]:>9} {best.latency_s:>8.2f} "
             f"{f(row['scip_match'], '>6')} {f(row['cpsat_match'], '>6')} "
             f"{f(row['scip_over_plan_x'], '>9.0f')}",
+            flush=True,
+        )
+        # The asynchronous workload (rollout one step ahead), ranked by its overlapped
+        # step (planner.overlap_search): the same signal sequence, a persistent planner.
+        _, async_cpu, _, _ = _repeated(n, signals, True, args.repeats, ahead=True)
+        row["async_plan_cpu_ms"] = statistics.median(async_cpu)
+        row["async_plan_max_cpu_ms"] = max(async_cpu)
+        print(
+            f"{'':>7} asynchronous PPO (overlapped step), same signals: decision CPU median "
+            f"{row['async_plan_cpu_ms']:.2f} ms, max {row['async_plan_max_cpu_ms']:.2f} ms",
             flush=True,
         )
         row["refine_loop_plan_cpu_ms"], row["refine_loop_refine_cpu_ms"] = _refine_loop(n)

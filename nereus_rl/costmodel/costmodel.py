@@ -153,21 +153,41 @@ class StepEstimate:
         )
 
 
+# (devices per node, one node, StagePlan) -> its tiers: pricing a new plan reads every
+# stage's, O(devices) each, and the planner's placements share StagePlans across plans.
+_TIERS: dict = {}
+_TIERS_SIZE = 4096
+
+
 def stage_tiers(cluster: ClusterSpec, sp: StagePlan) -> tuple[str, str, str]:
     """Link tier of a stage's tp groups, pp chains and dp group, from its device ids."""
+    key = (cluster.devices_per_node, cluster.num_nodes == 1, sp)
+    got = _TIERS.get(key)
+    if got is not None:
+        return got
 
     def name(devs) -> str:
         return "intra" if cluster.tier(devs) is cluster.intra else "inter"
 
     tp_t = pp_t = "intra"
     for u in sp.units:
-        for p in range(sp.pp):
-            if name(u[p * sp.tp : (p + 1) * sp.tp]) == "inter":
-                tp_t = "inter"
-        for t in range(sp.tp):
-            if name(u[t :: sp.tp]) == "inter":
-                pp_t = "inter"
-    return tp_t, pp_t, name(sp.devices)
+        if tp_t == "intra":
+            for p in range(sp.pp):
+                if name(u[p * sp.tp : (p + 1) * sp.tp]) == "inter":
+                    tp_t = "inter"
+                    break
+        if pp_t == "intra":
+            for t in range(sp.tp):
+                if name(u[t :: sp.tp]) == "inter":
+                    pp_t = "inter"
+                    break
+        if tp_t == pp_t == "inter":
+            break
+    got = (tp_t, pp_t, name(sp.devices))
+    if len(_TIERS) >= _TIERS_SIZE:
+        _TIERS.clear()
+    _TIERS[key] = got
+    return got
 
 
 def compose_phases(

@@ -51,6 +51,8 @@ import heapq
 import math
 import time
 
+import numpy as np
+
 from nereus_rl.core.spec import LocalCpuClusterSpec
 from nereus_rl.planner.place import infeasible
 
@@ -64,27 +66,19 @@ _TIE = 1.0 - 1e-12
 
 def _pareto(cands: list[tuple]) -> list[tuple]:
     """The entries of ``cands`` (``(key..., layout)``) not dominated in every key by
-    another: no entry with every key at most its own and one below."""
-    keep = []
-    for c in cands:
-        kc = c[:-1]
-        dominated = False
-        for o in cands:
-            if o is c:
-                continue
-            ko = o[:-1]
-            if all(a <= b for a, b in zip(ko, kc)) and ko != kc:
-                dominated = True
-                break
-        if not dominated:
-            keep.append(c)
-    # equal keys: one of them
-    seen, out = set(), []
-    for c in keep:
-        if c[:-1] not in seen:
-            seen.add(c[:-1])
-            out.append(c)
-    return out
+    another (no other entry with every key at most its own and one below); of entries
+    with equal keys, the first."""
+    if len(cands) < 2:
+        return list(cands)
+    K = np.array([c[:-1] for c in cands], dtype=float)
+    le = (K[:, None, :] <= K[None, :, :]).all(axis=2)  # le[j, i]: j's keys all <= i's
+    lt = (K[:, None, :] < K[None, :, :]).any(axis=2)
+    dominated = (le & lt).any(axis=0)
+    # equal keys: keep the first of each
+    eq = le & le.T
+    first = np.argmax(eq, axis=0)
+    keep = ~dominated & (first == np.arange(len(cands)))
+    return [c for c, k in zip(cands, keep.tolist()) if k]
 
 
 def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple[list, dict]:
@@ -124,52 +118,75 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
     sync_lb: dict[int, float] = {}
     sync_at: dict[int, tuple[float, float]] = {}  # layout -> (intra, inter) seconds
     a_i = next((i for i, s in enumerate(stages) if s.stage == "actor_train"), -1)
+    prune = cores is None and aligned
+    cache = pl.__dict__.setdefault("_overlap_rows", {})
+    if len(cache) > 256:
+        cache.clear()
     for i, t in enumerate(tables):
-        secs = (t.W @ x).tolist()
-        rows = []
-        for li, (d, m) in enumerate(zip(t.d.tolist(), t.mem_list)):
-            if d > N or m > cap:
-                continue
-            if i == r_i and t.sync:
-                si = float(t.sync["intra"][li] @ x)
-                se = float(t.sync["inter"][li] @ x)
-                sync_lb[li] = si if one_node else min(si, se)
-                sync_at[li] = (si, se)
-                key = (secs[li], si, se, m, d, li)
-            else:
-                key = (secs[li], m, d, li)
-            rows.append(key)
-        if cores is None and aligned:
-            rows = _pareto(rows)
-        rows.sort()
-        cands.append([(r[0], r[-3], r[-2], r[-1]) for r in rows])
+        # A stage's candidates depend on its table, the efficiencies, the capacity, the
+        # device count and whether dominated layouts may go: kept across calls (a job
+        # plans the same few bucket shapes again and again).
+        ckey = (sid[i], i == r_i, cm.version, cap, N, one_node, prune)
+        got = cache.get(ckey)
+        if got is None:
+            secs = (t.W @ x).tolist()
+            rows, s_lb, s_at = [], {}, {}
+            for li, (d, m) in enumerate(zip(t.d.tolist(), t.mem_list)):
+                if d > N or m > cap:
+                    continue
+                if i == r_i and t.sync:
+                    si = float(t.sync["intra"][li] @ x)
+                    se = float(t.sync["inter"][li] @ x)
+                    s_lb[li] = si if one_node else min(si, se)
+                    s_at[li] = (si, se)
+                    key = (secs[li], si, se, m, d, li)
+                else:
+                    key = (secs[li], m, d, li)
+                rows.append(key)
+            if prune:
+                rows = _pareto(rows)
+            rows.sort()
+            got = cache[ckey] = ([(r[0], r[-3], r[-2], r[-1]) for r in rows], s_lb, s_at)
+        cands.append(got[0])
+        if i == r_i:
+            sync_lb.update(got[1])
+            sync_at.update(got[2])
     if any(not r for r in cands):
         raise infeasible(stages, tables, N, cap)
     tmin = [r[0][0] for r in cands]
     cmin = [min(min(d, cores) * tt for tt, _, d, _ in r) for r in cands] if cores else None
     sync_all = min(sync_lb.values()) if sync_lb else 0.0
 
-    heap: list = []  # (-seconds, n, plan): the k best so far, worst on top
-    priced: dict = {}
+    # Node-aligned on devices of their own, a complete choice's step is the chain
+    # expression itself (the stage tables price the tiers the placement gives): the
+    # search keeps choices by it and only the k best are placed and priced by the
+    # model at the end (pricing a plan builds its stages' tiers, O(devices) each).
+    # Elsewhere (shared cores, holes, odd nodes) every complete choice is placed and
+    # priced by the model as it is found.
+    fast = cores is None and aligned
+    keep = k + len(seeds) if fast else k  # a seed may come back as a choice: room for both
+    heap: list = []  # (-seconds, n, plan or picks): the best so far, worst on top
+    priced: set = set()
     counter = [0, 0]  # nodes, plans priced
 
-    def offer(plan) -> None:
-        if plan in priced:
-            return
-        v = cm.step_total(plan, workload)
+    def push(v: float, item) -> None:
         counter[1] += 1
-        priced[plan] = v
-        item = (-v, counter[1], plan)
-        if len(heap) < k:
-            heapq.heappush(heap, item)
+        entry = (-v, counter[1], item)
+        if len(heap) < keep:
+            heapq.heappush(heap, entry)
         elif v < -heap[0][0]:
-            heapq.heapreplace(heap, item)
+            heapq.heapreplace(heap, entry)
+
+    def offer(plan) -> None:
+        if plan not in priced:
+            priced.add(plan)
+            push(cm.step_total(plan, workload), plan)
 
     for p in seeds:
         offer(p)
 
     def kth() -> float:
-        return -heap[0][0] * _TIE if len(heap) >= k else _INF
+        return -heap[0][0] * _TIE if len(heap) >= keep else _INF
 
     order = sorted(range(S), key=lambda i: (i != r_i, -phase[i], i))
     # group state: [members, choices, width, memory, R, I, T]
@@ -220,8 +237,13 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
             mem = sorted(g[0])
             picks.append((tuple(mem), tuple(choice[i] for i in mem)))
         picks.sort()
-        plan = pl._place(stages, tables, sid, picks, devs)
-        offer(plan)
+        if fast:
+            key = tuple(picks)
+            if key not in priced:
+                priced.add(key)
+                push(bound(S), key)
+        else:
+            offer(pl._place(stages, tables, sid, picks, devs))
 
     def dfs(depth: int, width_used: int) -> None:
         counter[0] += 1
@@ -230,11 +252,21 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
             return
         i = order[depth]
         ph = phase[i]
+        # On devices of their own the bound grows with this stage's time in a given
+        # group, and the layouts come fastest first: a group (or a new one) pruned at
+        # one layout stays pruned for the slower ones (not the rollout: its sync's
+        # seconds differ by layout; not on shared cores: the core bound reads widths).
+        monotone = cores is None and i != r_i
+        dead: set[int] = set()
         for tt, m, d, li in cands[i]:
+            if monotone and len(dead) > len(groups):
+                break
             choice[i] = li
             own[i] = tt
             core_used[0] += min(d, cores) * tt if cores else 0.0
             for gi in range(len(groups) + 1):
+                if gi in dead:
+                    continue
                 new = gi == len(groups)
                 if new:
                     if width_used + d > N:
@@ -256,6 +288,8 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
                 g[slot] += tt
                 if bound(depth + 1) < kth():
                     dfs(depth + 1, new_used)
+                elif monotone:
+                    dead.add(gi)
                 g[slot] -= tt
                 if new:
                     groups.pop()
@@ -270,7 +304,19 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
     dfs(0, 0)
     if not heap:
         raise infeasible(stages, tables, N, cap)
-    ranked = sorted(((-v, n, p) for v, n, p in heap), key=lambda e: (e[0], e[1]))
+    ranked, seen = [], set()
+    for v, n, item in sorted(heap, key=lambda e: (-e[0], e[1])):
+        if isinstance(item, tuple):  # a choice kept by its chain expression: now placed
+            item = pl._place(stages, tables, sid, list(item), devs)
+            if item in seen:
+                continue
+            v = -cm.step_total(item, workload)
+        elif item in seen:
+            continue
+        seen.add(item)
+        ranked.append((-v, n, item))
+    ranked.sort(key=lambda e: (e[0], e[1]))
+    ranked = ranked[:k]
     timings = {
         "tables_ms": (t1 - t0) * 1e3,
         "bounds_ms": 0.0,

@@ -59,8 +59,8 @@ class PlanResult:
             bounds), ``search_ms``, ``total_ms``, ``nodes`` (search nodes, the last
             group's depth-first nodes included), ``partitions`` (partitions searched),
             ``aligned`` (whether the placement is node-aligned; see ``planner``); for an
-            asynchronous workload also ``priced`` (plans the overlapped search priced
-            with the cost model; its nodes are added to ``nodes``).
+            asynchronous workload also ``priced`` (complete plans the overlapped search
+            ranked; its nodes are added to ``nodes``).
     """
 
     plan: GlobalPlan
