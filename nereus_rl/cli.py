@@ -149,6 +149,8 @@ def _train(args: argparse.Namespace) -> int:
             options[name] = v
     if args.no_mirror:
         options["mirror"] = False
+    if args.wandb:
+        options["wandb"] = True
     if args.reward is not None:
         options["reward_fn"] = args.reward
     if args.length is not None:
@@ -259,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--save-every", type=int, default=None, metavar="N",
         help="also write the policy (and critic) as Hugging Face folders every N steps",
+    )  # fmt: skip
+    t.add_argument(
+        "--wandb", action="store_true",
+        help="also log to Weights & Biases (needs wandb; WANDB_MODE=offline keeps it local)",
     )  # fmt: skip
     t.add_argument("--devices", type=int, default=4, help="worker processes (devices)")
     t.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --quick 8)")

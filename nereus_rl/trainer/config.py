@@ -112,6 +112,11 @@ class TrainConfig:
     # else the run folder.
     save_every: int = 0
     save_dir: str | None = None
+    # Also log to Weights & Biases (needs the wandb package; it follows its own
+    # environment, WANDB_MODE=offline included), in project wandb_project. TensorBoard
+    # event files are written to the run folder regardless.
+    wandb: bool = False
+    wandb_project: str | None = None
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -258,6 +263,10 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
             "data needs reward_fn: a built-in verifier ('numeric', 'exact', 'format'), "
             "'module:function', or a callable fn(prompt, response, answer) -> float"
         )
+    if cfg.wandb:
+        from nereus_rl.trainer.tracking import import_wandb
+
+        import_wandb()  # not installed: a clear error before any process starts
     if not (isinstance(cfg.save_every, int) and cfg.save_every >= 0):
         raise TrainConfigError(
             f"save_every={cfg.save_every!r} must be an int >= 0 (0: save at the end only)"

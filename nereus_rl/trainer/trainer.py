@@ -711,6 +711,8 @@ class Trainer(StepWork):
         m.update(
             step=step,
             response_len=job["rlen"],
+            # the left-padded batch's prompt columns: what the cost model prices the step at
+            prompt_len=job["sequences"].shape[1] - job["mask"].shape[1],
             level=job["level"],
             plan=repr(self.plan),
             num_devices=len(self.plan.devices),
@@ -822,7 +824,8 @@ def train(
         steps: RL steps.
         adapt: run the adaptation loop (False: keep the first plan).
         seed: seeds the warm start, the prompts and the sampling.
-        run_dir: folder for metrics.jsonl, decisions.jsonl, plots and summary (None: none).
+        run_dir: folder for metrics.jsonl, decisions.jsonl, TensorBoard event files, plots
+            and summary (None: none; ``wandb=True`` also logs to Weights & Biases).
         mode: ``"sync"`` or ``"async"`` (rollout one step ahead of training).
         memory_budget: bytes per worker the plan must fit. None: the automatic budget
             (:func:`~nereus_rl.policy.auto_budget.auto_budget`), which a fast start plan fits
@@ -833,7 +836,7 @@ def train(
         progress: called after every step with (step, metrics).
         options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
             admission, transitions, length_start, length_end, device, tokenizer,
-            prompt_field, answer_field, save_dir, ...). ``device="cuda"``
+            prompt_field, answer_field, save_dir, wandb, wandb_project, ...). ``device="cuda"``
             puts each worker's stages on its own GPU (NCCL for the models' collectives);
             the default ``"cpu"`` keeps them in host memory.
 

@@ -167,7 +167,8 @@ class Adapter(Planning):
             The step's extra metrics (predictions, memory) and its :class:`StepSignals`.
         """
         cfg = self.cfg
-        wl_now = self.workload(m["response_len"])
+        # priced at the batch's padded prompt width: the work that ran
+        wl_now = self.workload(m["response_len"], m.get("prompt_len"))
         measured = stage_seconds(cfg.algo, m, worker_inference=cfg.mode == "async")
         if wl_now.rollout_ahead and step == 0:
             # the first async step waits for its own rollout: not the steady state the

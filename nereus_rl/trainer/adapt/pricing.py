@@ -86,6 +86,8 @@ class Planning:
         self.shapes.unmeasured_factor = 1.0 + self.controller.model_tolerance
         self.sized_plan: GlobalPlan | None = None  # the automatic budget's (_auto_budget)
         self._workloads: dict[int, Workload] = {}  # response length -> its Workload
+        # (response length, a batch's padded prompt width) -> its Workload
+        self._padded: dict[tuple[int, int], Workload] = {}
         self._priced: PricedModel | None = None  # the default model's (priced)
         budget = cfg.memory_budget
         if budget is None:
@@ -138,30 +140,48 @@ class Planning:
 
     # -------------------------------------------------------------- workload
 
+    @property
+    def _varlen(self) -> bool:
+        # a prompt dataset (its batches' widths vary), not a bundled task
+        return hasattr(self.task, "prompt_len")
+
     def _prompt_len(self, rlen: int) -> int:
         if hasattr(self.task, "prompt_len"):  # a dataset's: its padded prompt width
             return self.task.prompt_len(rlen)
         level = self.task.level_for_response_len(rlen)
         return len(TOKENIZER.encode(self.task.sample(1, level, random.Random(0))[0].prompt))
 
-    def workload(self, rlen: int) -> Workload:
+    def workload(self, rlen: int, prompt_len: int | None = None) -> Workload:
         """The workload of a step whose responses are limited to ``rlen`` tokens (bucketed).
 
-        One object per length for the run (the config and the task are fixed): the cost
-        model's and the planner's caches, keyed by workload, then find it at once.
+        ``prompt_len``: the padded prompt width of a dataset's batch that ran (the
+        left-padded batch's columns), so that a step is priced at the work that really
+        ran; None: the width the run plans with (a dataset's longest prompt), which bounds
+        any batch's. A bundled task's steps keep the width its decisions are priced at
+        (its level's prompt at ``rlen``), so that what the model learns from a step and
+        what it is asked about stay alike.
+
+        One object per (length, width) for the run (the config and the task are fixed):
+        the cost model's and the planner's caches, keyed by workload, then find it at once.
         """
         wl = self._workloads.get(rlen)
         if wl is None:
             wl = self._workloads[rlen] = self._make_workload(rlen)
-        return wl
+        if prompt_len is None or prompt_len == wl.prompt_len or not self._varlen:
+            return wl
+        key = (rlen, int(prompt_len))
+        got = self._padded.get(key)
+        if got is None:
+            got = self._padded[key] = self._make_workload(rlen, int(prompt_len))
+        return got
 
-    def _make_workload(self, rlen: int) -> Workload:
+    def _make_workload(self, rlen: int, prompt_len: int | None = None) -> Workload:
         cfg = self.cfg
         return make_workload(
             cfg.algo,
             actor=self.mspec,
             batch=cfg.batch,
-            prompt_len=self._prompt_len(rlen),
+            prompt_len=self._prompt_len(rlen) if prompt_len is None else prompt_len,
             response_len=bucket_of(rlen, cfg.buckets),
             group_size=cfg.group_size if cfg.algo == "grpo" else 1,
             micro_batch=max(1, cfg.batch // cfg.num_micro),
