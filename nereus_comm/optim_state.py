@@ -139,7 +139,9 @@ def param_name(key: str) -> str:
     if key.startswith(MASTER_PREFIX):
         return key[len(MASTER_PREFIX) :]
     if key.startswith(OPTIM_PREFIX) and key != PARAM_GROUPS_KEY:
-        return key[len(OPTIM_PREFIX) :].split(".", 1)[1]
+        rest = key[len(OPTIM_PREFIX) :].split(".", 1)
+        # A state entry of no parameter (a global "optim.step") is its own.
+        return rest[1] if len(rest) == 2 else key
     return key
 
 

@@ -43,7 +43,9 @@ Example (on every rank of both sides)::
 
 from __future__ import annotations
 
+import hashlib
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -208,11 +210,7 @@ class RankMesh:
             i = self._pos[rank]
         except (KeyError, TypeError):
             raise LayoutError(f"rank {rank!r} is not in {self!r}") from None
-        out = []
-        for s in reversed(self.shape):
-            i, c = divmod(i, s)
-            out.append(c)
-        return tuple(reversed(out))
+        return _unravel(i, self.shape)
 
     def node(self, rank: int) -> int:
         """Node id of ``rank`` (0 when node_of is None)."""
@@ -220,6 +218,15 @@ class RankMesh:
 
     def __repr__(self) -> str:
         return f"RankMesh({list(self.shape)} ranks={list(self.ranks)})"
+
+
+@lru_cache(maxsize=65536)
+def _unravel(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for s in reversed(shape):
+        i, c = divmod(i, s)
+        out.append(c)
+    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
@@ -517,6 +524,19 @@ class ShardedPlan:
         for s in (*src, *dst):
             ranks.update(s.mesh.ranks)
         self.ranks: tuple[int, ...] = tuple(sorted(ranks))
+        self._digest: bytes | None = None
+
+    @property
+    def digest(self) -> bytes:
+        """A 16-byte digest of what fixes the plan (specs, both sides' shardings): equal
+        on every process that planned the same move, different otherwise."""
+        if self._digest is None:
+            rows = [
+                (s.name, tuple(s.shape), str(s.dtype), _sharding_row(a), _sharding_row(b))
+                for s, a, b in zip(self.specs, self.src, self.dst)
+            ]
+            self._digest = hashlib.blake2b(repr(rows).encode(), digest_size=16).digest()
+        return self._digest
 
     def src_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
         """The local shard shape of every tensor ``rank`` holds in the source, by name."""
@@ -550,6 +570,12 @@ class ShardedPlan:
             f"{self.total_bytes}B sent (lower bound {self.lower_bound_bytes}B), "
             f"{self.local_bytes}B local, {len(self.remote)} remote pieces)"
         )
+
+
+def _sharding_row(s: Sharding) -> tuple:
+    """A Sharding as plain values whose repr is the same in every process."""
+    m = s.mesh
+    return (m.shape, m.ranks, m.node_of, tuple(repr(p) for p in s.placements), s.shard_order)
 
 
 def _per_tensor(what, specs, side: str) -> tuple[Sharding, ...]:
@@ -702,29 +728,79 @@ def _slices(box: Box) -> tuple[slice, ...]:
 def _check_inputs(
     plan: ShardedPlan, rank: int, tensors: Mapping[str, torch.Tensor], what: str, expected
 ):
-    by_name = {s.name: s for s in plan.specs}
-    unknown = sorted(set(tensors) - set(expected))
+    unknown = [n for n in tensors if n not in expected]
     if unknown:
         raise TensorMismatchError(
-            f"rank {rank}: {what} tensors {unknown[:10]} are not this rank's in the plan"
+            f"rank {rank}: {what} tensors {sorted(unknown)[:10]} are not this rank's in the plan"
         )
-    for name, shape in expected.items():
+    for name, (shape, dtype) in expected.items():
         t = tensors.get(name)
         if t is None:
             raise TensorMismatchError(f"rank {rank}: {what} tensor {name!r} is missing")
         why = unsupported_reason(t)
         if why is not None:
             raise TensorMismatchError(f"rank {rank}: {what} tensor {name!r} {why}")
-        spec = by_name[name]
-        if tuple(t.shape) != tuple(shape) or t.dtype != spec.dtype:
+        if t.shape != shape or t.dtype != dtype:
             raise TensorMismatchError(
                 f"rank {rank}: {what} tensor {name!r} is {tuple(t.shape)} {t.dtype}; its "
-                f"sharding gives this rank {tuple(shape)} {spec.dtype}"
+                f"sharding gives this rank {tuple(shape)} {dtype}"
             )
-        if not t.is_contiguous():
+        # A source is only read (piece by piece, each in place where one row stride
+        # describes it); a destination must not overlap itself.
+        if what == "destination" and not t.is_contiguous() and row_view(t) is None:
             raise TensorMismatchError(
-                f"rank {rank}: {what} tensor {name!r} is not contiguous; pass t.contiguous()"
+                f"rank {rank}: {what} tensor {name!r} (strides {tuple(t.stride())}) is not "
+                "contiguous nor rows of one stride; pass a contiguous tensor"
             )
+
+
+@dataclass(frozen=True)
+class _RankWork:
+    """What one rank's :func:`reshard_sharded` derives from the plan alone (cached per
+    plan and rank): expected shards, and the slices of every piece it sends, receives
+    or copies, by tensor name."""
+
+    src_expected: dict[str, tuple[torch.Size, torch.dtype]]
+    dst_expected: dict[str, tuple[torch.Size, torch.dtype]]
+    sends: tuple[tuple[str, str, tuple[slice, ...]], ...]  # (piece name, tensor, slices)
+    recvs: tuple[tuple[str, str, tuple[slice, ...]], ...]
+    local: tuple[tuple[str, tuple[slice, ...], tuple[slice, ...]], ...]
+    in_inner: bool
+
+
+_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rank_work(plan: ShardedPlan, rank: int) -> _RankWork:
+    per_plan = _WORK.setdefault(plan, {})
+    work = per_plan.get(rank)
+    if work is not None:
+        return work
+    by_name = {s.name: s for s in plan.specs}
+
+    def expected(shapes):
+        return {n: (torch.Size(sh), by_name[n].dtype) for n, sh in shapes.items()}
+
+    names = [s.name for s in plan.specs]
+    inner = plan.inner
+    work = _RankWork(
+        src_expected=expected(plan.src_shapes(rank)),
+        dst_expected=expected(plan.dst_shapes(rank)),
+        sends=tuple(
+            (p.name, names[p.tensor], _slices(p.src_local)) for p in plan.remote if p.src == rank
+        ),
+        recvs=tuple(
+            (p.name, names[p.tensor], _slices(p.dst_local)) for p in plan.remote if p.dst == rank
+        ),
+        local=tuple(
+            (names[p.tensor], _slices(p.src_local), _slices(p.dst_local))
+            for p in plan.local
+            if p.dst == rank
+        ),
+        in_inner=inner is not None and (rank in inner.src or rank in inner.dst),
+    )
+    per_plan[rank] = work
+    return work
 
 
 def reshard_sharded(
@@ -738,67 +814,69 @@ def reshard_sharded(
 ) -> ShardedResult:
     """Run ``plan`` on ``rank``: every rank of the plan calls it with the same plan.
 
+    Every piece is read from the source shard, and written into the destination
+    shard, in place wherever one row stride describes it there (a column block of a
+    row-major shard is); only a piece that is no such view on a side is copied once
+    more on that side.
+
     Arguments:
         plan: from :func:`plan_sharded`.
         rank: this rank (the transport's).
-        tensors: this rank's source local shards, by name (contiguous, plain tensors,
-            shapes as their Sharding gives); empty for a rank outside every source mesh.
+        tensors: this rank's source local shards, by name (plain dense tensors of any
+            strides, shapes as their Sharding gives); empty for a rank outside every
+            source mesh.
         transport: carries the remote pieces (GlooTransport, ProcessGroupTransport, ...);
             may be None when the plan moves nothing.
-        out: destination local shards to fill, by name (contiguous); default: fresh.
-        kwargs: passed to :func:`~nereus_comm.reshard.reshard` (timeout, route, ...).
+        out: destination local shards to fill, by name (contiguous, or rows of one
+            stride such as a column block of a larger tensor); default: fresh.
+        kwargs: passed to :func:`~nereus_comm.reshard.reshard` (timeout, route,
+            verify_plan, ...).
 
     Returns:
         The rank's destination shards (empty for a rank outside every destination mesh).
 
     Raises:
         TensorMismatchError: a shard missing, unknown, of the wrong shape or dtype,
-            non-contiguous, or not a plain tensor (names it); before any byte moves.
+            not a plain tensor, or an ``out`` shard that is no row view (names it);
+            before any byte moves.
         As reshard for the exchange itself.
     """
-    _check_inputs(plan, rank, tensors, "source", plan.src_shapes(rank))
-    dst_shapes = plan.dst_shapes(rank)
-    by_name = {s.name: s for s in plan.specs}
+    work = _rank_work(plan, rank)
+    _check_inputs(plan, rank, tensors, "source", work.src_expected)
     # Fresh shards live where the transport moves bytes (host memory for gloo).
     device = getattr(transport, "device", None) or torch.device(
         getattr(transport, "device_type", "cpu")
     )
     if out is not None:
-        _check_inputs(plan, rank, out, "destination", dst_shapes)
+        _check_inputs(plan, rank, out, "destination", work.dst_expected)
         result = dict(out)
     else:
         result = {
-            n: torch.empty(sh, dtype=by_name[n].dtype, device=device)
-            for n, sh in dst_shapes.items()
+            n: torch.empty(sh, dtype=dt, device=device) for n, (sh, dt) in work.dst_expected.items()
         }
-    names = [s.name for s in plan.specs]
     sends: dict[str, torch.Tensor] = {}
     outs: dict[str, torch.Tensor] = {}
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for p in plan.remote:
-        if p.src == rank:
-            view = tensors[names[p.tensor]][_slices(p.src_local)]
-            # reshard reads a strided source piece in place where one row stride
-            # describes it; any other view is copied once here.
-            sends[p.name] = view if row_view(view) is not None else view.contiguous()
-        if p.dst == rank:
-            view = result[names[p.tensor]][_slices(p.dst_local)]
-            if view.is_contiguous():
-                outs[p.name] = view
-            else:  # reshard fills contiguous shards: land it beside, copy it in after
-                tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
-                outs[p.name] = tmp
-                later.append((view, tmp))
+    for piece, name, sl in work.sends:
+        view = tensors[name][sl]
+        # reshard reads a strided piece in place where one row stride describes it;
+        # any other view is copied once here.
+        sends[piece] = view if row_view(view) is not None else view.contiguous()
+    for piece, name, sl in work.recvs:
+        view = result[name][sl]
+        if row_view(view) is not None:  # reshard writes it in place
+            outs[piece] = view
+        else:  # no single row stride: land it beside, copy it in after
+            tmp = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+            outs[piece] = tmp
+            later.append((view, tmp))
     res = None
-    inner = plan.inner
-    if inner is not None and (rank in inner.src or rank in inner.dst):
+    if work.in_inner:
         if transport is None:
             raise TensorMismatchError(f"rank {rank}: the plan moves bytes but transport is None")
-        res = reshard(inner, rank, sends, transport, out=outs, **kwargs)
-    for p in plan.local:
-        if p.dst == rank:
-            name = names[p.tensor]
-            result[name][_slices(p.dst_local)].copy_(tensors[name][_slices(p.src_local)])
+        res = reshard(plan.inner, rank, sends, transport, out=outs, **kwargs)
+    for name, src_sl, dst_sl in work.local:
+        result[name][dst_sl].copy_(tensors[name][src_sl])
     for view, tmp in later:
         view.copy_(tmp)
     return ShardedResult(result, res)

@@ -6,8 +6,9 @@ same plan. Each rank:
 1. validates every tensor it was handed (and every ``out`` tensor) against its
    spec and its box in the layout: name, shape, dtype, device, contiguity, and
    that its bytes are its data (no DTensor or other subclass, sparse, quantized,
-   nested or meta tensor). A source shard may be a strided view whose elements lie
-   in rows of one stride (``full[:, a:b]``): its pieces are read in place. Then
+   nested or meta tensor). A source shard, or an ``out`` shard, may be a strided
+   view whose elements lie in rows of one stride (``full[:, a:b]``): its pieces are
+   read, or written, in place. Then
    it checks with every peer it exchanges bytes with that both derived the same
    plan: each sends each peer a 40-byte digest of the specs, the layouts, the
    route and the pair's wire buffers, in one batched exchange; where two disagree,
@@ -72,6 +73,7 @@ from nereus_comm.reshard_program import (
     check_shards,
     plan_table,
     program,
+    rebind_destinations,
     rebind_sources,
     wire_groups,
 )
@@ -478,7 +480,9 @@ def reshard(
         tensors: this rank's source shards by spec name (empty if not in plan.src).
         transport: moves the bytes (GlooTransport for host memory, NcclTransport for
             device memory); must reach every peer of this rank in the plan.
-        out: preallocated destination shards by spec name (default: allocated here).
+        out: preallocated destination shards by spec name (default: allocated here);
+            like a source shard, each may be a strided view of rows of one stride
+            (e.g. a column block of a larger tensor), filled in place.
         timeout: seconds for the exchange.
         direct_min_bytes: pieces from this size travel as their own buffer (see
             :func:`wire_groups`).
@@ -518,7 +522,7 @@ def reshard(
         TensorMismatchError: a tensor is missing, unknown, or differs from its spec
             (shape vs its box, dtype, device: the transport's type and, for a CUDA
             transport, its GPU), is non-contiguous where no single row stride
-            describes it (a destination shard must be contiguous), or its bytes are not
+            describes it, or its bytes are not
             its data (a DTensor or other tensor subclass, sparse, quantized, nested,
             meta, lazily conjugated); the message names the tensor and what to pass.
             Raised before any byte moves.
@@ -579,17 +583,34 @@ def reshard(
             raise TransportArgumentError(
                 f"rank {rank} exchanges with rank {peer}, which {transport!r} cannot reach"
             )
+    prog_recvs, local_dst = prog.recvs, prog.local_dst
     if out is not None:
-        check_shards(
+        dst_views = check_shards(
             out, dst_specs, prog.dst_expected, dst, rank, device_type, "destination",
-            device=device,
+            device=device, strided=True,
         )  # fmt: skip
         dst_tensors = dict(out)
+        # Strided destination shards (column blocks of a larger tensor): their pieces
+        # land in place through their row layout, no copy of the caller's.
+        dst_bound = dst_tensors
+        if dst_views:
+            prog_recvs, local_dst, dst_bound = rebind_destinations(
+                prog, dst_tensors, dst_views, dst_specs, rank
+            )
+            named = (prog.local_dst[i][0] for i in local_done if 0 <= i < len(prog.local_dst))
+            moved = sorted(set(named) & set(dst_views))
+            if moved:
+                raise TensorMismatchError(
+                    f"local_done names local copies into destination tensors {moved}, which "
+                    "are strided views: page moves assume contiguous shards; pass them "
+                    ".contiguous() or make those copies here (leave them out of local_done)"
+                )
     else:
         dst_tensors = {
             name: torch.empty(shape, dtype=dtype, device=device)
             for name, (shape, dtype) in prog.dst_expected.items()
         }
+        dst_bound = dst_tensors
 
     if liveness is not None:
         liveness = _within(liveness, frozenset(src.ranks) | frozenset(dst.ranks))
@@ -643,7 +664,7 @@ def reshard(
         lambda b: b.peer in long_send or (b.peer in cma_sends and _long_runs(b.nbytes, b.runs)),
     )
     recvs, cma_recv_slots, cma_recv_bytes = _take(
-        prog.recvs,
+        prog_recvs,
         lambda b: b.peer in long_recv or (b.peer in cma_recvs and _long_runs(b.nbytes, b.runs)),
     )
     shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
@@ -675,7 +696,7 @@ def reshard(
     send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
     recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
     send_bufs, send_staged = _bind(sends, src_tensors, send_stage)
-    recv_bufs, recv_staged = _bind(recvs, dst_tensors, recv_stage)
+    recv_bufs, recv_staged = _bind(recvs, dst_bound, recv_stage)
     if send_staged:
         pack(send_staged, out=send_stage)
     packed_at = time.perf_counter()
@@ -696,7 +717,7 @@ def reshard(
     read = {}
     for peer, slots in cma_recv_slots.items():
         # The read is the whole transfer: from the peer's shards into ours.
-        regions = [_region(sl, dst_tensors) for sl in slots]
+        regions = [_region(sl, dst_bound) for sl in slots]
         read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
     read_at = time.perf_counter()
     # After this rank's reads, while its peers may still read from it (cma.finish waits
@@ -706,13 +727,13 @@ def reshard(
     if local:
         copy_regions(
             [_region(local_src[i], src_tensors) for i in local],
-            [_region(prog.local_dst[i], dst_tensors) for i in local],
+            [_region(local_dst[i], dst_bound) for i in local],
         )
     copied_at = time.perf_counter()
     if shm_recv_slots:
         shm.receive(
             shm_recv_bytes,
-            lambda p, view: unpack(view, [_region(sl, dst_tensors) for sl in shm_recv_slots[p]]),
+            lambda p, view: unpack(view, [_region(sl, dst_bound) for sl in shm_recv_slots[p]]),
             deadline=deadline,
             timeout=timeout,
             liveness=liveness,
@@ -745,7 +766,7 @@ def reshard(
         buffers_sent=sum(1 for b in prog.sends if b.nbytes),
         buffers_received=sum(1 for b in prog.recvs if b.nbytes),
         staged_bytes_sent=_staged_nbytes(prog_sends),
-        staged_bytes_received=_staged_nbytes(prog.recvs),
+        staged_bytes_received=_staged_nbytes(prog_recvs),
         shm_bytes_sent=sum(shm_send_bytes.values()),
         shm_bytes_received=sum(shm_recv_bytes.values()),
         cma_bytes_sent=sum(cma_send_bytes.values()),

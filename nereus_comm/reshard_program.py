@@ -32,6 +32,7 @@ __all__ = [
     "check_shards",
     "plan_table",
     "program",
+    "rebind_destinations",
     "rebind_sources",
     "row_view",
     "wire_groups",
@@ -214,7 +215,7 @@ def check_shards(
                 how = (
                     "its strides are not rows of one stride (e.g. a transposed view)"
                     if strided
-                    else "reshard reads and writes destination shards as contiguous memory"
+                    else "this check takes contiguous shards only"
                 )
                 raise TensorMismatchError(
                     f"{what} tensor {name!r} on rank {rank}: expected shape {tuple(shape)}, "
@@ -256,6 +257,43 @@ def _is_run(slot: Slot) -> bool:
     return rows <= 1 or row == 0 or stride == row
 
 
+def _rebind(
+    buffers: tuple[WireBuffer, ...], local: tuple[Slot, ...], tensors: Mapping[str, torch.Tensor],
+    views: Mapping[str, RowView], specs: Sequence[TensorSpec], rank: int, what: str,
+) -> tuple[tuple[WireBuffer, ...], tuple[Slot, ...], dict[str, torch.Tensor]]:  # fmt: skip
+    """``buffers`` and ``local`` slots placed in the RowViews of the shards in ``views``
+    (see :func:`rebind_sources`), and the shards to bind them to."""
+    bound = dict(tensors)
+    for name, view in views.items():
+        bound[name] = tensors[name].detach().as_strided((view.span,), (1,))
+
+    def place(slot: Slot) -> Slot:
+        view = views.get(slot[0])
+        if view is None:
+            return slot
+        out = _translate(slot, view)
+        if out is None:
+            spec = next(s for s in specs if s.name == slot[0])
+            t = tensors[slot[0]]
+            raise TensorMismatchError(
+                f"{what} tensor {slot[0]!r} on rank {rank}: a strided view (shape "
+                f"{tuple(t.shape)}, strides {tuple(t.stride())}) that the plan cuts along dim "
+                f"{spec.cut_dim} into pieces that cross its rows; no single strided region "
+                "describes them. Pass t.contiguous()"
+            )
+        return out
+
+    out = []
+    for b in buffers:
+        if not any(sl[0] in views for sl in b.slots):
+            out.append(b)
+            continue
+        slots = tuple(place(sl) for sl in b.slots)
+        direct = len(slots) == 1 and _is_run(slots[0])
+        out.append(dataclasses.replace(b, slots=slots, direct=direct))
+    return tuple(out), tuple(place(sl) for sl in local), bound
+
+
 def rebind_sources(
     prog: RankProgram, tensors: Mapping[str, torch.Tensor], views: Mapping[str, RowView],
     specs: Sequence[TensorSpec], rank: int,
@@ -283,35 +321,36 @@ def rebind_sources(
         TensorMismatchError: a piece of a shard in ``views`` is no single Region of
             its view (the plan cuts the shard across the view's rows).
     """
-    bound = dict(tensors)
-    for name, view in views.items():
-        bound[name] = tensors[name].detach().as_strided((view.span,), (1,))
+    return _rebind(prog.sends, prog.local_src, tensors, views, specs, rank, "source")
 
-    def place(slot: Slot) -> Slot:
-        view = views.get(slot[0])
-        if view is None:
-            return slot
-        out = _translate(slot, view)
-        if out is None:
-            spec = next(s for s in specs if s.name == slot[0])
-            t = tensors[slot[0]]
-            raise TensorMismatchError(
-                f"source tensor {slot[0]!r} on rank {rank}: a strided view (shape "
-                f"{tuple(t.shape)}, strides {tuple(t.stride())}) that the plan cuts along dim "
-                f"{spec.cut_dim} into pieces that cross its rows; no single strided region "
-                "describes them. Pass t.contiguous()"
-            )
-        return out
 
-    sends = []
-    for b in prog.sends:
-        if not any(sl[0] in views for sl in b.slots):
-            sends.append(b)
-            continue
-        slots = tuple(place(sl) for sl in b.slots)
-        direct = len(slots) == 1 and _is_run(slots[0])
-        sends.append(dataclasses.replace(b, slots=slots, direct=direct))
-    return tuple(sends), tuple(place(sl) for sl in prog.local_src), bound
+def rebind_destinations(
+    prog: RankProgram, tensors: Mapping[str, torch.Tensor], views: Mapping[str, RowView],
+    specs: Sequence[TensorSpec], rank: int,
+) -> tuple[tuple[WireBuffer, ...], tuple[Slot, ...], dict[str, torch.Tensor]]:  # fmt: skip
+    """The program's receives and local-copy targets over non-contiguous ``out`` shards.
+
+    As :func:`rebind_sources`, for the destination side: a receive buffer that was
+    one contiguous block but is strided in the view is received into the staging
+    buffer and unpacked into the view (one copy), the others land in place. So a
+    caller filling column blocks of a larger tensor passes those views as ``out`` and
+    pays no copy of its own.
+
+    Arguments:
+        prog: the rank's program.
+        tensors: the destination shards as given (checked by :func:`check_shards`).
+        views: the RowView of every non-contiguous shard.
+        specs: the plan's destination specs (for the message).
+        rank: this rank (for the message).
+
+    Returns:
+        (receive buffers, local-copy targets, the shards to bind the regions to).
+
+    Raises:
+        TensorMismatchError: a piece of a shard in ``views`` is no single Region of
+            its view.
+    """
+    return _rebind(prog.recvs, prog.local_dst, tensors, views, specs, rank, "destination")
 
 
 def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[int, ...]]:

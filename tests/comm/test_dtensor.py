@@ -360,3 +360,67 @@ def test_torch_placements_convert_and_partial_is_refused() -> None:
         from_torch_placements([Partial()], 1, "g")
     with pytest.raises(DTensorReshardError, match=r"tensor 'b'.*shards dim 1 of a 1-D"):
         from_torch_placements([Shard(1)], 1, "b")
+
+
+# -- a repeated call: a fingerprint instead of the metadata ---------------------------------------
+
+
+def _repeated(ctx: WorkerContext) -> dict:
+    src = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    dst = DeviceMesh("cpu", torch.tensor([3, 1, 0]))
+    g = torch.Generator().manual_seed(5)
+    fulls = {"w": torch.randn(9, 6, generator=g), "h": torch.randn(5, generator=g).bfloat16()}
+    state = {
+        k: distribute_tensor(v, src, [Shard(0), Shard(v.dim() - 1)], src_data_rank=None)
+        for k, v in fulls.items()
+    }
+    calls = []
+    real = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        seen, bad = [], []
+        for step, (note, pl) in enumerate(
+            [("a", [Shard(0)]), ("a", [Shard(0)]), ("a", [Shard(1)]), ("b", [Shard(1)])]
+        ):
+            before = len(calls)
+            for k, v in fulls.items():  # new values, same description: still the fast path
+                state[k].to_local().copy_(_reference(v + step, src, state[k].placements))
+
+            def placements_of(name, shape, pl=pl):
+                return [Shard(0)] if len(shape) == 1 else pl
+
+            out = reshard_dtensors({**state, "note": note}, dst, placements_of, timeout=30)
+            seen.append(len(calls) - before)
+            if ctx.rank in (0, 1, 3):
+                want = {k: v + step for k, v in fulls.items()}
+                bad += [f"{step}: {b}" for b in _check(out, want, dst, placements_of)]
+                if out["note"] != note:
+                    bad.append(f"{step}: note")
+        # A rank that now holds another dtype: every rank refuses, before any byte moves.
+        if ctx.rank == 2:
+            state["w"] = distribute_tensor(
+                fulls["w"].double(), src, [Shard(0), Shard(1)], src_data_rank=None
+            )
+        try:
+            reshard_dtensors({**state, "note": "b"}, dst, [Shard(0)], timeout=30)
+            refused = None
+        except DTensorReshardError as e:
+            refused = str(e)
+    finally:
+        dist.all_gather_object = real
+    return {"metadata_exchanges": seen, "bad": bad, "refused": refused}
+
+
+@pytest.mark.slow
+def test_a_repeated_call_exchanges_a_fingerprint_only(pool) -> None:
+    for r, res in enumerate(pool.run(_repeated)):
+        # first call: the metadata; the same state again, or to other placements: the
+        # fingerprint only; a changed value: the metadata again
+        assert res["metadata_exchanges"] == [1, 0, 0, 1], (r, res)
+        assert res["bad"] == [], (r, res)
+        assert res["refused"] and "tensor 'w'" in res["refused"], (r, res)

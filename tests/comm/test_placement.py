@@ -23,7 +23,10 @@ from nereus_comm.placement import (
     reshard_sharded,
     sharding_from_layout,
 )
+from nereus_comm.plan import plan_reshard
+from nereus_comm.reshard import reshard
 from nereus_comm.testing import LocalWorkers, WorkerContext
+from nereus_comm.transport import Transport
 
 WORLD = 4
 
@@ -361,3 +364,81 @@ def test_grow_from_4_to_6_ranks() -> None:
     for r, res in enumerate(out):
         assert res["bad"] == [] and res["names"] and res["src_ok"], (r, res)
     assert sum(res["sent"] for res in out) == out[0]["plan"] == lower_bound(tensors, src, dst)
+
+
+# -- strided destinations and sources: filled and read in place -------------------------------
+
+
+class _Local(Transport):
+    """A one-rank transport that refuses to post anything (every piece is local)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank, self.ranks, self.device_type = 0, (0,), "cpu"
+
+    def _post(self, sends, recvs, timeout, liveness):
+        if sends or recvs:
+            raise AssertionError(f"posted {len(sends)} sends and {len(recvs)} receives")
+
+    def _wait(self, state) -> None:
+        pass
+
+
+def test_reshard_writes_local_copies_into_strided_out_views() -> None:
+    specs = [
+        TensorSpec("col", (6, 10), torch.float32, 1, None),
+        TensorSpec("cube", (3, 4, 10), torch.bfloat16, 2, None),
+        TensorSpec("vec", (7,), torch.int64, None, None),
+    ]
+    one = Layout(1, 1, 1, (0,))
+    plan = plan_reshard(specs, one, Layout(1, 1, 1, (0,), num_layers=1))
+    full = {s.name: _full(s.shape, s.dtype, 3) for s in specs}
+    wide = torch.zeros(6, 16)
+    big = torch.zeros(3, 4, 13, dtype=torch.bfloat16)
+    spread = torch.zeros(14, dtype=torch.int64)
+    out = {"col": wide[:, 3:13], "cube": big[:, :, 2:12], "vec": spread[::2]}
+    res = reshard(plan, 0, dict(full), _Local(), out=out, timeout=2)
+    for s in specs:
+        assert res.tensors[s.name] is out[s.name]
+        assert _bits_equal(out[s.name], full[s.name]), s.name
+    assert not wide[:, :3].any() and not wide[:, 13:].any() and not spread[1::2].any()
+    # A view no single row stride describes is refused before anything is written.
+    with pytest.raises(TensorMismatchError, match=r"'col'.*strides"):
+        reshard(plan, 0, dict(full), _Local(), out={**out, "col": torch.zeros(10, 6).t()})
+
+
+def _strided_case(ctx: WorkerContext, route: str) -> dict:
+    # FSDP x TP -> TP4 and back: pieces are column blocks on one side or the other.
+    tensors, src, dst, specs, src_sh, dst_sh = _build("fsdp_tp_to_tp4")
+    full = {n: _full(shape, dtype, 11) for n, shape, dtype in tensors}
+    mine, out, wide = {}, {}, {}
+    for n in full:
+        t = reference_local(full[n], src[n][0], ctx.rank, src[n][1])
+        if t is not None and t.dim() == 2:  # a source read as a transposed copy's view
+            t = t.t().contiguous().t()
+        if t is not None:
+            mine[n] = t
+        shape = dst_sh[n].local_shape(full[n].shape, ctx.rank)
+        if shape is not None and len(shape) == 2:
+            wide[n] = torch.zeros(shape[0], shape[1] + 5, dtype=full[n].dtype)
+            out[n] = wide[n][:, 2 : 2 + shape[1]]
+        elif shape is not None:
+            out[n] = torch.zeros(shape, dtype=full[n].dtype)
+    plan = plan_sharded(specs, src_sh, dst_sh)
+    res = reshard_sharded(plan, ctx.rank, mine, _transport(ctx), out=out, route=route, timeout=30)
+    bad = []
+    for n in full:
+        want = reference_local(full[n], dst[n][0], ctx.rank, dst[n][1])
+        if want is None:
+            continue
+        if res.tensors[n].data_ptr() != out[n].data_ptr() or not _bits_equal(out[n], want):
+            bad.append(n)
+        if n in wide and (wide[n][:, :2].any() or wide[n][:, 2 + want.shape[1] :].any()):
+            bad.append(f"{n}: wrote outside its view")
+    return {"bad": bad}
+
+
+@pytest.mark.parametrize("route", ["transport", "auto"])
+def test_strided_sources_and_destinations_over_4_ranks(pool, route: str) -> None:
+    for r, res in enumerate(pool.run(_strided_case, route)):
+        assert res["bad"] == [], (r, res)
