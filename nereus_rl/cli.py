@@ -93,12 +93,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"--port {args.port} is not a port; use 1..65535, or 0 for any free one")
     if args.join_timeout <= 0:
         raise CliError(f"--join-timeout {args.join_timeout:g} must be positive seconds")
+    if args.ray is not None and (args.port is not None or args.local_workers is not None):
+        raise CliError(
+            "--ray places the workers as Ray actors: leave out --port and --local-workers "
+            "(they are for workers started by hand with nereus-rl worker)"
+        )
     if args.local_workers is not None and not 0 <= args.local_workers <= args.devices:
         raise CliError(
             f"--local-workers {args.local_workers} must be between 0 and --devices "
             f"({args.devices}); the others join with nereus-rl worker"
         )
     local = args.devices if args.local_workers is None else args.local_workers
+    if args.ray:
+        local = 0  # on an existing cluster's nodes (a bare --ray: a Ray on this machine)
     cores = os.cpu_count() or 1
     limit = MAX_WORKERS_PER_CORE * cores
     if local > limit and not args.allow_oversubscribe:
@@ -149,6 +156,9 @@ def _train(args: argparse.Namespace) -> int:
             options[name] = v
     if args.no_mirror:
         options["mirror"] = False
+    if args.ray is not None:
+        options["launcher"] = "ray"
+        options["ray_address"] = args.ray or None
     if args.wandb:
         options["wandb"] = True
     if args.reward is not None:
@@ -158,6 +168,8 @@ def _train(args: argparse.Namespace) -> int:
     steps = options.pop("steps", 60)
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     local = args.devices if args.local_workers is None else args.local_workers
+    if args.ray is not None:
+        local = 0  # none on this machine: Ray places them
     try:
         # Every argument is checked here, before the banner and before any process starts.
         check_args(args)
@@ -304,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
         "lets anyone who can reach the port disrupt the job, and whoever holds the secret "
         "file run code on its workers: use a private network's address",
     )
+    t.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="run the workers as Ray actors, one per device: on a new local Ray on loopback "
+        "(no ADDRESS), the cluster this machine belongs to (auto), or HOST:PORT",
+    )  # fmt: skip
     t.add_argument("--port", type=int, default=None, help="store port (for remote workers)")
     t.add_argument("--local-workers", type=int, default=None, help="workers to spawn here")
     t.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for them")

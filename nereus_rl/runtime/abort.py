@@ -174,11 +174,20 @@ class AbortState:
         rank: this worker's rank (for messages).
         skip_peers: (address, port) of the store's connections, never broken
             (see :func:`store_peers`); empty: no connection is ever broken.
+        spare: inode numbers of further sockets never broken, asked at each break (a
+            Ray actor's connections to its raylet, GCS and callers: breaking them would
+            kill the actor, see nereus_rl.runtime.ray_runtime); None: none.
     """
 
-    def __init__(self, rank: int, skip_peers: Iterable[tuple[str, int]] = ()) -> None:
+    def __init__(
+        self,
+        rank: int,
+        skip_peers: Iterable[tuple[str, int]] = (),
+        spare: Callable[[], Iterable[int]] | None = None,
+    ) -> None:
         self.rank = rank
         self._skip = frozenset(skip_peers)
+        self._spare = spare
         self._lock = threading.Lock()
         self._epoch = 0
         self._lost: frozenset[int] = frozenset()
@@ -286,7 +295,7 @@ class AbortState:
             self._cmd_aborted = True
             if not self._skip:
                 return []
-            keep: set[int] = set()
+            keep: set[int] = set() if self._spare is None else set(self._spare())
             force: set[int] = set()
             groups = list(self._groups.values())
             if self._building:

@@ -292,6 +292,11 @@ class Driver:
             raise
         return [ranks[p.pid] for p in procs]
 
+    def start_workers(self, num_workers: int, **kwargs: Any) -> list[int]:
+        """The runtime interface's start (nereus_rl.runtime.base.Runtime): local
+        processes, :meth:`spawn_local` with ``kwargs``."""
+        return self.spawn_local(num_workers, **kwargs)
+
     def wait_for_workers(self, num_workers: int, timeout: float = 60.0) -> list[int]:
         """Wait until at least ``num_workers`` workers have joined (ever, lost ones included).
 

@@ -37,6 +37,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,7 +51,12 @@ from nereus_rl.runtime.abort import AbortState, AbortWatcher, store_peers
 from nereus_rl.runtime.context import COMMANDS, WorkerContext, connect_store
 
 
-def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
+def run_command(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
+    """Run one driver command on this worker; its result or its error as a Reply.
+
+    The one place commands run, whichever runtime delivered them (this module's store
+    loop, or a Ray actor's method call: nereus_rl.runtime.ray_runtime). Never raises.
+    """
     t0 = time.perf_counter()
     # Abort notices newer than the command break its connections from here on.
     ctx.abort.begin(cmd.abort_epoch)
@@ -78,7 +85,36 @@ def _run(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
         ctx.abort.end()
 
 
-def serve(
+@dataclass
+class Session:
+    """A worker's membership of a job: what :func:`join_job` set up, for its command source.
+
+    Attributes:
+        ctx: the context every command runs with.
+        store: the store client the context holds (the command loop's too).
+        world: the World membership (heartbeat).
+        live: the liveness connection to the driver (None if it could not be opened).
+        watcher: the abort-notice watcher.
+    """
+
+    ctx: WorkerContext
+    store: dist.TCPStore
+    world: World
+    live: liveness.LivenessConnection | None
+    watcher: AbortWatcher
+
+    def close(self, clean: bool = False) -> None:
+        """Leave the job. ``clean``: told to (a goodbye on the liveness connection, so
+        the driver does not take the end for a death). Idempotent."""
+        if self.live is not None:
+            if clean:
+                self.live.close(bye=True)
+            self.live.close()
+        self.watcher.stop(timeout=0)
+        self.world.leave()
+
+
+def join_job(
     host: str,
     port: int,
     secret: bytes,
@@ -86,19 +122,22 @@ def serve(
     num_threads: int = 1,
     connect_timeout: float = 30.0,
     group_timeout: float = 60.0,
-) -> None:
-    """Join the job whose store is at host:port and run commands until told to stop.
+    spare: Callable[[], Iterable[int]] | None = None,
+) -> Session:
+    """Join the job whose store is at host:port as a new worker (see the module docstring).
 
     Arguments:
-        host, port: the store's address.
-        secret: the job's secret (see :func:`nereus_rl.runtime.protocol.load_secret`).
-        num_threads: torch intra-op threads for this worker (its share of the cores).
-        connect_timeout: seconds to wait for the store before giving up.
-        group_timeout: default seconds a gloo op may wait for a peer.
+        host, port, secret, num_threads, connect_timeout, group_timeout: see :func:`serve`.
+        spare: inode numbers of sockets an abort must never shut down besides the
+            store's and the liveness connection (a Ray actor's own connections), asked
+            at each abort.
+
+    Returns:
+        The :class:`Session`; the caller runs commands with :func:`run_command` on its
+        ``ctx`` and closes it at the end.
 
     Raises:
-        StoreUnreachableError: the store did not answer within connect_timeout.
-        JobSecretError: ``secret`` is not the job's (checked before joining).
+        StoreUnreachableError, JobSecretError: see :func:`serve`.
     """
     # Checked before this process takes a member id: a worker with the wrong secret
     # would otherwise be a member whose every message the driver rejects.
@@ -126,19 +165,48 @@ def serve(
     keep = store_peers(host, port)
     if live is not None:
         keep |= store_peers(host, live.peer[1])
-    abort = AbortState(rank, keep)
+    abort = AbortState(rank, keep, spare=spare)
     ctx = WorkerContext(rank, store, group_timeout, abort, address=(host, port))
     watcher = AbortWatcher(watch_store, secret, abort).start()
+    return Session(ctx, store, world, live, watcher)
+
+
+def serve(
+    host: str,
+    port: int,
+    secret: bytes,
+    *,
+    num_threads: int = 1,
+    connect_timeout: float = 30.0,
+    group_timeout: float = 60.0,
+) -> None:
+    """Join the job whose store is at host:port and run commands until told to stop.
+
+    Arguments:
+        host, port: the store's address.
+        secret: the job's secret (see :func:`nereus_rl.runtime.protocol.load_secret`).
+        num_threads: torch intra-op threads for this worker (its share of the cores).
+        connect_timeout: seconds to wait for the store before giving up.
+        group_timeout: default seconds a gloo op may wait for a peer.
+
+    Raises:
+        StoreUnreachableError: the store did not answer within connect_timeout.
+        JobSecretError: ``secret`` is not the job's (checked before joining).
+    """
+    session = join_job(
+        host,
+        port,
+        secret,
+        num_threads=num_threads,
+        connect_timeout=connect_timeout,
+        group_timeout=group_timeout,
+    )
     try:
-        _command_loop(ctx, store, secret)
+        _command_loop(session.ctx, session.store, secret)
         # A clean end (told to exit, or the job is over): not a death.
-        if live is not None:
-            live.close(bye=True)
+        session.close(clean=True)
     finally:
-        if live is not None:
-            live.close()
-        watcher.stop(timeout=0)
-        world.leave()
+        session.close()
 
 
 def _connect_liveness(
@@ -203,7 +271,7 @@ def _command_loop(ctx: WorkerContext, store: dist.TCPStore, secret: bytes) -> No
         if cmd.fn == "exit":
             P.put(store, P.reply_key(rank, seq), P.Reply(seq, rank, True, value=rank), secret)
             return
-        reply = _run(ctx, cmd)
+        reply = run_command(ctx, cmd)
         try:
             P.put(store, P.reply_key(rank, seq), reply, secret)
         except (pickle.PicklingError, TypeError, AttributeError) as e:

@@ -17,6 +17,8 @@ ALGOS = ("grpo", "ppo", "remax")
 MODES = ("sync", "async")
 DEVICE_KINDS = ("cpu", "cuda")
 START_LENGTHS = ("schedule", "cap", "first")
+#: Where the trainer starts its workers (TrainConfig.launcher).
+LAUNCHERS = ("local", "ray")
 
 
 class TrainConfigError(ValueError):
@@ -96,6 +98,13 @@ class TrainConfig:
     # death is seen at once from its process; this bounds the detection of a joined
     # one's. Too short, and a worker starved of CPU on a loaded machine looks dead.
     heartbeat_timeout: float = 30.0
+    # Where the workers run when the trainer starts them: "local" (worker processes on
+    # this machine, the default; needs no Ray) or "ray" (one Ray actor per device,
+    # placed by a placement group, nereus_rl.runtime.ray_runtime) on the cluster at
+    # ray_address (None: the Ray of this process, else a new one on loopback; "auto";
+    # or HOST:PORT).
+    launcher: str = "local"
+    ray_address: str | None = None
     # A prompt dataset (JSONL or Parquet) in place of the bundled task, with the fields
     # holding each row's prompt and ground truth (nereus_rl.data.datasets).
     data: str | None = None
@@ -243,6 +252,16 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             f"unknown device {cfg.device!r}; use 'cpu' (worker processes on host memory) or "
             "'cuda' (one GPU per worker)"
+        )
+    if cfg.launcher not in LAUNCHERS:
+        raise TrainConfigError(
+            f"unknown launcher {cfg.launcher!r}; use 'local' (worker processes on this "
+            "machine) or 'ray' (Ray actors on a cluster)"
+        )
+    if cfg.ray_address is not None and cfg.launcher != "ray":
+        raise TrainConfigError(
+            f"ray_address={cfg.ray_address!r} needs launcher='ray' (the local launcher "
+            "starts worker processes on this machine)"
         )
     mc = model_config(cfg.model)
     if cfg.data is None:

@@ -55,7 +55,7 @@ from nereus_rl.data.tasks import LengthCurriculum, LengthTrace, get_task, warm_s
 from nereus_rl.emu.types import EMUStateLostError
 from nereus_rl.models.hf import HFWeights
 from nereus_rl.models.model import Decoder
-from nereus_rl.runtime import Driver, RemoteError, WorkerLostError, WorkerTimeoutError
+from nereus_rl.runtime import Driver, RemoteError, Runtime, WorkerLostError, WorkerTimeoutError
 from nereus_rl.trainer.adapt.adapter import Adapter
 from nereus_rl.trainer.calibrate import calibrate
 from nereus_rl.trainer.config import (
@@ -106,6 +106,23 @@ _LOG = logging.getLogger("nereus_rl.trainer.trainer")
 _WARM_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
 
 
+def _own_driver(cfg: TrainConfig) -> Runtime:
+    """The runtime a trainer starts its own workers with (``cfg.launcher``).
+
+    Ray is imported only for ``launcher="ray"``: the local default needs none.
+    """
+    if cfg.launcher == "ray":
+        from nereus_rl.runtime.ray_runtime import RayDriver
+
+        return RayDriver(
+            cfg.ray_address,
+            device=cfg.device,
+            heartbeat_timeout=cfg.heartbeat_timeout,
+            call_timeout=600.0,
+        )
+    return Driver(heartbeat_timeout=cfg.heartbeat_timeout, call_timeout=600.0)
+
+
 def _lengths(cfg: TrainConfig):
     if cfg.trace is not None:
         return LengthTrace.from_file(cfg.trace)
@@ -140,8 +157,9 @@ class Trainer(StepWork):
 
     Arguments:
         cfg: the options (checked with :func:`check_config`).
-        driver: a runtime Driver with at least ``cfg.devices`` workers (tests reuse one);
-            None spawns local workers and shuts them down in :meth:`close`.
+        driver: a runtime (:class:`~nereus_rl.runtime.base.Runtime`: a local Driver or a
+            RayDriver) with at least ``cfg.devices`` workers (tests reuse one); None
+            starts workers (``cfg.launcher``) and shuts them down in :meth:`close`.
         log: a :class:`nereus_rl.trainer.report.RunLog` (or None): metrics and decisions go there
             as they happen.
         progress: called after every step with (step, metrics).
@@ -156,14 +174,14 @@ class Trainer(StepWork):
     def __init__(
         self,
         cfg: TrainConfig,
-        driver: Driver | None = None,
+        driver: Runtime | None = None,
         log=None,
         progress: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.mc = check_config(cfg)
-        if driver is None:  # its workers will be spawned here: can this machine host them?
-            check_local_devices(cfg)
+        if driver is None and cfg.launcher == "local":
+            check_local_devices(cfg)  # its workers will be spawned here: can it host them?
         self.lengths = _lengths(cfg)
         # The dataset, its tokenizer and the reward function are checked now: bad input
         # stops the run before any process starts.
@@ -203,7 +221,7 @@ class Trainer(StepWork):
         self._ahead: list[dict[str, Any]] = []
         self._synced_for: int | None = None
         self.own_driver = driver is None
-        self.driver = driver or Driver(heartbeat_timeout=cfg.heartbeat_timeout, call_timeout=600.0)
+        self.driver = driver or _own_driver(cfg)
         self.group.driver = self.driver
 
     @property
@@ -213,8 +231,17 @@ class Trainer(StepWork):
 
     @property
     def device_worker(self) -> dict[int, int]:
-        """Plan device id -> worker (changes after a loss)."""
-        return self.group.device_worker
+        """Plan device id -> worker (changes after a loss), less the devices whose worker
+        the runtime says is going away (a Ray node draining: ``draining_workers``).
+
+        The adaptation loop plans over these devices only, so a plan on a draining node
+        is infeasible there and the next boundary moves off it at once (the urgent
+        path) while its workers still run.
+        """
+        dw = self.group.device_worker
+        draining = getattr(getattr(self, "driver", None), "draining_workers", None)
+        gone = draining() if draining is not None and dw else ()
+        return {d: w for d, w in dw.items() if w not in gone} if gone else dw
 
     @property
     def world_rank(self) -> dict[int, int]:
@@ -238,7 +265,7 @@ class Trainer(StepWork):
         self._initial = self._initial_states()
         t0 = time.perf_counter()
         if self.own_driver:
-            self.driver.spawn_local(cfg.devices)
+            self.driver.start_workers(cfg.devices)
         workers = sorted(self.driver.workers)[: cfg.devices]
         if len(workers) < cfg.devices:
             raise NotEnoughDevicesError(
@@ -796,7 +823,7 @@ def train(
     data: str | Path | None = None,
     reward_fn: str | Callable[..., Any] | None = None,
     save_every: int = 0,
-    driver: Driver | None = None,
+    driver: Runtime | None = None,
     progress: Callable[[int, dict[str, Any]], None] | None = None,
     **options: Any,
 ) -> TrainResult:
@@ -832,7 +859,11 @@ def train(
             at the first
             response length and not at the run's longest, while another plan does, so
             that growing responses force a move (the situation Nereus is for).
-        driver: a runtime Driver whose workers to use (they are kept running).
+        driver: a runtime (local Driver or RayDriver) whose workers to use (they are
+            kept running). None: the trainer starts its own, as ``launcher`` says:
+            ``"local"`` (worker processes here, the default) or ``"ray"`` (one Ray actor
+            per device on the cluster at ``ray_address``: None for the Ray of this
+            process or a new one on loopback, ``"auto"``, or ``HOST:PORT``).
         progress: called after every step with (step, metrics).
         options: further :class:`TrainConfig` fields (batch, group_size, lr, trace, plan,
             admission, transitions, length_start, length_end, device, tokenizer,
