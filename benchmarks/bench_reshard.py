@@ -35,7 +35,14 @@ other tenants, the CPU time what the work costs. Ratios are per round (the
 variants of a round ran back to back), then the median and the min..max over
 rounds. MiB/s counts the bytes sent between ranks only, not the local copies.
 
-    python benchmarks/bench_reshard.py [--quick] [--json PATH] [--repeats N]
+With ``--hosts netns`` (Linux, root) the workers run on two "hosts" instead: two
+network namespaces joined by a veth pair that the benchmark makes and removes
+(tests/support/netns.py), half of the ranks in each, gloo bound to the veth ends.
+nereus_comm sees two hosts there, so bytes between them can only take the
+transport: reshard(route="transport") and route="auto" are compared with raw gloo
+between the same processes (the same-host variants do not apply).
+
+    python benchmarks/bench_reshard.py [--quick] [--json PATH] [--repeats N] [--hosts netns]
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ import argparse
 import datetime
 import itertools
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -100,7 +110,13 @@ def _allocate(specs, layout: Layout, rank: int, fill: float) -> dict[str, torch.
     return out
 
 
-def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) -> dict:
+def _worker(
+    ctx: WorkerContext,
+    target_bytes: int,
+    scenario: str,
+    repeats: int,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict:
     specs, _ = state_specs(target_bytes)
     src, dst = layouts(ctx.world_size, scenario)
     plan = plan_reshard(specs, src, dst)
@@ -130,7 +146,8 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             local_dst.copy_(local_src)
         pending.wait()
 
-    raw_shm = ShmTransport(transport)  # its own segments, set up in the warm-up round
+    # Its own segments, set up in the warm-up round (same-host variants only).
+    raw_shm = ShmTransport(transport) if "raw_shm" in variants else None
 
     last = {}
     # route="auto" over its own group: its own CmaRoute and segments.
@@ -156,6 +173,7 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
         ("raw_copy", lambda: raw(local_copy=True)),
         ("raw_shm", shm_copy),
     ]
+    fns = [(key, fn) for key, fn in fns if key in variants]
     times: dict[str, list[tuple[float, float]]] = {key: [] for key, _ in fns}
     for i in range(repeats + 1):  # the first round warms pages, connections, the plan cache
         # Rotate the order so that no variant always runs on a warmer machine.
@@ -167,14 +185,15 @@ def _worker(ctx: WorkerContext, target_bytes: int, scenario: str, repeats: int) 
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             if i:
                 times[key].append((wall, cpu))
-    res, shm, cma = last["transport"], last["shm"], last["cma"]
+    res = last["transport"]
+    shm, cma = last.get("shm"), last.get("cma")
     times["counts"] = [
         (
             res.buffers_sent,
             res.staged_bytes_sent + res.staged_bytes_received,
             res.bytes_local,
-            shm.shm_bytes_sent,
-            cma.cma_bytes_sent,
+            shm.shm_bytes_sent if shm is not None else 0,
+            cma.cma_bytes_sent if cma is not None else 0,
         )
     ]
     times["auto_routes"] = auto_routes  # (cma, shm) bytes sent per call, warm-up first
@@ -317,14 +336,163 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+#: The variants that apply between hosts (no shared memory, no cross-memory attach).
+NETNS_VARIANTS = ("reshard", "auto", "raw", "raw_copy")
+_NETNS_PORT = 29531  # in a namespace of the benchmark's own: nothing else listens there
+
+
+def _netns_rank(rank: int, world: int, store_host: str, cases: list, repeats: int) -> None:
+    """One rank on one of the two hosts: every case's timings as JSON on stdout."""
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore(store_host, _NETNS_PORT, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout
+    )
+    ctx = WorkerContext(rank, world, store)
+    out = [_worker(ctx, size * MiB, scenario, repeats, NETNS_VARIANTS) for scenario, size in cases]
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+def run_netns(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
+    """reshard (transport, auto) vs raw gloo between two network namespaces."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.support.netns import netns_unavailable, two_hosts
+
+    reason = netns_unavailable()
+    if reason:
+        raise SystemExit(f"--hosts netns: {reason}")
+    cases = list(itertools.product(SCENARIOS, sizes_mib))
+    rows = []
+    for w in workers:
+        with two_hosts() as hosts:
+            procs = [
+                hosts.popen(
+                    0 if r < w // 2 else 1,
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--netns-rank",
+                        str(r),
+                        "--netns-world",
+                        str(w),
+                        "--netns-store",
+                        hosts.addresses[0],
+                        "--netns-cases",
+                        json.dumps(cases),
+                        "--repeats",
+                        str(repeats),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env={"OMP_NUM_THREADS": "1"},
+                )
+                for r in range(w)
+            ]
+            try:
+                per_rank = []
+                for p in procs:
+                    out, _ = p.communicate(timeout=1800)
+                    if p.returncode:
+                        raise RuntimeError(f"a rank on the namespaces failed ({p.returncode})")
+                    per_rank.append(json.loads(out.strip().splitlines()[-1]))
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+        for i, (scenario, size) in enumerate(cases):
+            res = [r[i] for r in per_rank]
+            specs, _ = state_specs(size * MiB)
+            plan = plan_reshard(specs, *layouts(w, scenario))
+            wall = {
+                k: [max(r[k][j][0] for r in res) for j in range(repeats)] for k in NETNS_VARIANTS
+            }
+            cpu = {
+                k: [sum(r[k][j][1] for r in res) for j in range(repeats)] for k in NETNS_VARIANTS
+            }
+            row = {
+                "hosts": "netns",
+                "scenario": scenario,
+                "workers": w,
+                "moved_mib": round(plan.stats.total_bytes / MiB, 1),
+                "local_mib": round(plan.stats.local_bytes / MiB, 1),
+                "repeats": repeats,
+            }
+            for k in NETNS_VARIANTS:
+                med, lo, hi = _stats(wall[k])
+                row[f"{k}_ms"], row[f"{k}_ms_min"], row[f"{k}_ms_max"] = (
+                    round(med * 1e3, 1),
+                    round(lo * 1e3, 1),
+                    round(hi * 1e3, 1),
+                )
+                row[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]) * 1e3, 1)
+            for name, base, d, of in (
+                ("ratio_x", "raw", wall, "reshard"),
+                ("ratio_copy_x", "raw_copy", wall, "reshard"),
+                ("cpu_ratio_x", "raw", cpu, "reshard"),
+                ("auto_ratio_x", "raw", wall, "auto"),
+            ):
+                med, lo, hi = _stats([b / a for a, b in zip(d[of], d[base])])
+                row[name], row[f"{name}_min"], row[f"{name}_max"] = (
+                    round(med, 3),
+                    round(lo, 3),
+                    round(hi, 3),
+                )
+            rows.append(row)
+            r = row
+            print(
+                f"netns {scenario:6s} {w}w {size:4d} MiB moved {r['moved_mib']:6.1f} local "
+                f"{r['local_mib']:6.1f} | wall ms med [min-max]: reshard {r['reshard_ms']:.0f} "
+                f"[{r['reshard_ms_min']:.0f}-{r['reshard_ms_max']:.0f}] auto {r['auto_ms']:.0f} "
+                f"raw {r['raw_ms']:.0f} [{r['raw_ms_min']:.0f}-{r['raw_ms_max']:.0f}] raw+copy "
+                f"{r['raw_copy_ms']:.0f} | reshard/raw wall {r['ratio_x']:.2f} "
+                f"[{r['ratio_x_min']:.2f}-{r['ratio_x_max']:.2f}] cpu {r['cpu_ratio_x']:.2f} | "
+                f"/raw+copy wall {r['ratio_copy_x']:.2f} | auto/raw wall {r['auto_ratio_x']:.2f}",
+                flush=True,
+            )
+    for scenario in SCENARIOS:
+        got = [r["ratio_x"] for r in rows if r["scenario"] == scenario]
+        print(
+            f"netns {scenario:6s} reshard(gloo) speed as a share of wall vs raw: medians "
+            f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 and 256 MiB only (< 2 min)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--hosts",
+        choices=("local", "netns"),
+        default="local",
+        help="local: one host (default); netns: two network namespaces as two hosts (root)",
+    )
+    # One rank of --hosts netns (started by the benchmark inside a namespace).
+    parser.add_argument("--netns-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--netns-world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--netns-store", help=argparse.SUPPRESS)
+    parser.add_argument("--netns-cases", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     repeats = args.repeats or (5 if args.quick else 7)
+    if args.netns_rank is not None:
+        cases = [tuple(c) for c in json.loads(args.netns_cases)]
+        _netns_rank(args.netns_rank, args.netns_world, args.netns_store, cases, repeats)
+        return
+    if args.hosts == "netns":
+        rows = run_netns(sizes, [2, 4], repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {"benchmark": "bench_reshard", "hosts": "netns", "rows": rows}, f, indent=2
+                )
+        return
     rows = run(sizes, [2, 4], repeats)
     for variant, prefix in (
         ("reshard(gloo)", ""),

@@ -28,10 +28,14 @@ same plan. Each rank:
    :func:`~nereus_comm.pack.unpack` call.
 
 Peers on the same host (``route="auto"``, the default, for host memory) skip the
-transport. Where the kernel allows cross-memory attach between them and a wire
-buffer's contiguous runs are long (:data:`CMA_MIN_RUN_BYTES` on average, for the
-buffer or for its whole message: whole shards, as in an Extend), the receiver reads
-the sender's shards straight into its own (one copy in all, no packing; see
+transport. Same host means equal
+:func:`~nereus_comm.transport_shm.host_identity`: hostname, boot id, /dev/shm and
+network namespace, swapped once per peer pair; peers on other hosts, or in another
+network namespace of this one, always take the transport. Where the kernel
+allows cross-memory attach between them and a wire buffer's contiguous runs are
+long (:data:`CMA_MIN_RUN_BYTES` on average, for the buffer or for its whole
+message: whole shards, as in an Extend), the receiver reads the sender's shards
+straight into its own (one copy in all, no packing; see
 :mod:`nereus_comm.transport_cma`); the sender publishes where its pieces are and
 waits until its receivers are done. The other buffers (short runs, or the kernel
 refuses: probed once per peer pair and group, the reason kept in

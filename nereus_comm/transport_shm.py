@@ -15,8 +15,9 @@ Protocol
     peer pair, only when needed):
 
     1. host round, once per pair: both swap a 128-byte record holding a digest of
-       their host identity (hostname, boot id and the /dev/shm file system, or the
-       NEREUS_SHM_HOST environment variable when set). Equal digests: same host.
+       their host identity (hostname, boot id, the /dev/shm file system and the
+       network namespace, or the NEREUS_SHM_HOST environment variable when set; see
+       :func:`host_identity`). Equal digests: same host.
     2. segment round, when a direction between same-host ranks needs more bytes than
        it ever asked for: the sender creates a /dev/shm file of that size
        (fallocate, so a full /dev/shm is an answer now, not a SIGBUS later), maps it
@@ -173,8 +174,24 @@ def sweep_orphans() -> list[str]:
     return removed
 
 
+def _net_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
 def host_identity() -> str | None:
-    """This process's host as shared memory sees it, or None without /dev/shm."""
+    """This process's host as shared memory sees it, or None without /dev/shm.
+
+    Hostname, boot id, the /dev/shm file system and the network namespace, or the
+    NEREUS_SHM_HOST environment variable when set. Processes in different network
+    namespaces count as different hosts even where they share a kernel, hostname
+    and /dev/shm (``ip netns exec`` changes none of those): they reach each other
+    over a network address, as processes on two machines do, so their bytes go
+    through the transport (no shared memory, no cross-memory attach). That is how
+    two namespaces joined by a veth pair stand in for two hosts in the tests.
+    """
     override = os.environ.get(HOST_ENV)
     if override:
         return override
@@ -186,7 +203,7 @@ def host_identity() -> str | None:
     except OSError:
         boot = ""
     st = os.stat(SHM_DIR)  # containers with their own /dev/shm differ here
-    return f"{socket.gethostname()}|{boot}|{st.st_dev}:{st.st_ino}"
+    return f"{socket.gethostname()}|{boot}|{st.st_dev}:{st.st_ino}|{_net_namespace()}"
 
 
 class _Segment:
