@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -157,15 +158,24 @@ def test_wandb_offline_run_holds_the_same_metrics(tmp_path, monkeypatch):
     rows = _run(tmp_path, wandb=True, wandb_project="nereus-test")
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
-    history = {}
-    for rec in _wandb_records(runs[0]):
-        if rec.WhichOneof("record_type") == "history":
-            items = {
-                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item
-            }
-            if "_step" in items and any(k.startswith("time/") for k in items):
-                history[items["_step"]] = items
-    assert sorted(history) == [r["step"] for r in rows]
+    want = [r["step"] for r in rows]
+    # W&B's service process writes the file: on a loaded machine its last records can
+    # land after finish() has returned, so the file is read until they are there.
+    deadline = time.monotonic() + 60.0
+    while True:
+        history = {}
+        for rec in _wandb_records(runs[0]):
+            if rec.WhichOneof("record_type") == "history":
+                items = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in rec.history.item
+                }
+                if "_step" in items and any(k.startswith("time/") for k in items):
+                    history[items["_step"]] = items
+        if sorted(history) == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert sorted(history) == want
     for r in rows:
         assert {k: history[r["step"]][k] for k in scalars(r)} == scalars(r)  # exact (JSON)
 
