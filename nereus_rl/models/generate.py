@@ -173,7 +173,13 @@ def make_row_generators(seed: int, rows: Sequence[int], device="cpu") -> list[to
 
 
 def _stage_forward(
-    model, x: torch.Tensor, batch: int, cache, groups: ParallelGroups, attention_mask=None
+    model,
+    x: torch.Tensor,
+    batch: int,
+    cache,
+    groups: ParallelGroups,
+    attention_mask=None,
+    positions=None,
 ):
     if not model.is_first:
         x = recv(
@@ -183,25 +189,79 @@ def _stage_forward(
             groups.pp_rank - 1,
             groups,
         )
-    y = model(x, cache=cache, attention_mask=attention_mask)
+    y = model(x, positions, cache, attention_mask=attention_mask, last_only=True)
     if not model.is_last:
         send(y, groups.pp_rank + 1, groups)
         return None
     return y
 
 
-def _noise(generator, batch: int, vocab: int, device) -> torch.Tensor:
-    if isinstance(generator, torch.Generator):
-        return torch.rand((batch, vocab), generator=generator, device=device)
-    # one draw per row from the row's own stream (see make_row_generators)
-    return torch.stack([torch.rand(vocab, generator=g, device=device) for g in generator])
+#: Most uniform numbers, all rows together (16 MiB of fp32), drawn ahead of the steps.
+NOISE_AHEAD = 1 << 22
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator, groups: ParallelGroups, vocab: int):
+class _Noise:
+    """The uniform noise [B, vocab] of each sampling step, from one generator for the whole
+    batch or one per row (see :func:`make_row_generators`).
+
+    A CPU generator draws uniform numbers one after another, so ``n`` draws of ``vocab``
+    numbers are the same numbers, and leave it in the same state, as one draw of
+    ``n * vocab``: per-row CPU generators draw the steps ahead (up to :data:`NOISE_AHEAD`
+    numbers in all) in one call per row instead of one call per row and step. :meth:`close`
+    puts each generator where the steps taken would have left it. Other generators (one
+    for the batch, or a device's, whose streams are counter-based) draw step by step.
+    """
+
+    def __init__(self, generator, batch: int, vocab: int, steps: int, device) -> None:
+        self.generator, self.batch, self.vocab, self.device = generator, batch, vocab, device
+        self.left = steps
+        self.ahead = None
+        if not isinstance(generator, torch.Generator) and all(
+            g.device.type == "cpu" for g in generator
+        ):
+            self.ahead = max(1, NOISE_AHEAD // max(1, batch * vocab))
+        self.buf: torch.Tensor | None = None
+        self.used = 0
+        self.states: list[torch.Tensor] = []
+
+    def next(self) -> torch.Tensor:
+        """The next step's noise, [B, vocab], contiguous, the caller's to overwrite."""
+        shape = (self.batch, self.vocab)
+        if isinstance(self.generator, torch.Generator):
+            return torch.rand(shape, generator=self.generator, device=self.device)
+        if self.ahead is None:
+            u = torch.empty(shape, device=self.device)
+            for row, g in zip(u, self.generator):
+                torch.rand(self.vocab, generator=g, device=self.device, out=row)
+            return u
+        if self.buf is None or self.used == self.buf.shape[1]:
+            n = max(1, min(self.ahead, self.left))
+            self.left -= n
+            self.states = [g.get_state() for g in self.generator]
+            self.buf = torch.empty((self.batch, n, self.vocab), device=self.device)
+            for rows, g in zip(self.buf, self.generator):
+                torch.rand((n, self.vocab), generator=g, device=self.device, out=rows)
+            self.used = 0
+        self.used += 1
+        # a copy: the noise is transformed in place, in the layout of a [B, vocab] draw
+        return self.buf[:, self.used - 1].clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        """Rewind per-row generators that drew ahead past the last step taken."""
+        if self.buf is not None and self.used < self.buf.shape[1]:
+            for g, state in zip(self.generator, self.states):
+                g.set_state(state)
+                torch.rand(self.used * self.vocab, generator=g, device=self.device)
+
+
+def _pick(logits: torch.Tensor, temperature: float, noise, groups: ParallelGroups):
     scores = logits.float()
     if temperature > 0:
-        u = _noise(generator, scores.shape[0], vocab, scores.device)
-        gumbel = -torch.log(-torch.log(u.clamp_(min=1e-20)))
+        u = noise.next()
+        # -log(-log(u)) in place, over the whole draw: an elementwise kernel may round a
+        # row's tail on another path, so a slice of it could differ from the same slice
+        # of the whole, and every tp layout must see the same noise.
+        gumbel = u.clamp_(min=1e-20).log_().neg_().log_().neg_()
         width = scores.shape[-1]
         scores = (
             scores / temperature + gumbel[:, groups.tp_rank * width : (groups.tp_rank + 1) * width]
@@ -268,25 +328,45 @@ def generate(
             )
     if prompt_mask is not None:
         prompt_mask = _check_prompt_mask(prompt_mask, prompts)
-    cache = KVCache(model, batch, prompt_len + max_new_tokens) if use_cache else None
-    seq = prompts
+    total = prompt_len + max_new_tokens
+    cache = KVCache(model, batch, total) if use_cache else None
+    # The whole sequence and its attention mask (the prompt's, then one real column per
+    # generated token) are allocated once; step s uses their first prompt_len + s columns.
+    buf = torch.empty(batch, total, dtype=prompts.dtype, device=prompts.device)
+    buf[:, :prompt_len] = prompts
+    full_mask = last_pos = None
+    if prompt_mask is not None:
+        full_mask = full_attention_mask(prompt_mask, total)
+        if not bool(prompt_mask.all()):
+            # Each row's position of its last prompt token, as the model counts it from
+            # the mask (position_ids); a mask without padding keeps the shared positions.
+            last_pos = prompt_mask.sum(1, keepdim=True) - 1
+    noise = None
+    if model.is_last and temperature > 0:
+        noise = _Noise(generator, batch, model.config.vocab, max_new_tokens, prompts.device)
     finished = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
     masks = []
+    end = prompt_len
     for step in range(max_new_tokens):
-        x = seq[:, -1:] if (use_cache and step > 0) else seq
-        # Every key so far: the prompt's mask, then one real column per generated token.
-        attn = None if prompt_mask is None else full_attention_mask(prompt_mask, seq.shape[1])
-        logits = _stage_forward(model, x, batch, cache, groups, attn)
+        decoding = use_cache and step > 0
+        x = buf[:, end - 1 : end] if decoding else buf[:, :end]
+        attn = None if full_mask is None else full_mask[:, :end]
+        # a cached step's one position per row, as the model would count it from the mask
+        pos = last_pos + step if (decoding and last_pos is not None) else None
+        logits = _stage_forward(model, x, batch, cache, groups, attn, pos)
         tok = None
         if model.is_last:
-            tok = _pick(logits[:, -1], temperature, generator, groups, model.config.vocab)
+            tok = _pick(logits[:, -1], temperature, noise, groups)
             tok = tok.masked_fill(finished, pad_id)
         tok = broadcast_from_last(tok, (batch,), torch.long, groups, prompts.device)
         masks.append((~finished).float())
-        seq = torch.cat([seq, tok[:, None]], 1)
+        buf[:, end] = tok
+        end += 1
         if eos_id is not None:
             finished = finished | (tok == eos_id)
             if bool(finished.all()):
                 break
+    if noise is not None:
+        noise.close()
     mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0, device=prompts.device)
-    return GenerationOutput(seq, mask, prompt_len, prompt_mask)
+    return GenerationOutput(buf[:, :end].contiguous(), mask, prompt_len, prompt_mask)

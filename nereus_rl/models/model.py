@@ -273,6 +273,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype == torch.float32
+            and self.weight.dtype == torch.float32
+            and x.is_cpu
+            and not torch.is_grad_enabled()
+        ):
+            # One call instead of six. On CPU in fp32 torch computes it with the very ops
+            # below (tests/rl/models/test_decode_path.py checks values and gradients bit
+            # for bit); CUDA has a fused kernel that sums in another order, so it and the
+            # reduced-precision dtypes (normalise in fp32, scale in the model's dtype, as
+            # Hugging Face does) keep the explicit form. Only without gradients (rollout,
+            # inference): the training step keeps the kernels the cost model counts
+            # (costmodel/work.py's KERNELS_PER_LAYER_*).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
@@ -307,29 +321,61 @@ def rope_inv_freq(
     return torch.where(medium, smoothed, scaled)
 
 
+class RotaryTables(NamedTuple):
+    """What a forward pass rotates q and k by, computed once per forward and shared by q
+    and k of every layer: ``cos`` = [cos, cos] and ``sin`` = [-sin, sin] of the angles
+    (the first half signed for the rotate-half form), each [1, T, 1, head_dim] (positions
+    [T]) or [B, T, 1, head_dim] (positions [B, T])."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> RotaryTables:
+    """The :class:`RotaryTables` of ``positions`` ([T] or [B, T]) for ``inv_freq``.
+
+    The angles are those of Hugging Face's rotary embedding, ``positions * inv_freq`` in
+    fp32, each frequency used for both halves of a head.
+    """
+    if positions.dim() == 1:
+        angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+    else:
+        angles = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+    # cos/sin of the half table, then doubled: an elementwise kernel may round its tail
+    # elements on another path than the rest, so the values depend on the layout they
+    # are computed in, and this is the layout the model has always used.
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    if positions.dim() == 1:
+        return RotaryTables(cos[None, :, None, :], sin[None, :, None, :])
+    return RotaryTables(cos[:, :, None, :], sin[:, :, None, :])
+
+
+def rotate(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotate ``x`` [B, T, heads, head_dim] by precomputed tables (Llama's rotate-half
+    form, in fp32).
+
+    ``x * cos + [-x2, x1] * [sin, sin]``, with the sign carried by the table instead of
+    by x: ``x2 * -sin`` is ``-x2 * sin`` to the bit, and one op fewer per call.
+    """
+    d = x.shape[-1]
+    xf = x.float()
+    swapped = torch.cat([xf[..., d // 2 :], xf[..., : d // 2]], -1)
+    return (xf * tables.cos + swapped * tables.sin).to(x.dtype)
+
+
 def apply_rotary(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rotate ``x`` [B, T, heads, head_dim] by its positions (Llama's rotate-half form).
 
     ``positions`` is [T] (every row alike) or [B, T] (per row, e.g. under left padding).
-    ``inv_freq`` defaults to :func:`rope_inv_freq` with the default theta.
+    ``inv_freq`` defaults to :func:`rope_inv_freq` with the default theta. The model
+    itself builds the tables once per forward (:func:`rotary_tables`, :func:`rotate`).
     """
-    d = x.shape[-1]
     if inv_freq is None:
-        inv_freq = rope_inv_freq(d, x.device)
-    if positions.dim() == 1:
-        angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None, :]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None, :]
-    else:
-        angles = positions.float()[..., None] * inv_freq  # [B, T, d/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
-    xf = x.float()
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
-    rotated = torch.cat([-x2, x1], -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+        inv_freq = rope_inv_freq(x.shape[-1], x.device)
+    return rotate(x, rotary_tables(positions, inv_freq))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -360,6 +406,12 @@ def attention_bias(attention_mask: torch.Tensor, num_queries: int) -> torch.Tens
     """
     keep = attention_mask.bool()
     s = keep.shape[1]
+    if num_queries == 1:
+        # A decoding step: the query is the last position, so causality masks nothing
+        # and its own key is the last one.
+        bias = keep[:, None, None, :].clone()
+        bias[..., -1] = True
+        return bias
     keys = torch.arange(s, device=keep.device)
     queries = keys[s - num_queries :]
     causal = keys[None, :] <= queries[:, None]  # [T, S]
@@ -404,43 +456,52 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RotaryTables | torch.Tensor,
         cache=None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attend; ``mask`` [B, 1, T, past + T] (bool, True = may attend) replaces the causal
-        mask when given (see :func:`attention_bias`)."""
+        """Attend; ``rope`` rotates q and k: :func:`rotary_tables` of the positions, or the
+        positions themselves (the tables are then built here);
+        ``mask`` [B, 1, T, past + T] replaces the causal mask when given: boolean (True =
+        may attend, see :func:`attention_bias`) or additive (0 or -inf, x's dtype)."""
         b, t, _ = x.shape
         # Megatron's f once for the three column-parallel projections (as a fused qkv would).
         x = copy_to_tp(x, self.groups)
-        # A few hundred flops per call; computing them here keeps them off the state and
-        # on x's device, as they always were.
-        inv_freq = rope_inv_freq(self.head_dim, x.device, self.rope_theta, self.rope_scaling)
         q = self.q(x).view(b, t, self.num_heads, self.head_dim)
-        q = apply_rotary(q, positions, inv_freq)
-        k = apply_rotary(
-            self.k(x).view(b, t, self.num_kv_heads, self.head_dim), positions, inv_freq
-        )
+        k = self.k(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if isinstance(rope, RotaryTables):
+            q, k = rotate(q, rope), rotate(k, rope)
+        else:  # positions: the tables built here, per call (see Decoder.forward)
+            inv_freq = rope_inv_freq(self.head_dim, x.device, self.rope_theta, self.rope_scaling)
+            q, k = apply_rotary(q, rope, inv_freq), apply_rotary(k, rope, inv_freq)
         v = self.v(x).view(b, t, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         past = 0
         if cache is not None:
             past = cache.length
             k, v = cache.update(self.layer, k, v)
-        rep = self.num_heads // self.num_kv_heads
-        if rep > 1:
+        gqa = self.num_heads != self.num_kv_heads
+        if gqa and (k.requires_grad or v.requires_grad or not x.is_cpu):
+            # Training: the kernel's own grouped-query backward sums the gradients of a kv
+            # head's queries in another order than repeat_interleave's, so the gradients
+            # the references were made with come from repeated keys and values. Without
+            # gradients, on CPU, the grouped kernel reads the shared head in place and
+            # computes the same outputs bit for bit (tests/rl/models/test_decode_path.py);
+            # on a GPU the backend choice differs with enable_gqa, so it stays as it was.
+            rep = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+            gqa = False
         if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif t == 1:
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:
             key_pos = torch.arange(past + t, device=x.device)
             mask = key_pos[None, :] <= (past + torch.arange(t, device=x.device))[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return reduce_from_tp(self.o(out), self.groups)
 
@@ -475,11 +536,11 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RotaryTables | torch.Tensor,
         cache=None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, cache, mask)
+        x = x + self.attn(self.attn_norm(x), rope, cache, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -550,6 +611,10 @@ class Decoder(nn.Module):
             {str(i): Block(config, groups, i, dtype, device) for i in self.layer_ids}
         )
         full = as_model_config(config)
+        self.rope_theta = full.rope_theta
+        self.rope_scaling = full.rope_scaling
+        # rope_inv_freq by device: a function of the config only, kept off the state.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.tied = full.tie_embeddings and not value_head
         if self.is_last:
             self.norm = RMSNorm(config.hidden, dtype, device, full.norm_eps)
@@ -650,6 +715,14 @@ class Decoder(nn.Module):
             if name in params:
                 params[name].copy_(t)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The rotary inverse frequencies (:func:`rope_inv_freq` of the config) on ``device``."""
+        inv = self._inv_freq.get(device)
+        if inv is None:
+            inv = rope_inv_freq(self.config.head_dim, device, self.rope_theta, self.rope_scaling)
+            self._inv_freq[device] = inv
+        return inv
+
     def forward(
         self,
         x: torch.Tensor,
@@ -657,6 +730,7 @@ class Decoder(nn.Module):
         cache=None,
         *,
         attention_mask: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Run this stage.
 
@@ -670,17 +744,19 @@ class Decoder(nn.Module):
                 Padding keys are never attended to; every stage of a pipeline gets the same
                 mask. A mask without a zero is dropped, so equal-length batches take the
                 unmasked path (bitwise what they ran before masks existed).
+            last_only: on the last stage, run the final norm and the head on the last
+                position only (generation needs no other), returning [B, 1, ...].
 
         Returns:
             Hidden states [B, T, hidden] on a non-last stage; on the last stage this tp
-            rank's logits shard [B, T, vocab/tp] (policy) or values [B, T] (critic). Outputs
-            at padding positions are finite but meaningless.
+            rank's logits shard [B, T, vocab/tp] (policy) or values [B, T] (critic), T = 1
+            with ``last_only``. Outputs at padding positions are finite but meaningless.
 
         Raises:
             ValueError: ``attention_mask`` is not [B, past + T].
         """
         t = x.shape[1]
-        mask = None
+        allowed = None
         if attention_mask is not None:
             past = cache.length if cache is not None else 0
             if tuple(attention_mask.shape) != (x.shape[0], past + t):
@@ -693,17 +769,34 @@ class Decoder(nn.Module):
             if not bool(keep.all()):
                 if positions is None:
                     positions = position_ids(keep)[:, past:]
-                mask = attention_bias(keep, t)
+                allowed = attention_bias(keep, t)
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + t, device=x.device)
         h = self.embed(x) if self.is_first else x
+        mask = allowed
+        if allowed is not None and h.is_cpu:
+            # Additive, once for every layer: on CPU scaled_dot_product_attention turns a
+            # boolean mask into exactly this (0 where allowed, -inf elsewhere, in the
+            # queries' dtype) on each call. Other devices keep the boolean mask, which
+            # some of their backends take as it is.
+            mask = torch.full(allowed.shape, float("-inf"), dtype=h.dtype, device=h.device)
+            mask = mask.masked_fill_(allowed, 0.0)
+        # Without gradients (rollout, inference) every layer shares one set of rotary
+        # tables; with them (training) each layer rotates q and k from the positions, as
+        # the cost model's kernel counts of a training step assume (costmodel/work.py's
+        # KERNELS_PER_LAYER_*). The values are the same bit for bit.
+        rope = (
+            None if torch.is_grad_enabled() else rotary_tables(positions, self.inv_freq(h.device))
+        )
         for block in self.layers.values():
-            h = block(h, positions, cache, mask)
+            h = block(h, rope if rope is not None else positions, cache, mask)
         if cache is not None:
             cache.advance(t)
         if not self.is_last:
             return h
+        if last_only:
+            h = h[:, -1:]
         h = self.norm(h)
         if self.is_critic:
             return self.value_head(h).squeeze(-1)

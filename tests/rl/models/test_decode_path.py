@@ -1,0 +1,264 @@
+"""The lean decoding step against the forms it replaces, and cached generation against the
+full forward.
+
+Bit for bit: grouped-query attention without repeated keys and values (no gradients)
+against the repeated form (gradients), the fused fp32 RMS norm and the rotary tables
+shared by every layer against their explicit forms, the additive mask built once per
+forward against SDPA's boolean one, and the per-row sampling noise drawn ahead against
+the same noise drawn step by step.
+
+Within a tolerance: the logits of a cached decoding step (one query against the cache)
+against the same position of an uncached forward over the whole sequence, where
+torch's attention and matmul kernels sum over other shapes. ``TOL = 2e-5`` on logits of
+magnitude ~0.5 bounds that fp32 drift (measured: below 1e-6) and is far below what a
+wrong key, position or mask moves (1e-3 and more).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nereus_rl.models.generate import (
+    KVCache,
+    generate,
+    left_pad,
+    make_generator,
+    make_row_generators,
+)
+from nereus_rl.models.model import (
+    Decoder,
+    Llama3RopeScaling,
+    ModelConfig,
+    RMSNorm,
+    apply_rotary,
+    attention_bias,
+    full_attention_mask,
+    rope_inv_freq,
+    rotary_tables,
+    rotate,
+)
+
+# the module (nereus_rl.models exports a function of the same name)
+gen_mod = importlib.import_module("nereus_rl.models.generate")
+TOL = 2e-5
+# Grouped-query (4 query heads per kv head), q/k/v biases, Llama 3 rope scaling.
+GQA = ModelConfig(
+    "gqa", 3, 64, 8, 2, 96, 97, 96,
+    rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 16), qkv_bias=True, rope_theta=5e5,
+)  # fmt: skip
+
+
+def _model(seed: int = 3) -> Decoder:
+    m = Decoder(GQA, seed=seed)
+    with torch.no_grad():  # biases and norm scales away from their 0 / 1 init
+        g = torch.Generator().manual_seed(seed)
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return m
+
+
+def _batch(seed: int = 1, b: int = 5, lo: int = 2, hi: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
+    return left_pad([torch.randint(3, GQA.vocab, (n,), generator=g) for n in lens], 0)
+
+
+def _old_attention_bias(keep: torch.Tensor, num_queries: int) -> torch.Tensor:
+    s = keep.shape[1]
+    keys = torch.arange(s)
+    queries = keys[s - num_queries :]
+    causal = keys[None, :] <= queries[:, None]
+    own = keys[None, :] == queries[:, None]
+    return ((causal[None] & keep[:, None, :]) | own[None])[:, None]
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_grouped_attention_equals_repeated_keys(masked):
+    """Without gradients the model attends with enable_gqa, with them it repeats keys and
+    values (its backward sums in the references' order): the outputs are equal to the bit,
+    over a prompt forward and cached decoding steps."""
+    m = _model()
+    ids, mask = _batch()
+    attn = mask if masked else None
+    with torch.no_grad():
+        fast = m(ids, attention_mask=attn)
+    repeated = m(ids, attention_mask=attn)  # k/v require grad: the repeat path
+    assert torch.equal(fast, repeated.detach())
+    # One kernel call each, both masks, both kinds of query length.
+    g = torch.Generator().manual_seed(0)
+    for t, s in ((1, 13), (6, 6), (4, 9)):
+        q = torch.randn(3, 8, t, 16, generator=g)
+        k, v = torch.randn(3, 2, s, 16, generator=g), torch.randn(3, 2, s, 16, generator=g)
+        keep = torch.rand(3, s, generator=g) > 0.3
+        bias = attention_bias(keep, t)
+        kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        want = F.scaled_dot_product_attention(q, kr, vr, attn_mask=bias)
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        assert torch.equal(got, want)
+
+
+def test_additive_mask_and_decode_bias_equal_the_boolean_forms():
+    g = torch.Generator().manual_seed(0)
+    for t, s in ((1, 9), (1, 1), (5, 5), (3, 8)):
+        keep = torch.rand(4, s, generator=g) > 0.4
+        keep[:, -1] = True
+        bias = attention_bias(keep, t)
+        assert torch.equal(bias, _old_attention_bias(keep, t))
+        additive = torch.full(bias.shape, float("-inf")).masked_fill_(bias, 0.0)
+        q, k, v = (torch.randn(4, 2, n, 8, generator=g) for n in (t, s, s))
+        assert torch.equal(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+        )
+
+
+@pytest.mark.parametrize("hidden", [64, 100, 256, 1000])
+def test_rms_norm_equals_the_explicit_form(hidden):
+    """fp32 on CPU runs torch's rms_norm; values and gradients are the explicit form's."""
+    norm = RMSNorm(hidden, torch.float32, "cpu", eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x0 = torch.randn(3, 7, hidden) * 3
+    x = x0.clone().requires_grad_()
+    y = norm(x)
+    xr = x0.clone().requires_grad_()
+    w = norm.weight.detach().clone().requires_grad_()
+    yr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    assert torch.equal(y, yr)
+    assert torch.equal(x.grad, xr.grad) and torch.equal(norm.weight.grad, w.grad)
+    # bf16 keeps the explicit form: normalise in fp32, scale in bf16 (Hugging Face's).
+    nb = RMSNorm(hidden, torch.bfloat16, "cpu", eps=1e-6)
+    xb = x0.bfloat16()
+    xf = xb.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * nb.weight
+    assert torch.equal(nb(xb), want)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rotary_tables_equal_the_rotate_half_form(per_row):
+    """The tables shared by q, k and every layer rotate as the per-call form did."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, 16, generator=g, requires_grad=True)
+    positions = torch.randint(0, 40, (3, 5) if per_row else (5,), generator=g)
+    inv = rope_inv_freq(16, "cpu", 5e5, Llama3RopeScaling(8.0, 1.0, 4.0, 16))
+    # The form used before the tables: cos/sin per call, the sign on x.
+    angles = positions.float()[..., None] * inv
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    cos, sin = (c[None, :, None] if not per_row else c[:, :, None] for c in (cos, sin))
+    want = x * cos + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin
+    got = rotate(x, rotary_tables(positions, inv))
+    assert torch.equal(got, want) and torch.equal(apply_rotary(x, positions, inv), want)
+    gy = torch.randn(x.shape, generator=g)
+    (g1,) = torch.autograd.grad(got, x, gy)
+    (g2,) = torch.autograd.grad(want, x, gy)
+    assert torch.equal(g1, g2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("masked", [True, False])
+def test_cached_decoding_equals_the_uncached_forward(masked):
+    """Each cached step's logits (last position only) against an uncached forward over the
+    whole sequence so far, at every generated position."""
+    m = _model()
+    ids, mask = _batch(b=4)
+    if not masked:
+        ids, mask = ids[:, -2:], None
+    out = generate(m, ids, 8, prompt_mask=mask)
+    seq = out.sequences
+    full = m(seq, attention_mask=out.attention_mask)
+    p = ids.shape[1]
+    cache = KVCache(m, seq.shape[0], seq.shape[1])
+    attn = out.attention_mask
+    logits = [m(seq[:, :p], cache=cache, attention_mask=None if attn is None else attn[:, :p])]
+    assert logits[0].shape[1] == p
+    for end in range(p + 1, seq.shape[1] + 1):
+        step_mask = None if attn is None else attn[:, :end]
+        step = m(seq[:, end - 1 : end], cache=cache, attention_mask=step_mask, last_only=True)
+        assert step.shape == (seq.shape[0], 1, GQA.vocab)
+        logits.append(step)
+    cached = torch.cat(logits, 1)
+    real = slice(None) if attn is None else attn.bool()
+    assert (cached - full).abs()[real].max() < TOL
+    # The greedy tokens are the argmax of those logits.
+    assert torch.equal(full[:, p - 1 : -1].argmax(-1), seq[:, p:])
+
+
+@torch.no_grad()
+def test_last_only_is_the_last_position():
+    m = _model()
+    ids, mask = _batch()
+    full = m(ids, attention_mask=mask)
+    last = m(ids, attention_mask=mask, last_only=True)
+    assert last.shape == (ids.shape[0], 1, GQA.vocab)
+    assert (last - full[:, -1:]).abs().max() < TOL
+
+
+def _draw_step_by_step(gens, batch: int, vocab: int, steps: int) -> list[torch.Tensor]:
+    return [torch.stack([torch.rand(vocab, generator=g) for g in gens]) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("ahead", [0, 3, 1 << 22])
+def test_noise_drawn_ahead_equals_step_by_step(monkeypatch, ahead):
+    """Per-row CPU generators draw several steps in one call; the noise, and the
+    generators' states where the steps stop, are those of step-by-step draws."""
+    monkeypatch.setattr(gen_mod, "NOISE_AHEAD", ahead * 4 * 11)
+    rows = range(4)
+    noise = gen_mod._Noise(make_row_generators(7, rows), 4, 11, steps=8, device="cpu")
+    got = [noise.next() for _ in range(5)]
+    noise.close()
+    ref_gens = make_row_generators(7, rows)
+    want = _draw_step_by_step(ref_gens, 4, 11, 5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(g.is_contiguous() for g in got)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(noise.generator, ref_gens))
+
+
+@pytest.mark.parametrize("ahead", [0, 2, 1 << 22])
+def test_sampling_is_the_same_whatever_is_drawn_ahead(monkeypatch, ahead):
+    """Sampled generation, whole and stopped early by EOS: the same tokens and generator
+    states whether the noise is drawn step by step or ahead."""
+    m = _model()
+    ids, mask = _batch(b=6)
+
+    def run(rows, eos=None):
+        gens = make_row_generators(3, range(rows))
+        out = generate(
+            m, ids[:rows], 12, prompt_mask=mask[:rows], temperature=1.3, generator=gens,
+            eos_id=eos,
+        )  # fmt: skip
+        return out, gens
+
+    monkeypatch.setattr(gen_mod, "NOISE_AHEAD", 0)
+    # A one-row batch stops at its own fifth token (or at an earlier one equal to it).
+    eos = int(run(1)[0].responses[0, 4])
+    want = [run(6), run(1, eos)]
+    assert want[1][0].response_mask.shape[1] <= 5
+    monkeypatch.setattr(gen_mod, "NOISE_AHEAD", ahead * 6 * GQA.vocab)
+    got = [run(6), run(1, eos)]
+    for (a, a_gens), (b, b_gens) in zip(got, want):
+        assert torch.equal(a.sequences, b.sequences)
+        assert torch.equal(a.response_mask, b.response_mask)
+        assert all(torch.equal(x.get_state(), y.get_state()) for x, y in zip(a_gens, b_gens))
+    # One generator for the batch draws step by step, as before.
+    a = generate(m, ids, 6, prompt_mask=mask, temperature=1.0, generator=make_generator(1))
+    c = generate(m, ids, 6, prompt_mask=mask, temperature=1.0, generator=make_generator(1))
+    assert torch.equal(a.sequences, c.sequences)
+
+
+def test_generation_buffers_hold_what_concatenation_did():
+    """Sequences and masks come out as before: prompts, then the tokens, cut at the stop."""
+    m = _model()
+    ids, mask = _batch(b=3)
+    out = generate(m, ids, 9, prompt_mask=mask, eos_id=None)
+    assert out.sequences.shape == (3, ids.shape[1] + 9) and out.sequences.is_contiguous()
+    assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
+    assert torch.equal(out.attention_mask, full_attention_mask(mask, out.sequences.shape[1]))
