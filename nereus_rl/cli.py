@@ -148,6 +148,7 @@ def _train(args: argparse.Namespace) -> int:
     options = dict(QUICK) if args.quick else {}
     for name in (
         "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
+        "max_devices",
         "checkpoint_every", "heartbeat_timeout", "data", "tokenizer", "save_every",
         "prompt_field", "answer_field",
     ):  # fmt: skip
@@ -279,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log to Weights & Biases (needs wandb; WANDB_MODE=offline keeps it local)",
     )  # fmt: skip
     t.add_argument("--devices", type=int, default=4, help="worker processes (devices)")
+    t.add_argument(
+        "--max-devices", type=int, default=None, metavar="N",
+        help="grow onto workers that join while the run goes (nereus-rl worker, new Ray "
+        "nodes) up to N devices (default: --devices, no growth)",
+    )  # fmt: skip
     t.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --quick 8)")
     t.add_argument("--mode", default="sync", help="sync, or async (rollout one step ahead)")
     t.add_argument("--no-adapt", action="store_true", help="keep the first plan")

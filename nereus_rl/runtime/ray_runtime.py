@@ -27,8 +27,11 @@ sockets are Ray's (:func:`ray_socket_inodes`).
 Elasticity from the cluster: :meth:`RayDriver.cluster_view` reads Ray's view of
 the nodes (alive, draining, dead, and how many device slots are free),
 :meth:`RayDriver.start_workers` may be called again to place actors on devices
-that arrived; those workers are then the driver's spare workers, which a
-recovery admits in place of lost devices (``nereus_rl.trainer.recover``).
+that arrived, and :meth:`RayDriver.place_arrivals` (called by the trainer at its
+boundaries when ``max_devices`` allows growth) does so in the background for the
+free device slots it finds; those workers are then the driver's spare workers,
+which a recovery admits in place of lost devices and a boundary admits onto free
+device ids up to ``max_devices`` (``nereus_rl.trainer.recover``).
 
 Ray is imported only here: local spawn never imports it.
 
@@ -343,6 +346,10 @@ class RayDriver(Driver):
         self._next_drain_poll = 0.0
         self._draining: frozenset[int] = frozenset()
         self._node_lock = threading.Lock()
+        # placing actors on capacity that arrived (place_arrivals), one batch at a time
+        self._arrivals: threading.Thread | None = None
+        self._next_arrival_poll = 0.0
+        self.arrival_errors: list[str] = []
         self._actor_cls = ray.remote(WorkerActor)
         try:
             super().__init__(
@@ -448,6 +455,52 @@ class RayDriver(Driver):
                 ray.kill(a, no_restart=True)
             raise
         return ranks
+
+    def place_arrivals(self, room: int, timeout: float = 120.0) -> int:
+        """Place actors on device slots that arrived in the cluster (new nodes, freed
+        devices), at most ``room`` of them, in the background.
+
+        Reads :meth:`cluster_view` (at most every NODE_POLL_S) and, when whole device
+        slots are free on alive nodes that are not draining, starts a thread that runs
+        :meth:`start_workers` for them; the actors join as the driver's spare workers,
+        which the trainer admits at its next boundary (up to its ``max_devices``). One
+        batch is placed at a time; a batch that finds no room or fails is logged (and
+        kept in :attr:`arrival_errors`) and the next call tries again.
+
+        Returns:
+            How many actors this call started placing (0: none).
+        """
+        if room <= 0 or self._closed:
+            return 0
+        busy = self._arrivals
+        now = time.monotonic()
+        if (busy is not None and busy.is_alive()) or now < self._next_arrival_poll:
+            return 0
+        self._next_arrival_poll = now + NODE_POLL_S
+        try:
+            n = min(self.cluster_view().free_devices(), room)
+        except Exception as e:  # the GCS is away: the next boundary asks again
+            P.log.warning("could not read the Ray cluster's free devices: %s", e)
+            return 0
+        if n <= 0:
+            return 0
+
+        def place() -> None:
+            try:
+                self.start_workers(n, timeout=timeout)
+            except Exception as e:  # capacity taken meanwhile, or an actor died starting
+                self.arrival_errors.append(f"{type(e).__name__}: {e}")
+                P.log.warning("placing %d actors on arrived capacity failed: %s", n, e)
+
+        self._arrivals = threading.Thread(target=place, name="nereus-ray-arrivals", daemon=True)
+        self._arrivals.start()
+        return n
+
+    def wait_arrivals(self, timeout: float | None = None) -> None:
+        """Wait for the actors :meth:`place_arrivals` is placing to join (if any)."""
+        busy = self._arrivals
+        if busy is not None:
+            busy.join(timeout)
 
     def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         ray = self._ray
@@ -670,6 +723,8 @@ class RayDriver(Driver):
         """Stop every actor, remove the placement groups, close the store; shut Ray
         down if this driver started (or connected) it. Idempotent."""
         ray = self._ray
+        # actors still being placed on arrived capacity are stopped with the others
+        self.wait_arrivals(timeout)
         with self._lock:
             if self._closed:
                 return

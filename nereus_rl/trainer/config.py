@@ -85,6 +85,11 @@ class TrainConfig:
     # Failure domains the devices are split into, in device order (equal nodes): the
     # mirrors go to another node, so a whole node's death loses nothing either.
     nodes: int = 1
+    # The most devices the run may grow to (None: ``devices``, no growth). Workers that
+    # arrive while it runs (``nereus-rl worker`` joining, Ray actors placed on new
+    # capacity) take free device ids up to this at the next boundary, and the planner
+    # may then move onto them (nereus_rl.trainer.recover.grow).
+    max_devices: int | None = None
     # Every this many steps, also write the committed snapshot to disk (0: never): the
     # last resort when a shard's holder and its mirror are lost together. Written to
     # checkpoint_dir, else the run folder's checkpoint.pt.
@@ -126,6 +131,11 @@ class TrainConfig:
     # event files are written to the run folder regardless.
     wandb: bool = False
     wandb_project: str | None = None
+
+    @property
+    def device_cap(self) -> int:
+        """The most devices the run may hold (``max_devices``, else ``devices``)."""
+        return self.devices if self.max_devices is None else self.max_devices
 
     def hyper(self) -> dict[str, Any]:
         return {
@@ -343,6 +353,13 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         )
     if cfg.memory_budget is not None and cfg.memory_budget <= 0:
         raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
+    if cfg.max_devices is not None and not (
+        isinstance(cfg.max_devices, int) and cfg.max_devices >= cfg.devices
+    ):
+        raise TrainConfigError(
+            f"max_devices={cfg.max_devices!r} must be an int >= devices ({cfg.devices}): the "
+            "most devices the run may grow to (None: devices, no growth)"
+        )
     return mc
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,7 +266,7 @@ def _round(
     else:
         sources = _sources(job, plan_workers, emu_path, error)
     device_worker = {d: w for d, w in group.device_worker.items() if d not in dead}
-    joined = row["joined"] = _admit(group, units, cfg.devices, device_worker)
+    joined = row["joined"] = _admit(group, units, cfg.device_cap, device_worker)
     alive = sorted(device_worker)
     # plan device id -> rank in the new default group (the group is formed next)
     group.rebase(device_worker)
@@ -337,13 +337,18 @@ def _check(group: WorkerGroup, units: TrainerUnits, attempt: int, ctx: dict[str,
 
 
 def _admit(
-    group: WorkerGroup, units: TrainerUnits | None, devices: int, device_worker: dict[int, int]
+    group: WorkerGroup,
+    units: TrainerUnits | None,
+    devices: int,
+    device_worker: dict[int, int],
+    exclude: Collection[int] = (),
 ) -> dict[int, int]:
-    """Give free device ids (lost ones, up to ``devices``) to workers of the driver
-    that the run does not use (joined with ``nereus-rl worker --store``, or idle), so
-    that recovery extends onto them. Updates ``device_worker``; returns device -> worker
-    of the admitted ones."""
-    used = set(device_worker.values())
+    """Give free device ids (lost ones, then new ones, up to ``devices``: the run's
+    ``max_devices``) to workers of the driver that the run does not use (joined with
+    ``nereus-rl worker --store``, placed on new Ray capacity, or idle), less those in
+    ``exclude`` (on a draining node), so that recovery or growth extends onto them.
+    Updates ``device_worker``; returns device -> worker of the admitted ones."""
+    used = set(device_worker.values()) | set(exclude)
     spare = [w for w in group.driver.workers if w not in used]
     free = [d for d in range(devices) if d not in device_worker]
     joined = dict(zip(free, spare))
@@ -352,8 +357,88 @@ def _admit(
         # the cost model prices the joiners' primitives on their device ids
         units.emus.rank_devices.update({w: d for d, w in joined.items()})
     if joined:
-        _LOG.warning("recovery admits joined worker(s) %s", joined)
+        _LOG.warning("admitting joined worker(s) %s (device -> worker)", joined)
     return joined
+
+
+def spare_workers(group: WorkerGroup, devices: int, exclude: Collection[int] = ()) -> list[int]:
+    """The driver's live workers that the run could admit now: none while the run
+    holds ``devices`` device ids (``max_devices``) already, else those it does not use
+    (less ``exclude``). The driver's worker list is read only when there is room."""
+    if len(group.device_worker) >= devices:
+        return []
+    used = set(group.device_worker.values()) | set(exclude)
+    return [w for w in group.driver.workers if w not in used]
+
+
+def grow(
+    group: WorkerGroup,
+    units: TrainerUnits,
+    plan: GlobalPlan,
+    step: int,
+    *,
+    cfg: TrainConfig,
+    mc: ModelConfig,
+    exclude: Collection[int] = (),
+) -> dict[str, Any] | None:
+    """Admit workers that arrived (no worker was lost): free device ids up to
+    ``cfg.max_devices`` go to them, as a recovery admits a joiner.
+
+    The same path as a recovery's round, less the loss: the joiners take device ids
+    (:func:`_admit`), every worker joins a new default group with them, the joiners
+    learn the model and the hyper-parameters (``rl.setup`` with no stage), and every
+    stage's model is rebuilt on the new group from its own units (``rl.rebind``; no
+    byte of state moves, the plan is unchanged). The new devices are then the devices
+    signal's: the adaptation loop's planner may choose a plan that uses them, and the
+    move onto them runs as live primitives (Extend, ...).
+
+    Arguments:
+        group, units: the run's workers and EMU units.
+        plan: the current plan (its stages' units are rebound as they are).
+        step: the step whose boundary this is.
+        cfg, mc: the run's options and model.
+        exclude: workers not to admit (on a draining node).
+
+    Returns:
+        The decisions.jsonl row of the growth (``signal: devices``, not a move), or None
+        when no worker was admitted.
+
+    Raises:
+        WorkerLostError, WorkerTimeoutError, RemoteError: a worker died meanwhile (the
+            caller's recovery goes on from it: every unit still holds its state, and a
+            recovery rebind cut short is sound to start over).
+    """
+    t0 = time.perf_counter()
+    device_worker = dict(group.device_worker)
+    joined = _admit(group, units, cfg.device_cap, device_worker, exclude)
+    if not joined:
+        return None
+    before = sorted(group.device_worker)
+    group.rebase(device_worker)
+    if group.lost():
+        raise WorkerLostError("a worker died before the grown default group was formed", ())
+    group.init_world()
+    group.driver.call(list(joined.values()), "rl.setup", [], mc, {}, cfg.hyper())
+    # The models' TP/PP/DP groups were made on the old default group: rebuilt on the
+    # new one from each stage's own units (as a recovery rebinds the units it keeps).
+    units.emus.flush()
+    units._rebind([(group.desc(sp), units.by_stage[sp.stage]) for sp in plan.stages], "recovery")
+    return {
+        "step": step,
+        "signal": "devices",
+        "trigger": f"gained {len(joined)} device(s) {sorted(joined)}",
+        "urgent": False,
+        "current": repr(plan),
+        "taken": False,
+        "path": "grow",
+        "reason": (
+            f"worker(s) {sorted(joined.values())} admitted on devices {sorted(joined)} "
+            f"({len(before)} -> {len(device_worker)} devices, max {cfg.device_cap}); the "
+            "plan is unchanged until the planner moves onto them"
+        ),
+        "joined": {str(d): w for d, w in sorted(joined.items())},
+        "measured_s": time.perf_counter() - t0,
+    }
 
 
 def _sources(
@@ -491,7 +576,7 @@ def restore(
             # read back first: which copy of a shard is read depends on who is alive
             full = snapshots.full_states(set(group.driver.check_liveness()), initial)
             device_worker = {d: w for d, w in group.device_worker.items() if d not in dead}
-            row["joined"] = _admit(group, units, cfg.devices, device_worker)
+            row["joined"] = _admit(group, units, cfg.device_cap, device_worker)
             group.rebase(device_worker)
             if group.lost():
                 raise WorkerLostError("a worker died before the default group was formed", ())

@@ -74,7 +74,8 @@ from nereus_rl.trainer.config import (
     stage_names,
 )
 from nereus_rl.trainer.group import WorkerGroup, sync_weights
-from nereus_rl.trainer.recover import RecoveryStateLostError
+from nereus_rl.trainer.recover import RecoveryStateLostError, spare_workers
+from nereus_rl.trainer.recover import grow as grow_run
 from nereus_rl.trainer.recover import recover as recover_run
 from nereus_rl.trainer.recover import restore as restore_run
 from nereus_rl.trainer.report import RunLog
@@ -280,7 +281,10 @@ class Trainer(StepWork):
             return TrainerUnits(self.group, self.mc, self.adapter.cm, live_kinds=live)
 
         if cfg.mirror:
-            self.snapshots = Snapshots(self.group, self.mc, cfg.devices, cfg.nodes)
+            # Devices that arrive (max_devices) make nodes of the same size after these.
+            per = cfg.devices // cfg.nodes
+            nodes = -(-cfg.device_cap // per)
+            self.snapshots = Snapshots(self.group, self.mc, per * nodes, nodes)
         self._dirty = True  # nothing is set up yet: a loss now restores the initial states
         try:
             self.driver.import_module("nereus_rl.trainer.worker")
@@ -756,13 +760,16 @@ class Trainer(StepWork):
         if step + 1 < cfg.steps and self._boundary_loss is None:
             t_boundary = time.perf_counter()
             try:
+                grown = self.grow(step)
+                if grown:
+                    m["grow_s"] = grown
                 m.update(self.adapter.boundary(step, m))
             except (WorkerLostError, WorkerTimeoutError, RemoteError) as e:
                 # The step trained already: it is recorded and recovered from after, not
                 # run again (its update would be applied twice).
                 self._boundary_loss = e
             m["boundary_s"] = time.perf_counter() - t_boundary
-        m["decision_s"] = max(0.0, m["boundary_s"] - m["transition_s"])
+        m["decision_s"] = max(0.0, m["boundary_s"] - m["transition_s"] - m.get("grow_s", 0.0))
         if step > 0:  # step 0 pays the first weight sync and warm-ups
             s = m["step_s"]
             self._step_ema = s if self._step_ema is None else 0.7 * self._step_ema + 0.3 * s
@@ -771,6 +778,49 @@ class Trainer(StepWork):
             self.log.metrics(m)
         if self.progress is not None:
             self.progress(step, m)
+
+    def arrivals(self) -> list[int]:
+        """Workers that arrived and that the run could admit now (up to ``max_devices``;
+        none on a draining node). On Ray, actors are first placed on capacity that
+        arrived in the cluster (:meth:`RayDriver.place_arrivals
+        <nereus_rl.runtime.ray_runtime.RayDriver.place_arrivals>`), in the background."""
+        cap = self.cfg.device_cap
+        room = cap - len(self.group.device_worker)
+        place = getattr(self.driver, "place_arrivals", None)
+        if place is not None and room > 0 and cap > self.cfg.devices:
+            place(room - len(spare_workers(self.group, cap)))
+        draining = getattr(self.driver, "draining_workers", None)
+        gone = draining() if draining is not None else ()
+        return spare_workers(self.group, cap, gone)
+
+    def grow(self, step: int) -> float:
+        """Admit the workers that arrived at ``step``'s boundary, before it decides
+        (:func:`nereus_rl.trainer.recover.grow`): the devices signal then sees them, and
+        the planner may move onto them by Extend. Returns the seconds it took (0.0: none
+        arrived, nothing was done).
+
+        The rollout sent ahead runs on the current group, so it is waited for first; the
+        committed snapshot is taken again on the new group (as after a recovery).
+        """
+        if not self.arrivals():
+            return 0.0
+        t0 = time.perf_counter()
+        self.finish_ahead()
+        snaps = self.snapshots
+        if snaps is not None and snaps.pending:
+            self._commit_snapshot()
+        draining = getattr(self.driver, "draining_workers", None)
+        row = grow_run(
+            self.group, self.units, self.plan, step, cfg=self.cfg, mc=self.mc,
+            exclude=draining() if draining is not None else (),
+        )  # fmt: skip
+        if row is None:
+            return 0.0
+        self._log_workers(step + 1)
+        self.log_decision(row)
+        if snaps is not None and snaps.version >= 0:
+            snaps.take(self.plan, snaps.version)
+        return time.perf_counter() - t0
 
     def _run_ahead(self, step: int) -> None:
         """Send ``step``'s rollout now, before the boundary decides, when the current

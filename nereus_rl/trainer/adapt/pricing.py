@@ -93,9 +93,7 @@ class Planning:
         if budget is None:
             budget = self._auto_budget()
         self.budget = int(budget)
-        self.cluster = local_cpu_cluster(
-            cfg.devices, self.workers_per_core, memory_bytes=self.budget * cfg.devices
-        )
+        self.cluster = self._cluster()
         self.cm = CostModel(self.cluster)
         self.calibration = TransitionCalibration()
         # the running plan's step-to-step scatter: savings inside it are declined
@@ -119,13 +117,18 @@ class Planning:
         self._refined = True
         if self.cfg.memory_budget is None:
             self.budget = self._auto_budget(observed)
-            self.cluster = local_cpu_cluster(
-                self.cfg.devices, self.workers_per_core, memory_bytes=self.budget * self.cfg.devices
-            )
+            self.cluster = self._cluster()
             self.cm = CostModel(self.cluster)
             for plan, wl, measured in observed:
                 self.cm.observe(plan, wl, measured)
             self.admission = Admission(self.priced())
+
+    def _cluster(self):
+        """The cost model's cluster: ``device_cap`` device ids (``max_devices``), each
+        with the per-worker budget, so that devices arriving up to it can be planned on;
+        the devices a plan may use are the live workers' (:meth:`_devices`)."""
+        cap = self.cfg.device_cap
+        return local_cpu_cluster(cap, self.workers_per_core, memory_bytes=self.budget * cap)
 
     def priced(self, cm: CostModel | None = None) -> PricedModel:
         """``cm`` (the adapter's model by default) as the decisions price plans: measured
@@ -243,6 +246,9 @@ class Planning:
             NotEnoughDevicesError: no plan fits the devices and the memory budget.
         """
         wl = self.workload(rlen)
+        if devices is None and self.cfg.device_cap > self.cfg.devices:
+            # the cluster spans max_devices ids: plan over the ones the run has
+            devices = self._devices()
         try:
             res = plan_best(wl, self.cluster, self.cm, devices=devices, k=k)
         except PlanInfeasibleError as e:

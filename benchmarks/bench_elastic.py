@@ -1,0 +1,376 @@
+"""Elasticity end to end: a node lost, then nodes arriving, during one GRPO run.
+
+One run of ``steps`` GRPO steps on ``devices`` local worker processes split into nodes
+of two (failure domains). After step ``loss_at - 1`` every worker of the last node is
+SIGKILLed; after step ``arrive_at - 1`` ``arrivals`` new nodes of two workers start. Three
+ways to carry on, each run here, one after another, in this process:
+
+    nereus      live recovery from the intact units on the survivors, then the
+                arrivals admitted at the next boundary (``max_devices``) and the
+                planner free to move onto them (Extend).
+    restart     checkpoint/restart as verl and OpenRLHF do it: the training state is
+                written to disk every ``K`` steps (the trainer's disk checkpoint of the
+                actor's weights, Adam moments and step); at each event the job stops
+                (every worker process exits) and a new job starts on the new device
+                set: new worker processes, the stages built again, the last checkpoint
+                loaded (written by this run, read back from disk), and the steps since
+                it run again. Process start, model build and load are measured.
+    fixed       live recovery as nereus, the arrivals left unused (the survivors only).
+
+Every run uses the same options (adaptive planner, fixed response length, the
+in-memory snapshot every step); only the events' handling differs.
+
+Reported per run: total wall time to finish (from the first worker's start to the last
+step's end), steps recomputed, the pause at each event (the step that follows the event
+less the median step before it; for restart, the stop, new start and reload plus the
+steps run again), the mean step after the arrivals, and the ratios side by side
+(restart / nereus, fixed / nereus).
+
+What an arrival adds on one 2-core machine: worker processes and their memory budget,
+no cores (the workers share the same two cores). A plan that spreads the stages over
+more workers then runs no faster here, and the arrivals' value is the memory and the
+devices a plan may use; on a cluster each node brings its own devices.
+
+    python benchmarks/bench_elastic.py --quick --json /tmp/bench_elastic.json
+    python benchmarks/bench_elastic.py --json /tmp/bench_elastic.json   # 30 steps, 6 devices
+
+--quick: 10 steps on 4 devices (2 nodes of 2), a node lost after step 3 and one node
+arriving after step 6, a checkpoint every 3 steps; the full run: 30 steps on 6 devices
+(3 nodes of 2), a node lost after step 9, two nodes arriving after step 19, K = 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus_rl.runtime import Driver
+from nereus_rl.trainer.trainer import TrainConfig, Trainer
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One elastic run's shape.
+
+    Attributes:
+        steps: RL steps.
+        devices: devices at start (nodes of ``per_node``).
+        per_node: devices per node.
+        loss_at: the first step after the last node is lost.
+        arrive_at: the first step after ``arrivals`` nodes arrive.
+        arrivals: nodes that arrive.
+        every: the restart baseline's checkpoint interval (steps).
+        options: further TrainConfig options (the same for every way).
+    """
+
+    steps: int
+    devices: int
+    per_node: int
+    loss_at: int
+    arrive_at: int
+    arrivals: int
+    every: int
+    options: dict[str, Any]
+
+    @property
+    def survivors(self) -> int:
+        return self.devices - self.per_node
+
+    @property
+    def max_devices(self) -> int:
+        return self.survivors + self.arrivals * self.per_node
+
+
+COMMON = {
+    "algo": "grpo",
+    "model": "tiny",
+    "length_start": 8,
+    "length_end": 8,
+    "calibration_probes": 0,
+    "snapshot_budget": float("inf"),
+    "heartbeat_timeout": 60.0,
+}
+QUICK = Scenario(
+    steps=10, devices=4, per_node=2, loss_at=4, arrive_at=7, arrivals=1, every=3,
+    options={**COMMON, "warm_steps": 30, "batch": 4, "group_size": 2},
+)  # fmt: skip
+FULL = Scenario(
+    steps=30, devices=6, per_node=2, loss_at=10, arrive_at=20, arrivals=2, every=5,
+    options={**COMMON, "warm_steps": 100, "batch": 8, "group_size": 4},
+)  # fmt: skip
+
+
+def _spawn(driver: Driver, n: int) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    ranks = driver.spawn_local(n, method="forkserver")
+    return ranks, time.perf_counter() - t0
+
+
+def _pause(ends: list[float], step: int, before: list[float], extra: float = 0.0) -> float:
+    """The step after an event less the median step before it (seconds); ``extra``
+    (work of the benchmark's own, not the job's, inside that interval) is left out."""
+    took = ends[step] - ends[step - 1] - extra
+    return max(0.0, took - statistics.median(before))
+
+
+def run_live(sc: Scenario, arrivals: bool, seed: int) -> dict[str, Any]:
+    """nereus (``arrivals``) or fixed: one trainer, live recovery, arrivals admitted."""
+    cfg = TrainConfig(
+        steps=sc.steps, devices=sc.devices, nodes=sc.devices // sc.per_node, seed=seed,
+        max_devices=sc.max_devices if arrivals else None, **sc.options,
+    )  # fmt: skip
+    driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
+    ends: dict[int, float] = {}
+    side: dict[int, float] = {}  # step -> the benchmark's own seconds inside it
+    t_start = time.perf_counter()
+    try:
+        _, spawn_s = _spawn(driver, sc.devices)
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+
+            def progress(step: int, m: dict[str, Any]) -> None:
+                ends[step] = time.perf_counter()
+                if step == sc.loss_at - 1 and "lost" not in side:
+                    side["lost"] = 1
+                    last_node = range(sc.devices - sc.per_node, sc.devices)
+                    for d in last_node:
+                        driver.kill(tr.device_worker[d])
+                elif step == sc.arrive_at - 1 and arrivals and "arrived" not in side:
+                    side["arrived"] = 1
+                    t0 = time.perf_counter()
+                    _spawn(driver, sc.arrivals * sc.per_node)
+                    # A node's process start runs outside the job on a cluster.
+                    side[sc.arrive_at] = time.perf_counter() - t0
+
+            tr.progress = progress
+            res = tr.run()
+        finally:
+            tr.close()
+    finally:
+        driver.shutdown()
+    total = time.perf_counter() - t_start
+    if res.error:
+        raise RuntimeError(f"{'nereus' if arrivals else 'fixed'} run failed: {res.error}")
+    order = [ends[s] for s in range(sc.steps)]
+    # steady steps before the loss (step 0 pays the first weight sync and warm-ups)
+    steady = [order[s] - order[s - 1] for s in range(min(2, sc.loss_at - 1), sc.loss_at)]
+    recomputed = sum(len(d.get("rolled_back_steps", ())) for d in res.decisions)
+    after = [order[s] - order[s - 1] for s in range(sc.arrive_at + 1, sc.steps)]
+    moves = [d for d in res.decisions if d.get("taken") and d["step"] >= sc.arrive_at - 1]
+    grown = [d for d in res.decisions if d.get("path") == "grow"]
+    return {
+        "way": "nereus" if arrivals else "fixed",
+        "total_s": total,
+        "spawn_s": spawn_s,
+        "steps_recomputed": recomputed,
+        "loss_pause_s": _pause(order, sc.loss_at, steady),
+        "arrival_pause_s": _pause(order, sc.arrive_at, steady, side.get(sc.arrive_at, 0.0))
+        if arrivals
+        else 0.0,
+        "arrival_process_start_s": side.get(sc.arrive_at, 0.0),
+        "step_after_arrivals_s": statistics.mean(after) if after else None,
+        "devices_at_end": len(res.plans[-1][1].devices),
+        "devices_held_at_end": len(tr.group.device_worker),
+        "admitted": sum(len(d["joined"]) for d in grown),
+        "moves_after_arrivals": [
+            {"step": d["step"], "trigger": d["trigger"], "primitives": d.get("executed_primitives")}
+            for d in moves
+        ],
+        "final_plan": repr(res.plans[-1][1]),
+    }
+
+
+class _Restarted(Trainer):
+    """A trainer whose job starts from a disk checkpoint written by an earlier job: the
+    actor's weights, Adam moments and step (the reference: the initial weights)."""
+
+    checkpoint: Path | None = None
+    load_s: float = 0.0
+
+    def _initial_states(self):
+        initial = super()._initial_states()
+        if self.checkpoint is None:
+            return initial
+        t0 = time.perf_counter()
+        saved = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+        self.load_s = time.perf_counter() - t0
+        return {**initial, **saved["states"]}
+
+
+def _segment(
+    sc: Scenario, devices: int, steps: int, seed: int, ckpt_dir: Path, resume: Path | None
+) -> dict[str, Any]:
+    """One job of the restart baseline: start ``devices`` workers, build the stages
+    (from ``resume``'s checkpoint), run ``steps`` steps writing a checkpoint every
+    ``sc.every``, stop every worker. Returns its timings and the last checkpoint."""
+    nodes = max(1, devices // sc.per_node)
+    cfg = TrainConfig(
+        steps=steps, devices=devices, nodes=nodes, seed=seed, checkpoint_every=sc.every,
+        checkpoint_dir=str(ckpt_dir), **sc.options,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
+    ends: list[float] = []
+    try:
+        _, spawn_s = _spawn(driver, devices)
+        tr = _Restarted(cfg, driver=driver)
+        tr.checkpoint = resume
+        t_build = time.perf_counter()
+        try:
+            tr.start()
+            build_s = time.perf_counter() - t_build - tr.load_s
+            t_run = time.perf_counter()
+            tr.progress = lambda step, m: ends.append(time.perf_counter())
+            res = tr.run()
+            run_s = time.perf_counter() - t_run
+            disk = tr._disk_checkpoint
+            version = disk.version if disk is not None and disk.exists() else None
+        finally:
+            tr.close()
+    finally:
+        t_stop = time.perf_counter()
+        driver.shutdown()
+        stop_s = time.perf_counter() - t_stop
+    if res.error:
+        raise RuntimeError(f"restart job failed: {res.error}")
+    # the checkpoint this job leaves, as the next job finds it: a copy, since the next
+    # job writes its own into the same folder
+    kept = None
+    if version is not None:
+        kept = ckpt_dir / f"kept-{time.monotonic_ns()}.pt"
+        kept.write_bytes((ckpt_dir / "checkpoint.pt").read_bytes())
+    steps_s = [b - a for a, b in zip([t_run, *ends], ends)]
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "spawn_s": spawn_s,
+        "build_s": build_s,
+        "load_s": tr.load_s,
+        "stop_s": stop_s,
+        "run_s": run_s,
+        "step_s": steps_s,
+        "checkpoint": kept,
+        "version": version,
+    }
+
+
+def run_restart(sc: Scenario, seed: int) -> dict[str, Any]:
+    """checkpoint/restart: a job per device set, each started from the last checkpoint."""
+    ckpt_dir = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
+    jobs = []
+    t_start = time.perf_counter()
+    # job 1 runs until the loss; its steps after the last checkpoint are lost
+    j1 = _segment(sc, sc.devices, sc.loss_at, seed, ckpt_dir, None)
+    done1 = 0 if j1["version"] is None else j1["version"] + 1
+    lost1 = sc.loss_at - done1
+    # job 2 on the survivors, from that checkpoint, until the arrivals; a scale-up also
+    # restarts from the last checkpoint (the arrivals are used only by a new job)
+    j2 = _segment(sc, sc.survivors, sc.arrive_at - done1, seed + 1, ckpt_dir, j1["checkpoint"])
+    done2 = done1 + (0 if j2["version"] is None else j2["version"] + 1)
+    if j2["checkpoint"] is None:
+        j2["checkpoint"] = j1["checkpoint"]
+    lost2 = sc.arrive_at - done2
+    j3 = _segment(sc, sc.max_devices, sc.steps - done2, seed + 2, ckpt_dir, j2["checkpoint"])
+    jobs = [j1, j2, j3]
+    total = time.perf_counter() - t_start
+    for p in ckpt_dir.iterdir():
+        p.unlink()
+    ckpt_dir.rmdir()
+
+    def pause(prev: dict, nxt: dict, lost: int) -> float:
+        # the stop, the new job's start (processes, stages, checkpoint load) and the
+        # steps run again
+        return (
+            prev["stop_s"]
+            + nxt["spawn_s"]
+            + nxt["build_s"]
+            + nxt["load_s"]
+            + sum(nxt["step_s"][:lost])
+        )
+
+    after = j3["step_s"][max(1, lost2 + 1) :]
+    return {
+        "way": "restart",
+        "total_s": total,
+        "spawn_s": j1["spawn_s"],
+        "steps_recomputed": lost1 + lost2,
+        "loss_pause_s": pause(j1, j2, lost1),
+        "arrival_pause_s": pause(j2, j3, lost2),
+        "arrival_process_start_s": j3["spawn_s"],
+        "restart_spawn_s": [j["spawn_s"] for j in jobs[1:]],
+        "restart_build_s": [j["build_s"] for j in jobs[1:]],
+        "restart_load_s": [j["load_s"] for j in jobs[1:]],
+        "step_after_arrivals_s": statistics.mean(after) if after else None,
+        "devices_at_end": sc.max_devices,
+    }
+
+
+def prime(sc: Scenario, seed: int) -> None:
+    """Warm-start the policy once, before any clock starts: every way then finds it in
+    the trainer's in-process cache (a restarted job of a real run reloads it too)."""
+    for s in (seed, seed + 1, seed + 2):
+        cfg = TrainConfig(steps=sc.steps, devices=sc.devices, seed=s, **sc.options)
+        driver = Driver()
+        try:
+            Trainer(cfg, driver=driver)._initial_states()
+        finally:
+            driver.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10 steps on 4 devices")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ways", default="nereus,restart,fixed", help="comma-separated subset")
+    args = ap.parse_args(argv)
+    sc = QUICK if args.quick else FULL
+    prime(sc, args.seed)
+    runs = {"nereus": lambda: run_live(sc, True, args.seed),
+            "restart": lambda: run_restart(sc, args.seed),
+            "fixed": lambda: run_live(sc, False, args.seed)}  # fmt: skip
+    rows = []
+    for way in args.ways.split(","):
+        row = runs[way]()
+        rows.append(row)
+        print(
+            f"{way:8s} total {row['total_s']:7.2f} s  recomputed {row['steps_recomputed']}  "
+            f"pause loss {row['loss_pause_s']:6.2f} s  arrivals {row['arrival_pause_s']:6.2f} s"
+            f"  step after arrivals {row['step_after_arrivals_s'] or 0.0:6.3f} s  devices at "
+            f"end {row['devices_at_end']}",
+            flush=True,
+        )
+    by = {r["way"]: r for r in rows}
+    if "nereus" in by:
+        base = by["nereus"]
+        for r in rows:
+            r["total_vs_nereus_x"] = r["total_s"] / base["total_s"]
+            if r["step_after_arrivals_s"] and base["step_after_arrivals_s"]:
+                r["step_after_arrivals_vs_nereus_x"] = (
+                    r["step_after_arrivals_s"] / base["step_after_arrivals_s"]
+                )
+        print("ratios (total wall time / nereus's): " + ", ".join(
+            f"{r['way']} {r['total_vs_nereus_x']:.2f}x" for r in rows
+        ))  # fmt: skip
+    out = {
+        "benchmark": "bench_elastic",
+        "scenario": {k: v for k, v in sc.__dict__.items() if k != "options"},
+        "options": {k: v for k, v in sc.options.items() if k != "snapshot_budget"},
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
