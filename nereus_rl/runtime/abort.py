@@ -36,10 +36,15 @@ Which connections break (:meth:`AbortState.apply`):
   default group) declare theirs. Connections no group claims belong to groups
   whose members this process does not know, so they break.
 
+NCCL communicators are not sockets: a tracked group may carry an abort hook
+(:meth:`AbortState.on_abort`; the trainer's default group on GPUs registers
+torch's ``_abort_process_group``, which calls ``ncclCommAbort``), run on the
+watcher's thread when a notice names one of the group's members while a command
+runs.
+
 Not covered: a command blocked in a group of survivors only, on a survivor that
 left it after another group failed (its group timeout still ends it; a
-``liveness`` hook may end it sooner, see :meth:`AbortState.liveness`), and
-NCCL communicators (they need ``ncclCommAbort``, not a closed socket).
+``liveness`` hook may end it sooner, see :meth:`AbortState.liveness`).
 """
 
 from __future__ import annotations
@@ -195,6 +200,7 @@ class AbortState:
         self._floor = 0  # the running command's abort epoch (see begin)
         self._cmd_aborted = False
         self._groups: dict[object, tuple[frozenset[int], frozenset[int]]] = {}
+        self._hooks: dict[object, Callable[[], None]] = {}  # key -> abort of its group
         # Groups being built (members, the sockets open before): an abort during the
         # build claims what was opened since, the rendezvous's store client included.
         self._building: dict[object, tuple[frozenset[int], frozenset[int]]] = {}
@@ -263,6 +269,18 @@ class AbortState:
         """Forget a group's sockets (it was released); unknown keys are ignored."""
         with self._lock:
             self._groups.pop(key, None)
+            self._hooks.pop(key, None)
+
+    def on_abort(self, key: object, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when a notice names a member of tracked group ``key`` while a
+        command runs (after its sockets are shut down, outside the lock).
+
+        For communicators a closed socket does not end, e.g. NCCL's: the hook aborts
+        them, so a survivor's collective returns instead of waiting for its timeout.
+        A hook that raises is logged; the other hooks still run.
+        """
+        with self._lock:
+            self._hooks[key] = hook
 
     # ------------------------------------------------------------ commands
 
@@ -293,21 +311,29 @@ class AbortState:
             if not self._busy or notice.epoch <= self._floor:
                 return []
             self._cmd_aborted = True
-            if not self._skip:
-                return []
-            keep: set[int] = set() if self._spare is None else set(self._spare())
-            force: set[int] = set()
-            groups = list(self._groups.values())
-            if self._building:
-                now = frozenset(socket_inodes())
-                groups += [(m, now - before) for m, before in self._building.values()]
-            for members, inodes in groups:
-                if not members & self._lost:
-                    keep |= inodes
-                else:  # its store client too: a rendezvous waits there on the dead
-                    force |= inodes
-            broken = break_connections(self._skip, keep, force)
-            self.breaks.append((notice.epoch, broken))
+            hooks = [
+                hook
+                for key, hook in self._hooks.items()
+                if key in self._groups and self._groups[key][0] & self._lost
+            ]
+            broken: list[tuple[str, int]] = []
+            if self._skip:
+                keep: set[int] = set() if self._spare is None else set(self._spare())
+                force: set[int] = set()
+                groups = list(self._groups.values())
+                if self._building:
+                    now = frozenset(socket_inodes())
+                    groups += [(m, now - before) for m, before in self._building.values()]
+                for members, inodes in groups:
+                    if not members & self._lost:
+                        keep |= inodes
+                    else:  # its store client too: a rendezvous waits there on the dead
+                        force |= inodes
+                broken = break_connections(self._skip, keep, force)
+                self.breaks.append((notice.epoch, broken))
+        # Outside the lock: an NCCL abort may wait for the op it ends, which may be in
+        # the command thread holding nothing of ours, but must not hold up begin/end.
+        self._run_hooks(hooks, notice)
         if broken:
             P.log.warning(
                 "worker %d: workers %s lost (abort epoch %d); shut down %d connection(s) of "
@@ -318,6 +344,18 @@ class AbortState:
                 len(broken),
             )
         return broken
+
+    def _run_hooks(self, hooks: list[Callable[[], None]], notice: P.AbortNotice) -> None:
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as e:  # a hook must not stop the watcher
+                P.log.warning(
+                    "worker %d: an abort hook failed at abort epoch %d: %s",
+                    self.rank,
+                    notice.epoch,
+                    e,
+                )
 
 
 class AbortWatcher:

@@ -148,6 +148,13 @@ def init_world(
         # them (nereus_rl.runtime.abort).
         with ctx.track_group(("rl.world", prefix), workers):
             store = join(ctx.store_client(timeout))
+        if dev.type == "cuda":
+            # NCCL waits on no socket: a member's death aborts every communicator of the
+            # process (ncclCommAbort, in one NCCL group), so a survivor's collective
+            # returns at once; the recovery's rl.init then forms the groups again.
+            ctx.abort.on_abort(
+                ("rl.world", prefix), lambda: dist.distributed_c10d._abort_process_group()
+            )
     rl_state(ctx)["rank"] = rank
     rl_state(ctx)["timeout"] = timeout
     rl_state(ctx)["device"] = dev

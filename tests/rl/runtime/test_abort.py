@@ -95,6 +95,43 @@ def test_forged_abort_notices_are_ignored(tmp_path, caplog):
         assert not watcher._thread.is_alive()
 
 
+def test_abort_hooks_run_for_groups_with_a_lost_member_while_a_command_runs(caplog):
+    # The hook stands in for an NCCL communicator's abort (no GPU here): what is tested
+    # is when AbortState calls it, not NCCL.
+    state = AbortState(0)
+    calls: list[str] = []
+    with state.track("world", (0, 1, 2)):
+        pass
+    with state.track("pair", (0, 1)):
+        pass
+    state.on_abort("world", lambda: calls.append("world"))
+    state.on_abort("pair", lambda: calls.append("pair"))
+
+    state.apply(P.AbortNotice(1, (2,), (2,)))  # idle: nothing in flight to abort
+    assert calls == []
+    state.begin(1)  # a command sent after notice 1: notice 1 is not its
+    state.apply(P.AbortNotice(1, (2,), (2,)))
+    assert calls == []
+    state.apply(P.AbortNotice(2, (2, 3), (3,)))  # 2 and 3 lost: only "world" has them
+    assert calls == ["world"]
+    state.end()
+
+    def broken() -> None:
+        raise RuntimeError("abort failed")
+
+    state.on_abort("world", broken)
+    state.begin(2)
+    with caplog.at_level(logging.WARNING, logger="nereus_rl.runtime"):
+        state.apply(P.AbortNotice(3, (1, 2, 3), (1,)))  # now "pair" too
+    assert calls == ["world", "pair"]  # the failing hook is logged, the other still runs
+    assert "abort hook failed" in caplog.text
+    state.untrack("pair")
+    state.begin(3)
+    state.apply(P.AbortNotice(4, (0, 1, 2, 3), (0,)))
+    assert calls == ["world", "pair"]  # an untracked group's hook is gone
+    state.end()
+
+
 def test_abort_breaks_only_the_running_commands_connections():
     # In a process of its own: it shuts down TCP connections of the process it runs in.
     out = subprocess.run(
