@@ -34,6 +34,9 @@ from pathlib import Path
 
 QUICK = {"steps": 8, "warm_steps": 100, "batch": 4, "group_size": 4}
 
+#: The address the job's store listens on unless --host names another.
+HOST_DEFAULT = "127.0.0.1"
+
 #: Local worker processes per core beyond which a run is refused without
 #: --allow-oversubscribe. Each worker is a whole torch process time-sliced on the
 #: cores; past four per core each gets under a quarter of a core, so heartbeats and
@@ -188,7 +191,10 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     driver = None
     try:
-        if args.port is not None or args.local_workers is not None:
+        # A --host of its own (workers to join there) needs the store this driver makes;
+        # with --ray the trainer starts its own.
+        own_host = args.host != HOST_DEFAULT and args.ray is None
+        if args.port is not None or args.local_workers is not None or own_host:
             driver = Driver(
                 args.host, args.port or 0, heartbeat_timeout=args.heartbeat_timeout or 30.0,
                 call_timeout=600.0,
@@ -317,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quick", action="store_true", help="a short run (CI)")
     t.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=HOST_DEFAULT,
         help="the only address the job's store listens on (default loopback). Another one "
         "lets anyone who can reach the port disrupt the job, and whoever holds the secret "
         "file run code on its workers: use a private network's address",

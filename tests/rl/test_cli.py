@@ -102,6 +102,26 @@ def test_help_says_what_an_exposed_address_means(capsys):
     assert "0.0.0.0" not in out and "0.0.0.0" not in cli.__doc__
 
 
+def test_a_host_of_its_own_makes_the_store_listen_there(monkeypatch, capsys):
+    # --host without --port used to be ignored (the trainer made its own store on the
+    # default address). A stand-in Driver records where it was asked to listen and stops.
+    import nereus_rl.runtime as runtime
+
+    seen = []
+
+    class Stop(ValueError):
+        pass
+
+    def fake_driver(host, port, **kwargs):
+        seen.append((host, port))
+        raise Stop("stand-in driver: stop here")
+
+    monkeypatch.setattr(runtime, "Driver", fake_driver)
+    assert main(["train", "--host", "127.0.0.2", "--quick"]) == 2
+    assert seen == [("127.0.0.2", 0)]
+    assert "stand-in driver" in capsys.readouterr().err
+
+
 def test_loopback_addresses():
     assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
     assert not _is_loopback("0.0.0.0") and not _is_loopback("10.1.2.3")
