@@ -28,9 +28,11 @@ Search: depth first over the stages (rollout first, then training, then inferenc
 each joining a group already opened or opening one (each set partition once), with
 every layout that fits (devices, memory), fastest first. A node is pruned when its
 lower bound (the expressions above with the stages not yet placed at their fastest
-layout, the sync at its cheaper tier) exceeds the k-th best step found; a complete
-choice is placed (``planner.place``) and priced by ``CostModel.step_total`` itself, so
-every latency returned is the model's float for that plan. The search starts from the
+layout, the sync at its cheaper tier) exceeds the k-th best step found. A complete
+choice is placed (``planner.place``) and priced by ``CostModel.step_total`` itself;
+node-aligned on GPUs, where the chain expression is the step, choices are kept by it and
+only the k best are placed and priced at the end. Every latency returned is the model's
+float for that plan. The search starts from the
 synchronous search's best plans, priced the same way, so the first bound is tight.
 
 Dominance, used only where it is exact: on devices of their own, with the placement
@@ -192,7 +194,6 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
     # group state: [members, choices, width, memory, R, I, T]
     groups: list[list] = []
     choice = [-1] * S
-    own = [0.0] * S  # chosen time per stage
     core_used = [0.0]
 
     def bound(depth: int) -> float:
@@ -262,7 +263,6 @@ def search(pl, workload, stages, tables, r_i, cap, devs, k, seeds, sid) -> tuple
             if monotone and len(dead) > len(groups):
                 break
             choice[i] = li
-            own[i] = tt
             core_used[0] += min(d, cores) * tt if cores else 0.0
             for gi in range(len(groups) + 1):
                 if gi in dead:

@@ -44,7 +44,6 @@ switch to the machine's external address).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -180,7 +179,7 @@ class WorkerActor:
         connect_timeout: float = 30.0,
     ) -> None:
         self._args = (host, port, secret, num_threads, group_timeout, connect_timeout)
-        self._session = None
+        self._membership = None
         self._listen: set[int] = set()
         self._service: set[int] = set()
 
@@ -201,7 +200,7 @@ class WorkerActor:
         mine = socket_inodes()
         self._listen = {lp for i, (lp, _, lis) in _tcp_table().items() if lis and i in mine}
         self._service = _service_ports(ray)
-        self._session = join_job(
+        self._membership = join_job(
             host,
             port,
             secret,
@@ -210,8 +209,7 @@ class WorkerActor:
             group_timeout=group_timeout,
             spare=self._spare,
         )
-        ctx = self._session.ctx
-        return P.WorkerInfo(ctx.rank, socket.gethostname(), os.getpid(), num_threads)
+        return self._membership.info
 
     def _spare(self) -> set[int]:
         return ray_socket_inodes(self._listen, self._service)
@@ -221,13 +219,13 @@ class WorkerActor:
         from nereus_rl.runtime.worker import run_command
 
         fn, args, kwargs = payload
-        return run_command(self._session.ctx, P.Command(seq, fn, args, kwargs, abort_epoch))
+        return run_command(self._membership.ctx, P.Command(seq, fn, args, kwargs, abort_epoch))
 
     def stop(self) -> None:
         """Leave the job cleanly (the driver is shutting down)."""
-        if self._session is not None:
-            self._session.close(clean=True)
-            self._session = None
+        if self._membership is not None:
+            self._membership.close(clean=True)
+            self._membership = None
 
 
 # ---------------------------------------------------------------------- the driver side

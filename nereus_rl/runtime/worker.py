@@ -86,7 +86,7 @@ def run_command(ctx: WorkerContext, cmd: P.Command) -> P.Reply:
 
 
 @dataclass
-class Session:
+class Membership:
     """A worker's membership of a job: what :func:`join_job` set up, for its command source.
 
     Attributes:
@@ -95,6 +95,7 @@ class Session:
         world: the World membership (heartbeat).
         live: the liveness connection to the driver (None if it could not be opened).
         watcher: the abort-notice watcher.
+        info: what the worker registered under its rank.
     """
 
     ctx: WorkerContext
@@ -102,6 +103,7 @@ class Session:
     world: World
     live: liveness.LivenessConnection | None
     watcher: AbortWatcher
+    info: P.WorkerInfo
 
     def close(self, clean: bool = False) -> None:
         """Leave the job. ``clean``: told to (a goodbye on the liveness connection, so
@@ -123,7 +125,7 @@ def join_job(
     connect_timeout: float = 30.0,
     group_timeout: float = 60.0,
     spare: Callable[[], Iterable[int]] | None = None,
-) -> Session:
+) -> Membership:
     """Join the job whose store is at host:port as a new worker (see the module docstring).
 
     Arguments:
@@ -133,7 +135,7 @@ def join_job(
             at each abort.
 
     Returns:
-        The :class:`Session`; the caller runs commands with :func:`run_command` on its
+        The :class:`Membership`; the caller runs commands with :func:`run_command` on its
         ``ctx`` and closes it at the end.
 
     Raises:
@@ -168,7 +170,7 @@ def join_job(
     abort = AbortState(rank, keep, spare=spare)
     ctx = WorkerContext(rank, store, group_timeout, abort, address=(host, port))
     watcher = AbortWatcher(watch_store, secret, abort).start()
-    return Session(ctx, store, world, live, watcher)
+    return Membership(ctx, store, world, live, watcher, info)
 
 
 def serve(
@@ -193,7 +195,7 @@ def serve(
         StoreUnreachableError: the store did not answer within connect_timeout.
         JobSecretError: ``secret`` is not the job's (checked before joining).
     """
-    session = join_job(
+    membership = join_job(
         host,
         port,
         secret,
@@ -202,11 +204,11 @@ def serve(
         group_timeout=group_timeout,
     )
     try:
-        _command_loop(session.ctx, session.store, secret)
+        _command_loop(membership.ctx, membership.store, secret)
         # A clean end (told to exit, or the job is over): not a death.
-        session.close(clean=True)
+        membership.close(clean=True)
     finally:
-        session.close()
+        membership.close()
 
 
 def _connect_liveness(

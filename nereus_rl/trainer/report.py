@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus_rl.core.globalplan import fmt_devices
+from nereus_rl.trainer.config import stage_desc
 from nereus_rl.trainer.tracking import Trackers
 
 
@@ -81,7 +82,7 @@ class RunLog:
         """Record the plan in force from ``step`` on."""
         row: dict[str, Any] = {"step": step, "plan": repr(plan)}
         if hasattr(plan, "stages"):
-            row["stages"] = [_stage_row(sp) for sp in plan.stages]
+            row["stages"] = [stage_desc(sp) for sp in plan.stages]
         self._write("plans", row)
         self.trackers.plan(step, plan)
 
@@ -109,18 +110,6 @@ class RunLog:
         finally:
             self.trackers.close(result.error)
         return self.dir
-
-
-def _stage_row(sp: Any) -> dict[str, Any]:
-    return {
-        "stage": sp.stage,
-        "model": sp.model,
-        "trains": sp.trains,
-        "dp": sp.dp,
-        "tp": sp.tp,
-        "pp": sp.pp,
-        "units": [list(u) for u in sp.units],
-    }
 
 
 def _total(m: list[dict[str, Any]]) -> float:
