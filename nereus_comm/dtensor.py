@@ -10,15 +10,16 @@ become a :class:`~nereus_comm.placement.Sharding` (``Shard``, ``Replicate``,
 :func:`~nereus_comm.placement.plan_sharded` plan moves every tensor at once, the
 bytes sent equal to what the destination ranks lack.
 
-Every rank of ``group`` calls it. The ranks first exchange what they hold (names,
-shapes, dtypes, meshes, placements; one ``all_gather_object``), so a rank outside
-every source mesh learns what to receive and every rank refuses the same bad input
-(a Partial placement, ranks that disagree on a tensor, a destination shape that
-differs from the source's, a placement for a dim the tensor lacks) with the same
-error, naming the tensor, before any tensor byte moves. A call that repeats the last
-one over the group (same descriptions on every rank, same destination: a weight sync
-every step) exchanges only a 32-byte fingerprint per rank instead, and runs the
-cached plan with no further check.
+Every rank of ``group`` calls it. The ranks first swap a 40-byte fingerprint (a
+digest of what they hold, one of the plan they would run, the description's length).
+A call that repeats the last one over the group (same descriptions on every rank, same
+destination: a weight sync every step) stops there and runs the cached plan with no
+further check. Otherwise the descriptions themselves follow (names, shapes, dtypes,
+meshes, placements; one all_gather padded to the longest), so a rank outside every
+source mesh learns what to receive and every rank refuses the same bad input (a
+Partial placement, ranks that disagree on a tensor, a destination shape that differs
+from the source's, a placement for a dim the tensor lacks, a value that does not
+pickle) with the same error, naming the tensor, before any tensor byte moves.
 
 Plain tensors (e.g. a per-parameter ``step``) are taken as replicated on the ranks
 that passed a state and are returned as plain tensors on every destination rank;
@@ -358,16 +359,48 @@ def _digest(data: bytes) -> bytes:
 
 
 def _fingerprints(
-    group: dist.ProcessGroup, mine: bytes, plan_digest: bytes, size: int
-) -> list[tuple[bytes, bytes]]:
-    """Every rank's (description digest, plan digest): one all_gather of 32 bytes each."""
-    t = torch.frombuffer(bytearray(mine + plan_digest), dtype=torch.uint8)
-    got = [torch.empty(2 * _DIGEST, dtype=torch.uint8) for _ in range(size)]
+    group: dist.ProcessGroup, mine: bytes, plan_digest: bytes, nbytes: int, size: int
+) -> list[tuple[bytes, bytes, int]]:
+    """Every rank's (description digest, plan digest, description length in bytes or -1
+    where it does not pickle): one all_gather of 40 bytes each."""
+    raw = mine + plan_digest + int(nbytes).to_bytes(8, "little", signed=True)
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    got = [torch.empty(len(raw), dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(got, t, group=group)
     out = []
     for g in got:
-        raw = g.numpy().tobytes()
-        out.append((raw[:_DIGEST], raw[_DIGEST:]))
+        b = g.numpy().tobytes()
+        out.append(
+            (
+                b[:_DIGEST],
+                b[_DIGEST : 2 * _DIGEST],
+                int.from_bytes(b[2 * _DIGEST :], "little", signed=True),
+            )
+        )
+    return out
+
+
+def _gather_descriptions(
+    group: dist.ProcessGroup, payload: bytes, lengths: Sequence[int]
+) -> list[Any]:
+    """Every rank's pickled state description, in one all_gather padded to the longest
+    (whose length every rank learned from the fingerprints)."""
+    cap = max(1, *lengths)
+    buf = torch.zeros(cap, dtype=torch.uint8)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    got = [torch.empty(cap, dtype=torch.uint8) for _ in lengths]
+    dist.all_gather(got, buf, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    out = []
+    for r, g, n in zip(ranks, got, lengths):
+        try:
+            out.append(pickle.loads(g[:n].numpy().tobytes()))
+        except Exception as e:  # a peer's bytes that do not unpickle here
+            raise DTensorReshardError(
+                f"rank {r}'s state description does not unpickle here ({e}); every rank "
+                "must run the same torch and nereus_comm versions"
+            ) from None
     return out
 
 
@@ -418,7 +451,8 @@ def reshard_dtensors(
     every rank's description is what it was on the last call over ``group`` and every
     rank derives the same plan (a training loop's weight sync, a repeated reshard), the
     cached plan runs at once; otherwise the descriptions themselves are exchanged (one
-    ``all_gather_object``), merged and checked, and the reshard checks its plan with
+    more all_gather, padded to the longest, whose length came with the digests), merged
+    and checked, and the reshard checks its plan with
     each peer before any byte moves.
 
     Arguments:
@@ -453,9 +487,10 @@ def reshard_dtensors(
     with torch.no_grad():
         local = {name: _describe(name, v) for name, v in state.items()} if state else None
         try:
-            mine = _digest(pickle.dumps(local, protocol=pickle.HIGHEST_PROTOCOL))
-        except (pickle.PicklingError, TypeError, AttributeError):
-            mine = None  # a value that does not pickle: all_gather_object will say which
+            payload = pickle.dumps(local, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            payload, unpicklable = None, str(e)
+        mine = None if payload is None else _digest(payload)
         seen = _SEEN.get(group)
         plan = torch_pl = None
         plan_digest = _NONE
@@ -468,20 +503,28 @@ def reshard_dtensors(
                 call = repr((route, _rank_mesh(dst_mesh).ranks)).encode()
                 plan_digest = _digest(b"".join(seen.digests) + plan.digest + call)
         size = dist.get_world_size(group)
-        prints = _fingerprints(group, mine or _NONE, plan_digest, size)
+        nbytes = -1 if payload is None else len(payload)
+        prints = _fingerprints(group, mine or _NONE, plan_digest, nbytes, size)
         agreed = (
             plan is not None
-            and all(p == plan_digest for _, p in prints)
-            and tuple(d for d, _ in prints) == seen.digests
+            and all(p == plan_digest for _, p, _n in prints)
+            and tuple(d for d, _p, _n in prints) == seen.digests
         )
         if agreed:
             meta, holders = seen.meta, seen.holders
         else:
-            gathered: list = [None] * size
-            dist.all_gather_object(gathered, local, group=group)
+            lengths = [n for _d, _p, n in prints]
+            if min(lengths) < 0:  # refused on every rank, before any tensor byte moves
+                ranks = dist.get_process_group_ranks(group)
+                bad = [r for r, n in zip(ranks, lengths) if n < 0]
+                why = f": {unpicklable}" if payload is None else ""
+                raise DTensorReshardError(
+                    f"rank(s) {bad} pass a state entry that does not pickle{why}; values "
+                    "other than tensors travel pickled, so pass plain Python values"
+                )
+            gathered = _gather_descriptions(group, payload, lengths)
             meta, holders = _merge(gathered, dist.get_process_group_ranks(group))
-            if mine is not None and all(d != _NONE for d, _ in prints):
-                _SEEN[group] = _Seen(tuple(d for d, _ in prints), meta, holders)
+            _SEEN[group] = _Seen(tuple(d for d, _p, _n in prints), meta, holders)
             if not meta:
                 return {}
             plan, torch_pl = plan_dtensors(meta, holders, dst_mesh, placements)

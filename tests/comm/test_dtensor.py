@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+import nereus_comm.dtensor as dtensor_module
 from nereus_comm import ProcessGroupTransport
 from nereus_comm.dtensor import DTensorReshardError, reshard_dtensors
 from nereus_comm.optim_state import flatten_state, param_name, unflatten_state
@@ -272,6 +273,8 @@ def _refused(ctx: WorkerContext, case: str) -> dict:
         state["ok"] = distribute_tensor(
             torch.arange(8.0).double(), mesh, [Shard(0)], src_data_rank=None
         )
+    elif case == "unpicklable" and ctx.rank == 1:
+        state["hook"] = lambda: None  # a value travels pickled; a lambda does not pickle
     t = _Counting(dist.group.WORLD)
     try:
         reshard_dtensors(state, dst, pl, transport=t, timeout=30)
@@ -288,6 +291,7 @@ def _refused(ctx: WorkerContext, case: str) -> dict:
         ("shape", r"tensor 'ok' is \[8\] in the source but its destination template is \[9\]"),
         ("dim", "tensor 'ok'.*shards dim 1"),
         ("disagree", r"tensor 'ok': rank 0 holds a dtensor \[8\] torch.float32 .* rank 2 holds"),
+        ("unpicklable", r"rank\(s\) \[1\] pass a state entry that does not pickle"),
     ],
 )
 def test_bad_input_refused_on_every_rank(pool, case, match) -> None:
@@ -375,13 +379,13 @@ def _repeated(ctx: WorkerContext) -> dict:
         for k, v in fulls.items()
     }
     calls = []
-    real = dist.all_gather_object
+    real = dtensor_module._gather_descriptions
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    dist.all_gather_object = counting
+    dtensor_module._gather_descriptions = counting
     try:
         seen, bad = [], []
         for step, (note, pl) in enumerate(
@@ -412,7 +416,7 @@ def _repeated(ctx: WorkerContext) -> dict:
         except DTensorReshardError as e:
             refused = str(e)
     finally:
-        dist.all_gather_object = real
+        dtensor_module._gather_descriptions = real
     return {"metadata_exchanges": seen, "bad": bad, "refused": refused}
 
 
