@@ -26,10 +26,14 @@ less the median step before it; for restart, the stop, new start and reload plus
 steps run again), the mean step after the arrivals, and the ratios side by side
 (restart / nereus, fixed / nereus).
 
-What an arrival adds on one 2-core machine: worker processes and their memory budget,
-no cores (the workers share the same two cores). A plan that spreads the stages over
-more workers then runs no faster here, and the arrivals' value is the memory and the
-devices a plan may use; on a cluster each node brings its own devices.
+What an arrival adds on one 2-core machine: with ``--core-share C`` (default 0.25, where
+this process may make cgroups: root with the cgroup v1 cpu controller or cgroup v2),
+every worker process runs in a cgroup of its own whose CPU quota is C of a core, and the
+trainer prices each worker at C cores (``worker_cores``). Six workers then hold 1.5 of
+the two cores, the four survivors 1.0 and the eight after the arrivals 2.0: an arriving
+node brings half a core, as a node of a cluster brings its devices. ``--core-share 0``
+lets every worker share both cores instead; an arrival then adds worker processes and
+their memory budget, no cores.
 
     python benchmarks/bench_elastic.py --quick --json /tmp/bench_elastic.json
     python benchmarks/bench_elastic.py --json /tmp/bench_elastic.json   # 30 steps, 6 devices
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -109,9 +114,71 @@ FULL = Scenario(
 )  # fmt: skip
 
 
+class CoreShares:
+    """A CPU quota of its own for each worker process: one cgroup per worker (the cgroup
+    v1 cpu controller, else cgroup v2's cpu.max) whose CFS quota is ``share`` of a core
+    per 100 ms period. :meth:`close` removes every cgroup it made.
+
+    Raises:
+        OSError: the cgroups cannot be made here (not root, no cpu controller).
+    """
+
+    PERIOD_US = 100_000
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        v1 = Path("/sys/fs/cgroup/cpu")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            root, self.v2 = v1, False
+        elif Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            root, self.v2 = Path("/sys/fs/cgroup"), True
+        else:
+            raise OSError("no cgroup cpu controller at /sys/fs/cgroup/cpu or /sys/fs/cgroup")
+        self.root = root
+        self.base = root / f"nereus-bench-elastic-{os.getpid()}"
+        self.base.mkdir()
+        if self.v2:
+            (self.base / "cgroup.subtree_control").write_text("+cpu")
+        self._groups: list[Path] = []
+
+    def place(self, pid: int) -> None:
+        """Move process ``pid`` (all its threads) into a new cgroup of ``share`` cores."""
+        group = self.base / f"pid{pid}"
+        group.mkdir()
+        self._groups.append(group)
+        quota = max(1000, round(self.share * self.PERIOD_US))
+        if self.v2:
+            (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        (group / "cgroup.procs").write_text(str(pid))
+
+    def close(self) -> None:
+        """Move any process left back to the root cgroup and remove every cgroup made."""
+        for group in [*self._groups, self.base]:
+            try:
+                for pid in (group / "cgroup.procs").read_text().split():
+                    try:
+                        (self.root / "cgroup.procs").write_text(pid)
+                    except OSError:
+                        pass  # exited meanwhile
+                group.rmdir()
+            except OSError:
+                pass
+        self._groups = []
+
+
+#: The cgroups of this run's workers (None: every worker shares the machine's cores).
+SHARES: CoreShares | None = None
+
+
 def _spawn(driver: Driver, n: int) -> tuple[list[int], float]:
     t0 = time.perf_counter()
     ranks = driver.spawn_local(n, method="forkserver")
+    if SHARES is not None:
+        for r in ranks:
+            SHARES.place(driver.pid(r))
     return ranks, time.perf_counter() - t0
 
 
@@ -332,8 +399,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ways", default="nereus,restart,fixed", help="comma-separated subset")
+    ap.add_argument(
+        "--core-share", type=float, default=0.25, metavar="C",
+        help="CPU quota of each worker, in cores (a cgroup each; 0: share the machine's)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     sc = QUICK if args.quick else FULL
+    global SHARES
+    if args.core_share:
+        if not 0 < args.core_share <= 1:
+            ap.error(f"--core-share {args.core_share} must be in (0, 1], or 0 to share cores")
+        try:
+            SHARES = CoreShares(args.core_share)
+        except OSError as e:
+            ap.error(f"--core-share needs cgroups this process can make ({e}); pass 0")
+        sc = Scenario(**{**sc.__dict__, "options": {**sc.options, "worker_cores": args.core_share}})
+    try:
+        return _run(sc, args)
+    finally:
+        if SHARES is not None:
+            SHARES.close()
+
+
+def _run(sc: Scenario, args: argparse.Namespace) -> int:
     prime(sc, args.seed)
     runs = {"nereus": lambda: run_live(sc, True, args.seed),
             "restart": lambda: run_restart(sc, args.seed),
@@ -363,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         ))  # fmt: skip
     out = {
         "benchmark": "bench_elastic",
+        "core_share": None if SHARES is None else SHARES.share,
         "scenario": {k: v for k, v in sc.__dict__.items() if k != "options"},
         "options": {k: v for k, v in sc.options.items() if k != "snapshot_budget"},
         "rows": rows,

@@ -151,7 +151,7 @@ def _train(args: argparse.Namespace) -> int:
     options = dict(QUICK) if args.quick else {}
     for name in (
         "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
-        "max_devices",
+        "max_devices", "worker_cores",
         "checkpoint_every", "heartbeat_timeout", "data", "tokenizer", "save_every",
         "prompt_field", "answer_field",
     ):  # fmt: skip
@@ -290,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-devices", type=int, default=None, metavar="N",
         help="grow onto workers that join while the run goes (nereus-rl worker, new Ray "
         "nodes) up to N devices (default: --devices, no growth)",
+    )  # fmt: skip
+    t.add_argument(
+        "--worker-cores", type=float, default=None, metavar="C",
+        help="CPU cores each worker has of its own (a quota per worker, at most 1), for the "
+        "cost model (default: the workers share this machine's cores)",
     )  # fmt: skip
     t.add_argument("--steps", type=int, default=None, help="RL steps (default 60; --quick 8)")
     t.add_argument("--mode", default="sync", help="sync, or async (rollout one step ahead)")

@@ -165,6 +165,9 @@ class LocalCpuClusterSpec(ClusterSpec):
     """
 
     cores: float = 1.0
+    #: Each worker has its own cores (``worker_cores`` of :func:`local_cpu_cluster`: a
+    #: quota per worker), so a stage whose peers idle gets no more than its own.
+    capped: bool = False
 
 
 # gloo between local worker processes goes over loopback TCP; on a 2-core machine a
@@ -181,6 +184,7 @@ def local_cpu_cluster(
     memory_bytes: int = 24 * 2**30,
     core_peak_flops: float = 150e9,
     core_mem_bw_Bps: float = 25e9,
+    worker_cores: float | None = None,
 ) -> LocalCpuClusterSpec:
     """The local CPU workers as a cluster: one device per worker process.
 
@@ -195,14 +199,26 @@ def local_cpu_cluster(
     machine's, split evenly over the workers. All workers sit in one node linked by
     gloo over loopback.
 
+    ``worker_cores`` (at most 1) says instead that each worker has that many cores of
+    its own (a CPU quota per worker, as a device brings its own compute): the workers
+    then hold ``num_workers * worker_cores`` cores in all, and a stage whose peers idle
+    gets no more than its own share (``workers_per_core`` is ignored).
+
     Raises:
-        SpecError: a non-positive count.
+        SpecError: a non-positive count, a worker_cores outside (0, 1].
     """
     if num_workers < 1 or workers_per_core <= 0:
         raise SpecError(
             f"local-cpu: num_workers={num_workers} must be >= 1 and "
             f"workers_per_core={workers_per_core} > 0"
         )
+    if worker_cores is not None:
+        if not 0 < worker_cores <= 1:
+            raise SpecError(
+                f"local-cpu: worker_cores={worker_cores} must be in (0, 1]: a worker runs "
+                "one thread"
+            )
+        workers_per_core = 1.0 / worker_cores
     per_core = max(workers_per_core, 1.0)
     share = 1.0 / per_core
     dev = DeviceSpec(
@@ -223,6 +239,7 @@ def local_cpu_cluster(
         comm_setup_per_rank_s=0.005,
         primitive_overhead_s=0.01,
         cores=num_workers / per_core,
+        capped=worker_cores is not None,
     )
 
 

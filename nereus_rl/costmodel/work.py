@@ -189,8 +189,9 @@ _COMPUTE_IDX = [CLASS_INDEX[c] for c in _COMPUTE]
 def _share_cores(w: np.ndarray, busy: int, cluster: LocalCpuClusterSpec) -> None:
     """Local CPU workers: the stage's own busy workers set its share of the cores."""
     busy = min(busy, cluster.num_devices)
-    nominal = min(1.0, cluster.cores / cluster.num_devices)  # what the device spec holds
-    w[_COMPUTE_IDX] *= nominal / min(1.0, cluster.cores / busy)
+    if not cluster.capped:  # capped: a worker's own cores, whatever its peers do
+        nominal = min(1.0, cluster.cores / cluster.num_devices)  # what the device spec holds
+        w[_COMPUTE_IDX] *= nominal / min(1.0, cluster.cores / busy)
     if busy > 1:
         # Workers that run at the same instant (one per core) contend for the shared L3
         # and memory bandwidth; the rest time-slice a core with another and refill its

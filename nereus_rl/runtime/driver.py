@@ -447,6 +447,18 @@ class Driver:
                 return lost
             time.sleep(0.05)
 
+    def pid(self, rank: int) -> int:
+        """The process id of a worker this driver spawned (to place it in a cgroup, pin
+        it to cores, or watch it).
+
+        Raises:
+            RuntimeUserError: the worker was not spawned by this driver.
+        """
+        proc = self._procs.get(rank)
+        if proc is None:
+            raise P.RuntimeUserError(f"worker {rank} was not spawned by this driver")
+        return proc.pid
+
     def kill(self, rank: int) -> None:
         """SIGKILL a local worker (for failure tests and drills)."""
         proc = self._procs.get(rank)

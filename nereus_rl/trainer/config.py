@@ -90,6 +90,10 @@ class TrainConfig:
     # capacity) take free device ids up to this at the next boundary, and the planner
     # may then move onto them (nereus_rl.trainer.recover.grow).
     max_devices: int | None = None
+    # CPU cores each worker may use, its own (a CPU quota per worker, as a device brings
+    # its own compute; at most 1). None: the workers share this machine's cores, so a
+    # worker that arrives brings no cores. The cost model prices each worker with it.
+    worker_cores: float | None = None
     # Every this many steps, also write the committed snapshot to disk (0: never): the
     # last resort when a shard's holder and its mirror are lost together. Written to
     # checkpoint_dir, else the run folder's checkpoint.pt.
@@ -353,6 +357,13 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         )
     if cfg.memory_budget is not None and cfg.memory_budget <= 0:
         raise TrainConfigError(f"memory_budget={cfg.memory_budget} must be positive bytes")
+    if cfg.worker_cores is not None and not (
+        isinstance(cfg.worker_cores, (int, float)) and 0 < cfg.worker_cores <= 1
+    ):
+        raise TrainConfigError(
+            f"worker_cores={cfg.worker_cores!r} must be a share of a core in (0, 1] (a worker "
+            "runs one thread); None: the workers share this machine's cores"
+        )
     if cfg.max_devices is not None and not (
         isinstance(cfg.max_devices, int) and cfg.max_devices >= cfg.devices
     ):

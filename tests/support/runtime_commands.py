@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,6 +35,11 @@ def allreduce(ctx: WorkerContext, group_id: int, ranks: tuple[int, ...]) -> tupl
 @register("test.threads")
 def threads(ctx: WorkerContext) -> int:
     return torch.get_num_threads()
+
+
+@register("test.pid")
+def pid(ctx: WorkerContext) -> int:
+    return os.getpid()
 
 
 @register("test.big")

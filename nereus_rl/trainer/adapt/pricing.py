@@ -71,7 +71,9 @@ class Planning:
         self.enabled = enabled
         self.mspec = mc
         cores = os.cpu_count() or 1
-        self.workers_per_core = max(1.0, cfg.devices / cores)
+        self.workers_per_core = (
+            max(1.0, cfg.devices / cores) if cfg.worker_cores is None else 1.0 / cfg.worker_cores
+        )
         # What a step costs beyond the model's price, per worker call (step_overhead);
         # the start plan, admission and lookahead compare plans with it, as the
         # candidates are ranked (empty until the startup probes or a step measure it)
@@ -128,7 +130,12 @@ class Planning:
         with the per-worker budget, so that devices arriving up to it can be planned on;
         the devices a plan may use are the live workers' (:meth:`_devices`)."""
         cap = self.cfg.device_cap
-        return local_cpu_cluster(cap, self.workers_per_core, memory_bytes=self.budget * cap)
+        return local_cpu_cluster(
+            cap,
+            self.workers_per_core,
+            memory_bytes=self.budget * cap,
+            worker_cores=self.cfg.worker_cores,
+        )
 
     def priced(self, cm: CostModel | None = None) -> PricedModel:
         """``cm`` (the adapter's model by default) as the decisions price plans: measured
@@ -200,7 +207,9 @@ class Planning:
         """The default per-worker memory budget (no ``memory_budget`` given); also sets
         ``self.sized_plan``, the plan it was sized on, which the run starts on (see
         :func:`nereus_rl.policy.auto_budget.auto_budget`)."""
-        cl = local_cpu_cluster(self.cfg.devices, self.workers_per_core)
+        cl = local_cpu_cluster(
+            self.cfg.devices, self.workers_per_core, worker_cores=self.cfg.worker_cores
+        )
         budget, self.sized_plan = auto_budget(
             cl, self._schedule(), self.workload, self.rank, self.priced, observed
         )

@@ -100,3 +100,29 @@ def test_interference_is_conservative_until_measured_then_fitted():
     assert cm.efficiency("contention") == pytest.approx(0.2, rel=0.05)
     assert DEFAULT_EFFICIENCY["interference"] < 0.2  # the start over-prices both
     assert DEFAULT_EFFICIENCY["contention"] < 0.2
+
+
+@pytest.mark.parametrize("sw", [_train(), _gen()], ids=["train", "generate"])
+def test_capped_workers_keep_their_own_cores(sw):
+    # A quarter of a core each (a CPU quota per worker): eight workers hold two cores,
+    # and a stage on two of them runs no faster than on its quarter cores.
+    capped = local_cpu_cluster(8, 2.0, worker_cores=0.25)
+    assert capped.capped and capped.cores == 2.0
+    assert capped.device.kernel_overhead_s == local_cpu_cluster(8, 4.0).device.kernel_overhead_s
+    quarter = stage_work(sw, 2, 1, 1, TIERS, capped, "fp32")
+    shared = stage_work(sw, 2, 1, 1, TIERS, local_cpu_cluster(8, 4.0), "fp32")
+    np.testing.assert_allclose(quarter[COMPUTE], 4 * shared[COMPUTE], rtol=1e-12)
+    # Every worker busy: a quarter core each, capped or shared alike.
+    np.testing.assert_allclose(
+        stage_work(sw, 8, 1, 1, TIERS, capped, "fp32")[COMPUTE],
+        stage_work(sw, 8, 1, 1, TIERS, local_cpu_cluster(8, 4.0), "fp32")[COMPUTE],
+        rtol=1e-12,
+    )
+
+
+def test_worker_cores_outside_a_core_is_refused():
+    from nereus_rl.core.spec import SpecError
+
+    for bad in (0.0, -1.0, 1.5):
+        with pytest.raises(SpecError, match="worker_cores"):
+            local_cpu_cluster(4, worker_cores=bad)

@@ -53,6 +53,10 @@ def test_call_returns_each_workers_value(driver):
     assert driver.call([0, 1], "ping") == {0: 0, 1: 1}
     assert driver.call([1], "ping") == {1: 1}
     assert driver.call([0, 1], "test.threads") == {0: 1, 1: 1}
+    # each spawned worker's process id (a benchmark places it in a cgroup of its own)
+    assert driver.call([0, 1], "test.pid") == {r: driver.pid(r) for r in (0, 1)}
+    with pytest.raises(RuntimeUserError, match="worker 7 was not spawned by this driver"):
+        driver.pid(7)
 
 
 @pytest.mark.skipif(

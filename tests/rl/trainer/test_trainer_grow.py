@@ -71,6 +71,19 @@ def test_the_cost_model_spans_max_devices_and_plans_over_the_devices_held():
         tr.driver.shutdown()
 
 
+def test_worker_cores_prices_each_worker_at_its_own_cores():
+    with pytest.raises(TrainConfigError, match=r"worker_cores=1.5 must be a share of a core"):
+        check_config(TrainConfig(devices=4, worker_cores=1.5))
+    cfg = TrainConfig(devices=2, max_devices=8, steps=2, worker_cores=0.25, **FAST)
+    tr = Trainer(cfg, driver=Driver())
+    try:
+        cluster = tr.adapter.cluster
+        # eight quarter cores: what arrivals add is theirs, whatever this machine has
+        assert cluster.capped and cluster.cores == 2.0 and cluster.num_devices == 8
+    finally:
+        tr.driver.shutdown()
+
+
 @pytest.mark.slow
 def test_workers_joining_a_running_job_are_extended_onto():
     # Two workers run the job; two more join after step 0 (one spawned by the driver, one
