@@ -253,6 +253,12 @@ def run_live(sc: Scenario, arrivals: bool, seed: int) -> dict[str, Any]:
             {"step": d["step"], "trigger": d["trigger"], "primitives": d.get("executed_primitives")}
             for d in moves
         ],
+        # every decision from the arrivals on, taken or not, with its reason
+        "decisions_after_arrivals": [
+            {k: d.get(k) for k in ("step", "trigger", "path", "taken", "reason", "candidate")}
+            for d in res.decisions
+            if d["step"] >= sc.arrive_at - 1
+        ],
         "final_plan": repr(res.plans[-1][1]),
     }
 
