@@ -258,11 +258,13 @@ class Planning:
         if devices is None and self.cfg.device_cap > self.cfg.devices:
             # the cluster spans max_devices ids: plan over the ones the run has
             devices = self._devices()
+        # the devices planned over: after a loss, the survivors, not the configured count
+        held = len(devices) if devices is not None else self.cluster.num_devices
         try:
             res = plan_best(wl, self.cluster, self.cm, devices=devices, k=k)
         except PlanInfeasibleError as e:
             raise NotEnoughDevicesError(
-                f"{self.cfg.devices} devices with a {self.budget / 2**20:.2f} MiB budget each "
+                f"{held} devices with a {self.budget / 2**20:.2f} MiB budget each "
                 f"cannot hold {self.cfg.algo} on {self.cfg.model} at {rlen}-token responses: "
                 f"{e}"
             ) from None
@@ -270,7 +272,7 @@ class Planning:
         if not out:
             raise NotEnoughDevicesError(
                 f"no plan among the planner's best {len(res.k_best)} fits the model's head "
-                f"count on {self.cfg.devices} devices; use more devices or another preset"
+                f"count on {held} devices; use more devices or another preset"
             )
         return out
 

@@ -80,6 +80,22 @@ def test_too_few_devices_for_the_memory_budget():
         Trainer(TrainConfig(devices=1, memory_budget=10_000))
 
 
+def test_too_few_devices_names_the_devices_planned_over():
+    from nereus_rl.costmodel.costmodel import CostModel
+
+    # After a loss the survivors are planned over: the error counts them, not the
+    # configured devices.
+    tr = Trainer(TrainConfig(devices=4, steps=2, calibration_probes=0))
+    try:
+        tr.adapter.budget = 10_000  # far below the model's state on any device
+        tr.adapter.cluster = tr.adapter._cluster()
+        tr.adapter.cm = CostModel(tr.adapter.cluster)
+        with pytest.raises(NotEnoughDevicesError, match=r"^1 devices with a"):
+            tr.adapter.ranked_plans(8, devices=[2])
+    finally:
+        tr.driver.shutdown()
+
+
 def test_simple_plans_shape():
     c = simple_plan("ppo", 4, "colocated")
     assert all(sp.devices == frozenset(range(4)) for sp in c.stages)
