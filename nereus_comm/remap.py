@@ -268,8 +268,9 @@ def local_page_moves(
 
     A local copy can be a move when it is one contiguous run on both sides (a dim-0
     shard inside its full tensor, a replicated tensor, half of a full tensor that
-    becomes a dim-0 shard), at least :data:`MIN_MOVE_BYTES`, in host memory, and the
-    only local copy of its source tensor (a second one would find the bytes gone). A
+    becomes a dim-0 shard) of contiguous tensors, at least :data:`MIN_MOVE_BYTES`, in
+    host memory, and the only local copy of its source tensor (a second one would find
+    the bytes gone). A
     row-parallel (dim-1) piece is strided in the full tensor and stays a copy.
 
     Arguments:
@@ -309,6 +310,10 @@ def local_page_moves(
         src_t, dst_t = tensors[s[0]], out[d[0]]
         nbytes = s[2] * s[3] * src_t.element_size()
         if src_t.device.type != "cpu" or dst_t.device.type != "cpu" or nbytes < MIN_MOVE_BYTES:
+            continue
+        # The slots' offsets count elements of a contiguous tensor: a strided one (a
+        # column block, a transposed view) keeps its local copy, done by reshard.
+        if not (src_t.is_contiguous() and dst_t.is_contiguous()):
             continue
         pairs.append(
             (

@@ -112,6 +112,11 @@ def test_local_page_moves_picks_contiguous_local_copies_of_host_memory():
     assert (s, d, n) == (tensors["w"].data_ptr(), out["w"].data_ptr(), out["w"].nbytes)
     with pytest.raises(TensorMismatchError, match=r"destination tensors \['v'\]"):
         local_page_moves(plan, 0, tensors, {k: t for k, t in out.items() if k != "v"})
+    # A strided source (same values, a transposed buffer): its element offsets are not
+    # the contiguous ones the slots count, so the copy stays a copy.
+    strided = dict(tensors, w=tensors["w"].t().contiguous().t())
+    assert torch.equal(strided["w"], tensors["w"]) and not strided["w"].is_contiguous()
+    assert local_page_moves(plan, 0, strided, out) == ([], frozenset())
 
 
 def test_native_swap_pages_checks_its_own_rows():
