@@ -24,10 +24,13 @@ shard is their cartesian product, concatenated in that order. Each product cell 
 (any meshes, rank sets and sizes): every destination fragment is cut by the source
 fragments it overlaps; a cut the destination rank already holds is copied locally,
 each other cut is fetched once, from one of its holders (holders on the receiver's
-node first, then the least loaded). Those fetches become the tensors of an ordinary
-:class:`~nereus_comm.plan.ReshardPlan` (each lives on one source and one destination
-rank), so :func:`reshard_sharded` runs them through :func:`~nereus_comm.reshard.reshard`:
-plan check between peers, one batched exchange, C++ pack/unpack, same-host routes.
+node first, then the least loaded). The native planner (csrc/remap/sharded.h) does
+this, once per distinct (shape, source, destination sharding), and returns the pieces
+as arrays; the plan builds Python objects from them only when asked. The fetches
+become the tensors of an ordinary :class:`~nereus_comm.plan.ReshardPlan` (each lives
+on one source and one destination rank), so :func:`reshard_sharded` runs them through
+:func:`~nereus_comm.reshard.reshard`: plan check between peers, one batched exchange,
+C++ pack/unpack, same-host routes.
 The bytes sent equal the lower bound: the bytes of each destination shard that its
 rank does not hold in the source.
 
@@ -45,17 +48,21 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
+import re
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
+from nereus_comm import _C
 from nereus_comm.errors import LayoutError, PlanError, TensorMismatchError, as_int
-from nereus_comm.layout import Box, Layout, TensorSpec, box_numel, chunk_range
+from nereus_comm.layout import Box, Layout, TensorSpec, chunk_range
 from nereus_comm.pack import unsupported_reason
-from nereus_comm.plan import ReshardPlan, plan_reshard
+from nereus_comm.plan import ReshardPlan
 from nereus_comm.reshard import ReshardResult, reshard
 from nereus_comm.reshard_program import row_view
 from nereus_comm.transport import Transport
@@ -462,39 +469,155 @@ class ShardedPiece:
     name: str | None = None
 
 
-def _shift(box: Box, frag: Fragment) -> Box:
-    return tuple((a - g0 + o, b - g0 + o) for (a, b), (g0, _), o in zip(box, frag.box, frag.origin))
+class _Pieces:
+    """The native planner's pieces (``_C.ShardedPieces``), read as Python values on demand.
+
+    Remote piece ``j`` is row ``remote_idx[j]`` of the arrays; its inner-plan tensor is
+    named ``"<tensor name>@<receiver>#<j>"``.
+    """
+
+    def __init__(self, raw, specs: tuple[TensorSpec, ...]) -> None:
+        self.raw = raw
+        self.specs = specs
+        remote = raw.remote.view(np.bool_)
+        self.remote_idx = np.flatnonzero(remote)
+        self.local_idx = np.flatnonzero(~remote)
+        self.remote_src = raw.src[self.remote_idx]
+        self.remote_dst = raw.dst[self.remote_idx]
+        self.local_dst = raw.dst[self.local_idx]
+        self._rows: tuple[list, ...] | None = None
+        self._index: tuple[list[int], list[int]] | None = None
+
+    def rows(self) -> tuple[list, ...]:
+        """(tensor, src, dst, nbytes, box_offset, box, src_local, dst_local) as lists."""
+        if self._rows is None:
+            raw = self.raw
+            self._rows = tuple(
+                a.tolist()
+                for a in (
+                    raw.tensor,
+                    raw.src,
+                    raw.dst,
+                    raw.nbytes,
+                    raw.box_offset,
+                    raw.box,
+                    raw.src_local,
+                    raw.dst_local,
+                )
+            )
+        return self._rows
+
+    def index(self) -> tuple[list[int], list[int]]:
+        """(remote_idx, local_idx) as lists."""
+        if self._index is None:
+            self._index = (self.remote_idx.tolist(), self.local_idx.tolist())
+        return self._index
+
+    def name(self, j: int) -> str:
+        """The inner-plan tensor name of remote piece ``j``."""
+        tensor, _, dst, *_ = self.rows()
+        i = self.index()[0][j]
+        return f"{self.specs[tensor[i]].name}@{dst[i]}#{j}"
+
+    def boxes(self, i: int) -> tuple[Box, Box, Box]:
+        """(global, src-local, dst-local) box of row ``i``."""
+        rows = self.rows()
+        a, b = rows[4][i], rows[4][i + 1]
+        return tuple(tuple(zip(v[a:b:2], v[a + 1 : b : 2])) for v in rows[5:])  # type: ignore[return-value]
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        """The extent of row ``i``'s box per dim."""
+        rows = self.rows()
+        v = rows[5][rows[4][i] : rows[4][i + 1]]
+        return tuple(b - a for a, b in zip(v[0::2], v[1::2]))
+
+    def piece(self, i: int, name: str | None) -> ShardedPiece:
+        """Row ``i`` as a ShardedPiece."""
+        tensor, src, dst, nbytes, *_ = self.rows()
+        box, src_local, dst_local = self.boxes(i)
+        return ShardedPiece(tensor[i], src[i], dst[i], box, src_local, dst_local, nbytes[i], name)
+
+    def remote(self, js: Iterable[int]) -> tuple[ShardedPiece, ...]:
+        """Remote pieces ``js`` (indices into the remote pieces)."""
+        idx = self.index()[0]
+        return tuple(self.piece(idx[j], self.name(j)) for j in js)
+
+    def local(self, ks: Iterable[int]) -> tuple[ShardedPiece, ...]:
+        """Local copies ``ks`` (indices into the local copies)."""
+        idx = self.index()[1]
+        return tuple(self.piece(idx[k], None) for k in ks)
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
-        lo, hi = max(a0, b0), min(a1, b1)
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
+_new_object = object.__new__
+_set_attr = object.__setattr__
 
 
-@lru_cache(maxsize=4096)
-def _geometry(shape: tuple[int, ...], src: Sharding, dst: Sharding):
-    """Per destination rank, the cuts of its fragments by the source fragments:
-    (dst rank, global box, dst-local box, ((holder, src-local box), ...)), deterministic."""
-    holders: dict[Box, list[tuple[int, Fragment]]] = {}
-    for r in src.mesh.ranks:
-        for f in src.fragments(shape, r) or ():
-            holders.setdefault(f.box, []).append((r, f))
-    src_boxes = sorted(holders)
-    out = []
-    for r in sorted(dst.mesh.ranks):
-        for f in dst.fragments(shape, r) or ():
-            for sb in src_boxes:
-                cut = _intersect(f.box, sb) if shape else ()
-                if cut is None:
-                    continue
-                hs = tuple(sorted((h, _shift(cut, hf)) for h, hf in holders[sb]))
-                out.append((r, cut, _shift(cut, f), hs))
-    return tuple(out)
+def _piece_spec(name: str, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> TensorSpec:
+    """A TensorSpec of a remote piece, whose values the planner already checked: built
+    without TensorSpec's per-field validation (equal to ``TensorSpec(name, shape, dtype,
+    None, stage)``)."""
+    spec = _new_object(TensorSpec)
+    _set_attr(
+        spec,
+        "__dict__",
+        {"name": name, "shape": shape, "dtype": dtype, "split_dim": None, "stage_key": stage},
+    )
+    return spec
+
+
+class _PieceSpecs(Sequence[TensorSpec]):
+    """The inner plan's specs, one per remote piece (its box's shape, its tensor's dtype,
+    ``stages[j]`` as stage_key), built on first access."""
+
+    def __init__(self, pieces: _Pieces, stages: np.ndarray) -> None:
+        self._pieces = pieces
+        self._stages = stages
+        self._built: dict[int, TensorSpec] = {}
+        self._all: tuple[TensorSpec, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self._stages)
+
+    def _build(self, j: int) -> TensorSpec:
+        p = self._pieces
+        i = p.index()[0][j]
+        tensor = p.rows()[0][i]
+        return _piece_spec(p.name(j), p.shape(i), p.specs[tensor].dtype, int(self._stages[j]))
+
+    def __getitem__(self, j):  # type: ignore[override]
+        if self._all is not None:
+            return self._all[j]
+        if isinstance(j, slice):
+            return tuple(self[k] for k in range(*j.indices(len(self))))
+        j = operator.index(j)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"piece spec {j} out of range for {len(self)} pieces")
+        spec = self._built.get(j)
+        if spec is None:
+            spec = self._built[j] = self._build(j)
+        return spec
+
+    def __iter__(self):
+        if self._all is None:
+            p = self._pieces
+            tensor, _, dst, _, offset, box, *_ = p.rows()
+            specs, built = p.specs, self._built
+            out = []
+            for j, (i, stage) in enumerate(zip(p.index()[0], self._stages.tolist())):
+                spec = built.get(j)
+                if spec is None:
+                    v = box[offset[i] : offset[i + 1]]
+                    shape = tuple(b - a for a, b in zip(v[0::2], v[1::2]))
+                    t = specs[tensor[i]]
+                    spec = _piece_spec(f"{t.name}@{dst[i]}#{j}", shape, t.dtype, stage)
+                out.append(spec)
+            self._all = tuple(out)
+        return iter(self._all)
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} piece specs>"
 
 
 class ShardedPlan:
@@ -508,23 +631,48 @@ class ShardedPlan:
         inner: the ReshardPlan that carries ``remote`` (None when nothing travels).
         total_bytes: bytes sent; lower_bound_bytes: bytes of destination shards their
             rank does not hold in the source (equal to total_bytes); local_bytes.
+        ranks: every rank of either side, ascending.
+
+    ``local`` and ``remote`` are built from the native planner's arrays on first use;
+    ``sends`` and ``recvs`` build only the rank's pieces.
     """
 
-    def __init__(self, specs, src, dst, local, remote, inner, lower_bound_bytes) -> None:
-        self.specs: tuple[TensorSpec, ...] = specs
-        self.src: tuple[Sharding, ...] = src
-        self.dst: tuple[Sharding, ...] = dst
-        self.local: tuple[ShardedPiece, ...] = local
-        self.remote: tuple[ShardedPiece, ...] = remote
-        self.inner: ReshardPlan | None = inner
-        self.total_bytes = sum(p.nbytes for p in remote)
-        self.local_bytes = sum(p.nbytes for p in local)
-        self.lower_bound_bytes = lower_bound_bytes
-        ranks: set[int] = set()
-        for s in (*src, *dst):
-            ranks.update(s.mesh.ranks)
-        self.ranks: tuple[int, ...] = tuple(sorted(ranks))
+    def __init__(
+        self,
+        specs: tuple[TensorSpec, ...],
+        src: tuple[Sharding, ...],
+        dst: tuple[Sharding, ...],
+        pieces: _Pieces,
+        inner: ReshardPlan | None,
+        ranks: tuple[int, ...],
+    ) -> None:
+        self.specs = specs
+        self.src = src
+        self.dst = dst
+        self.inner = inner
+        self._pieces = pieces
+        raw = pieces.raw
+        self.total_bytes: int = raw.remote_bytes
+        self.local_bytes: int = raw.local_bytes
+        self.lower_bound_bytes: int = raw.lower_bound_bytes
+        self.ranks = ranks
+        self._local: tuple[ShardedPiece, ...] | None = None
+        self._remote: tuple[ShardedPiece, ...] | None = None
         self._digest: bytes | None = None
+
+    @property
+    def local(self) -> tuple[ShardedPiece, ...]:
+        """The pieces copied on their own rank, in planning order."""
+        if self._local is None:
+            self._local = self._pieces.local(range(len(self._pieces.local_idx)))
+        return self._local
+
+    @property
+    def remote(self) -> tuple[ShardedPiece, ...]:
+        """The pieces that travel, in planning order (piece j is ``inner``'s tensor j)."""
+        if self._remote is None:
+            self._remote = self._pieces.remote(range(len(self._pieces.remote_idx)))
+        return self._remote
 
     @property
     def digest(self) -> bytes:
@@ -556,19 +704,32 @@ class ShardedPlan:
                 out[spec.name] = shape
         return out
 
+    def _remote_of(self, side: np.ndarray, rank: int) -> list[ShardedPiece]:
+        js = np.flatnonzero(side == rank).tolist()
+        if self._remote is not None:
+            return [self._remote[j] for j in js]
+        return list(self._pieces.remote(js))
+
+    def _local_to(self, rank: int) -> list[ShardedPiece]:
+        """The local copies on ``rank``."""
+        ks = np.flatnonzero(self._pieces.local_dst == rank).tolist()
+        if self._local is not None:
+            return [self._local[k] for k in ks]
+        return list(self._pieces.local(ks))
+
     def sends(self, rank: int) -> list[ShardedPiece]:
         """The remote pieces ``rank`` sends."""
-        return [p for p in self.remote if p.src == rank]
+        return self._remote_of(self._pieces.remote_src, rank)
 
     def recvs(self, rank: int) -> list[ShardedPiece]:
         """The remote pieces ``rank`` receives."""
-        return [p for p in self.remote if p.dst == rank]
+        return self._remote_of(self._pieces.remote_dst, rank)
 
     def __repr__(self) -> str:
         return (
             f"ShardedPlan({len(self.specs)} tensors, {len(self.ranks)} ranks, "
             f"{self.total_bytes}B sent (lower bound {self.lower_bound_bytes}B), "
-            f"{self.local_bytes}B local, {len(self.remote)} remote pieces)"
+            f"{self.local_bytes}B local, {len(self._pieces.remote_idx)} remote pieces)"
         )
 
 
@@ -597,6 +758,43 @@ def _per_tensor(what, specs, side: str) -> tuple[Sharding, ...]:
     return tuple(out)
 
 
+#: The most bytes a plan can count (int64).
+_MAX_BYTES = 2**63 - 1
+
+
+def _native_input(shardings: Sequence[Sharding]) -> list[np.ndarray]:
+    """The sharding arrays of ``_C.sharded_plan`` (mesh_ndim ... order), node ids
+    renumbered densely (the planner only compares them; a mesh without node_of is on
+    node 0, as ``RankMesh.node`` says)."""
+    node_ids: dict[int, int] = {0: 0}
+    mesh_ndim, mesh_shape, kind, dim, split, ranks, nodes = [], [], [], [], [], [], []
+    order_offset, order = [0], []
+    for sh in shardings:
+        mesh = sh.mesh
+        mesh_ndim.append(mesh.ndim)
+        mesh_shape.extend(mesh.shape)
+        for p in sh.placements:
+            if isinstance(p, StridedShard):
+                kind.append(2)
+                split.append(p.split_factor)
+            else:
+                kind.append(1 if isinstance(p, Shard) else 0)
+                split.append(0)
+            dim.append(getattr(p, "dim", 0))
+        ranks.extend(mesh.ranks)
+        if mesh.node_of is None:
+            nodes.extend([0] * len(mesh.ranks))
+        else:
+            nodes.extend(node_ids.setdefault(n, len(node_ids)) for n in mesh.node_of)
+        for d, ms in sh.shard_order or ():
+            order.extend((d, len(ms), *ms))
+        order_offset.append(len(order))
+    return [
+        np.array(a, np.int64)
+        for a in (mesh_ndim, mesh_shape, kind, dim, split, ranks, nodes, order_offset, order)
+    ]
+
+
 def plan_sharded(
     specs: Sequence[TensorSpec],
     src: Sharding | Mapping[str, Sharding],
@@ -604,7 +802,9 @@ def plan_sharded(
 ) -> ShardedPlan:
     """Plan moving tensors from their ``src`` Shardings to their ``dst`` Shardings.
 
-    Every rank computes the same plan without communication.
+    Every rank computes the same plan without communication. The cuts and the choice
+    of holders are computed by the native planner (``_C.sharded_plan``, csrc/remap/
+    sharded.h), once per distinct (shape, src sharding, dst sharding).
 
     Arguments:
         specs: the tensors (name, full shape, dtype).
@@ -614,12 +814,14 @@ def plan_sharded(
     Returns:
         The plan: local copies, remote pieces (one fetch per destination cut, from one
         holder: the receiver's node first, then the holder with the fewest bytes to
-        send so far), and the inner ReshardPlan that carries them.
+        send so far, then one already sending to the receiver, then the lowest rank),
+        and the inner ReshardPlan that carries them.
 
     Raises:
         LayoutError: duplicate names, a placement that shards a dim the tensor lacks.
         PlanError: a tensor without a Sharding on one side, a Sharding for an unknown
-            tensor.
+            tensor; byte counts past 2**63 - 1; shardings that cut a tensor into more
+            pieces than a plan holds.
     """
     specs = tuple(specs)
     names = set()
@@ -630,83 +832,112 @@ def plan_sharded(
             raise LayoutError(f"two specs are named {s.name!r}")
         names.add(s.name)
     srcs, dsts = _per_tensor(src, specs, "src"), _per_tensor(dst, specs, "dst")
-    local: list[ShardedPiece] = []
-    remote: list[ShardedPiece] = []
-    load: dict[int, int] = {}
-    pairs: set[tuple[int, int]] = set()
-    lower = 0
-    for t, (spec, s, d) in enumerate(zip(specs, srcs, dsts)):
-        esize = spec.element_size
-        node_of_src = s.mesh.node if s.mesh.node_of is not None else None
-        node_of_dst = d.mesh.node if d.mesh.node_of is not None else None
-        try:
-            # Cached by (shape, shardings): the layers of a model share their geometry.
-            geometry = _geometry(spec.shape, s, d)
-        except LayoutError:
-            for sh in (s, d):  # raise again, naming the tensor
-                sh.intervals(spec.shape, sh.mesh.ranks[0], spec.name)
-            raise
-        for r, box, dloc, hs in geometry:
-            nbytes = box_numel(box) * esize
-            if nbytes == 0:
-                continue
-            mine = next((sl for h, sl in hs if h == r), None)
-            if mine is not None:
-                local.append(ShardedPiece(t, r, r, box, mine, dloc, nbytes))
-                continue
-            lower += nbytes
-            here = node_of_dst(r) if node_of_dst else 0
-            # On the receiver's node first, then the least loaded holder, then one
-            # already sending to the receiver (one message less), then the lowest rank.
-            h, sl = min(
-                hs,
-                key=lambda item, r=r, here=here, of=node_of_src: (
-                    (of(item[0]) if of else 0) != here,
-                    load.get(item[0], 0),
-                    (item[0], r) not in pairs,
-                    item[0],
-                ),
+    # Distinct shardings, so that equal geometry is computed once: by identity, then by
+    # (mesh object, placements), then by value (hashing a mesh's ranks costs the most).
+    by_id: dict[int, int] = {}
+    by_mesh: dict[tuple, int] = {}
+    by_value: dict[Sharding, int] = {}
+    shardings: list[Sharding] = []
+    fits: set[tuple[int, int]] = set()  # (sharding, ndim) whose placements fit the dims
+    ndims, shape, esize, src_index, dst_index = [], [], [], [], []
+    for spec, s, d in zip(specs, srcs, dsts):
+        ndim = len(spec.shape)
+        for sh, out in ((s, src_index), (d, dst_index)):
+            i = by_id.get(id(sh))
+            if i is None:
+                key = (id(sh.mesh), sh.placements, sh.shard_order)
+                i = by_mesh.get(key)
+                if i is None:
+                    i = by_mesh[key] = by_value.setdefault(sh, len(shardings))
+                    if i == len(shardings):
+                        shardings.append(sh)
+                by_id[id(sh)] = i
+            if (i, ndim) not in fits:
+                sh._ops(ndim, (0,) * sh.mesh.ndim, spec.name)  # raises, naming the tensor
+                fits.add((i, ndim))
+            out.append(i)
+        if spec.nbytes > _MAX_BYTES:
+            raise PlanError(
+                f"{spec!r} holds {spec.nbytes} bytes: more than the 2**63 - 1 bytes a plan can "
+                "count; split the state into smaller tensors"
             )
-            load[h] = load.get(h, 0) + nbytes
-            pairs.add((h, r))
-            remote.append(
-                ShardedPiece(t, h, r, box, sl, dloc, nbytes, f"{spec.name}@{r}#{len(remote)}")
-            )
-    inner = _inner_plan(specs, remote, srcs, dsts) if remote else None
-    return ShardedPlan(specs, srcs, dsts, tuple(local), tuple(remote), inner, lower)
+        ndims.append(ndim)
+        shape.extend(spec.shape)
+        esize.append(spec.element_size)
+    arrays = [np.array(a, np.int64) for a in (ndims, shape, esize, src_index, dst_index)]
+    try:
+        raw = _C.sharded_plan(*arrays, *_native_input(shardings))
+    except ValueError as e:
+        found = re.search(r"tensor #(\d+): ", str(e))
+        what = f"tensor {specs[int(found.group(1))].name!r}" if found else "these tensors"
+        raise PlanError(f"cannot plan {what}: {e}") from None
+    pieces = _Pieces(raw, specs)
+    ranks = tuple(sorted({r for sh in shardings for r in sh.mesh.ranks}))
+    inner = _inner_plan(pieces, srcs, dsts) if raw.num_remote else None
+    return ShardedPlan(specs, srcs, dsts, pieces, inner, ranks)
 
 
-def _inner_plan(specs, remote, srcs, dsts) -> ReshardPlan:
+def _distinct(shardings: Sequence[Sharding]) -> list[Sharding]:
+    """The shardings without repeats, in order of first appearance."""
+    return list({id(s): s for s in shardings}.values())
+
+
+def _rank_nodes(ranks: list[int], shardings: list[Sharding]) -> tuple[int, ...] | None:
+    """Each rank's node: from the first sharding whose mesh has node_of and the rank
+    (0 where none says); None when no mesh has node_of."""
+    known: dict[int, int] = {}
+    for sh in shardings:
+        if sh.mesh.node_of is not None:
+            for r, n in zip(sh.mesh.ranks, sh.mesh.node_of):
+                known.setdefault(r, n)
+    return tuple(known.get(r, 0) for r in ranks) if known else None
+
+
+def _inner_plan(pieces: _Pieces, srcs, dsts) -> ReshardPlan:
     """A ReshardPlan with one tensor per remote piece, each on one pipeline stage of a
     pp-only layout (one rank per stage): stage = its sender in the source, its receiver
-    in the destination."""
+    in the destination. The planner's input is built here from the piece arrays, as
+    :func:`~nereus_comm.plan.prepare_plan` would build it from one spec per piece."""
+    srcs, dsts = _distinct(srcs), _distinct(dsts)
     src_ranks = sorted({r for s in srcs for r in s.mesh.ranks})
     dst_ranks = sorted({r for d in dsts for r in d.mesh.ranks})
-    src_pos = {r: i for i, r in enumerate(src_ranks)}
-    dst_pos = {r: i for i, r in enumerate(dst_ranks)}
-
-    def nodes(ranks, shardings):
-        known: dict[int, int] = {}
-        for sh in shardings:
-            if sh.mesh.node_of is not None:
-                for r in sh.mesh.ranks:
-                    known.setdefault(r, sh.mesh.node(r))
-        return tuple(known.get(r, 0) for r in ranks) if known else None
-
-    src_nodes, dst_nodes = nodes(src_ranks, srcs), nodes(dst_ranks, dsts)
+    src_nodes, dst_nodes = _rank_nodes(src_ranks, srcs), _rank_nodes(dst_ranks, dsts)
     if src_nodes is not None and dst_nodes is not None:
         # A rank's node must agree between the sides; where one side lacks it, take the other's.
         src_node = dict(zip(src_ranks, src_nodes))
         dst_nodes = tuple(src_node.get(r, n) for r, n in zip(dst_ranks, dst_nodes))
-    vsrc, vdst = [], []
-    for p in remote:
-        spec = specs[p.tensor]
-        shape = tuple(b - a for a, b in p.box)
-        vsrc.append(TensorSpec(p.name, shape, spec.dtype, None, src_pos[p.src]))
-        vdst.append(TensorSpec(p.name, shape, spec.dtype, None, dst_pos[p.dst]))
-    src_layout = Layout(1, 1, len(src_ranks), tuple(src_ranks), src_nodes, len(src_ranks))
-    dst_layout = Layout(1, 1, len(dst_ranks), tuple(dst_ranks), dst_nodes, len(dst_ranks))
-    return plan_reshard(vsrc, src_layout, dst_layout, dst_specs=vdst)
+    num_src, num_dst = len(src_ranks), len(dst_ranks)
+    src_layout = Layout(1, 1, num_src, tuple(src_ranks), src_nodes, num_src)
+    dst_layout = Layout(1, 1, num_dst, tuple(dst_ranks), dst_nodes, num_dst)
+    raw = pieces.raw
+    total, ranks = raw.remote_bytes, max(num_src, num_dst)
+    if total * ranks > _MAX_BYTES:
+        raise PlanError(
+            f"the {raw.num_remote} tensors hold {total} bytes, which times {ranks} ranks exceeds "
+            "the 2**63 - 1 bytes a plan can count; plan fewer tensors at a time"
+        )
+    src_stage = np.searchsorted(np.array(src_ranks, np.int64), pieces.remote_src)
+    dst_stage = np.searchsorted(np.array(dst_ranks, np.int64), pieces.remote_dst)
+    length = raw.cut_length[pieces.remote_idx]
+    src_pos = {r: i for i, r in enumerate(src_ranks)}
+    nodes = [
+        np.zeros(n, np.int32) if ns is None else np.asarray(ns, np.int32)
+        for n, ns in ((num_src, src_nodes), (num_dst, dst_nodes))
+    ]
+    plan = _C.remap_plan(
+        (1, 1, num_src),
+        nodes[0],
+        (1, 1, num_dst),
+        nodes[1],
+        np.array([src_pos.get(r, -1) for r in dst_ranks], np.int64),
+        length,
+        raw.nbytes[pieces.remote_idx] // length,
+        np.zeros(len(length), np.int32),
+        src_stage.astype(np.int32),
+        dst_stage.astype(np.int32),
+    )
+    specs = _PieceSpecs(pieces, src_stage)
+    return ReshardPlan(specs, src_layout, dst_layout, plan, _PieceSpecs(pieces, dst_stage))  # type: ignore[arg-type]
 
 
 # -- execution ----------------------------------------------------------------------------
@@ -786,16 +1017,11 @@ def _rank_work(plan: ShardedPlan, rank: int) -> _RankWork:
     work = _RankWork(
         src_expected=expected(plan.src_shapes(rank)),
         dst_expected=expected(plan.dst_shapes(rank)),
-        sends=tuple(
-            (p.name, names[p.tensor], _slices(p.src_local)) for p in plan.remote if p.src == rank
-        ),
-        recvs=tuple(
-            (p.name, names[p.tensor], _slices(p.dst_local)) for p in plan.remote if p.dst == rank
-        ),
+        sends=tuple((p.name, names[p.tensor], _slices(p.src_local)) for p in plan.sends(rank)),
+        recvs=tuple((p.name, names[p.tensor], _slices(p.dst_local)) for p in plan.recvs(rank)),
         local=tuple(
             (names[p.tensor], _slices(p.src_local), _slices(p.dst_local))
-            for p in plan.local
-            if p.dst == rank
+            for p in plan._local_to(rank)
         ),
         in_inner=inner is not None and (rank in inner.src or rank in inner.dst),
     )

@@ -48,6 +48,7 @@ tests=(
   tests/comm/test_public_api.py
   tests/comm/test_fuzz_pack.py
   tests/comm/test_fuzz_remap.py
+  tests/comm/test_sharded_planner.py
   tests/rl/test_native_bindings.py
   tests/rl/planner/test_planner_native.py
   tests/rl/transition/test_transition_native.py

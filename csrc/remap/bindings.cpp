@@ -1,4 +1,5 @@
-// Bindings of the shard-remap planner: nereus_comm._C.remap_plan -> RemapPlan.
+// Bindings of the shard-remap planners: nereus_comm._C.remap_plan -> RemapPlan (dp x tp x pp
+// grids) and nereus_comm._C.sharded_plan -> ShardedPieces (N-D mesh shardings).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -6,6 +7,7 @@
 
 #include "common.h"
 #include "remap/planner.h"
+#include "remap/sharded.h"
 
 namespace py = pybind11;
 
@@ -33,6 +35,19 @@ py::array view(const py::object& self, const std::vector<T>& v) {
 #define NEREUS_ARRAY(name)     \
   def_property_readonly(#name, \
                         [](py::object self) { return view(self, self.cast<PlanResult&>().name); })
+
+// The sharded planner's input arrays: int64 (or safely castable to it), never a float.
+using I64Exact = py::array_t<int64_t, py::array::c_style>;
+
+std::vector<int64_t> take(const I64Exact& a, const char* what) {
+  NEREUS_CHECK(a.ndim() == 1, what << " must be a 1-D array, got " << a.ndim() << " dims");
+  return std::vector<int64_t>(a.data(), a.data() + a.size());
+}
+
+#define NEREUS_SHARDED_ARRAY(name)                                \
+  def_property_readonly(#name, [](py::object self) {              \
+    return view(self, self.cast<sharded::ShardedResult&>().name); \
+  })
 
 }  // namespace
 
@@ -93,6 +108,57 @@ void register_remap(py::module_& m) {
       py::arg("src_stage"), py::arg("dst_stage"),
       "Plan a shard remap between two dp x tp x pp grids (positions, not rank ids); "
       "returns a RemapPlan. Releases the GIL while planning.");
+}
+
+void register_sharded(py::module_& m) {
+  py::class_<sharded::ShardedResult>(
+      m, "ShardedPieces", "Pieces of a sharded plan (arrays are read-only views; see sharded.h)")
+      .NEREUS_SHARDED_ARRAY(tensor)
+      .NEREUS_SHARDED_ARRAY(src)
+      .NEREUS_SHARDED_ARRAY(dst)
+      .NEREUS_SHARDED_ARRAY(nbytes)
+      .NEREUS_SHARDED_ARRAY(remote)
+      .NEREUS_SHARDED_ARRAY(cut_length)
+      .NEREUS_SHARDED_ARRAY(box_offset)
+      .NEREUS_SHARDED_ARRAY(box)
+      .NEREUS_SHARDED_ARRAY(src_local)
+      .NEREUS_SHARDED_ARRAY(dst_local)
+      .def_readonly("lower_bound_bytes", &sharded::ShardedResult::lower_bound_bytes)
+      .def_readonly("remote_bytes", &sharded::ShardedResult::remote_bytes)
+      .def_readonly("local_bytes", &sharded::ShardedResult::local_bytes)
+      .def_readonly("num_remote", &sharded::ShardedResult::num_remote);
+
+  m.def(
+      "sharded_plan",
+      [](const I64Exact& tensor_ndim, const I64Exact& tensor_shape,
+         const I64Exact& tensor_elem_size, const I64Exact& tensor_src, const I64Exact& tensor_dst,
+         const I64Exact& mesh_ndim, const I64Exact& mesh_shape, const I64Exact& kind,
+         const I64Exact& dim, const I64Exact& split_factor, const I64Exact& ranks,
+         const I64Exact& nodes, const I64Exact& order_offset, const I64Exact& order) {
+        sharded::ShardedInput in;
+        in.tensor_ndim = take(tensor_ndim, "tensor_ndim");
+        in.tensor_shape = take(tensor_shape, "tensor_shape");
+        in.tensor_elem_size = take(tensor_elem_size, "tensor_elem_size");
+        in.tensor_src = take(tensor_src, "tensor_src");
+        in.tensor_dst = take(tensor_dst, "tensor_dst");
+        in.mesh_ndim = take(mesh_ndim, "mesh_ndim");
+        in.mesh_shape = take(mesh_shape, "mesh_shape");
+        in.kind = take(kind, "kind");
+        in.dim = take(dim, "dim");
+        in.split_factor = take(split_factor, "split_factor");
+        in.ranks = take(ranks, "ranks");
+        in.nodes = take(nodes, "nodes");
+        in.order_offset = take(order_offset, "order_offset");
+        in.order = take(order, "order");
+        py::gil_scoped_release release;
+        return sharded::plan(in);
+      },
+      py::arg("tensor_ndim"), py::arg("tensor_shape"), py::arg("tensor_elem_size"),
+      py::arg("tensor_src"), py::arg("tensor_dst"), py::arg("mesh_ndim"), py::arg("mesh_shape"),
+      py::arg("kind"), py::arg("dim"), py::arg("split_factor"), py::arg("ranks"), py::arg("nodes"),
+      py::arg("order_offset"), py::arg("order"),
+      "Plan moving tensors between N-D mesh shardings (flat int64 arrays, see sharded.h); "
+      "returns ShardedPieces. Releases the GIL while planning.");
 }
 
 }  // namespace nereus
