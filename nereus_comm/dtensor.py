@@ -10,8 +10,9 @@ become a :class:`~nereus_comm.placement.Sharding` (``Shard``, ``Replicate``,
 :func:`~nereus_comm.placement.plan_sharded` plan moves every tensor at once, the
 bytes sent equal to what the destination ranks lack.
 
-Every rank of ``group`` calls it. The ranks first swap a 40-byte fingerprint (a
-digest of what they hold, one of the plan they would run, the description's length).
+Every rank of ``group`` calls it. The ranks first swap a 56-byte fingerprint (a
+digest of what they hold, one of the plan they would run or of the destination they
+were given, the description's length).
 A call that repeats the last one over the group (same descriptions on every rank, same
 destination: a weight sync every step) stops there and runs the cached plan with no
 further check. Otherwise the descriptions themselves follow (names, shapes, dtypes,
@@ -359,25 +360,52 @@ def _digest(data: bytes) -> bytes:
 
 
 def _fingerprints(
-    group: dist.ProcessGroup, mine: bytes, plan_digest: bytes, nbytes: int, size: int
-) -> list[tuple[bytes, bytes, int]]:
-    """Every rank's (description digest, plan digest, description length in bytes or -1
-    where it does not pickle): one all_gather of 40 bytes each."""
-    raw = mine + plan_digest + int(nbytes).to_bytes(8, "little", signed=True)
+    group: dist.ProcessGroup, mine: bytes, plan_digest: bytes, dst_digest: bytes, nbytes: int
+) -> list[tuple[bytes, bytes, bytes, int]]:
+    """Every rank's (description digest, plan digest, destination digest, description
+    length in bytes or -1 where it does not pickle): one all_gather of 56 bytes each."""
+    raw = mine + plan_digest + dst_digest + int(nbytes).to_bytes(8, "little", signed=True)
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    got = [torch.empty(len(raw), dtype=torch.uint8) for _ in range(size)]
+    got = [torch.empty(len(raw), dtype=torch.uint8) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, t, group=group)
     out = []
     for g in got:
         b = g.numpy().tobytes()
+        d = _DIGEST
         out.append(
             (
-                b[:_DIGEST],
-                b[_DIGEST : 2 * _DIGEST],
-                int.from_bytes(b[2 * _DIGEST :], "little", signed=True),
+                b[:d],
+                b[d : 2 * d],
+                b[2 * d : 3 * d],
+                int.from_bytes(b[3 * d :], "little", signed=True),
             )
         )
     return out
+
+
+def _destination_digest(dst_mesh: DeviceMesh, placements: DstPlacements, route: str) -> bytes:
+    """A digest of a call's destination (mesh, placements, route) that fixes the plan
+    together with the merged descriptions; _NONE for a callable, which only its
+    results describe."""
+    if callable(placements) and not isinstance(placements, Mapping):
+        return _NONE
+    mesh = _rank_mesh(dst_mesh)
+    try:
+        if isinstance(placements, Mapping):
+            rows = []
+            for name in sorted(placements):
+                p = placements[name]
+                if isinstance(p, DTensor):
+                    m = _rank_mesh(p.device_mesh)
+                    rows.append((name, tuple(p.placements), tuple(p.shape), m.shape, m.ranks))
+                else:
+                    rows.append((name, tuple(p)))
+            what = repr(rows)
+        else:
+            what = repr(tuple(placements))
+    except TypeError:  # e.g. an unsortable name: the per-peer check covers it
+        return _NONE
+    return _digest(repr((route, mesh.shape, mesh.ranks, what)).encode())
 
 
 def _gather_descriptions(
@@ -452,8 +480,9 @@ def reshard_dtensors(
     rank derives the same plan (a training loop's weight sync, a repeated reshard), the
     cached plan runs at once; otherwise the descriptions themselves are exchanged (one
     more all_gather, padded to the longest, whose length came with the digests), merged
-    and checked, and the reshard checks its plan with
-    each peer before any byte moves.
+    and checked. Where every rank was given the same destination (compared by a digest
+    in the first all_gather; not for a callable ``placements``) they plan alike;
+    otherwise the reshard checks its plan with each peer before any byte moves.
 
     Arguments:
         state: this rank's state dict (DTensors, plain tensors, other values); None or
@@ -502,18 +531,22 @@ def reshard_dtensors(
             else:
                 call = repr((route, _rank_mesh(dst_mesh).ranks)).encode()
                 plan_digest = _digest(b"".join(seen.digests) + plan.digest + call)
-        size = dist.get_world_size(group)
         nbytes = -1 if payload is None else len(payload)
-        prints = _fingerprints(group, mine or _NONE, plan_digest, nbytes, size)
+        # Without a cached plan to vouch for it, the destination itself is compared.
+        dst_digest = _destination_digest(dst_mesh, placements, route) if plan is None else _NONE
+        prints = _fingerprints(group, mine or _NONE, plan_digest, dst_digest, nbytes)
         agreed = (
             plan is not None
-            and all(p == plan_digest for _, p, _n in prints)
-            and tuple(d for d, _p, _n in prints) == seen.digests
+            and all(p == plan_digest for _, p, _t, _n in prints)
+            and tuple(d for d, _p, _t, _n in prints) == seen.digests
         )
+        # Equal descriptions merge alike on every rank, and an equal destination then
+        # gives every rank the same plan: the per-peer plan check would only repeat it.
+        same_destination = dst_digest != _NONE and all(t == dst_digest for *_, t, _n in prints)
         if agreed:
             meta, holders = seen.meta, seen.holders
         else:
-            lengths = [n for _d, _p, n in prints]
+            lengths = [n for *_, n in prints]
             if min(lengths) < 0:  # refused on every rank, before any tensor byte moves
                 ranks = dist.get_process_group_ranks(group)
                 bad = [r for r, n in zip(ranks, lengths) if n < 0]
@@ -524,7 +557,7 @@ def reshard_dtensors(
                 )
             gathered = _gather_descriptions(group, payload, lengths)
             meta, holders = _merge(gathered, dist.get_process_group_ranks(group))
-            _SEEN[group] = _Seen(tuple(d for d, _p, _n in prints), meta, holders)
+            _SEEN[group] = _Seen(tuple(d for d, *_ in prints), meta, holders)
             if not meta:
                 return {}
             plan, torch_pl = plan_dtensors(meta, holders, dst_mesh, placements)
@@ -545,7 +578,13 @@ def reshard_dtensors(
         # Agreed digests cover every rank's specs, shardings, destination and route,
         # so the per-peer plan check would only repeat them.
         res = reshard_sharded(
-            plan, rank, shards, transport, timeout=timeout, route=route, verify_plan=not agreed
+            plan,
+            rank,
+            shards,
+            transport,
+            timeout=timeout,
+            route=route,
+            verify_plan=not (agreed or same_destination),
         )
         dst_rank_mesh = _rank_mesh(dst_mesh)
         if rank not in dst_rank_mesh:

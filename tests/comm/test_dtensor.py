@@ -8,6 +8,8 @@ on every rank before a byte moves."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -243,6 +245,55 @@ def test_distributed_states(pool, src, dst) -> None:
     out = pool.run(_distributed, *src, *dst)
     for r, res in enumerate(out):
         assert res["bad"] == [], (r, res)
+
+
+def _checks(ctx: WorkerContext, which: str) -> dict:
+    import importlib
+
+    # the module, not the function nereus_comm exports by the same name
+    reshard_module = importlib.import_module("nereus_comm.reshard")
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    full = torch.arange(32.0).reshape(8, 4)  # two rows a rank
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)}
+    dst = DeviceMesh("cpu", torch.tensor([2, 0, 1]))
+    pl: Any = [Shard(1)]
+    if which == "callable":
+        pl = lambda name, shape: [Shard(1)]  # noqa: E731
+    elif which == "mapping" and ctx.rank == 3:
+        pl = {"w": [Shard(1)]}  # the same destination, given another way
+    calls = []
+    real = reshard_module._verify_plan
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    reshard_module._verify_plan = counting
+    dtensor_module._SEEN.pop(dist.group.WORLD, None)  # a cold call
+    try:
+        out = reshard_dtensors(state, dst, pl, timeout=30)
+    finally:
+        reshard_module._verify_plan = real
+    if ctx.rank == 3:  # off the destination mesh: nothing comes back
+        bad = [] if out == {} else ["rank 3 got tensors"]
+    else:
+        bad = _check(out, {"w": full}, dst, lambda n, s: [Shard(1)])
+    return {"verified": len(calls), "bad": bad}
+
+
+@pytest.mark.slow
+def test_a_cold_call_checks_the_plan_with_peers_only_where_destinations_may_differ(pool):
+    # The same destination list on every rank: its digest rides in the first
+    # all_gather and the per-peer plan check is skipped.
+    for r, res in enumerate(pool.run(_checks, "same")):
+        assert res == {"verified": 0, "bad": []}, (r, res)
+    # A callable is described only by its results: every rank with peers checks.
+    for r, res in enumerate(pool.run(_checks, "callable")):
+        assert res == {"verified": 1, "bad": []}, (r, res)
+    # Rank 3 gives the destination another way: the digests differ, so every rank
+    # checks its plan with its peers (and a plan that differed would raise there).
+    for r, res in enumerate(pool.run(_checks, "mapping")):
+        assert res == {"verified": 1, "bad": []}, (r, res)
 
 
 # -- refused before anything moves -------------------------------------------------------------
