@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -185,6 +186,7 @@ def run(size_name: str, threads: int = 1, seed: int = 0, repeats: int | None = N
     """Every case of a size (``quick``, ``full`` or ``tiny``); the JSON record."""
     size = SIZES[size_name]
     transformers = import_transformers()
+    load_before = os.getloadavg()[0]
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -210,6 +212,8 @@ def run(size_name: str, threads: int = 1, seed: int = 0, repeats: int | None = N
         "rows": rows,
         "all_goals_met": all(r["meets_goal"] for r in rows),
         "seconds": time.perf_counter() - t0,
+        # the machine's 1-minute load average before and after the cases
+        "load_avg": [load_before, os.getloadavg()[0]],
     }
 
 
@@ -219,7 +223,8 @@ def table(rec: dict) -> str:
     lines = [
         f"rollout generation, {rec['size']}: Llama hidden {m['hidden']} x {m['layers']} "
         f"layers, vocab {m['vocab']}, {rec['threads']} thread(s), torch {rec['torch']}, "
-        f"transformers {rec['transformers']}",
+        f"transformers {rec['transformers']}; load average {rec['load_avg'][0]:.1f} before, "
+        f"{rec['load_avg'][1]:.1f} after",
         f"{'batch':>5} {'mode':<8} {'prompts':>9} {'new':>4} {'nereus tok/s':>13} "
         f"{'hf tok/s':>10} {'ratio':>6} {'goal':>5}  greedy equal",
     ]

@@ -23,6 +23,9 @@ cached decoding step (the attention mask grows by one real column per step, as i
 Hugging Face's generation), so a row generates what it would generate alone. Without a
 ``prompt_mask`` (or with one that has no zero) prompts share one length and no mask is
 built. Finished sequences are padded after their EOS token.
+
+The cached steps run :func:`nereus_rl.models.decode.decode_forward`, generation's own
+forward: the same numbers as ``Decoder.forward`` with a cache, with less work per step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,20 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus_rl.models.model import full_attention_mask
+from nereus_rl.models.decode import (
+    DecodeWeights,
+    Packing,
+    additive_mask,
+    decode_forward,
+    pack_min_tokens,
+)
+from nereus_rl.models.model import (
+    RotaryTables,
+    attention_bias,
+    full_attention_mask,
+    position_ids,
+    rotary_tables,
+)
 from nereus_rl.models.parallel import ParallelGroups, vocab_parallel_argmax
 from nereus_rl.models.pipeline import broadcast_from_last, recv, send
 
@@ -172,15 +188,10 @@ def make_row_generators(seed: int, rows: Sequence[int], device="cpu") -> list[to
     return [torch.Generator(device=device).manual_seed(seed * 1_000_003 + r) for r in rows]
 
 
-def _stage_forward(
-    model,
-    x: torch.Tensor,
-    batch: int,
-    cache,
-    groups: ParallelGroups,
-    attention_mask=None,
-    positions=None,
-):
+def _stage_forward(model, x: torch.Tensor, batch: int, groups: ParallelGroups, forward):
+    """``forward`` (a function of this stage's input) on this stage's input: the ids on
+    the first stage, the previous stage's hidden states elsewhere; the last stage's
+    output (None on the others, which send theirs on)."""
     if not model.is_first:
         x = recv(
             (batch, x.shape[1], model.config.hidden),
@@ -189,11 +200,59 @@ def _stage_forward(
             groups.pp_rank - 1,
             groups,
         )
-    y = model(x, positions, cache, attention_mask=attention_mask, last_only=True)
+    y = forward(x)
     if not model.is_last:
         send(y, groups.pp_rank + 1, groups)
         return None
     return y
+
+
+class _Steps:
+    """The cached forward of each generation step, with what every step shares: the KV
+    cache, the fused weights (:class:`DecodeWeights`) and, for left-padded prompts, the
+    additive mask of the whole sequence, which each step slices (a decoding step's
+    query is the last position: it may attend to every real key before it).
+
+    Positions and masks are those :meth:`Decoder.forward` derives from the 0/1 mask of
+    the positions so far: each row's positions count from its first real token.
+    """
+
+    def __init__(self, model, batch: int, prompt_len: int, total: int, full_mask, device):
+        self.model = model
+        self.cache = KVCache(model, batch, total)
+        self.weights = DecodeWeights.of(model)
+        self.inv_freq = model.inv_freq(device)
+        self.prompt_len = prompt_len
+        self.keep = self.mask = self.last_pos = None
+        if full_mask is not None and not bool(full_mask.all()):
+            self.keep = full_mask[:, :prompt_len].bool()
+            # the decoding steps' mask: every real key so far, sliced per step
+            self.mask = additive_mask(full_mask.bool()[:, None, None, :], model.dtype)
+            # each row's position of its last prompt token
+            self.last_pos = self.keep.long().sum(1, keepdim=True) - 1
+            self.num_tokens = int(self.keep.sum())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's output for the next positions ``x`` (the prompt, then one token)."""
+        past = self.cache.length
+        t = x.shape[1]
+        device = x.device
+        packing = None
+        if self.keep is None:
+            positions = torch.arange(past, past + t, device=device)
+            mask = None
+        elif past == 0:
+            positions = position_ids(self.keep)
+            mask = additive_mask(attention_bias(self.keep, t), self.model.dtype)
+            if self.weights.fused and self.num_tokens >= pack_min_tokens(self.model):
+                packing = Packing.of(self.keep)
+        else:
+            positions = self.last_pos + (past + 1 - self.prompt_len)
+            mask = self.mask[..., : past + t]
+        rope = rotary_tables(positions, self.inv_freq)
+        if packing is not None:  # the real tokens' tables, computed as the padded ones
+            rope = RotaryTables(packing.pack(rope.cos), packing.pack(rope.sin))
+        return decode_forward(self.model, x, rope, self.cache, self.weights, mask, packing)
 
 
 #: Most uniform numbers, all rows together (16 MiB of fp32), drawn ahead of the steps.
@@ -329,44 +388,49 @@ def generate(
     if prompt_mask is not None:
         prompt_mask = _check_prompt_mask(prompt_mask, prompts)
     total = prompt_len + max_new_tokens
-    cache = KVCache(model, batch, total) if use_cache else None
-    # The whole sequence and its attention mask (the prompt's, then one real column per
-    # generated token) are allocated once; step s uses their first prompt_len + s columns.
-    buf = torch.empty(batch, total, dtype=prompts.dtype, device=prompts.device)
+    device = prompts.device
+    # The whole sequence is allocated once; step s uses its first prompt_len + s columns.
+    buf = torch.empty(batch, total, dtype=prompts.dtype, device=device)
     buf[:, :prompt_len] = prompts
-    full_mask = last_pos = None
+    full_mask = None
     if prompt_mask is not None:
+        # the prompt's mask, then one real column per generated token
         full_mask = full_attention_mask(prompt_mask, total)
-        if not bool(prompt_mask.all()):
-            # Each row's position of its last prompt token, as the model counts it from
-            # the mask (position_ids); a mask without padding keeps the shared positions.
-            last_pos = prompt_mask.sum(1, keepdim=True) - 1
+    steps = _Steps(model, batch, prompt_len, total, full_mask, device) if use_cache else None
     noise = None
     if model.is_last and temperature > 0:
-        noise = _Noise(generator, batch, model.config.vocab, max_new_tokens, prompts.device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
+        noise = _Noise(generator, batch, model.config.vocab, max_new_tokens, device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     masks = []
     end = prompt_len
     for step in range(max_new_tokens):
-        decoding = use_cache and step > 0
-        x = buf[:, end - 1 : end] if decoding else buf[:, :end]
-        attn = None if full_mask is None else full_mask[:, :end]
-        # a cached step's one position per row, as the model would count it from the mask
-        pos = last_pos + step if (decoding and last_pos is not None) else None
-        logits = _stage_forward(model, x, batch, cache, groups, attn, pos)
+        if steps is not None:
+            x = buf[:, :end] if step == 0 else buf[:, end - 1 : end]
+            logits = _stage_forward(model, x, batch, groups, steps.forward)
+        else:
+            attn = None if full_mask is None else full_mask[:, :end]
+
+            def forward(x, attn=attn):
+                return model(x, attention_mask=attn, last_only=True)
+
+            logits = _stage_forward(model, buf[:, :end], batch, groups, forward)
         tok = None
         if model.is_last:
             tok = _pick(logits[:, -1], temperature, noise, groups)
-            tok = tok.masked_fill(finished, pad_id)
-        tok = broadcast_from_last(tok, (batch,), torch.long, groups, prompts.device)
-        masks.append((~finished).float())
+            if eos_id is not None:
+                tok = tok.masked_fill(finished, pad_id)
+        tok = broadcast_from_last(tok, (batch,), torch.long, groups, device)
         buf[:, end] = tok
         end += 1
         if eos_id is not None:
+            masks.append((~finished).float())
             finished = finished | (tok == eos_id)
             if bool(finished.all()):
                 break
     if noise is not None:
         noise.close()
-    mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0, device=prompts.device)
+    if eos_id is None:  # no row ever finishes
+        mask = torch.ones(batch, end - prompt_len, device=device)
+    else:
+        mask = torch.stack(masks, 1) if masks else torch.zeros(batch, 0, device=device)
     return GenerationOutput(buf[:, :end].contiguous(), mask, prompt_len, prompt_mask)

@@ -4,8 +4,11 @@ full forward.
 Bit for bit: grouped-query attention without repeated keys and values (no gradients)
 against the repeated form (gradients), the fused fp32 RMS norm and the rotary tables
 shared by every layer against their explicit forms, the additive mask built once per
-forward against SDPA's boolean one, and the per-row sampling noise drawn ahead against
-the same noise drawn step by step.
+forward against SDPA's boolean one, the per-row sampling noise drawn ahead against
+the same noise drawn step by step, and generation's own forward
+(:mod:`nereus_rl.models.decode`: one q/k/v product, a prompt's real tokens packed, the
+mask sliced from one built for all steps, the head in slices) against
+``Decoder.forward`` with a cache, logits and cache contents, step by step.
 
 Within a tolerance: the logits of a cached decoding step (one query against the cache)
 against the same position of an uncached forward over the whole sequence, where
@@ -22,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nereus_rl.models.decode import HEAD_SLICE, DecodeWeights, Packing
 from nereus_rl.models.generate import (
     KVCache,
     generate,
@@ -44,6 +48,7 @@ from nereus_rl.models.model import (
 
 # the module (nereus_rl.models exports a function of the same name)
 gen_mod = importlib.import_module("nereus_rl.models.generate")
+dec_mod = importlib.import_module("nereus_rl.models.decode")
 TOL = 2e-5
 # Grouped-query (4 query heads per kv head), q/k/v biases, Llama 3 rope scaling.
 GQA = ModelConfig(
@@ -262,3 +267,157 @@ def test_generation_buffers_hold_what_concatenation_did():
     assert out.sequences.shape == (3, ids.shape[1] + 9) and out.sequences.is_contiguous()
     assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
     assert torch.equal(out.attention_mask, full_attention_mask(mask, out.sequences.shape[1]))
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: the fused, packed and sliced products run only there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _steps_both_ways(m, ids, mask, new_tokens: int = 6):
+    """Logits and caches of the prompt's forward and ``new_tokens`` decoding steps, by
+    ``Decoder.forward`` with a KVCache (the form generation ran before) and by generation's
+    own steps, on the same greedy sequence."""
+    seq = generate(m, ids, new_tokens, prompt_mask=mask).sequences
+    p, total = ids.shape[1], seq.shape[1]
+    full = None if mask is None else full_attention_mask(mask, total)
+    cache = KVCache(m, seq.shape[0], total)
+    steps = gen_mod._Steps(m, seq.shape[0], p, total, full, seq.device)
+    old, new = [], []
+    with torch.no_grad():
+        for end in range(p, total):
+            x = seq[:, :p] if end == p else seq[:, end - 1 : end]
+            attn = None if full is None else full[:, :end]
+            old.append(m(x, cache=cache, attention_mask=attn, last_only=True))
+            new.append(steps.forward(x))
+    return old, new, cache, steps.cache, full
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("packed", [True, False])
+def test_generation_forward_equals_the_model_forward(monkeypatch, threads, dtype, masked, packed):
+    """Every step's logits and every cached key and value at a real position are those of
+    Decoder.forward, bit for bit: fused q/k/v (fp32, one thread), packed prompt or not,
+    the sliced mask; with two threads, the three products and no packing."""
+    monkeypatch.setattr(gen_mod, "pack_min_tokens", lambda model: 1 if packed else 10**9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_steps_both_ways(dtype, masked)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_steps_both_ways(dtype, masked):
+    m = _model().to(dtype)
+    m.dtype = dtype
+    ids, mask = _batch(b=6)
+    if not masked:
+        ids, mask = ids[:, -3:], None
+    old, new, cache_old, cache_new, full = _steps_both_ways(m, ids, mask)
+    assert all(torch.equal(a, b) for a, b in zip(old, new))
+    n = cache_old.length
+    real = torch.ones(ids.shape[0], n, dtype=torch.bool) if full is None else full.bool()[:, :n]
+    for i in m.layer_ids:
+        for old_kv, new_kv in (
+            (cache_old.keys, cache_new.keys),
+            (cache_old.values, cache_new.values),
+        ):
+            a, b = old_kv[i][:, :, :n].transpose(1, 2), new_kv[i][:, :, :n].transpose(1, 2)
+            assert torch.equal(a[real], b[real])
+
+
+def test_generation_packs_the_prompt_and_slices_the_head(monkeypatch, one_thread):
+    """The benchmark's sizes take the packed prompt and the sliced head by default."""
+    packs, heads = [], []
+    of, head = Packing.of.__func__, dec_mod._head
+
+    def packing_of(cls, keep):
+        packs.append(keep.shape)
+        return of(cls, keep)
+
+    def sliced_head(h, weight):
+        heads.append(h.shape[0])
+        return head(h, weight)
+
+    monkeypatch.setattr(Packing, "of", classmethod(packing_of))
+    monkeypatch.setattr(dec_mod, "_head", sliced_head)
+    m = Decoder(ModelConfig("wide", 2, 64, 4, 2, 512, 2048, 256), seed=1)
+    g = torch.Generator().manual_seed(0)
+    ids, mask = left_pad([torch.randint(1, 2048, (n,), generator=g) for n in range(20, 28)], 0)
+    generate(m, ids, 3, prompt_mask=mask)
+    assert packs == [(8, 27)] and heads == [8, 8, 8]
+    torch.set_num_threads(2)  # several threads: neither
+    generate(m, ids, 3, prompt_mask=mask)
+    assert packs == [(8, 27)] and heads == [8, 8, 8]
+
+
+def test_fused_qkv_product_equals_three_products(one_thread):
+    """One [q; k; v] product, fp32 on CPU, with and without biases, over row counts from
+    MKL's small-matrix path to its blocked one; other dtypes keep three products."""
+    g = torch.Generator().manual_seed(0)
+    for hidden, kv, bias in ((64, 16, True), (256, 128, False), (128, 64, True)):
+        w = [torch.randn(n, hidden, generator=g) * 0.05 for n in (hidden, kv, kv)]
+        b = [torch.randn(n, generator=g) for n in (hidden, kv, kv)] if bias else [None] * 3
+        fused_w = torch.cat(w)
+        fused_b = torch.cat(b) if bias else None
+        for rows in (*range(1, 41), 97, 300, 1270):
+            x = torch.randn(rows, 1, hidden, generator=g)
+            three = torch.cat([F.linear(x, wi, bi) for wi, bi in zip(w, b)], -1)
+            assert torch.equal(F.linear(x, fused_w, fused_b), three), (hidden, rows)
+    m = _model()
+    weights = DecodeWeights.of(m)
+    assert weights.fused and weights.qkv[0][0].shape == (GQA.hidden + 2 * 2 * GQA.head_dim, 64)
+    assert not DecodeWeights.of(Decoder(GQA, dtype=torch.bfloat16)).fused
+    torch.set_num_threads(2)
+    assert not DecodeWeights.of(m).fused
+
+
+def test_packed_rows_equal_the_padded_rows(one_thread):
+    """Products, the norm and the rotation of a padded batch's real tokens, computed on
+    those tokens alone, equal the padded computation's rows (enough rows: MKL's blocked
+    kernel); pack and unpack invert each other on the real tokens."""
+    g = torch.Generator().manual_seed(0)
+    lens = [16, 64, 40, 23, 64, 51, 30, 17]
+    keep = torch.zeros(len(lens), 64, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        keep[i, 64 - n :] = True
+    packing = Packing.of(keep)
+    assert packing.num_tokens == sum(lens)
+    assert torch.equal(packing.last, torch.tensor(lens).cumsum(0) - 1)
+    x = torch.randn(len(lens), 64, 256, generator=g)
+    assert torch.equal(packing.unpack(packing.pack(x))[keep], x[keep])
+    assert torch.equal(packing.unpack(packing.pack(x))[~keep], torch.zeros_like(x[~keep]))
+    for n, k in ((256, 256), (688, 256), (256, 688), (512, 256)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        xk = torch.randn(len(lens), 64, k, generator=g)
+        assert torch.equal(F.linear(packing.pack(xk), w), packing.pack(F.linear(xk, w)))
+    norm = RMSNorm(256, torch.float32, "cpu", eps=1e-6)
+    assert torch.equal(norm(packing.pack(x)), packing.pack(norm(x)))
+    tables = rotary_tables(torch.randint(0, 60, keep.shape, generator=g), rope_inv_freq(32, "cpu"))
+    q = torch.randn(len(lens), 64, 8, 32, generator=g)
+    packed_tables = type(tables)(packing.pack(tables.cos), packing.pack(tables.sin))
+    assert torch.equal(rotate(packing.pack(q), packed_tables), packing.pack(rotate(q, tables)))
+
+
+def test_sliced_head_equals_the_whole_product(one_thread):
+    g = torch.Generator().manual_seed(0)
+    for vocab in (4 * HEAD_SLICE, 5 * HEAD_SLICE + 7):
+        w = torch.randn(vocab, 96, generator=g) * 0.05
+        for rows in range(1, 20):
+            h = torch.randn(rows, 1, 96, generator=g)
+            assert torch.equal(dec_mod._head(h, w), F.linear(h, w)), (vocab, rows)
+
+
+def test_response_mask_without_eos_is_all_ones():
+    m = _model()
+    ids, mask = _batch(b=3)
+    out = generate(m, ids, 5, prompt_mask=mask)
+    assert out.response_mask.dtype == torch.float32
+    assert torch.equal(out.response_mask, torch.ones(3, 5))

@@ -1,0 +1,245 @@
+"""The forward pass that generation runs: no gradients, a KV cache, lean per step.
+
+:func:`decode_forward` computes what :meth:`Decoder.forward` computes with a cache, bit
+for bit on CPU (tests/rl/models/test_decode_path.py checks it), with less around the
+matrix products and the attention kernel:
+
+- for fp32 on CPU with one torch thread, one matrix product for q, k and v
+  (:class:`DecodeWeights`: their weights concatenated once per generate call, so that a
+  training step's update is always seen) and one rotation for q and k together. MKL's
+  single-threaded fp32 product computes a column from its own weight row alike whatever
+  the other rows are, so the outputs are those of three products. With several threads
+  MKL splits the work by the shape, and the reduced-precision CPU kernels and other
+  devices' choose their kernel by the output width (a bf16 case rounded otherwise):
+  those keep three products, and none of the packing and slicing below;
+- a left-padded prompt's forward (fp32 on CPU, with the fused weights) runs the norms
+  and the products on its real tokens only (:class:`Packing`), and goes back to the
+  padded layout for the attention kernel (the padding's queries, keys and values are
+  zeros; a masked key's value is weighed by exactly 0, whatever it holds) and for
+  SiLU, whose vectorised kernel rounds a tensor's last few elements on a scalar path:
+  computed over the padded layout, the same elements take it. A row of a product
+  depends only on its own input row once there are enough rows for MKL's blocked
+  kernel (:func:`pack_min_tokens`);
+- the additive attention mask and the positions come from the caller (generate builds
+  the mask once for all steps and slices it) instead of being rebuilt from a 0/1 mask by
+  every call;
+- the linears called as functions, without the module machinery.
+
+The training path (:meth:`Decoder.forward` with gradients) does not come here: the cost
+model counts its kernels (costmodel/work.py's ``KERNELS_PER_LAYER_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nereus_rl.models.model import RotaryTables, rotate
+from nereus_rl.models.parallel import copy_to_tp, reduce_from_tp
+
+
+@dataclass
+class DecodeWeights:
+    """Per layer of a stage, q, k and v's weights (and biases) as one [q; k; v] matrix
+    (None: the model's own three, for other dtypes, devices and thread counts than fp32
+    on CPU with one torch thread).
+
+    Build it with :meth:`of` at the start of each generate call: it copies the current
+    weights, so it is stale after any update of the model.
+    """
+
+    qkv: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]
+    #: whether q, k and v run as one product (fp32 on CPU, one torch thread)
+    fused: bool
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model) -> DecodeWeights:
+        """The fused weights of ``model``'s layers (this rank's stage and tp shards)."""
+        fuse = model.dtype == torch.float32 and next(model.parameters()).is_cpu
+        fuse = fuse and torch.get_num_threads() == 1
+        qkv = {}
+        for i in model.layer_ids:
+            attn = model.layers[str(i)].attn
+            qkv[i] = None
+            if fuse:
+                weight = torch.cat([attn.q.weight, attn.k.weight, attn.v.weight])
+                bias = None
+                if attn.q.bias is not None:
+                    bias = torch.cat([attn.q.bias, attn.k.bias, attn.v.bias])
+                qkv[i] = (weight, bias)
+        return cls(qkv, fuse)
+
+
+def pack_min_tokens(model) -> int:
+    """Fewest real prompt tokens that run packed: with fewer rows than about K / 25 (K the
+    products' inner size, at most ffn_hidden / tp) MKL takes a small-matrix path that
+    rounds otherwise, and a padded batch's rows could take the one and its real tokens
+    the other. K / 8, and at least 64, keeps both well within the blocked kernel."""
+    return max(64, model.config.ffn_hidden // model.groups.tp_size // 8)
+
+
+@dataclass
+class Packing:
+    """Where the real tokens of a left-padded batch [B, T] are: ``rows``/``cols`` [N] of
+    each real token in order (row by row), ``last`` [B] the packed index of each row's
+    last token (every row ends with a real one)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    last: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def of(cls, keep: torch.Tensor) -> Packing:
+        """The packing of ``keep`` [B, T] (bool, True = a real token, left padding)."""
+        rows, cols = keep.nonzero(as_tuple=True)
+        last = keep.sum(1).cumsum(0) - 1
+        return cls(rows, cols, last, tuple(keep.shape))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.rows.shape[0])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...] (the real tokens, a copy)."""
+        return x[self.rows, self.cols]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...] with zeros at the padding."""
+        out = x.new_zeros(*self.shape, *x.shape[1:])
+        out[self.rows, self.cols] = x
+        return out
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True = may attend) as the one ``Decoder.forward`` passes
+    to the attention kernel: additive (0 or -inf, ``dtype``) on CPU, the boolean mask
+    itself elsewhere (see ``Decoder.forward``)."""
+    if not allowed.is_cpu:
+        return allowed
+    mask = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(allowed, 0.0)
+
+
+def _attend(block, fused, x, rope, cache, mask, groups, packing=None) -> torch.Tensor:
+    attn = block.attn
+    nq, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    x = copy_to_tp(x, groups)
+    if packing is not None:  # x [N, hidden]; rope [N, 1, d]
+        qkv = F.linear(x, *fused).view(-1, nq + 2 * nkv, d)
+        qkv[:, : nq + nkv] = rotate(qkv[:, : nq + nkv], rope)
+        qkv = packing.unpack(qkv)
+        b, t = packing.shape
+        q, k, v = qkv[:, :, :nq], qkv[:, :, nq : nq + nkv], qkv[:, :, nq + nkv :]
+    elif fused is not None:
+        b, t, _ = x.shape
+        qkv = F.linear(x, *fused).view(b, t, nq + 2 * nkv, d)
+        qk = rotate(qkv[:, :, : nq + nkv], rope)
+        q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + nkv :]
+    else:
+        b, t, _ = x.shape
+        q = rotate(attn.q(x).view(b, t, nq, d), rope)
+        k = rotate(attn.k(x).view(b, t, nkv, d), rope)
+        v = attn.v(x).view(b, t, nkv, d)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    past = cache.length
+    k, v = cache.update(attn.layer, k, v)
+    gqa = nq != nkv
+    if gqa and not x.is_cpu:
+        # as Attention.forward: other devices pick another backend with enable_gqa
+        k = k.repeat_interleave(nq // nkv, dim=1)
+        v = v.repeat_interleave(nq // nkv, dim=1)
+        gqa = False
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    elif past == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif t == 1:
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    else:
+        raise ValueError(f"decode_forward: {t} new positions after {past} cached need a mask")
+    out = out.transpose(1, 2)
+    if packing is not None:
+        out = packing.pack(out).view(-1, nq * d)
+    else:
+        out = out.reshape(b, t, nq * d)
+    return reduce_from_tp(F.linear(out, attn.o.weight), groups)
+
+
+def _mlp(mlp, x: torch.Tensor, groups, packing=None) -> torch.Tensor:
+    x = copy_to_tp(x, groups)
+    gate = F.linear(x, mlp.gate.weight)
+    if packing is None:
+        gate = F.silu(gate)
+    else:
+        gate = packing.pack(F.silu(packing.unpack(gate)))
+    gated = gate * F.linear(x, mlp.up.weight)
+    return reduce_from_tp(F.linear(gated, mlp.down.weight), groups)
+
+
+@torch.no_grad()
+def decode_forward(
+    model,
+    x: torch.Tensor,
+    rope: RotaryTables,
+    cache,
+    weights: DecodeWeights,
+    mask: torch.Tensor | None = None,
+    packing: Packing | None = None,
+) -> torch.Tensor:
+    """Run this stage on ``x`` after what ``cache`` holds; the last position only on the
+    last stage (``Decoder.forward(..., last_only=True)``'s output, bit for bit on CPU).
+
+    Arguments:
+        model: this rank's Decoder stage (policy).
+        x: token ids [B, T] on the first stage, hidden states [B, T, hidden] elsewhere.
+        rope: :func:`nereus_rl.models.model.rotary_tables` of the positions of ``x``.
+        cache: a :class:`nereus_rl.models.generate.KVCache`, appended to and advanced by T.
+        weights: :meth:`DecodeWeights.of` the model, built after its last update.
+        mask: [B, 1, T, past + T] from :func:`additive_mask`, or None without padding
+            (causal over the new positions when the cache is empty; T must then be 1
+            after cached positions).
+        packing: the real tokens of ``x`` when it is a left-padded prompt (the cache
+            empty, the weights fused); ``rope`` is then that of the real tokens [N, ...].
+
+    Returns:
+        Hidden states [B, T, hidden] on a non-last stage; this tp rank's logits shard
+        [B, 1, vocab/tp] on the last stage.
+    """
+    groups = model.groups
+    cache_t = x.shape[1]
+    if packing is not None:
+        x = packing.pack(x)
+    h = model.embed(x) if model.is_first else x
+    for i, block in model.layers.items():
+        fused = weights.qkv[int(i)]
+        h = h + _attend(block, fused, block.attn_norm(h), rope, cache, mask, groups, packing)
+        h = h + _mlp(block.mlp, block.mlp_norm(h), groups, packing)
+    cache.advance(cache_t)
+    if not model.is_last:
+        return h if packing is None else packing.unpack(h)
+    h = h[:, -1:] if packing is None else h[packing.last][:, None]
+    h = copy_to_tp(model.norm(h), groups)
+    if weights.fused:
+        return _head(h, model.lm_head.weight)
+    return F.linear(h, model.lm_head.weight)
+
+
+#: Rows of the head's weight per product for a batch of HEAD_SLICED_ROWS rows.
+HEAD_SLICE = 512
+#: Batch sizes whose head product runs in slices of HEAD_SLICE weight rows.
+HEAD_SLICED_ROWS = range(4, 16)
+
+
+def _head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(h, weight)`` for h [B, 1, hidden], fp32 on CPU, one torch thread. On the
+    2-core benchmark machine, MKL's product of 4 to 15 rows by a 4096 x 256 head runs
+    about 1.6x faster on slices of 512 weight rows than on the whole (batch 8: 0.32 ms
+    against 0.51 ms); a column of a single-threaded fp32 product depends only on its own
+    weight row, so the logits are the same (tests/rl/models/test_decode_path.py)."""
+    if h.shape[0] not in HEAD_SLICED_ROWS or weight.shape[0] <= 2 * HEAD_SLICE:
+        return F.linear(h, weight)
+    return torch.cat([F.linear(h, w) for w in weight.split(HEAD_SLICE)], -1)
