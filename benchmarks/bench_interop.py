@@ -30,7 +30,8 @@ over the repeats and the min..max. Every output is compared bit for bit with the
 destination shard torch's own ``distribute_tensor`` cuts from the full tensor. Bytes:
 what the nereus plan sends between ranks against the lower bound, counted here
 independently (elements of each destination shard its rank does not hold in the
-source, by index sets).
+source, by index sets). Last, :func:`plan_8b` times planning a Llama-3.1-8B-shaped
+training state from FSDP2 x TP4 to FSDP16 (one process, no bytes moved).
 
     python benchmarks/bench_interop.py [--quick] [--json PATH] [--repeats N] [--mib M]
 """
@@ -403,6 +404,73 @@ def plan_bytes(case: str, target_bytes: int) -> tuple[int, int]:
     return plan.total_bytes, plan.lower_bound_bytes
 
 
+def plan_8b(repeats: int = 5) -> dict:
+    """Plan a Llama-3.1-8B-shaped training state (bf16 parameters, fp32 master, two Adam
+    moments: 1,156 tensors) from FSDP2 x TP4 on a (2, 4) mesh (column-parallel weights
+    as fully_shard makes them, _StridedShard(0, sf=4) x Shard(0); row-parallel Shard(0) x
+    Shard(1); norms Shard(0) x Replicate) to FSDP16 on 16 ranks with plan_sharded, in
+    this process: median and min seconds over ``repeats`` (the first, which builds the
+    geometry, apart), pieces and bytes against the lower bound."""
+    from nereus_comm.layout import TensorSpec
+    from nereus_comm.placement import (
+        RankMesh,
+        Replicate,
+        Shard,
+        Sharding,
+        StridedShard,
+        plan_sharded,
+    )
+
+    hidden, ffn, vocab, layers = 4096, 14336, 128256, 32
+    src, dst = RankMesh.of([[0, 1, 2, 3], [4, 5, 6, 7]]), RankMesh.of(list(range(16)))
+    by_kind = {
+        "col": Sharding(src, (StridedShard(0, 4), Shard(0))),
+        "row": Sharding(src, (Shard(0), Shard(1))),
+        "norm": Sharding(src, (Shard(0), Replicate())),
+    }
+    shapes = [("embed", (vocab, hidden), "col")]
+    for i in range(layers):
+        shapes += [
+            (f"layers.{i}.q", (hidden, hidden), "col"),
+            (f"layers.{i}.k", (1024, hidden), "col"),
+            (f"layers.{i}.v", (1024, hidden), "col"),
+            (f"layers.{i}.o", (hidden, hidden), "row"),
+            (f"layers.{i}.gate", (ffn, hidden), "col"),
+            (f"layers.{i}.up", (ffn, hidden), "col"),
+            (f"layers.{i}.down", (hidden, ffn), "row"),
+            (f"layers.{i}.attn_norm", (hidden,), "norm"),
+            (f"layers.{i}.mlp_norm", (hidden,), "norm"),
+        ]
+    specs, s, d = [], {}, {}
+    for name, shape, kind in shapes:
+        for prefix, dtype in (
+            ("", torch.bfloat16),
+            ("master.", torch.float32),
+            ("optim.exp_avg.", torch.float32),
+            ("optim.exp_avg_sq.", torch.float32),
+        ):
+            specs.append(TensorSpec(prefix + name, shape, dtype))
+            s[prefix + name] = by_kind[kind]
+            d[prefix + name] = Sharding(dst, (Shard(0),))
+    t0 = time.perf_counter()
+    plan = plan_sharded(specs, s, d)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_sharded(specs, s, d)
+        times.append(time.perf_counter() - t0)
+    return {
+        "tensors": len(specs),
+        "first_s": first,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "remote_pieces": len(plan.remote),
+        "bytes_sent": plan.total_bytes,
+        "lower_bound_bytes": plan.lower_bound_bytes,
+    }
+
+
 def _stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -506,10 +574,20 @@ def main() -> None:
     start = time.perf_counter()
     rows = run(int(mib * MiB), repeats)
     report(rows)
+    planning = plan_8b()
+    at_bound = planning["bytes_sent"] == planning["lower_bound_bytes"]
+    print(
+        f"planning an 8B training state ({planning['tensors']} tensors), FSDP2 x TP4 (2, 4) -> "
+        f"FSDP16: {planning['median_s'] * 1e3:.1f} ms median (min {planning['min_s'] * 1e3:.1f}"
+        f", first {planning['first_s'] * 1e3:.1f}); {planning['remote_pieces']} remote pieces, "
+        f"bytes sent {'equal' if at_bound else 'NOT EQUAL'} to the lower bound"
+    )
     print(f"({mib:g} MiB state, {repeats} repeats, {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "bench_interop", "rows": rows}, f, indent=1)
+            json.dump(
+                {"benchmark": "bench_interop", "rows": rows, "plan_8b": planning}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""bench_interop: the lower bound it counts by index sets (fast), and (slow) one
-``--quick`` run at a tiny state, its JSON rows checked."""
+"""bench_interop: the lower bound it counts by index sets and the 8B plan (fast), and
+(slow) one ``--quick`` run at a tiny state, its JSON rows checked."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_interop import MiB, lower_bound_bytes, plan_bytes
+from benchmarks.bench_interop import MiB, lower_bound_bytes, plan_8b, plan_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_plan_sends_the_lower_bound(case) -> None:
     sent, bound = plan_bytes(case, 2 * MiB)
     assert sent == bound == lower_bound_bytes(case, 2 * MiB) > 0
+
+
+def test_the_8b_plan_sends_the_lower_bound() -> None:
+    got = plan_8b(repeats=1)
+    assert got["tensors"] == 4 * (1 + 32 * 9)
+    assert got["bytes_sent"] == got["lower_bound_bytes"] > 0 and got["remote_pieces"] > 0
 
 
 @pytest.mark.slow
