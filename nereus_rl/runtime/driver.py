@@ -692,8 +692,9 @@ class _ForkedWorker:
         self, host: str, port: int, num_threads: int, group_timeout: float, secret: bytes
     ) -> None:
         ctx = multiprocessing.get_context("forkserver")
-        # Imported once in the server; each fork then starts in milliseconds.
-        ctx.set_forkserver_preload(["torch", "nereus_rl.runtime.worker"])
+        # Imported once in the server; each fork then starts in milliseconds (with
+        # the modules a worker warms before joining: runtime.worker.WARM_MODULES).
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "nereus_rl.runtime.worker"])
         self._proc = ctx.Process(
             target=_forked_main,
             # Through the forkserver's pipe, never a command line.

@@ -116,6 +116,23 @@ class Membership:
         self.world.leave()
 
 
+#: Modules a worker imports before it joins: a process's first optimizer step imports
+#: torch's compiler stack (about a second on one core, more on a busy one). Paid before
+#: joining, it does not hold up the group a running job forms with an arriving worker.
+WARM_MODULES = ("torch._dynamo",)
+
+
+def warm_imports() -> None:
+    """Import :data:`WARM_MODULES` (skipped where this torch lacks one)."""
+    import importlib
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def join_job(
     host: str,
     port: int,
@@ -141,6 +158,7 @@ def join_job(
     Raises:
         StoreUnreachableError, JobSecretError: see :func:`serve`.
     """
+    warm_imports()
     # Checked before this process takes a member id: a worker with the wrong secret
     # would otherwise be a member whose every message the driver rejects.
     store = connect_store(host, port, connect_timeout)
