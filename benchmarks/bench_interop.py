@@ -33,7 +33,11 @@ independently (elements of each destination shard its rank does not hold in the
 source, by index sets). Last, :func:`plan_8b` times planning a Llama-3.1-8B-shaped
 training state from FSDP2 x TP4 to FSDP16 (one process, no bytes moved).
 
-    python benchmarks/bench_interop.py [--quick] [--json PATH] [--repeats N] [--mib M]
+    python benchmarks/bench_interop.py [--quick] [--json PATH] [--repeats N] [--mib M] [--donate]
+
+``--donate`` runs nereus with ``donate=True`` (the source state given up, as a layout
+change that drops the old state does: a destination shard that is wholly a contiguous
+block of the rank's own source shard is that block, not a copy).
 """
 
 from __future__ import annotations
@@ -222,7 +226,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _worker(ctx: WorkerContext, case: str, target_bytes: int, repeats: int, shm_dir: str) -> dict:
+def _worker(
+    ctx: WorkerContext, case: str, target_bytes: int, repeats: int, shm_dir: str, donate: bool
+) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
@@ -245,7 +251,7 @@ def _worker(ctx: WorkerContext, case: str, target_bytes: int, repeats: int, shm_
     outs: dict[str, dict] = {}
 
     def nereus():
-        return reshard_dtensors(state, dst, dst_pl, group=group, timeout=300)
+        return reshard_dtensors(state, dst, dst_pl, group=group, timeout=300, donate=donate)
 
     def redistribute():
         if case == "c":
@@ -475,14 +481,14 @@ def _stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def run(target_bytes: int, repeats: int, cases=CASES) -> list[dict]:
+def run(target_bytes: int, repeats: int, cases=CASES, donate: bool = False) -> list[dict]:
     """One row per case: each way's median/min/max seconds (slowest rank), ratios, bytes."""
     rows = []
     shm_dir = tempfile.mkdtemp(prefix="nereus_bench_interop_", dir="/dev/shm")
     try:
         with LocalWorkers(WORLD, timeout=600) as pool:
             for case in cases:
-                res = pool.run(_worker, case, target_bytes, repeats, shm_dir, timeout=1800)
+                res = pool.run(_worker, case, target_bytes, repeats, shm_dir, donate, timeout=1800)
                 bad = [b for r in res for b in r["bad"]]
                 if bad:
                     raise SystemExit(f"case {case}: outputs differ from the reference: {bad[:8]}")
@@ -568,11 +574,16 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--mib", type=float, default=None, help="state size in MiB")
+    parser.add_argument(
+        "--donate",
+        action="store_true",
+        help="nereus gives its source state up (donate=True: kept blocks are not copied)",
+    )
     args = parser.parse_args()
     mib = args.mib or (32 if args.quick else 256)
     repeats = args.repeats or (3 if args.quick else 5)
     start = time.perf_counter()
-    rows = run(int(mib * MiB), repeats)
+    rows = run(int(mib * MiB), repeats, donate=args.donate)
     report(rows)
     planning = plan_8b()
     at_bound = planning["bytes_sent"] == planning["lower_bound_bytes"]
@@ -582,12 +593,12 @@ def main() -> None:
         f", first {planning['first_s'] * 1e3:.1f}); {planning['remote_pieces']} remote pieces, "
         f"bytes sent {'equal' if at_bound else 'NOT EQUAL'} to the lower bound"
     )
-    print(f"({mib:g} MiB state, {repeats} repeats, {time.perf_counter() - start:.0f} s)")
+    donated = ", nereus with donate=True" if args.donate else ""
+    print(f"({mib:g} MiB state, {repeats} repeats{donated}, {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"benchmark": "bench_interop", "rows": rows, "plan_8b": planning}, f, indent=1
-            )
+            out = {"benchmark": "bench_interop", "donate": args.donate, "rows": rows}
+            json.dump({**out, "plan_8b": planning}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -471,6 +471,7 @@ def reshard_dtensors(
     transport: Transport | None = None,
     timeout: float = 300.0,
     route: str = "auto",
+    donate: bool = False,
 ) -> dict[str, Any]:
     """Reshard a DTensor state dict onto ``dst_mesh``: every rank of ``group`` calls it.
 
@@ -498,6 +499,11 @@ def reshard_dtensors(
         timeout: seconds for the exchange.
         route: as :func:`~nereus_comm.reshard.reshard` ("auto" uses shared memory or
             cross-memory attach between ranks on one host).
+        donate: the caller gives ``state`` up (a layout change whose old state is
+            dropped): a destination shard that is wholly one contiguous block of this
+            rank's source shard is that block, with no copy (see
+            :func:`~nereus_comm.placement.reshard_sharded`). The source tensors must not
+            be used or changed afterwards.
 
     Returns:
         On a rank of ``dst_mesh``: every entry of the state, DTensors on ``dst_mesh`` with
@@ -585,6 +591,7 @@ def reshard_dtensors(
             timeout=timeout,
             route=route,
             verify_plan=not (agreed or same_destination),
+            donate=donate,
         )
         dst_rank_mesh = _rank_mesh(dst_mesh)
         if rank not in dst_rank_mesh:

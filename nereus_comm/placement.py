@@ -1029,6 +1029,21 @@ def _rank_work(plan: ShardedPlan, rank: int) -> _RankWork:
     return work
 
 
+def _donated(work: _RankWork, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The destination shards that are wholly one contiguous block of a source shard
+    (one local piece covering the shard), as views of that block."""
+    out = {}
+    for name, src_sl, dst_sl in work.local:
+        shape = work.dst_expected[name][0]
+        whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(dst_sl, shape))
+        if not whole or name in out:
+            continue
+        view = tensors[name][src_sl]
+        if view.shape == shape and view.is_contiguous():
+            out[name] = view
+    return out
+
+
 def reshard_sharded(
     plan: ShardedPlan,
     rank: int,
@@ -1036,6 +1051,7 @@ def reshard_sharded(
     transport: Transport | None,
     *,
     out: Mapping[str, torch.Tensor] | None = None,
+    donate: bool = False,
     **kwargs,
 ) -> ShardedResult:
     """Run ``plan`` on ``rank``: every rank of the plan calls it with the same plan.
@@ -1055,6 +1071,10 @@ def reshard_sharded(
             may be None when the plan moves nothing.
         out: destination local shards to fill, by name (contiguous, or rows of one
             stride such as a column block of a larger tensor); default: fresh.
+        donate: the caller gives up ``tensors``: a destination shard that is wholly one
+            contiguous block of this rank's source shard is returned as that block (a
+            view of the source's memory, no copy). The sources must not be used or
+            changed afterwards. Ignored with ``out``.
         kwargs: passed to :func:`~nereus_comm.reshard.reshard` (timeout, route,
             verify_plan, ...).
 
@@ -1077,8 +1097,10 @@ def reshard_sharded(
         _check_inputs(plan, rank, out, "destination", work.dst_expected)
         result = dict(out)
     else:
+        aliased = _donated(work, tensors) if donate else {}
         result = {
-            n: torch.empty(sh, dtype=dt, device=device) for n, (sh, dt) in work.dst_expected.items()
+            n: aliased[n] if n in aliased else torch.empty(sh, dtype=dt, device=device)
+            for n, (sh, dt) in work.dst_expected.items()
         }
     sends: dict[str, torch.Tensor] = {}
     outs: dict[str, torch.Tensor] = {}
@@ -1102,7 +1124,10 @@ def reshard_sharded(
             raise TensorMismatchError(f"rank {rank}: the plan moves bytes but transport is None")
         res = reshard(plan.inner, rank, sends, transport, out=outs, **kwargs)
     for name, src_sl, dst_sl in work.local:
-        result[name][dst_sl].copy_(tensors[name][src_sl])
+        dst_view, src_view = result[name][dst_sl], tensors[name][src_sl]
+        if dst_view.data_ptr() == src_view.data_ptr() and dst_view.stride() == src_view.stride():
+            continue  # a donated block: already in place
+        dst_view.copy_(src_view)
     for view, tmp in later:
         view.copy_(tmp)
     return ShardedResult(result, res)

@@ -296,6 +296,33 @@ def test_a_cold_call_checks_the_plan_with_peers_only_where_destinations_may_diff
         assert res == {"verified": 1, "bad": []}, (r, res)
 
 
+def _donate(ctx: WorkerContext) -> dict:
+    # TP2 x DP2 -> TP4: ranks 0 and 3 keep a contiguous half of their source shard.
+    src = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    dst = DeviceMesh("cpu", torch.arange(4))
+    full = torch.arange(64.0).reshape(16, 4)
+    state = {"w": distribute_tensor(full, src, [Replicate(), Shard(0)], src_data_rank=None)}
+    mine = state["w"].to_local()
+    base = mine.untyped_storage().data_ptr()
+    out = reshard_dtensors(state, dst, [Shard(0)], timeout=30, donate=True)
+    local = out["w"].to_local()
+    bad = _check(out, {"w": full}, dst, lambda n, s: [Shard(0)])
+    aliased = local.untyped_storage().data_ptr() == base
+    # without donate: a fresh tensor, the source untouched
+    again = reshard_dtensors(state, dst, [Shard(0)], timeout=30)["w"].to_local()
+    fresh = again.untyped_storage().data_ptr() != base
+    return {"bad": bad, "aliased": aliased, "fresh": fresh}
+
+
+@pytest.mark.slow
+def test_donate_returns_kept_blocks_without_a_copy(pool):
+    out = pool.run(_donate)
+    for r, res in enumerate(out):
+        assert res["bad"] == [] and res["fresh"], (r, res)
+    # ranks 0 and 3 keep a quarter that is a contiguous half of their own shard
+    assert [res["aliased"] for res in out] == [True, False, False, True], out
+
+
 # -- refused before anything moves -------------------------------------------------------------
 
 
