@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nereus_rl.models.model import RotaryTables, rotate
+from nereus_rl.models.model import RotaryTables, cached_attention, rotate
 from nereus_rl.models.parallel import copy_to_tp, reduce_from_tp
 
 
@@ -147,20 +147,7 @@ def _attend(block, fused, x, rope, cache, mask, groups, packing=None) -> torch.T
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     past = cache.length
     k, v = cache.update(attn.layer, k, v)
-    gqa = nq != nkv
-    if gqa and not x.is_cpu:
-        # as Attention.forward: other devices pick another backend with enable_gqa
-        k = k.repeat_interleave(nq // nkv, dim=1)
-        v = v.repeat_interleave(nq // nkv, dim=1)
-        gqa = False
-    if mask is not None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    elif past == 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    elif t == 1:
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    else:
-        raise ValueError(f"decode_forward: {t} new positions after {past} cached need a mask")
+    out = cached_attention(q, k, v, past, mask)
     out = out.transpose(1, 2)
     if packing is not None:
         out = packing.pack(out).view(-1, nq * d)
@@ -200,8 +187,7 @@ def decode_forward(
         cache: a :class:`nereus_rl.models.generate.KVCache`, appended to and advanced by T.
         weights: :meth:`DecodeWeights.of` the model, built after its last update.
         mask: [B, 1, T, past + T] from :func:`additive_mask`, or None without padding
-            (causal over the new positions when the cache is empty; T must then be 1
-            after cached positions).
+            (causal over the new positions, as :func:`~nereus_rl.models.model.cached_attention`).
         packing: the real tokens of ``x`` when it is a left-padded prompt (the cache
             empty, the weights fused); ``rope`` is then that of the real tokens [N, ...].
 

@@ -480,30 +480,41 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.update(self.layer, k, v)
-        gqa = self.num_heads != self.num_kv_heads
-        if gqa and (k.requires_grad or v.requires_grad or not x.is_cpu):
-            # Training: the kernel's own grouped-query backward sums the gradients of a kv
-            # head's queries in another order than repeat_interleave's, so the gradients
-            # the references were made with come from repeated keys and values. Without
-            # gradients, on CPU, the grouped kernel reads the shared head in place and
-            # computes the same outputs bit for bit (tests/rl/models/test_decode_path.py);
-            # on a GPU the backend choice differs with enable_gqa, so it stays as it was.
-            rep = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-            gqa = False
-        if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif t == 1:
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        else:
-            key_pos = torch.arange(past + t, device=x.device)
-            mask = key_pos[None, :] <= (past + torch.arange(t, device=x.device))[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = cached_attention(q, k, v, past, mask)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return reduce_from_tp(self.o(out), self.groups)
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """scaled_dot_product_attention of q [B, nq, T, d] over k, v [B, nkv, past + T, d]
+    (the cache's positions first): ``mask`` when given, else causal over the new
+    positions. The training forward and generation's decode forward both attend here, so
+    that they pick the same kernel and compute the same outputs."""
+    t = q.shape[2]
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    gqa = num_heads != num_kv_heads
+    if gqa and (k.requires_grad or v.requires_grad or not q.is_cpu):
+        # Training: the kernel's own grouped-query backward sums the gradients of a kv
+        # head's queries in another order than repeat_interleave's, so the gradients
+        # the references were made with come from repeated keys and values. Without
+        # gradients, on CPU, the grouped kernel reads the shared head in place and
+        # computes the same outputs bit for bit (tests/rl/models/test_decode_path.py);
+        # on a GPU the backend choice differs with enable_gqa, so it stays as it was.
+        rep = num_heads // num_kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        gqa = False
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if t == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    key_pos = torch.arange(past + t, device=q.device)
+    mask = key_pos[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
