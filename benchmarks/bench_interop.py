@@ -417,47 +417,10 @@ def plan_8b(repeats: int = 5) -> dict:
     Shard(1); norms Shard(0) x Replicate) to FSDP16 on 16 ranks with plan_sharded, in
     this process: median and min seconds over ``repeats`` (the first, which builds the
     geometry, apart), pieces and bytes against the lower bound."""
-    from nereus_comm.layout import TensorSpec
-    from nereus_comm.placement import (
-        RankMesh,
-        Replicate,
-        Shard,
-        Sharding,
-        StridedShard,
-        plan_sharded,
-    )
+    from nereus_comm.placement import plan_sharded
+    from nereus_comm.testing.states import llama_8b_fsdp_tp
 
-    hidden, ffn, vocab, layers = 4096, 14336, 128256, 32
-    src, dst = RankMesh.of([[0, 1, 2, 3], [4, 5, 6, 7]]), RankMesh.of(list(range(16)))
-    by_kind = {
-        "col": Sharding(src, (StridedShard(0, 4), Shard(0))),
-        "row": Sharding(src, (Shard(0), Shard(1))),
-        "norm": Sharding(src, (Shard(0), Replicate())),
-    }
-    shapes = [("embed", (vocab, hidden), "col")]
-    for i in range(layers):
-        shapes += [
-            (f"layers.{i}.q", (hidden, hidden), "col"),
-            (f"layers.{i}.k", (1024, hidden), "col"),
-            (f"layers.{i}.v", (1024, hidden), "col"),
-            (f"layers.{i}.o", (hidden, hidden), "row"),
-            (f"layers.{i}.gate", (ffn, hidden), "col"),
-            (f"layers.{i}.up", (ffn, hidden), "col"),
-            (f"layers.{i}.down", (hidden, ffn), "row"),
-            (f"layers.{i}.attn_norm", (hidden,), "norm"),
-            (f"layers.{i}.mlp_norm", (hidden,), "norm"),
-        ]
-    specs, s, d = [], {}, {}
-    for name, shape, kind in shapes:
-        for prefix, dtype in (
-            ("", torch.bfloat16),
-            ("master.", torch.float32),
-            ("optim.exp_avg.", torch.float32),
-            ("optim.exp_avg_sq.", torch.float32),
-        ):
-            specs.append(TensorSpec(prefix + name, shape, dtype))
-            s[prefix + name] = by_kind[kind]
-            d[prefix + name] = Sharding(dst, (Shard(0),))
+    specs, s, d = llama_8b_fsdp_tp()
     t0 = time.perf_counter()
     plan = plan_sharded(specs, s, d)
     first = time.perf_counter() - t0

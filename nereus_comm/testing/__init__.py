@@ -4,7 +4,8 @@
 that a test module starts once and runs many functions through (``pool.run(fn,
 ...)`` calls ``fn(ctx, ...)`` on every rank with a :class:`WorkerContext`).
 :mod:`nereus_comm.testing.nccl_check` exercises the NCCL calls nereus_comm makes on
-one CUDA device (``from nereus_comm.testing import nccl_check``).
+one CUDA device (``from nereus_comm.testing import nccl_check``);
+:mod:`nereus_comm.testing.states` gives real models' training states as plans see them.
 
 Example::
 

@@ -31,6 +31,7 @@ from nereus_comm.placement import (
     StridedShard,
     plan_sharded,
 )
+from nereus_comm.testing.states import llama_8b_fsdp_tp
 
 POOL = 10  # global ranks 0..9
 
@@ -274,32 +275,8 @@ def test_per_rank_views_agree_with_the_piece_lists() -> None:
 
 def test_an_8b_shaped_state_plans_at_the_lower_bound() -> None:
     # The layout of a Llama-3-8B-shaped state: FSDP2 x TP4 on (2, 4) -> FSDP16 on 16 ranks.
-    hidden, ffn, vocab, layers = 4096, 14336, 128256, 32
-    src = RankMesh.of([[0, 1, 2, 3], [4, 5, 6, 7]])
-    dst = Sharding(RankMesh.of(list(range(16))), (Shard(0),))
-    kinds = {
-        "col": Sharding(src, (StridedShard(0, 4), Shard(0))),
-        "row": Sharding(src, (Shard(0), Shard(1))),
-        "norm": Sharding(src, (Shard(0), Replicate())),
-    }
-    params = [("embed", (vocab, hidden), "col")]
-    for i in range(layers):
-        params += [
-            (f"{i}.q", (hidden, hidden), "col"),
-            (f"{i}.k", (1024, hidden), "col"),
-            (f"{i}.v", (1024, hidden), "col"),
-            (f"{i}.o", (hidden, hidden), "row"),
-            (f"{i}.gate", (ffn, hidden), "col"),
-            (f"{i}.up", (ffn, hidden), "col"),
-            (f"{i}.down", (hidden, ffn), "row"),
-            (f"{i}.n1", (hidden,), "norm"),
-            (f"{i}.n2", (hidden,), "norm"),
-        ]
-    specs, srcs = [], {}
-    for name, shape, kind in params:
-        for pre, dtype in (("", torch.bfloat16), ("m.", torch.float32), ("a.", torch.float32)):
-            specs.append(TensorSpec(pre + name, shape, dtype))
-            srcs[pre + name] = kinds[kind]
+    copies = (("", torch.bfloat16), ("m.", torch.float32), ("a.", torch.float32))
+    specs, srcs, dst = llama_8b_fsdp_tp(copies)
     plan = plan_sharded(specs, srcs, dst)
     # every element moves but the ones rank r holds in both (computed per tensor kind)
     assert plan.total_bytes == plan.lower_bound_bytes
