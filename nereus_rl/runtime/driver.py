@@ -460,14 +460,13 @@ class Driver:
         return proc.pid
 
     def kill(self, rank: int) -> None:
-        """SIGKILL a local worker (for failure tests and drills)."""
-        proc = self._procs.get(rank)
-        if proc is None:
-            raise P.RuntimeUserError(
-                f"worker {rank} was not spawned by this driver; cannot kill it"
-            )
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        """SIGKILL a local worker (for failure tests and drills).
+
+        Raises:
+            RuntimeUserError: the worker was not spawned by this driver.
+        """
+        os.kill(self.pid(rank), signal.SIGKILL)
+        self._procs[rank].wait()
         # Known dead now: the survivors' collectives are aborted at once (a pending
         # wait would also notice within its next liveness check).
         self.check_liveness()

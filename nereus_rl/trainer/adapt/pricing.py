@@ -71,9 +71,9 @@ class Planning:
         self.enabled = enabled
         self.mspec = mc
         cores = os.cpu_count() or 1
-        self.workers_per_core = (
-            max(1.0, cfg.devices / cores) if cfg.worker_cores is None else 1.0 / cfg.worker_cores
-        )
+        # the workers' share of this machine's cores (cfg.worker_cores, when set, gives
+        # each its own instead: local_cpu_cluster)
+        self.workers_per_core = max(1.0, cfg.devices / cores)
         # What a step costs beyond the model's price, per worker call (step_overhead);
         # the start plan, admission and lookahead compare plans with it, as the
         # candidates are ranked (empty until the startup probes or a step measure it)
