@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,11 +24,12 @@ import pytest
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
 
-from ray.cluster_utils import Cluster  # noqa: E402
+
+from support.ray_cluster import loopback_ray_cluster  # noqa: E402
 
 from nereus_rl.cli import main as cli_main  # noqa: E402
 from nereus_rl.runtime import RemoteError, Runtime, WorkerLostError  # noqa: E402
-from nereus_rl.runtime.ray_runtime import NODE_POLL_S, RAY_ENV, RayDriver  # noqa: E402
+from nereus_rl.runtime.ray_runtime import NODE_POLL_S, RayDriver  # noqa: E402
 from nereus_rl.trainer.trainer import (  # noqa: E402
     TrainConfig,
     TrainConfigError,
@@ -38,7 +38,6 @@ from nereus_rl.trainer.trainer import (  # noqa: E402
     train,
 )
 
-ROOT = str(Path(__file__).resolve().parents[3])
 #: The CLI's --quick batch and group size (nereus_rl.cli.QUICK); a 30-step warm start (as
 #: tests/rl/trainer/test_trainer.py's, whose cached warm start it shares), not 100.
 QUICK = {"warm_steps": 30, "batch": 4, "group_size": 4}
@@ -114,33 +113,8 @@ def test_cli_ray_refuses_hand_started_worker_options(capsys):
 
 @pytest.fixture(scope="module")
 def cluster():
-    saved = {k: os.environ.get(k) for k in (*RAY_ENV, "PYTHONPATH")}
-    os.environ.update(RAY_ENV)
-    # The actors import the tests' own commands (tests.support).
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, saved["PYTHONPATH"]]))
-    c = None
-    try:
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "node_ip_address": "127.0.0.1",
-                "include_dashboard": False,
-            },
-        )
-        for _ in range(2):
-            c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-        ray.init(address=c.address, _node_ip_address="127.0.0.1", configure_logging=False)
+    with loopback_ray_cluster(nodes=2) as c:
         yield c
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     deadline = time.monotonic() + 15.0
     while True:
         left = [c for c in _descendants().values() if re.search("raylet|gcs_server|ray::", c)]

@@ -6,13 +6,13 @@ them runs as live EMU primitives (Extend), with no worker lost and no state relo
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from support.joiner import reap, start_joiner
+from support.ray_cluster import loopback_ray_cluster
+from test_trainer_recovery import _plan
 
-from nereus_rl.core.globalplan import GlobalPlan, StagePlan
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer.config import TrainConfig, TrainConfigError, check_config
 from nereus_rl.trainer.trainer import Trainer
@@ -20,19 +20,7 @@ from nereus_rl.trainer.trainer import Trainer
 # Ray reads these when it is imported (loopback address resolution, no usage stats): set
 # before anything imports it, as tests/rl/runtime/test_ray_runtime.py does.
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
-ROOT = str(Path(__file__).resolve().parents[3])
 FAST = {"warm_steps": 30, "batch": 4, "group_size": 2, "calibration_probes": 0}
-
-
-def _plan(rollout, reference, actor_train) -> GlobalPlan:
-    def sp(stage, model, trains, units):
-        return StagePlan(stage, model, trains, len(units), 1, 1, tuple((d,) for d in units))
-
-    return GlobalPlan((
-        sp("rollout", "actor", False, rollout),
-        sp("reference", "reference", False, reference),
-        sp("actor_train", "actor", True, actor_train),
-    ))  # fmt: skip
 
 
 P2 = _plan((0, 1), (0, 1), (0, 1))
@@ -152,36 +140,9 @@ def test_workers_joining_a_running_job_are_extended_onto():
 @pytest.fixture
 def ray_cluster():
     """A loopback ray.cluster_utils.Cluster: a head without CPUs and one node of 2."""
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
-    from ray.cluster_utils import Cluster
-
-    from nereus_rl.runtime.ray_runtime import RAY_ENV
-
-    saved = {k: os.environ.get(k) for k in (*RAY_ENV, "PYTHONPATH")}
-    os.environ.update(RAY_ENV)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, saved["PYTHONPATH"]]))
-    c = None
-    try:
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "node_ip_address": "127.0.0.1",
-                "include_dashboard": False,
-            },
-        )
-        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-        ray.init(address=c.address, _node_ip_address="127.0.0.1", configure_logging=False)
+    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
+    with loopback_ray_cluster(nodes=1) as c:
         yield c
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.slow
