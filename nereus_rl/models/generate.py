@@ -220,7 +220,7 @@ class _Steps:
     def __init__(self, model, batch: int, prompt_len: int, total: int, full_mask, device):
         self.model = model
         self.cache = KVCache(model, batch, total)
-        self.weights = DecodeWeights.of(model)
+        self.weights = DecodeWeights.of(model, rows=batch)
         self.inv_freq = model.inv_freq(device)
         self.prompt_len = prompt_len
         self.keep = self.mask = self.last_pos = None

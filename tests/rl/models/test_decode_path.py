@@ -25,7 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nereus_rl.models.decode import HEAD_SLICE, DecodeWeights, Packing
+from nereus_rl.models.decode import (
+    HEAD_SLICE,
+    DecodeWeights,
+    PackedLinear,
+    Packing,
+    mkl_packs_exactly,
+)
 from nereus_rl.models.generate import (
     KVCache,
     generate,
@@ -34,12 +40,14 @@ from nereus_rl.models.generate import (
     make_row_generators,
 )
 from nereus_rl.models.model import (
+    ONE_QUERY_MIN_HEADS,
     Decoder,
     Llama3RopeScaling,
     ModelConfig,
     RMSNorm,
     apply_rotary,
     attention_bias,
+    cached_attention,
     full_attention_mask,
     rope_inv_freq,
     rotary_tables,
@@ -314,10 +322,10 @@ def test_generation_forward_equals_the_model_forward(monkeypatch, threads, dtype
         torch.set_num_threads(before)
 
 
-def _check_steps_both_ways(dtype, masked):
+def _check_steps_both_ways(dtype, masked, b: int = 6):
     m = _model().to(dtype)
     m.dtype = dtype
-    ids, mask = _batch(b=6)
+    ids, mask = _batch(b=b)
     if not masked:
         ids, mask = ids[:, -3:], None
     old, new, cache_old, cache_new, full = _steps_both_ways(m, ids, mask)
@@ -334,7 +342,9 @@ def _check_steps_both_ways(dtype, masked):
 
 
 def test_generation_packs_the_prompt_and_slices_the_head(monkeypatch, one_thread):
-    """The benchmark's sizes take the packed prompt and the sliced head by default."""
+    """The benchmark's sizes take the packed prompt and, where MKL's packed weights are not
+    exact for the step's rows, the sliced head."""
+    monkeypatch.setattr(dec_mod, "mkl_packs_exactly", lambda *shape: False)
     packs, heads = [], []
     of, head = Packing.of.__func__, dec_mod._head
 
@@ -404,6 +414,88 @@ def test_packed_rows_equal_the_padded_rows(one_thread):
     q = torch.randn(len(lens), 64, 8, 32, generator=g)
     packed_tables = type(tables)(packing.pack(tables.cos), packing.pack(tables.sin))
     assert torch.equal(rotate(packing.pack(q), packed_tables), packing.pack(rotate(q, tables)))
+
+
+needs_mkl = pytest.mark.skipif(
+    not torch.backends.mkl.is_available(), reason="MKL's packed products need MKL"
+)
+
+
+@needs_mkl
+def test_packed_products_equal_linear_where_probed_exact(one_thread):
+    """Wherever the probe says MKL's packed product is exact for a shape, it equals
+    F.linear bit for bit on other inputs and weights too (with and without a bias); the
+    benchmark's batch-32 shapes are among them, and a single row (MKL's small-matrix
+    kernel) is not."""
+    g = torch.Generator().manual_seed(1)
+    exact = []
+    for n, k in ((512, 256), (688, 256), (256, 688), (4096, 256), (96, 64), (97, 96)):
+        for rows in (1, 2, 5, 8, 13, 16, 24, 32, 40):
+            for bias in (False, True):
+                if not mkl_packs_exactly(n, k, rows, bias):
+                    continue
+                exact.append((n, k, rows, bias))
+                w = torch.randn(n, k, generator=g) * 0.05
+                b = torch.randn(n, generator=g) if bias else None
+                p = PackedLinear.of(w, b, rows)
+                for _ in range(3):
+                    x = torch.randn(rows, 1, k, generator=g)
+                    assert torch.equal(p(x), F.linear(x, w, b)), (n, k, rows, bias)
+    for shape in ((512, 256), (688, 256), (256, 688), (4096, 256)):
+        assert (*shape, 32, False) in exact
+    assert (4096, 256, 1, False) not in exact
+
+
+@needs_mkl
+def test_batch_32_steps_run_packed_and_equal_the_model_forward(one_thread):
+    """At batch 32 a decoding step's products run on packed weights and attend by the
+    one-query path; its logits and cache equal Decoder.forward's with a cache, bit for
+    bit."""
+    weights = DecodeWeights.of(_model(), rows=32)
+    assert {key[1] for key in weights.packed if key != ("head",)} == {
+        "qkv",
+        "o",
+        "gate",
+        "up",
+        "down",
+    } and ("head",) in weights.packed
+    _check_steps_both_ways(torch.float32, True, b=32)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_one_query_attention_agrees_with_the_fused_kernel(mask_kind, kv_heads):
+    """A decoding step's attention without gradients (enough rows for the one-query path)
+    against SDPA over repeated keys and values, within fp32 rounding, with every mask
+    form; below the row threshold the fused kernel itself runs (equal to the bit)."""
+    g = torch.Generator().manual_seed(0)
+    for b in (ONE_QUERY_MIN_HEADS // 8, 1):
+        q = torch.randn(b, 8, 1, 16, generator=g)
+        k, v = (
+            torch.randn(b, kv_heads, 11, 16, generator=g),
+            torch.randn(b, kv_heads, 11, 16, generator=g),
+        )
+        heads = 8 if mask_kind == "per_head" else 1
+        allowed = torch.rand(b, heads, 1, 11, generator=g) > 0.4
+        allowed[..., -1] = True
+        mask = None
+        if mask_kind == "bool":
+            mask = allowed
+        elif mask_kind is not None:
+            mask = torch.full(allowed.shape, float("-inf")).masked_fill_(allowed, 0.0)
+        rep = 8 // kv_heads
+        kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        want = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        with torch.no_grad():
+            got = cached_attention(q, k, v, 10, mask)
+        assert got.shape == want.shape
+        if b * 8 >= ONE_QUERY_MIN_HEADS:
+            assert (got - want).abs().max() < 1e-5
+            # a wrong mask or grouping moves the outputs far more than rounding
+            wrong = F.scaled_dot_product_attention(q, kr.roll(1, 1), vr.roll(1, 1), attn_mask=mask)
+            assert kv_heads == 1 or (got - wrong).abs().max() > 1e-2
+        else:
+            assert torch.equal(got, want)
 
 
 def test_sliced_head_equals_the_whole_product(one_thread):
