@@ -31,17 +31,17 @@ Peers on the same host (``route="auto"``, the default, for host memory) skip the
 transport. Same host means equal
 :func:`~nereus_comm.transport_shm.host_identity`: hostname, boot id, /dev/shm and
 network namespace, swapped once per peer pair; peers on other hosts, or in another
-network namespace of this one, always take the transport. Where the kernel
-allows cross-memory attach between them and a wire buffer's contiguous runs are
-long (:data:`CMA_MIN_RUN_BYTES` on average, for the buffer or for its whole
-message: whole shards, as in an Extend), the receiver reads the sender's shards
-straight into its own (one copy in all, no packing; see
-:mod:`nereus_comm.transport_cma`); the sender publishes where its pieces are and
-waits until its receivers are done. The other buffers (short runs, or the kernel
-refuses: probed once per peer pair and group, the reason kept in
-``ReshardResult.fallback_reasons``): the sender packs them straight into a
-shared-memory segment the receiver maps and the receiver unpacks straight out of
-it (one copy each side, see
+network namespace of this one, always take the transport. A same-host pair takes
+one route for all its bytes. Where the kernel allows cross-memory attach between
+them, the pair's bytes flow one way only and its message's contiguous runs are long
+(:data:`CMA_MIN_RUN_BYTES` on average: whole shards, as in an Extend or a weight
+sync), the receiver reads the sender's shards straight into its own (one copy in
+all, no packing; see :mod:`nereus_comm.transport_cma`); the sender publishes where
+its pieces are and waits until its receivers are done. The other pairs (bytes both
+ways, short runs, or the kernel refuses: probed once per peer pair and group, the
+reason kept in ``ReshardResult.fallback_reasons``): the sender packs them straight
+into a shared-memory segment the receiver maps and the receiver unpacks straight out
+of it (one copy each side, see
 :mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
 first use, kept per process group and reused by every later call.
 ``route="transport"`` sends everything through the transport (the old path);
@@ -103,9 +103,10 @@ __all__ = [
 #: with every peer, else an error) or "transport" (everything through the transport).
 ROUTES = ("auto", "cma", "shm", "transport")
 
-#: route="auto" reads a wire buffer by cross-memory attach only when its (or its
-#: whole message's) contiguous runs average at least this many bytes. process_vm_readv costs ~0.5 us
-#: per run (it pins the pages of each iovec) and copies ~0.23 ms/MiB, where packing
+#: route="auto" reads a peer pair's bytes by cross-memory attach only when its
+#: message's contiguous runs average at least this many bytes (and they flow one
+#: way). process_vm_readv costs ~0.5 us per run (it pins the pages of each iovec)
+#: and copies ~0.23 ms/MiB, where packing
 #: into and out of a warm shared-memory segment costs ~0.26 ms/MiB: 32 MiB as runs of
 #: 256 B / 1 KiB / 4 KiB / 16 KiB / 1 MiB took 76 / 27 / 12 / 10 / 7.5 ms against
 #: 8-10 ms for the two memcpys (one process, 2-core VM). Whole shards (Extend) are
@@ -493,7 +494,7 @@ def reshard(
         workspace: reuse its staging buffers (default: allocate per call). It must be
             on the transport's device.
         route: "auto": peers on this host by cross-memory attach where the kernel
-            allows it and a buffer's runs (or its message's) are long
+            allows it and the pair's bytes flow one way in long runs
             (CMA_MIN_RUN_BYTES), else through shared memory (host memory only),
             the others through ``transport``; "cma" / "shm": every peer by cross-memory attach /
             through shared memory; "transport": every peer through ``transport``.
@@ -652,25 +653,27 @@ def reshard(
                 f"({'; '.join(fallback.get(p, '?') for p in sorted(missing))}); use "
                 "route='auto' to let those go through shared memory or the transport"
             )
-    # Route "auto" chooses per wire buffer (both ends alike, from the plan): a buffer goes
-    # by cross-memory attach when its own runs are long (see CMA_MIN_RUN_BYTES), or when
-    # its whole message's are (then the message needs no segment at all); the others of
-    # a same-host peer go through shared memory. So the long pieces of a message take the
-    # same route whatever the short ones beside them (a small state's Split reads its
-    # peer's contiguous halves as a large one's does).
+    # Route "auto" chooses per peer pair (both ends alike, from the plan): all of a pair's
+    # bytes by cross-memory attach when they flow one way only and its message's runs
+    # are long (see CMA_MIN_RUN_BYTES), else all through shared memory. One route per
+    # pair: a pair split over both paid both routes' handshakes (bench_reshard, resize
+    # on 2 workers, 64 MiB: 22 ms split against 16 ms all shm, 18 ms all cma). One way
+    # only: where a pair exchanges both ways both processes copy whichever the route,
+    # and packing and unpacking in user space ran 1.08-1.19x faster than the kernel's
+    # cross-memory reads (bench_reshard's resize cases); where the bytes flow one way,
+    # the receiver's single read beat the two copies (1.3-1.4x, sync on 2 workers).
     if route == "cma":
         long_send, long_recv = set(cma_sends), set(cma_recvs)
     else:
-        long_send = {p for p in cma_sends if _long_runs(send_totals[p], prog.send_runs[p])}
-        long_recv = {p for p in cma_recvs if _long_runs(recv_totals[p], prog.recv_runs[p])}
-    sends, cma_send_slots, cma_send_bytes = _take(
-        prog_sends,
-        lambda b: b.peer in long_send or (b.peer in cma_sends and _long_runs(b.nbytes, b.runs)),
-    )
-    recvs, cma_recv_slots, cma_recv_bytes = _take(
-        prog_recvs,
-        lambda b: b.peer in long_recv or (b.peer in cma_recvs and _long_runs(b.nbytes, b.runs)),
-    )
+        both = set(send_totals) & set(recv_totals)
+        long_send = {
+            p for p in cma_sends if p not in both and _long_runs(send_totals[p], prog.send_runs[p])
+        }
+        long_recv = {
+            p for p in cma_recvs if p not in both and _long_runs(recv_totals[p], prog.recv_runs[p])
+        }
+    sends, cma_send_slots, cma_send_bytes = _take(prog_sends, lambda b: b.peer in long_send)
+    recvs, cma_recv_slots, cma_recv_bytes = _take(prog_recvs, lambda b: b.peer in long_recv)
     shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
     if route in ("auto", "shm") and device_type == "cpu" and prog.peers:
         shm_send, shm_recv = _totals(sends), _totals(recvs)

@@ -203,9 +203,10 @@ def _want_routes(
     """(shm sent, shm received, cma sent, cma received) the route should give.
 
     Every rank is on this host and may read the others: "cma" is all cross-memory
-    attach, "shm" all shared memory, "transport" neither, and "auto" reads a wire
-    buffer by cross-memory attach when its runs, or its whole message's, average
-    CMA_MIN_RUN_BYTES, else takes shared memory.
+    attach, "shm" all shared memory, "transport" neither, and "auto" moves all of a peer
+    pair's bytes by cross-memory attach when they flow one way only (the plan has no
+    message the other way) and its message's runs average CMA_MIN_RUN_BYTES, else all
+    through shared memory.
     """
     both = (res.bytes_sent, res.bytes_received)
     if not cma_ok and route == "auto":
@@ -214,16 +215,18 @@ def _want_routes(
         none = (0, 0)
         return (both if route == "shm" else none) + (both if route == "cma" else none)
     prog = program(plan, rank, direct.get("direct_min_bytes", DIRECT_MIN_BYTES))
+    involved = rank in plan.src or rank in plan.dst
+    to = {m.dst for m in plan.sends(rank) if m.dst != rank and m.nbytes} if involved else set()
+    frm = {m.src for m in plan.recvs(rank) if m.src != rank and m.nbytes} if involved else set()
     cma = [
         sum(
             b.nbytes
             for b in bufs
-            if totals[b.peer] >= CMA_MIN_RUN_BYTES * runs[b.peer]
-            or b.nbytes >= CMA_MIN_RUN_BYTES * b.runs
+            if b.peer not in other and totals[b.peer] >= CMA_MIN_RUN_BYTES * runs[b.peer]
         )
-        for bufs, totals, runs in (
-            (prog.sends, prog.send_totals, prog.send_runs),
-            (prog.recvs, prog.recv_totals, prog.recv_runs),
+        for bufs, totals, runs, other in (
+            (prog.sends, prog.send_totals, prog.send_runs, frm),
+            (prog.recvs, prog.recv_totals, prog.recv_runs, to),
         )
     ]
     return (both[0] - cma[0], both[1] - cma[1], cma[0], cma[1])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from test_reshard import _fixed_cases, _full_state, _random_cases, cma_ok
 
 from nereus_comm import _C
-from nereus_comm.layout import Layout, TensorSpec, box_nbytes
+from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import (
     _CMA,
@@ -151,6 +151,7 @@ def _ptrace_cap(on: bool | None) -> bool:
 def _eperm(ctx: WorkerContext) -> dict:
     # Rank 1 becomes undumpable and nobody may override that: reading rank 1 fails
     # with EPERM, so its sends take shared memory; every other direction stays on CMA.
+    # A rotation: every pair's bytes flow one way, as route="auto" reads by CMA.
     had_cap = _ptrace_cap(False)
     if ctx.rank == 1:
         _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -159,7 +160,7 @@ def _eperm(ctx: WorkerContext) -> dict:
         # Long runs (64 KiB blocks): route="auto" reads them by CMA where it may.
         specs = [TensorSpec("w", (4096, 16), torch.float32, 0, None)]
         ranks = tuple(range(ctx.world_size))
-        plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
+        plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, _rotated(ranks)))
         rows = []
         for call in range(2):
             full = _full_state(specs, 70 + call)
@@ -167,6 +168,11 @@ def _eperm(ctx: WorkerContext) -> dict:
             res = reshard(plan, ctx.rank, mine, transport, timeout=30)
             want = shards_from_full(full, specs, plan.dst, ctx.rank)
             rows.append(all(torch.equal(res.tensors[n], want[n]) for n in want))
+        peers = (plan.sends(ctx.rank)[0].dst, plan.recvs(ctx.rank)[0].src)
+        # Forced CMA refuses on the ranks that cannot read or be read; with pairs that
+        # swap (0 <-> 3, 1 <-> 2) the other pair completes.
+        plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
+        mine = shards_from_full(full, specs, plan.src, ctx.rank)
         try:
             reshard(plan, ctx.rank, mine, transport, timeout=30, route="cma")
             forced = "no error"
@@ -182,7 +188,7 @@ def _eperm(ctx: WorkerContext) -> dict:
         "total": (res.bytes_sent, res.bytes_received),
         "reasons": res.fallback_reasons,
         "forced": forced,
-        "peers": (plan.sends(ctx.rank)[0].dst, plan.recvs(ctx.rank)[0].src),
+        "peers": peers,
     }
 
 
@@ -199,11 +205,16 @@ def test_eperm_falls_back_to_shared_memory_per_direction(pool) -> None:
             0 if by_cma_out else sent,
             0 if by_cma_in else received,
         ), (r, res)
-        if r == 1 or frm == 1:
+        # rank 1's probe fails for every peer of rank 1's (it reads, or is read by, 1)
+        if 1 in (r, frm, res["peers"][0]):
             assert "EPERM" in str(res["reasons"]), (r, res["reasons"])
+        else:
+            assert res["reasons"] == {}, (r, res)
+        # forced CMA over the swapped pairs: refused by rank 1 and by rank 2, its pair
+        if r in (1, 2):
             assert "EPERM" in res["forced"], (r, res["forced"])
         else:
-            assert res["reasons"] == {} and res["forced"] == "no error", (r, res)
+            assert res["forced"] == "no error", (r, res)
 
 
 def _other_hosts(ctx: WorkerContext) -> dict:
@@ -290,11 +301,12 @@ def test_local_workers_allocate_transparent_huge_pages(pool) -> None:
 
 
 def _short_runs(ctx: WorkerContext) -> dict:
-    # Rows of 64 B (split on dim 1): route="auto" takes a segment, route="cma" reads.
+    # Rows of 64 B (split on dim 1), flowing one way per pair:
+    # route="auto" takes a segment, route="cma" reads.
     transport = _fresh_group(ctx)
     specs = [TensorSpec("w", (256, 64), torch.float32, 1, None)]
     ranks = tuple(range(ctx.world_size))
-    plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1]))
+    plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(1, 4, 1, _rotated(ranks)))
     full = _full_state(specs, 5)
     mine = shards_from_full(full, specs, plan.src, ctx.rank)
     want = shards_from_full(full, specs, plan.dst, ctx.rank)
@@ -312,46 +324,72 @@ def test_auto_takes_shared_memory_for_short_runs(pool) -> None:
         assert auto == (0, 0, n, n) and cma == (n, n, 0, 0), (r, res)
 
 
-def _mixed_runs(ctx: WorkerContext) -> dict:
-    # tp 4 -> dp 2 x tp 2: each message holds a 1 MiB contiguous piece of "a" (its own
-    # buffer) and a piece of "w" that is 256 rows of 64 B on the receiver. The message's
-    # runs average ~4 KiB: route "auto" reads the "a" pieces by cross-memory attach all
-    # the same and sends the "w" rows through a segment.
+def _rotated(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """``ranks`` moved by one: shard i goes from rank i to rank i + 1 (one way per pair)."""
+    return ranks[1:] + ranks[:1]
+
+
+def _by_cma(peer: int, this_way: dict, other_way: dict, runs: dict) -> bool:
+    """Whether route="auto" moves this direction's bytes with ``peer`` by CMA: the pair's
+    bytes flow one way only, in runs of CMA_MIN_RUN_BYTES on average."""
+    return peer not in other_way and this_way[peer] >= CMA_MIN_RUN_BYTES * runs[peer]
+
+
+def _pair_routes(ctx: WorkerContext) -> list[dict]:
+    # Three plans over 4 ranks: whole 1 MiB shards one way per pair (a rotation); the
+    # same shards swapped between pairs (both ways); and tp 2 on ranks 0, 1 -> dp 2 on
+    # ranks 2, 3, whose messages add 256 rows of 128 B of "w" to 2 MiB of "a".
     transport = _fresh_group(ctx)
-    specs = [
-        TensorSpec("a", (1024, 1024), torch.float32, 0, None),
-        TensorSpec("w", (256, 64), torch.float32, 1, None),
-    ]
+    a = TensorSpec("a", (1024, 1024), torch.float32, 0, None)
+    w = TensorSpec("w", (256, 64), torch.float32, 1, None)
     ranks = tuple(range(ctx.world_size))
-    plan = plan_reshard(specs, Layout(1, 4, 1, ranks), Layout(2, 2, 1, ranks[::-1]))
-    full = _full_state(specs, 6)
-    mine = shards_from_full(full, specs, plan.src, ctx.rank)
-    want = shards_from_full(full, specs, plan.dst, ctx.rank)
-    res = reshard(plan, ctx.rank, mine, transport, timeout=30, route="auto")
-    by_name = {"a": [0, 0], "w": [0, 0]}  # bytes sent / received of each tensor
-    for side, msgs in ((0, plan.sends(ctx.rank)), (1, plan.recvs(ctx.rank))):
-        for m in msgs:
-            for p in m.pieces:
-                spec = specs[p.tensor]
-                by_name[spec.name][side] += box_nbytes(p.box, spec)
-    return {
-        "exact": all(torch.equal(res.tensors[n], want[n]) for n in want),
-        "routes": _routes(res),
-        "want": (*by_name["a"], *by_name["w"]),
-        "runs_short": all(
-            n < CMA_MIN_RUN_BYTES * runs for n, runs in _message_runs(plan, ctx.rank)
-        ),
-    }
+    cases = (
+        ([a], Layout(1, 4, 1, ranks), Layout(1, 4, 1, _rotated(ranks))),
+        ([a], Layout(1, 4, 1, ranks), Layout(1, 4, 1, ranks[::-1])),
+        ([a, w], Layout(1, 2, 1, ranks[:2]), Layout(2, 1, 1, ranks[2:])),
+    )
+    out = []
+    for k, (specs, src, dst) in enumerate(cases):
+        plan = plan_reshard(specs, src, dst)
+        full = _full_state(specs, 6 + k)
+        mine = shards_from_full(full, specs, plan.src, ctx.rank)
+        want = shards_from_full(full, specs, plan.dst, ctx.rank)
+        res = reshard(plan, ctx.rank, mine, transport, timeout=30, route="auto")
+        # Independently of reshard: a pair's direction from the plan's messages, its runs
+        # from the wire program; a pair takes CMA iff one way and long runs on average.
+        sent = {m.dst: m.nbytes for m in plan.sends(ctx.rank) if m.dst != ctx.rank}
+        received = {m.src: m.nbytes for m in plan.recvs(ctx.rank) if m.src != ctx.rank}
+        prog = program(plan, ctx.rank, DIRECT_MIN_BYTES)
+
+        cma_out = sum(n for p, n in sent.items() if _by_cma(p, sent, received, prog.send_runs))
+        cma_in = sum(n for p, n in received.items() if _by_cma(p, received, sent, prog.recv_runs))
+        out.append(
+            {
+                "exact": all(torch.equal(res.tensors[n], want[n]) for n in want),
+                "routes": _routes(res),
+                "want": (
+                    cma_out,
+                    cma_in,
+                    sum(sent.values()) - cma_out,
+                    sum(received.values()) - cma_in,
+                ),
+                "one_way": all(p not in received for p in sent),
+            }
+        )
+    return out
 
 
-def _message_runs(plan, rank: int) -> list[tuple[int, int]]:
-    prog = program(plan, rank, DIRECT_MIN_BYTES)
-    return [(n, prog.send_runs[p]) for p, n in prog.send_totals.items() if n]
-
-
-def test_auto_chooses_the_route_per_buffer(pool) -> None:
-    for r, res in enumerate(pool.run(_mixed_runs)):
-        assert res["exact"], f"rank {r}"
-        assert res["runs_short"], f"rank {r}: a message's runs are long, the test moves nothing"
-        assert res["want"][0] and res["want"][2], (r, res)  # both tensors cross ranks
-        assert res["routes"] == res["want"], (r, res)  # "a" by cma, "w" by shm
+def test_auto_chooses_one_route_per_peer_pair(pool) -> None:
+    """route="auto": all of a pair's bytes by cross-memory attach where they flow one way
+    in long runs, all through shared memory where the pair exchanges both ways or the
+    runs are short; never a pair split over both routes."""
+    results = pool.run(_pair_routes)
+    for r, cases in enumerate(results):
+        for k, res in enumerate(cases):
+            assert res["exact"], (r, k)
+            assert res["routes"] == res["want"], (r, k, res)
+        rotation, swapped, mixed = cases
+        assert rotation["one_way"] and rotation["routes"][2:] == (0, 0), (r, rotation)
+        assert rotation["routes"][0] > 0, (r, rotation)  # long runs one way: all by CMA
+        assert not swapped["one_way"] and swapped["routes"][:2] == (0, 0), (r, swapped)
+        assert mixed["one_way"] and mixed["routes"][:2] == (0, 0), (r, mixed)  # short runs
