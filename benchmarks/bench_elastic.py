@@ -263,6 +263,10 @@ def run_live(sc: Scenario, arrivals: bool, seed: int) -> dict[str, Any]:
             if d["step"] >= sc.arrive_at - 1
         ],
         "final_plan": repr(res.plans[-1][1]),
+        # every step's wall time (from the previous step's end; step 0 from the start)
+        "steps_s": [round(b - a, 4) for a, b in zip([t_start, *order], order)],
+        # (first step, plan) each time the plan was set or changed
+        "plans": [(step, repr(plan)) for step, plan in res.plans],
     }
 
 
