@@ -26,7 +26,9 @@ matrix products and the attention kernel:
 - the linears called as functions, without the module machinery; a decoding step's
   products (one row per sequence) run on weights packed once per generate call into
   MKL's own layout (:func:`mkl_packs_exactly`), where MKL then computes what
-  ``F.linear`` computes, bit for bit: about 1.3x faster products at batch 32.
+  ``F.linear`` computes, bit for bit: about 1.3x faster products at batch 32 (weights
+  of :data:`PACK_MIN_WEIGHT` elements and more; smaller ones gain less than the
+  packing costs).
 
 The training path (:meth:`Decoder.forward` with gradients) does not come here: the cost
 model counts its kernels (costmodel/work.py's ``KERNELS_PER_LAYER_*``).
@@ -74,6 +76,15 @@ def mkl_packs_exactly(out_features: int, in_features: int, rows: int, bias: bool
     return _PACKED_EXACT[key]
 
 
+#: Fewest weight elements packed for the decoding steps. The packed product saves the
+#: packing MKL does inside every call, which grows with the weight; a generate call
+#: packs each weight once. On the trainer's "tiny" preset (64-wide, weights of at most
+#: 11k elements, 8 new tokens) packing made a generate call of 16 rows 1 ms slower
+#: (6.4 against 5.4 ms); at 256 x 256 and up, batch 32, the products take about 0.75x
+#: the time.
+PACK_MIN_WEIGHT = 1 << 16
+
+
 @dataclass
 class PackedLinear:
     """``F.linear(x, weight, bias)`` for an ``x`` of exactly ``rows`` rows (all but the
@@ -86,8 +97,11 @@ class PackedLinear:
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> PackedLinear | None:
-        """The packed product, or None where it would not equal ``F.linear``'s."""
+        """The packed product, or None where it would not equal ``F.linear``'s or where
+        the weight is smaller than :data:`PACK_MIN_WEIGHT`."""
         out_features, in_features = weight.shape
+        if out_features * in_features < PACK_MIN_WEIGHT:
+            return None
         if not mkl_packs_exactly(out_features, in_features, rows, bias is not None):
             return None
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)

@@ -41,6 +41,7 @@ from nereus_rl.models.generate import (
 )
 from nereus_rl.models.model import (
     ONE_QUERY_MIN_HEADS,
+    ONE_QUERY_MIN_KEY_ELEMENTS,
     Decoder,
     Llama3RopeScaling,
     ModelConfig,
@@ -57,6 +58,7 @@ from nereus_rl.models.model import (
 # the module (nereus_rl.models exports a function of the same name)
 gen_mod = importlib.import_module("nereus_rl.models.generate")
 dec_mod = importlib.import_module("nereus_rl.models.decode")
+model_mod = importlib.import_module("nereus_rl.models.model")
 TOL = 2e-5
 # Grouped-query (4 query heads per kv head), q/k/v biases, Llama 3 rope scaling.
 GQA = ModelConfig(
@@ -422,11 +424,15 @@ needs_mkl = pytest.mark.skipif(
 
 
 @needs_mkl
-def test_packed_products_equal_linear_where_probed_exact(one_thread):
+def test_packed_products_equal_linear_where_probed_exact(monkeypatch, one_thread):
     """Wherever the probe says MKL's packed product is exact for a shape, it equals
     F.linear bit for bit on other inputs and weights too (with and without a bias); the
     benchmark's batch-32 shapes are among them, and a single row (MKL's small-matrix
-    kernel) is not."""
+    kernel) is not. Small weights are left unpacked by default."""
+    w = torch.zeros(688, 256)
+    assert PackedLinear.of(w, None, 32) is not None
+    assert PackedLinear.of(w[:64, :64], None, 32) is None  # under PACK_MIN_WEIGHT
+    monkeypatch.setattr(dec_mod, "PACK_MIN_WEIGHT", 0)
     g = torch.Generator().manual_seed(1)
     exact = []
     for n, k in ((512, 256), (688, 256), (256, 688), (4096, 256), (96, 64), (97, 96)):
@@ -447,10 +453,20 @@ def test_packed_products_equal_linear_where_probed_exact(one_thread):
 
 
 @needs_mkl
-def test_batch_32_steps_run_packed_and_equal_the_model_forward(one_thread):
+def test_batch_32_steps_run_packed_and_equal_the_model_forward(monkeypatch, one_thread):
     """At batch 32 a decoding step's products run on packed weights and attend by the
-    one-query path; its logits and cache equal Decoder.forward's with a cache, bit for
-    bit."""
+    one-query path (the thresholds lowered to this small model's sizes); its logits and
+    cache equal Decoder.forward's with a cache, bit for bit."""
+    monkeypatch.setattr(dec_mod, "PACK_MIN_WEIGHT", 0)
+    monkeypatch.setattr(model_mod, "ONE_QUERY_MIN_KEY_ELEMENTS", 0)
+    calls = []
+    one_query = model_mod._one_query_attention
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return one_query(*args)
+
+    monkeypatch.setattr(model_mod, "_one_query_attention", counted)
     weights = DecodeWeights.of(_model(), rows=32)
     assert {key[1] for key in weights.packed if key != ("head",)} == {
         "qkv",
@@ -460,23 +476,27 @@ def test_batch_32_steps_run_packed_and_equal_the_model_forward(one_thread):
         "down",
     } and ("head",) in weights.packed
     _check_steps_both_ways(torch.float32, True, b=32)
+    assert calls and set(calls) == {32}  # every decoding step, by both forwards
 
 
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 def test_one_query_attention_agrees_with_the_fused_kernel(mask_kind, kv_heads):
-    """A decoding step's attention without gradients (enough rows for the one-query path)
-    against SDPA over repeated keys and values, within fp32 rounding, with every mask
-    form; below the row threshold the fused kernel itself runs (equal to the bit)."""
+    """A decoding step's attention without gradients (enough rows and keys for the
+    one-query path) against SDPA over repeated keys and values, within fp32 rounding,
+    with every mask form; below the row or the key threshold the fused kernel itself
+    runs (equal to the bit)."""
     g = torch.Generator().manual_seed(0)
-    for b in (ONE_QUERY_MIN_HEADS // 8, 1):
-        q = torch.randn(b, 8, 1, 16, generator=g)
+    d = 32
+    enough = -(-ONE_QUERY_MIN_KEY_ELEMENTS // d)  # keys
+    for b, n in ((ONE_QUERY_MIN_HEADS // 8, enough), (1, enough), (ONE_QUERY_MIN_HEADS // 8, 11)):
+        q = torch.randn(b, 8, 1, d, generator=g)
         k, v = (
-            torch.randn(b, kv_heads, 11, 16, generator=g),
-            torch.randn(b, kv_heads, 11, 16, generator=g),
+            torch.randn(b, kv_heads, n, d, generator=g),
+            torch.randn(b, kv_heads, n, d, generator=g),
         )
         heads = 8 if mask_kind == "per_head" else 1
-        allowed = torch.rand(b, heads, 1, 11, generator=g) > 0.4
+        allowed = torch.rand(b, heads, 1, n, generator=g) > 0.4
         allowed[..., -1] = True
         mask = None
         if mask_kind == "bool":
@@ -487,9 +507,9 @@ def test_one_query_attention_agrees_with_the_fused_kernel(mask_kind, kv_heads):
         kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         want = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
         with torch.no_grad():
-            got = cached_attention(q, k, v, 10, mask)
+            got = cached_attention(q, k, v, n - 1, mask)
         assert got.shape == want.shape
-        if b * 8 >= ONE_QUERY_MIN_HEADS:
+        if b * 8 >= ONE_QUERY_MIN_HEADS and n * d >= ONE_QUERY_MIN_KEY_ELEMENTS:
             assert (got - want).abs().max() < 1e-5
             # a wrong mask or grouping moves the outputs far more than rounding
             wrong = F.scaled_dot_product_attention(q, kr.roll(1, 1), vr.roll(1, 1), attn_mask=mask)
