@@ -479,6 +479,20 @@ def test_batch_32_steps_run_packed_and_equal_the_model_forward(monkeypatch, one_
     assert calls and set(calls) == {32}  # every decoding step, by both forwards
 
 
+@needs_mkl
+def test_a_stage_over_the_byte_bound_keeps_plain_products(monkeypatch, one_thread):
+    """The packed copies are bounded: a stage whose weights exceed PACK_MAX_BYTES packs
+    nothing (and generates the same tokens)."""
+    monkeypatch.setattr(dec_mod, "PACK_MIN_WEIGHT", 0)
+    m = _model()
+    assert DecodeWeights.of(m, rows=32).packed
+    ids, mask = _batch(seed=2, b=32)
+    packed_out = generate(m, ids, 4, prompt_mask=mask).sequences
+    monkeypatch.setattr(dec_mod, "PACK_MAX_BYTES", 1000)
+    assert DecodeWeights.of(m, rows=32).packed == {}
+    assert torch.equal(generate(m, ids, 4, prompt_mask=mask).sequences, packed_out)
+
+
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "per_head"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 def test_one_query_attention_agrees_with_the_fused_kernel(mask_kind, kv_heads):
