@@ -8,6 +8,7 @@ on every rank before a byte moves."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -247,6 +248,24 @@ def test_distributed_states(pool, src, dst) -> None:
         assert res["bad"] == [], (r, res)
 
 
+@contextlib.contextmanager
+def _counted(module, name: str):
+    """``module.name`` counting its calls (the list yielded) while the block runs; the
+    worker processes have no monkeypatch fixture."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    setattr(module, name, counting)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
+
+
 def _checks(ctx: WorkerContext, which: str) -> dict:
     import importlib
 
@@ -261,19 +280,9 @@ def _checks(ctx: WorkerContext, which: str) -> dict:
         pl = lambda name, shape: [Shard(1)]  # noqa: E731
     elif which == "mapping" and ctx.rank == 3:
         pl = {"w": [Shard(1)]}  # the same destination, given another way
-    calls = []
-    real = reshard_module._verify_plan
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    reshard_module._verify_plan = counting
     dtensor_module._SEEN.pop(dist.group.WORLD, None)  # a cold call
-    try:
+    with _counted(reshard_module, "_verify_plan") as calls:
         out = reshard_dtensors(state, dst, pl, timeout=30)
-    finally:
-        reshard_module._verify_plan = real
     if ctx.rank == 3:  # off the destination mesh: nothing comes back
         bad = [] if out == {} else ["rank 3 got tensors"]
     else:
@@ -456,15 +465,7 @@ def _repeated(ctx: WorkerContext) -> dict:
         k: distribute_tensor(v, src, [Shard(0), Shard(v.dim() - 1)], src_data_rank=None)
         for k, v in fulls.items()
     }
-    calls = []
-    real = dtensor_module._gather_descriptions
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    dtensor_module._gather_descriptions = counting
-    try:
+    with _counted(dtensor_module, "_gather_descriptions") as calls:
         seen, bad = [], []
         for step, (note, pl) in enumerate(
             [("a", [Shard(0)]), ("a", [Shard(0)]), ("a", [Shard(1)]), ("b", [Shard(1)])]
@@ -493,8 +494,6 @@ def _repeated(ctx: WorkerContext) -> dict:
             refused = None
         except DTensorReshardError as e:
             refused = str(e)
-    finally:
-        dtensor_module._gather_descriptions = real
     return {"metadata_exchanges": seen, "bad": bad, "refused": refused}
 
 
