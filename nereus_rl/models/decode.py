@@ -173,14 +173,14 @@ class DecodeWeights:
             pack(("head",), model.lm_head.weight)
         return cls(qkv, fuse, packed)
 
-    def linear(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias=None):
+    def linear(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, bias=None, plain=F.linear):
         """``F.linear(x, weight, bias)``, on the packed weight of ``key`` where there is
-        one for ``x``'s number of rows."""
+        one for ``x``'s number of rows, else by ``plain`` (the same product)."""
         if self.packed:
             p = self.packed.get(key)
             if p is not None and x.numel() == p.rows * x.shape[-1]:
                 return p(x)
-        return F.linear(x, weight, bias)
+        return plain(x, weight, bias)
 
 
 def pack_min_tokens(model) -> int:
@@ -320,10 +320,8 @@ def decode_forward(
         return h if packing is None else packing.unpack(h)
     h = h[:, -1:] if packing is None else h[packing.last][:, None]
     h = copy_to_tp(model.norm(h), groups)
-    if ("head",) in weights.packed and h.shape[0] == weights.packed[("head",)].rows:
-        return weights.packed[("head",)](h)
     if weights.fused:
-        return _head(h, model.lm_head.weight)
+        return weights.linear(("head",), h, model.lm_head.weight, plain=_head)
     return F.linear(h, model.lm_head.weight)
 
 
@@ -333,12 +331,14 @@ HEAD_SLICE = 512
 HEAD_SLICED_ROWS = range(4, 16)
 
 
-def _head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _head(h: torch.Tensor, weight: torch.Tensor, bias: None = None) -> torch.Tensor:
     """``F.linear(h, weight)`` for h [B, 1, hidden], fp32 on CPU, one torch thread. On the
     2-core benchmark machine, MKL's product of 4 to 15 rows by a 4096 x 256 head runs
     about 1.6x faster on slices of 512 weight rows than on the whole (batch 8: 0.32 ms
     against 0.51 ms); a column of a single-threaded fp32 product depends only on its own
-    weight row, so the logits are the same (tests/rl/models/test_decode_path.py)."""
+    weight row, so the logits are the same (tests/rl/models/test_decode_path.py).
+    ``bias`` is always None (the head has none): the signature is ``F.linear``'s, as
+    :meth:`DecodeWeights.linear` calls it."""
     if h.shape[0] not in HEAD_SLICED_ROWS or weight.shape[0] <= 2 * HEAD_SLICE:
         return F.linear(h, weight)
     return torch.cat([F.linear(h, w) for w in weight.split(HEAD_SLICE)], -1)

@@ -492,7 +492,7 @@ def cached_attention(
     (the cache's positions first): ``mask`` when given, else causal over the new
     positions. The training forward and generation's decode forward both attend here, so
     that they pick the same kernel and compute the same outputs: on CPU without
-    gradients, a single query position of enough rows and heads by
+    gradients, a single query position of enough rows, heads and keys by
     :func:`_one_query_attention`, everything else by torch's fused kernel."""
     t = q.shape[2]
     num_heads, num_kv_heads = q.shape[1], k.shape[1]

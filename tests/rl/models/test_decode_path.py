@@ -354,9 +354,9 @@ def test_generation_packs_the_prompt_and_slices_the_head(monkeypatch, one_thread
         packs.append(keep.shape)
         return of(cls, keep)
 
-    def sliced_head(h, weight):
+    def sliced_head(h, weight, bias=None):
         heads.append(h.shape[0])
-        return head(h, weight)
+        return head(h, weight, bias)
 
     monkeypatch.setattr(Packing, "of", classmethod(packing_of))
     monkeypatch.setattr(dec_mod, "_head", sliced_head)
