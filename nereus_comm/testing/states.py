@@ -14,6 +14,7 @@ import torch
 
 from nereus_comm.layout import TensorSpec
 from nereus_comm.placement import RankMesh, Replicate, Shard, Sharding, StridedShard
+from nereus_comm.specs import LLAMA_PRESETS
 
 #: Each parameter's copies in an AdamW training state with fp32 masters: name prefix, dtype.
 ADAMW_COPIES: tuple[tuple[str, torch.dtype], ...] = (
@@ -27,7 +28,9 @@ ADAMW_COPIES: tuple[tuple[str, torch.dtype], ...] = (
 def llama_8b_fsdp_tp(
     copies: Sequence[tuple[str, torch.dtype]] = ADAMW_COPIES,
 ) -> tuple[list[TensorSpec], dict[str, Sharding], dict[str, Sharding]]:
-    """(specs, source Shardings, destination Shardings) of a Llama-3.1-8B-shaped state.
+    """(specs, source Shardings, destination Shardings) of a Llama-3.1-8B-shaped state
+    (the sizes of :data:`~nereus_comm.specs.LLAMA_PRESETS`; the embedding and the
+    layers, without the final norm and the head).
 
     Source: FSDP2 x TP4 on ranks [[0..3], [4..7]]: column-parallel weights as
     fully_shard makes them (_StridedShard(0, sf=4) x Shard(0)), row-parallel Shard(0) x
@@ -37,7 +40,9 @@ def llama_8b_fsdp_tp(
         copies: (name prefix, dtype) of each copy of a parameter (default: bf16
             parameter, fp32 master, AdamW's two moments).
     """
-    hidden, ffn, vocab, layers = 4096, 14336, 128256, 32
+    sizes = LLAMA_PRESETS["llama-3.1-8b"]
+    hidden, ffn, vocab, layers = sizes["hidden"], sizes["ffn"], sizes["vocab"], sizes["num_layers"]
+    kv = sizes["num_kv_heads"] * hidden // sizes["num_heads"]
     src = RankMesh.of([[0, 1, 2, 3], [4, 5, 6, 7]])
     dst = Sharding(RankMesh.of(list(range(16))), (Shard(0),))
     by_kind = {
@@ -49,8 +54,8 @@ def llama_8b_fsdp_tp(
     for i in range(layers):
         params += [
             (f"layers.{i}.q", (hidden, hidden), "col"),
-            (f"layers.{i}.k", (1024, hidden), "col"),
-            (f"layers.{i}.v", (1024, hidden), "col"),
+            (f"layers.{i}.k", (kv, hidden), "col"),
+            (f"layers.{i}.v", (kv, hidden), "col"),
             (f"layers.{i}.o", (hidden, hidden), "row"),
             (f"layers.{i}.gate", (ffn, hidden), "col"),
             (f"layers.{i}.up", (ffn, hidden), "col"),
