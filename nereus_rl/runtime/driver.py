@@ -690,10 +690,12 @@ class _ForkedWorker:
     def __init__(
         self, host: str, port: int, num_threads: int, group_timeout: float, secret: bytes
     ) -> None:
+        from nereus_rl.runtime.worker import WARM_MODULES
+
         ctx = multiprocessing.get_context("forkserver")
         # Imported once in the server; each fork then starts in milliseconds (with
-        # the modules a worker warms before joining: runtime.worker.WARM_MODULES).
-        ctx.set_forkserver_preload(["torch", "torch._dynamo", "nereus_rl.runtime.worker"])
+        # the modules a worker warms before joining).
+        ctx.set_forkserver_preload(["torch", *WARM_MODULES, "nereus_rl.runtime.worker"])
         self._proc = ctx.Process(
             target=_forked_main,
             # Through the forkserver's pipe, never a command line.
