@@ -47,6 +47,7 @@ arriving after step 6, a checkpoint every 3 steps; the full run: 30 steps on 6 d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             SHARES = CoreShares(args.core_share)
         except OSError as e:
             ap.error(f"--core-share needs cgroups this process can make ({e}); pass 0")
-        sc = Scenario(**{**sc.__dict__, "options": {**sc.options, "worker_cores": args.core_share}})
+        sc = dataclasses.replace(sc, options={**sc.options, "worker_cores": args.core_share})
     try:
         return _run(sc, args)
     finally:

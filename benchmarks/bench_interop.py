@@ -411,12 +411,10 @@ def plan_bytes(case: str, target_bytes: int) -> tuple[int, int]:
 
 
 def plan_8b(repeats: int = 5) -> dict:
-    """Plan a Llama-3.1-8B-shaped training state (bf16 parameters, fp32 master, two Adam
-    moments: 1,156 tensors) from FSDP2 x TP4 on a (2, 4) mesh (column-parallel weights
-    as fully_shard makes them, _StridedShard(0, sf=4) x Shard(0); row-parallel Shard(0) x
-    Shard(1); norms Shard(0) x Replicate) to FSDP16 on 16 ranks with plan_sharded, in
-    this process: median and min seconds over ``repeats`` (the first, which builds the
-    geometry, apart), pieces and bytes against the lower bound."""
+    """Plan :func:`nereus_comm.testing.states.llama_8b_fsdp_tp`'s state (FSDP2 x TP4 on a
+    (2, 4) mesh -> FSDP16; bf16 parameters, fp32 masters, two Adam moments) with
+    plan_sharded, in this process: median and min seconds over ``repeats`` (the first
+    call apart), pieces and bytes against the lower bound."""
     from nereus_comm.placement import plan_sharded
     from nereus_comm.testing.states import llama_8b_fsdp_tp
 
