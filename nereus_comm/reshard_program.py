@@ -305,7 +305,8 @@ def rebind_sources(
     counted from its first element, as the pack path wants, and is bounds-checked
     against its storage). A send buffer that was one contiguous block but is strided
     in the view is staged (packed) instead of sent straight from the shard. Each
-    buffer's ``runs`` stays the plan's, so both ends still pick the same route.
+    buffer's ``runs`` stays the plan's, so both ends of a pair still count the same
+    runs and pick the same route.
 
     Arguments:
         prog: the rank's program.
@@ -396,7 +397,7 @@ class WireBuffer:
     nbytes: int
     direct: bool
     #: contiguous runs of its pieces on this side plus on the peer's (both ends of the
-    #: buffer compute the same: reshard's route choice per buffer reads it).
+    #: buffer compute the same; summed per peer into send_runs / recv_runs).
     runs: int = 0
 
 
