@@ -4,19 +4,14 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <tuple>
 #include <utility>
 
 #include "common.h"
+#include "remap/chunk.h"
 
 namespace nereus::remap {
 namespace {
-
-// torch.chunk: chunk = ceil(n / parts); trailing chunks may be short or empty.
-void chunk_range(int64_t n, int64_t parts, int64_t index, int64_t* start, int64_t* stop) {
-  const int64_t size = n > 0 ? (n + parts - 1) / parts : 0;
-  *start = std::min(index * size, n);
-  *stop = std::min(*start + size, n);
-}
 
 // What one more message costs, in bytes of transfer time (a few microseconds of
 // latency at tens of GB/s): a holder already sending to a receiver may carry
@@ -120,7 +115,7 @@ PlanResult plan(const PlanInput& in) {
       if (ti.dst_stage >= 0 && ti.dst_stage != p) continue;
       if (ti.unit_bytes == 0) continue;
       int64_t a = 0, b = ti.length;
-      if (ti.split) chunk_range(ti.length, D.tp, t, &a, &b);
+      if (ti.split) std::tie(a, b) = chunk_range(ti.length, D.tp, t);
       if (a >= b) continue;
       const int64_t gp = (ti.src_stage < 0 || S.pp == 1) ? -1 : ti.src_stage;
       auto add = [&](int64_t gt, int64_t s0, int64_t s1) {

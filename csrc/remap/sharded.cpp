@@ -7,9 +7,12 @@
 #include <utility>
 
 #include "common.h"
+#include "remap/chunk.h"
 
 namespace nereus::sharded {
 namespace {
+
+using remap::chunk_range;
 
 // Bounds the work (and so the memory) of one plan() call, whatever the input: every
 // range a shard op makes, run it visits or keeps, and source box it visits costs a
@@ -48,15 +51,6 @@ int64_t mul(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
   NEREUS_CHECK(!__builtin_mul_overflow(a, b, &out), what << " past 2^63 - 1");
   return out;
-}
-
-// torch.chunk: chunk = ceil(n / parts); trailing chunks may be short or empty.
-// Written so that no intermediate overflows for any n >= 0, parts >= 1, index >= 0.
-std::pair<int64_t, int64_t> chunk_range(int64_t n, int64_t parts, int64_t index) {
-  if (n <= 0) return {0, 0};
-  const int64_t size = n / parts + (n % parts != 0);
-  const int64_t start = index > n / size ? n : std::min(index * size, n);
-  return {start, start + std::min(size, n - start)};
 }
 
 // A global run [start, stop) of one tensor dim that starts at `origin` in the local dim.
