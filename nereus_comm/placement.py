@@ -525,12 +525,6 @@ class _Pieces:
         a, b = rows[4][i], rows[4][i + 1]
         return tuple(tuple(zip(v[a:b:2], v[a + 1 : b : 2])) for v in rows[5:])  # type: ignore[return-value]
 
-    def shape(self, i: int) -> tuple[int, ...]:
-        """The extent of row ``i``'s box per dim."""
-        rows = self.rows()
-        v = rows[5][rows[4][i] : rows[4][i + 1]]
-        return tuple(b - a for a, b in zip(v[0::2], v[1::2]))
-
     def piece(self, i: int, name: str | None) -> ShardedPiece:
         """Row ``i`` as a ShardedPiece."""
         tensor, src, dst, nbytes, *_ = self.rows()
@@ -578,11 +572,13 @@ class _PieceSpecs(Sequence[TensorSpec]):
     def __len__(self) -> int:
         return len(self._stages)
 
-    def _build(self, j: int) -> TensorSpec:
-        p = self._pieces
-        i = p.index()[0][j]
-        tensor = p.rows()[0][i]
-        return _piece_spec(p.name(j), p.shape(i), p.specs[tensor].dtype, int(self._stages[j]))
+    def _build(self, j: int, i: int, stage: int, rows: tuple[list, ...]) -> TensorSpec:
+        """The spec of remote piece ``j`` (row ``i`` of ``rows``, the pieces' lists)."""
+        tensor, _, dst, _, offset, box, *_ = rows
+        v = box[offset[i] : offset[i + 1]]
+        t = self._pieces.specs[tensor[i]]
+        shape = tuple(b - a for a, b in zip(v[0::2], v[1::2]))
+        return _piece_spec(f"{t.name}@{dst[i]}#{j}", shape, t.dtype, stage)
 
     def __getitem__(self, j):  # type: ignore[override]
         if self._all is not None:
@@ -596,24 +592,19 @@ class _PieceSpecs(Sequence[TensorSpec]):
             raise IndexError(f"piece spec {j} out of range for {len(self)} pieces")
         spec = self._built.get(j)
         if spec is None:
-            spec = self._built[j] = self._build(j)
+            p = self._pieces
+            i = p.index()[0][j]
+            spec = self._built[j] = self._build(j, i, int(self._stages[j]), p.rows())
         return spec
 
     def __iter__(self):
         if self._all is None:
             p = self._pieces
-            tensor, _, dst, _, offset, box, *_ = p.rows()
-            specs, built = p.specs, self._built
-            out = []
-            for j, (i, stage) in enumerate(zip(p.index()[0], self._stages.tolist())):
-                spec = built.get(j)
-                if spec is None:
-                    v = box[offset[i] : offset[i + 1]]
-                    shape = tuple(b - a for a, b in zip(v[0::2], v[1::2]))
-                    t = specs[tensor[i]]
-                    spec = _piece_spec(f"{t.name}@{dst[i]}#{j}", shape, t.dtype, stage)
-                out.append(spec)
-            self._all = tuple(out)
+            rows, built, build = p.rows(), self._built, self._build
+            self._all = tuple(
+                built.get(j) or build(j, i, stage, rows)
+                for j, (i, stage) in enumerate(zip(p.index()[0], self._stages.tolist()))
+            )
         return iter(self._all)
 
     def __repr__(self) -> str:
