@@ -83,7 +83,7 @@ def state_specs(target_bytes: int):
 
 
 SCENARIOS = ("resize", "sync")
-VARIANTS = ("reshard", "shm", "cma", "auto", "raw", "raw_copy", "raw_shm")
+VARIANTS = ("reshard", "net", "shm", "cma", "auto", "raw", "raw_copy", "raw_shm")
 
 
 def layouts(num_workers: int, scenario: str = "resize") -> tuple[Layout, Layout]:
@@ -167,6 +167,7 @@ def _worker(
 
     fns = [
         ("reshard", resharded),
+        ("net", lambda: resharded("net")),
         ("shm", lambda: resharded("shm")),
         ("cma", lambda: resharded("cma")),
         ("auto", auto),
@@ -187,7 +188,7 @@ def _worker(
             if i:
                 times[key].append((wall, cpu))
     res = last["transport"]
-    shm, cma = last.get("shm"), last.get("cma")
+    shm, cma, net = last.get("shm"), last.get("cma"), last.get("net")
     times["counts"] = [
         (
             res.buffers_sent,
@@ -195,6 +196,7 @@ def _worker(
             res.bytes_local,
             shm.shm_bytes_sent if shm is not None else 0,
             cma.cma_bytes_sent if cma is not None else 0,
+            net.net_bytes_sent if net is not None else 0,
         )
     ]
     times["auto_routes"] = auto_routes  # (cma, shm) bytes sent per call, warm-up first
@@ -240,6 +242,7 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # bytes the shm variant moved through shared memory (all of them here).
                     "shm_mib": round(sum(r["counts"][0][3] for r in per_rank) / MiB, 1),
                     "cma_mib": round(sum(r["counts"][0][4] for r in per_rank) / MiB, 1),
+                    "net_mib": round(sum(r["counts"][0][5] for r in per_rank) / MiB, 1),
                     # route="auto", per call (warm-up first): MiB by cma, MiB by shm.
                     "auto_calls_mib": [
                         [
@@ -271,6 +274,12 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     # > 1: shared memory faster than reshard over gloo.
                     ("shm_vs_gloo_x", "reshard", wall, "shm"),
                     ("shm_vs_gloo_cpu_x", "reshard", cpu, "shm"),
+                    ("net_ratio_x", "raw", wall, "net"),
+                    ("net_ratio_copy_x", "raw_copy", wall, "net"),
+                    ("net_cpu_ratio_x", "raw", cpu, "net"),
+                    ("net_cpu_ratio_copy_x", "raw_copy", cpu, "net"),
+                    # > 1: the socket route faster than reshard over gloo.
+                    ("net_vs_gloo_x", "reshard", wall, "net"),
                     ("cma_ratio_x", "raw", wall, "cma"),
                     ("cma_cpu_ratio_x", "raw", cpu, "cma"),
                     # > 1: cross-memory attach faster than shared memory.
@@ -289,7 +298,7 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                 # > 1: route="auto" faster than the faster forced route of this case (the
                 # one of lower median wall; a per-round minimum of two noisy routes would
                 # favour the baseline by the noise alone).
-                best = min(("shm", "cma"), key=lambda k: statistics.median(wall[k]))
+                best = min(("shm", "cma", "net"), key=lambda k: statistics.median(wall[k]))
                 med, lo, hi = ratio(best, wall, "auto")
                 row["auto_best_route"] = best
                 row["auto_vs_best_x"] = round(med, 3)
@@ -325,6 +334,16 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
                     flush=True,
                 )
                 print(
+                    f"{'':6s} {w}w net: {r['net_mib']:.1f} MiB over the socket route | wall ms "
+                    f"{r['net_ms']:.0f} [{r['net_ms_min']:.0f}-{r['net_ms_max']:.0f}] cpu ms "
+                    f"{r['net_cpu_ms']:.0f} | net/raw wall {r['net_ratio_x']:.2f} "
+                    f"[{r['net_ratio_x_min']:.2f}-{r['net_ratio_x_max']:.2f}] cpu "
+                    f"{r['net_cpu_ratio_x']:.2f} | /raw+copy wall {r['net_ratio_copy_x']:.2f} "
+                    f"cpu {r['net_cpu_ratio_copy_x']:.2f} | net vs reshard(gloo) wall "
+                    f"{r['net_vs_gloo_x']:.2f}",
+                    flush=True,
+                )
+                print(
                     f"{'':6s} {w}w cma: {r['cma_mib']:.1f} MiB by cross-memory attach | wall ms "
                     f"{r['cma_ms']:.0f} [{r['cma_ms_min']:.0f}-{r['cma_ms_max']:.0f}] cpu ms "
                     f"{r['cma_cpu_ms']:.0f} | cma/raw wall {r['cma_ratio_x']:.2f} cpu "
@@ -348,7 +367,7 @@ def run(sizes_mib: list[int], workers: list[int], repeats: int) -> list[dict]:
 
 
 #: The variants that apply between hosts (no shared memory, no cross-memory attach).
-NETNS_VARIANTS = ("reshard", "auto", "raw", "raw_copy")
+NETNS_VARIANTS = ("reshard", "net", "auto", "raw", "raw_copy")
 _NETNS_PORT = 29531  # in a namespace of the benchmark's own: nothing else listens there
 
 
@@ -445,6 +464,9 @@ def run_netns(sizes_mib: list[int], workers: list[int], repeats: int) -> list[di
                 ("ratio_copy_x", "raw_copy", wall, "reshard"),
                 ("cpu_ratio_x", "raw", cpu, "reshard"),
                 ("auto_ratio_x", "raw", wall, "auto"),
+                ("net_ratio_x", "raw", wall, "net"),
+                ("net_ratio_copy_x", "raw_copy", wall, "net"),
+                ("net_cpu_ratio_x", "raw", cpu, "net"),
             ):
                 med, lo, hi = _stats([b / a for a, b in zip(d[of], d[base])])
                 row[name], row[f"{name}_min"], row[f"{name}_max"] = (
@@ -457,19 +479,24 @@ def run_netns(sizes_mib: list[int], workers: list[int], repeats: int) -> list[di
             print(
                 f"netns {scenario:6s} {w}w {size:4d} MiB moved {r['moved_mib']:6.1f} local "
                 f"{r['local_mib']:6.1f} | wall ms med [min-max]: reshard {r['reshard_ms']:.0f} "
-                f"[{r['reshard_ms_min']:.0f}-{r['reshard_ms_max']:.0f}] auto {r['auto_ms']:.0f} "
+                f"[{r['reshard_ms_min']:.0f}-{r['reshard_ms_max']:.0f}] net {r['net_ms']:.0f} "
+                f"[{r['net_ms_min']:.0f}-{r['net_ms_max']:.0f}] auto {r['auto_ms']:.0f} "
                 f"raw {r['raw_ms']:.0f} [{r['raw_ms_min']:.0f}-{r['raw_ms_max']:.0f}] raw+copy "
                 f"{r['raw_copy_ms']:.0f} | reshard/raw wall {r['ratio_x']:.2f} "
                 f"[{r['ratio_x_min']:.2f}-{r['ratio_x_max']:.2f}] cpu {r['cpu_ratio_x']:.2f} | "
-                f"/raw+copy wall {r['ratio_copy_x']:.2f} | auto/raw wall {r['auto_ratio_x']:.2f}",
+                f"/raw+copy wall {r['ratio_copy_x']:.2f} | net/raw wall {r['net_ratio_x']:.2f} "
+                f"[{r['net_ratio_x_min']:.2f}-{r['net_ratio_x_max']:.2f}] cpu "
+                f"{r['net_cpu_ratio_x']:.2f} | auto/raw wall {r['auto_ratio_x']:.2f}",
                 flush=True,
             )
-    for scenario in SCENARIOS:
-        got = [r["ratio_x"] for r in rows if r["scenario"] == scenario]
-        print(
-            f"netns {scenario:6s} reshard(gloo) speed as a share of wall vs raw: medians "
-            f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
-        )
+    for key, what in (("ratio_x", "reshard(gloo)"), ("net_ratio_x", "reshard(net)"),
+                      ("auto_ratio_x", "reshard(auto)")):  # fmt: skip
+        for scenario in SCENARIOS:
+            got = [r[key] for r in rows if r["scenario"] == scenario]
+            print(
+                f"netns {scenario:6s} {what} speed as a share of wall vs raw: medians "
+                f"{min(got):.0%}..{max(got):.0%} (goal: >= 80%)"
+            )
     return rows
 
 
@@ -507,6 +534,7 @@ def main() -> None:
     rows = run(sizes, [2, 4], repeats)
     for variant, prefix in (
         ("reshard(gloo)", ""),
+        ("reshard(net)", "net_"),
         ("reshard(shm)", "shm_"),
         ("reshard(cma)", "cma_"),
     ):

@@ -35,6 +35,7 @@ __all__ = [
     "PackError",
     "Region",
     "RegionTable",
+    "columns_table",
     "copy_regions",
     "copy_table",
     "is_contiguous_region",
@@ -324,12 +325,66 @@ def region_table(regions: Sequence[Region], what: str = "region") -> RegionTable
         checked = [_check_region(r, i, what, infos[which[i]]) for i, r in enumerate(regions)]
         cols = np.array(checked, dtype=np.int64).reshape(n, 4)
         return RegionTable(cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], device)
+    return _vectorized(regions, infos, np.array(which, dtype=np.int64), sizes, device, what)
+
+
+def columns_table(
+    tensors: Sequence[torch.Tensor], which: np.ndarray, sizes: np.ndarray, what: str = "region"
+) -> RegionTable:
+    """:func:`region_table` for regions given as columns instead of Region tuples.
+
+    Region i is ``Region(tensors[which[i]], *sizes[i])``. A caller that keeps its
+    regions as arrays (reshard's wire buffers: hundreds of pieces of few tensors)
+    skips building a tuple per region; every check is the same.
+
+    Arguments:
+        tensors: the distinct tensors, all on one device.
+        which: int64 index into ``tensors`` per region.
+        sizes: int64 array (num_regions, 4): offset, num_rows, row_elems, row_stride.
+        what: what to call a region in error messages.
+
+    Returns:
+        The validated table (see :func:`region_table`).
+
+    Raises:
+        PackError: as :func:`region_table`.
+    """
+    infos = [_tensor_info(t, i, what) for i, t in enumerate(tensors)]
+    devices = {x.device for x in infos}
+    if len(devices) > 1:
+        raise PackError(f"{what}s span devices {sorted(map(str, devices))}; split the table")
+    which = np.asarray(which, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(len(which), 4)
+    if len(which) and (which.min() < 0 or which.max() >= len(tensors)):
+        raise PackError(f"{what} tensor indices must lie in [0, {len(tensors)})")
+
+    def regions(i: int) -> Region:
+        return Region(tensors[int(which[i])], *map(int, sizes[i]))
+
+    device = next(iter(devices)) if infos and len(which) else None
+    return _vectorized(_Lazy(regions, len(which)), infos, which, sizes, device, what)
+
+
+class _Lazy(Sequence):
+    """Regions made on demand (only the error path of a columns table looks at them)."""
+
+    def __init__(self, make, n: int) -> None:
+        self._make, self._n = make, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._make(i)
+
+
+def _vectorized(regions, infos, which, sizes, device, what) -> RegionTable:
+    """The vectorized checks of a table of plain int sizes (see region_table)."""
     sizes = sizes.astype(np.int64, copy=False)
     # int64 arithmetic is exact only for small sizes: with every field in (-2**31, 2**31)
     # the region's end stays below 2**63. Regions with a larger field (a tensor of more
     # than 2**31 elements, or a crafted size) are checked exactly, in Python ints.
     big = ((sizes >= _SMALL) | (sizes <= -_SMALL)).any(axis=1)
-    which = np.array(which, dtype=np.int64)
     base = np.array([x.data_ptr for x in infos], dtype=np.int64)[which]
     es = np.array([x.element_size for x in infos], dtype=np.int64)[which]
     available = np.array([x.available for x in infos], dtype=np.int64)[which]

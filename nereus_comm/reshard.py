@@ -44,8 +44,14 @@ into a shared-memory segment the receiver maps and the receiver unpacks straight
 of it (one copy each side, see
 :mod:`nereus_comm.transport_shm`); the segments are set up over the transport on
 first use, kept per process group and reused by every later call.
-``route="transport"`` sends everything through the transport (the old path);
-``route="cma"`` and ``route="shm"`` require that route for every peer.
+Peers on other hosts (host memory) take the socket route under "auto": one TCP
+stream per pair, set up over the transport on first use and kept per process group,
+on which the kernel copies every row of every piece straight from the source shards
+and into the destination shards (short rows through a small bounce buffer), so a
+strided piece costs no staging copy on either side (see
+:mod:`nereus_comm.transport_net`). ``route="transport"`` sends everything through
+the transport (the old path); ``route="cma"``, ``"shm"`` and ``"net"`` require that
+route for every peer.
 
 Example::
 
@@ -63,11 +69,12 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nereus_comm.errors import PeerTimeoutError, PlanError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
-from nereus_comm.pack import Region, copy_regions, pack, unpack
+from nereus_comm.pack import Region, RegionTable, columns_table, copy_regions, pack, unpack
 from nereus_comm.plan import ReshardPlan
 from nereus_comm.reshard_program import (
     DIRECT_MIN_BYTES,
@@ -83,6 +90,7 @@ from nereus_comm.reshard_program import (
 )
 from nereus_comm.transport import Liveness, Transport, TransportArgumentError
 from nereus_comm.transport_cma import CmaRoute
+from nereus_comm.transport_net import NetRoute
 from nereus_comm.transport_shm import ShmTransport, sweep_orphans
 
 __all__ = [
@@ -98,10 +106,12 @@ __all__ = [
 ]
 
 #: reshard(route=...): "auto" (cross-memory attach with same-host peers that allow
-#: it, shared memory with the other same-host peers, the transport with the rest),
-#: "cma" (cross-memory attach with every peer, else an error), "shm" (shared memory
-#: with every peer, else an error) or "transport" (everything through the transport).
-ROUTES = ("auto", "cma", "shm", "transport")
+#: it, shared memory with the other same-host peers, TCP streams of the socket route
+#: with peers on other hosts, the transport with any left), "cma" (cross-memory attach
+#: with every peer, else an error), "shm" (shared memory with every peer, else an
+#: error), "net" (the socket route with every peer, else an error) or "transport"
+#: (everything through the transport).
+ROUTES = ("auto", "cma", "shm", "net", "transport")
 
 #: route="auto" reads a peer pair's bytes by cross-memory attach only when its
 #: message's contiguous runs average at least this many bytes (and they flow one
@@ -153,6 +163,9 @@ class ReshardResult:
     shm_bytes_received: int = 0
     cma_bytes_sent: int = 0
     cma_bytes_received: int = 0
+    #: of bytes_sent / bytes_received, those that went over the socket route's streams.
+    net_bytes_sent: int = 0
+    net_bytes_received: int = 0
     #: per peer of this call that cross-memory attach could not serve (route "auto"),
     #: why not (from the probe, e.g. EPERM under Yama or missing credentials).
     fallback_reasons: dict[int, str] = field(default_factory=dict)
@@ -166,9 +179,10 @@ class ReshardResult:
         return (
             f"ReshardResult({len(self.tensors)} tensors, {self.seconds * 1e3:.1f} ms, "
             f"sent {self.bytes_sent} B in {self.messages_sent} msgs/{self.buffers_sent} bufs "
-            f"({self.cma_bytes_sent} B by cma, {self.shm_bytes_sent} B by shm), received "
-            f"{self.bytes_received} B ({self.cma_bytes_received} B by cma, "
-            f"{self.shm_bytes_received} B by shm), local {self.bytes_local} B)"
+            f"({self.cma_bytes_sent} B by cma, {self.shm_bytes_sent} B by shm, "
+            f"{self.net_bytes_sent} B by net), received {self.bytes_received} B "
+            f"({self.cma_bytes_received} B by cma, {self.shm_bytes_received} B by shm, "
+            f"{self.net_bytes_received} B by net), local {self.bytes_local} B)"
         )
 
 
@@ -232,6 +246,20 @@ def _bind(buffers, tensors, stage: torch.Tensor):
     return out, staged
 
 
+def _slot_tables(
+    slots_by_peer: Mapping[int, Sequence[Slot]], tensors: Mapping[str, torch.Tensor], what: str
+) -> dict[int, RegionTable]:
+    """Each peer's slots bound to ``tensors`` as one validated region table (no Region
+    tuple per piece: a message holds hundreds of pieces of a few tensors)."""
+    out = {}
+    for peer, slots in slots_by_peer.items():
+        index: dict[str, int] = {}
+        which = [index.setdefault(sl[0], len(index)) for sl in slots]
+        sizes = np.array([sl[1:] for sl in slots], dtype=np.int64).reshape(len(slots), 4)
+        out[peer] = columns_table([tensors[n] for n in index], np.array(which), sizes, what)
+    return out
+
+
 def _staged_nbytes(buffers) -> int:
     return sum(b.nbytes for b in buffers if not b.direct)
 
@@ -244,6 +272,7 @@ def _stage(nbytes: int, workspace: Workspace | None, kind: str, device) -> torch
 
 _SHM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CMA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _route_state(cache: weakref.WeakKeyDictionary, make, transport: Transport):
@@ -263,6 +292,11 @@ def _shm_for(transport: Transport) -> ShmTransport:
 def _cma_for(transport: Transport) -> CmaRoute:
     """The CmaRoute of the transport's connections (one per process group)."""
     return _route_state(_CMA, CmaRoute, transport)
+
+
+def _net_for(transport: Transport) -> NetRoute:
+    """The NetRoute of the transport's connections (one per process group)."""
+    return _route_state(_NET, NetRoute, transport)
 
 
 def _within(liveness: Liveness, members: frozenset[int]) -> Liveness:
@@ -495,9 +529,11 @@ def reshard(
             on the transport's device.
         route: "auto": peers on this host by cross-memory attach where the kernel
             allows it and the pair's bytes flow one way in long runs
-            (CMA_MIN_RUN_BYTES), else through shared memory (host memory only),
-            the others through ``transport``; "cma" / "shm": every peer by cross-memory attach /
-            through shared memory; "transport": every peer through ``transport``.
+            (CMA_MIN_RUN_BYTES), else through shared memory, peers on other hosts
+            over the socket route's streams (all host memory only), the others
+            through ``transport``; "cma" / "shm" / "net": every peer by cross-memory
+            attach / through shared memory / over the socket route; "transport":
+            every peer through ``transport``.
             Cross-memory attach is probed and shared-memory segments are set up over
             ``transport`` on first use (collective with the peers) and reused by
             later calls over the same process group. Every rank must pass the same
@@ -535,10 +571,12 @@ def reshard(
             raise, naming the tensors (or layouts, route, direct_min_bytes) that differ;
             before any data moves.
         TransportArgumentError: rank is not the transport's, a peer is unreachable,
-            an unknown route, or route="cma"/"shm" with device memory or a peer that
-            route cannot reach (the message says why); raised before any byte moves.
+            an unknown route, or route="cma"/"shm"/"net" with device memory or a peer
+            that route cannot reach (the message says why); raised before any byte
+            moves. Also when the socket route broke in an earlier call.
         TransportError: a cross-memory-attach read failed (both ends raise; those
-            peers take the fallback route from then on).
+            peers take the fallback route from then on), or a socket stream failed
+            (the route is broken from then on: build a new process group).
         PeerTimeoutError: a peer did not complete within ``timeout`` (names the peer).
         PeerLostError: ``liveness`` reported a rank of the plan dead (names it; a
             PeerTimeoutError).
@@ -550,7 +588,7 @@ def reshard(
             f"reshard on rank {rank} with a transport of rank {transport.rank}"
         )
     device_type = transport.device_type
-    if route in ("cma", "shm") and device_type != "cpu":
+    if route in ("cma", "shm", "net") and device_type != "cpu":
         raise TransportArgumentError(
             f"route={route!r} moves host memory, {transport!r} moves {device_type} memory; "
             "use route='auto' or 'transport'"
@@ -689,6 +727,21 @@ def reshard(
             )
     sends, shm_send_slots, shm_send_bytes = _take(sends, lambda b: b.peer in shm_sends)
     recvs, shm_recv_slots, shm_recv_bytes = _take(recvs, lambda b: b.peer in shm_recvs)
+    # What is left (peers on other hosts, for "auto") goes over the socket route's
+    # streams: rows straight from and into the shards, no staging on either side.
+    net, net_peers = None, frozenset()
+    left = set(_totals(sends)) | set(_totals(recvs))
+    if route in ("auto", "net") and device_type == "cpu" and left:
+        net = _net_for(transport)
+        net_peers = net.prepare(left, timeout=timeout, control=transport, liveness=liveness)
+        if route == "net" and left - net_peers:
+            raise TransportArgumentError(
+                f"rank {rank} cannot reach peers {sorted(left - net_peers)} by the socket "
+                "route (no IPv4 address to listen on here or there: set GLOO_SOCKET_IFNAME "
+                "or NEREUS_NET_ADDRESS); use route='auto' to let those take the transport"
+            )
+    sends, net_send_slots, net_send_bytes = _take(sends, lambda b: b.peer in net_peers)
+    recvs, net_recv_slots, net_recv_bytes = _take(recvs, lambda b: b.peer in net_peers)
     tables = {}
     if cma_send_slots or cma_recv_slots:
         # Before the transport's batch is posted, so both ends of a pair post their
@@ -710,6 +763,16 @@ def reshard(
 
     # The local copies and the shared-memory messages run while the bytes are on the wire.
     pending = transport.start(send_bufs, recv_bufs, timeout=timeout, **extra)
+    net_pending = None
+    if net_send_slots or net_recv_slots:
+        net_pending = net.start(
+            _slot_tables(net_send_slots, src_tensors, "send region"),
+            _slot_tables(net_recv_slots, dst_bound, "receive region"),
+            owners=(src_tensors, dst_bound),
+            deadline=deadline,
+            timeout=timeout,
+            liveness=liveness,
+        )
     for peer, slots in shm_send_slots.items():
         # The pack is the send: straight from the shards into the peer's segment.
         regions = [_region(sl, src_tensors) for sl in slots]
@@ -754,6 +817,8 @@ def reshard(
             control=transport,
             liveness=liveness,
         )
+    if net_pending is not None:
+        net_pending.wait()
     pending.wait()
     exchanged_at = time.perf_counter()
     if recv_staged:
@@ -778,6 +843,8 @@ def reshard(
         shm_bytes_received=sum(shm_recv_bytes.values()),
         cma_bytes_sent=sum(cma_send_bytes.values()),
         cma_bytes_received=sum(cma_recv_bytes.values()),
+        net_bytes_sent=sum(net_send_bytes.values()),
+        net_bytes_received=sum(net_recv_bytes.values()),
         fallback_reasons=fallback,
         pack_seconds=packed_at - start,
         exchange_seconds=exchanged_at - packed_at,

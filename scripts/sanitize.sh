@@ -45,6 +45,7 @@ tests=(
   tests/comm/test_remap.py
   tests/comm/test_layout.py
   tests/comm/test_page_moves.py
+  tests/comm/test_transport_net.py
   tests/comm/test_public_api.py
   tests/comm/test_fuzz_pack.py
   tests/comm/test_fuzz_remap.py

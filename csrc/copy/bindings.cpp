@@ -5,6 +5,7 @@
 #include "common.h"
 #include "copy/cma.h"
 #include "copy/host_copy.h"
+#include "copy/net.h"
 #include "copy/remap.h"
 
 namespace py = pybind11;
@@ -73,6 +74,43 @@ py::tuple swap_pages_py(const py::array& table) {
   return py::make_tuple(result.rows, result.error);
 }
 
+// A NetExchange that also holds the Python objects owning its tables' memory, so the
+// memory outlives the run: the exchange's destructor cancels and joins it first.
+class PyNetExchange {
+ public:
+  void add(int fd, bool send, const py::array& table, py::object owner) {
+    NEREUS_CHECK(
+        table.dtype().is(py::dtype::of<int64_t>()),
+        "the net table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
+    NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kNetTableColumns,
+                 "the net table must have shape (num_regions, " << kNetTableColumns
+                                                                << "), got ndim " << table.ndim());
+    NEREUS_CHECK(table.flags() & py::array::c_style,
+                 "the net table must be C-contiguous; pass numpy.ascontiguousarray(table)");
+    exchange_.add(fd, send, static_cast<const int64_t*>(table.data()), table.shape(0));
+    owners_.push_back(std::move(owner));
+  }
+  void start() { exchange_.start(); }
+  bool wait(int timeout_ms) {
+    py::gil_scoped_release release;
+    return exchange_.wait(timeout_ms);
+  }
+  void cancel() {
+    py::gil_scoped_release release;
+    exchange_.cancel();
+  }
+  py::list results() const {
+    py::list out;
+    for (const auto& r : exchange_.results())
+      out.append(py::make_tuple(r.bytes, r.total, r.error, r.eof));
+    return out;
+  }
+
+ private:
+  std::vector<py::object> owners_;  // destroyed after exchange_ (declared before it)
+  NetExchange exchange_;
+};
+
 }  // namespace
 
 void register_copy(py::module_& m) {
@@ -126,6 +164,29 @@ Returns:
 Raises:
     ValueError: the table has the wrong dtype or shape, a negative size or stride, a
         null address, or a range whose end overflows the address space.)doc");
+  py::class_<PyNetExchange>(m, "NetExchange", R"doc(Moves region tables over connected sockets.
+
+Each job's rows are written to (send) or read from (receive) a non-blocking stream
+socket with sendmsg/recvmsg, straight from or into the tensors' storage; one thread of
+the exchange's own runs every job until all are done, one fails, or cancel().)doc")
+      .def(py::init<>())
+      .def("add", &PyNetExchange::add, py::arg("fd"), py::arg("send"), py::arg("table"),
+           py::arg("owner"),
+           R"doc(Add a job (before start).
+
+Arguments:
+    fd: a connected, non-blocking stream socket.
+    send: write the rows (True) or read into them (False).
+    table: int64 array (num_regions, 4): addr, num_rows, row_bytes, stride_bytes, raw
+        host addresses validated by the caller (pack.region_table).
+    owner: an object that keeps the addressed memory alive; held until the exchange
+        is destroyed.)doc")
+      .def("start", &PyNetExchange::start, "Start moving bytes on the exchange's thread.")
+      .def("wait", &PyNetExchange::wait, py::arg("timeout_ms"),
+           "Wait up to timeout_ms, GIL released; True once the run has ended.")
+      .def("cancel", &PyNetExchange::cancel, "End the run now and join its thread.")
+      .def("results", &PyNetExchange::results,
+           "Per job (bytes moved, total, errno or 0, peer closed early), once ended.");
   m.def("copy_default_num_threads", &copy_default_num_threads,
         "Threads copy_regions uses when num_threads <= 0 (CPUs in this process's affinity mask).");
 }

@@ -6,7 +6,8 @@ every destination shard must equal (torch.equal) the slice of the full tensor,
 and the bytes and messages each rank moved must be exactly the plan's. Cases
 cycle through the default route (cross-memory attach: all ranks share this host
 and may read each other), route="transport" (everything through gloo),
-route="shm" (shared-memory segments) and route="cma".
+route="shm" (shared-memory segments), route="cma" and route="net" (the socket
+route's TCP streams, rows straight from and into the shards).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.plan import plan_reshard
 from nereus_comm.reshard import (
     _CMA,
+    _NET,
     _SHM,
     CMA_MIN_RUN_BYTES,
     DIRECT_MIN_BYTES,
@@ -156,7 +158,7 @@ def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> lis
         # Every third case sends every non-empty piece as its own buffer (direct
         # where contiguous), as the default does for pieces of >= 512 KiB.
         direct = {"direct_min_bytes": 1} if k % 3 == 0 else {}
-        route = ("auto", "transport", "shm", "cma" if cma_ok else "shm")[k % 4]
+        route = ("auto", "transport", "shm", "cma" if cma_ok else "shm", "net")[k % 5]
         res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, route=route, **direct)
         after = _moved_so_far(transport)
         want = shards_from_full(full, dst_specs, plan.dst, rank)
@@ -182,6 +184,8 @@ def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> lis
                     res.shm_bytes_received,
                     res.cma_bytes_sent,
                     res.cma_bytes_received,
+                    res.net_bytes_sent,
+                    res.net_bytes_received,
                 ),
                 "want_routes": _want_routes(route, res, plan, rank, direct, cma_ok),
                 "fallback": res.fallback_reasons,
@@ -199,21 +203,22 @@ def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> lis
 
 def _want_routes(
     route: str, res, plan, rank: int, direct: dict, cma_ok: bool
-) -> tuple[int, int, int, int]:
-    """(shm sent, shm received, cma sent, cma received) the route should give.
+) -> tuple[int, int, int, int, int, int]:
+    """(shm sent, shm received, cma sent, cma received, net sent, net received) the
+    route should give.
 
     Every rank is on this host and may read the others: "cma" is all cross-memory
-    attach, "shm" all shared memory, "transport" neither, and "auto" moves all of a peer
+    attach, "shm" all shared memory, "net" all over the socket route's streams,
+    "transport" none of them, and "auto" (never the socket route on one host) moves all of a peer
     pair's bytes by cross-memory attach when they flow one way only (the plan has no
     message the other way) and its message's runs average CMA_MIN_RUN_BYTES, else all
     through shared memory.
     """
     both = (res.bytes_sent, res.bytes_received)
     if not cma_ok and route == "auto":
-        return (*both, 0, 0)
-    if route in ("shm", "cma", "transport"):
-        none = (0, 0)
-        return (both if route == "shm" else none) + (both if route == "cma" else none)
+        return (*both, 0, 0, 0, 0)
+    if route in ("shm", "cma", "net", "transport"):
+        return tuple(x for r in ("shm", "cma", "net") for x in (both if route == r else (0, 0)))
     prog = program(plan, rank, direct.get("direct_min_bytes", DIRECT_MIN_BYTES))
     involved = rank in plan.src or rank in plan.dst
     to = {m.dst for m in plan.sends(rank) if m.dst != rank and m.nbytes} if involved else set()
@@ -229,13 +234,14 @@ def _want_routes(
             (prog.recvs, prog.recv_totals, prog.recv_runs, to),
         )
     ]
-    return (both[0] - cma[0], both[1] - cma[1], cma[0], cma[1])
+    return (both[0] - cma[0], both[1] - cma[1], cma[0], cma[1], 0, 0)
 
 
 def _moved_so_far(transport: GlooTransport) -> tuple[int, int]:
-    """Data bytes moved by gloo, shared memory and cross-memory attach (no setup records)."""
+    """Data bytes moved by gloo, shared memory, cross-memory attach and the socket route
+    (no setup records)."""
     key = transport.connection_key()
-    shm, cma = _SHM.get(key), _CMA.get(key)
+    shm, cma, net = _SHM.get(key), _CMA.get(key), _NET.get(key)
     sent, received = transport.stats.bytes_sent, transport.stats.bytes_received
     if cma is not None:
         # The CMA route's own records (probes, tables, completions) travel over gloo.
@@ -245,6 +251,9 @@ def _moved_so_far(transport: GlooTransport) -> tuple[int, int]:
     if shm is not None:
         sent += shm.stats.bytes_sent - shm.setup_bytes
         received += shm.stats.bytes_received - shm.setup_bytes
+    if net is not None:
+        sent += net.bytes_sent - net.setup_bytes
+        received += net.bytes_received - net.setup_bytes
     return sent, received
 
 

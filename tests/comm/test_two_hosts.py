@@ -4,12 +4,13 @@ Ranks 0 and 1 run in one namespace, ranks 2 and 3 in the other (see
 tests/support/netns.py); gloo binds each namespace's veth end. The namespaces share
 this machine's hostname and /dev/shm, so only the network namespace in
 nereus_comm's host identity tells the hosts apart: bytes between them must go
-through the transport (no shared memory, no cross-memory attach), while the two
-ranks of one namespace still use the same-host routes under route="auto".
+over the network (no shared memory, no cross-memory attach): route="auto" sends
+them over the socket route's TCP streams between the namespaces' addresses, while
+the two ranks of one namespace still use the same-host routes.
 
 Every destination shard must equal, byte for byte, the slice of the full tensor
 that the test cuts itself (``torch.chunk`` along the split dim, the layer's
-pipeline stage), for route="transport" and route="auto"; route="shm" towards the
+pipeline stage), for route="transport", "auto" and "net"; route="shm" towards the
 other host is refused before any byte moves.
 
 Run as a script (``--rank``), this file is one rank of the exchange.
@@ -97,7 +98,7 @@ def _rank_main(rank: int, store_host: str) -> dict:
     from nereus_comm.errors import TransportArgumentError
     from nereus_comm.layout import Layout
     from nereus_comm.plan import plan_reshard
-    from nereus_comm.reshard import _shm_for, reshard
+    from nereus_comm.reshard import _net_for, _shm_for, reshard
     from nereus_comm.transport import GlooTransport
 
     torch.set_num_threads(1)
@@ -115,7 +116,9 @@ def _rank_main(rank: int, store_host: str) -> dict:
     report: dict = {"rank": rank, "routes": {}}
     same_host = {p for p in range(WORLD) if HOST_OF[p] == HOST_OF[rank] and p != rank}
     to_same = sum(m.nbytes for m in plan.sends(rank) if m.dst in same_host)
-    for route in ("transport", "auto", "transport", "auto"):  # the second round: warm
+    to_other = sum(m.nbytes for m in plan.sends(rank) if m.dst != rank and m.dst not in same_host)
+    # The second round of each: warm (streams and segments set up, plans cached).
+    for route in ("transport", "auto", "net", "transport", "auto", "net"):
         res = reshard(plan, rank, _src_shards(full, specs, rank), transport, route=route)
         wrong = sorted(
             n
@@ -130,9 +133,16 @@ def _rank_main(rank: int, store_host: str) -> dict:
                 "bytes_sent": res.bytes_sent,
                 "same_host_routes_sent": res.shm_bytes_sent + res.cma_bytes_sent,
                 "to_same_host": to_same,
+                "net_sent": res.net_bytes_sent,
+                "to_other_host": to_other,
                 "fallback": {str(k): v for k, v in res.fallback_reasons.items()},
             }
         )
+    net = _net_for(transport)
+    # The streams' far ends: the other namespace's address, never anything else.
+    report["stream_peers"] = sorted(
+        {s.getpeername()[0] for p, s in net._streams.items() if HOST_OF[p] != HOST_OF[rank]}
+    )
     shm = _shm_for(transport)
     report["same_host"] = {str(p): shm.same_host(p) for p in sorted(plan_peers(plan, rank))}
     try:
@@ -192,10 +202,14 @@ def test_reshard_between_two_hosts_is_exact_and_uses_the_transport_across(hosts)
             for r in rounds:
                 assert r["wrong"] == [] and r["extra"] == [], (rank, route, r)
                 if route == "transport":
+                    assert r["same_host_routes_sent"] == 0 and r["net_sent"] == 0, (rank, r)
+                elif route == "net":
                     assert r["same_host_routes_sent"] == 0, (rank, r)
+                    assert r["net_sent"] == r["bytes_sent"], (rank, r)
                 else:
                     # auto: the same-host peer's bytes by shm/cma, the other host's by gloo.
                     assert r["same_host_routes_sent"] == r["to_same_host"], (rank, r)
+                    assert r["net_sent"] == r["to_other_host"], (rank, r)
                     for peer, why in r["fallback"].items():
                         if HOST_OF[int(peer)] != HOST_OF[rank]:
                             parts = [x.split(": ", 1)[1] for x in why.split("; ")]
@@ -204,6 +218,8 @@ def test_reshard_between_two_hosts_is_exact_and_uses_the_transport_across(hosts)
             # None: never asked (cross-memory attach took all of that peer's bytes).
             want = HOST_OF[int(peer)] == HOST_OF[rank]
             assert same is want or (want and same is None), (rank, peer, same)
+        other = hosts.addresses[1 - HOST_OF[rank]]
+        assert rep["stream_peers"] in ([], [other]), (rank, rep["stream_peers"])
         assert rep["shm_refused"] and "shared memory" in rep["shm_refused"], rep["shm_refused"]
     # Every rank sent through the transport exactly what went to the other host.
     assert sum(r["routes"]["transport"][0]["bytes_sent"] for r in reports) > 0

@@ -1,0 +1,272 @@
+// Stream exchange over sockets: one poll loop per exchange moves every peer's rows in
+// both directions with scatter/gather calls, so the kernel copies straight between
+// the tensors and the socket buffers (as it does for a contiguous buffer).
+#include "copy/net.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <limits>
+
+#include "common.h"
+
+namespace nereus {
+namespace {
+
+// A run longer than this is cut into several iovecs (iov_len is a size_t, but the
+// kernel moves at most INT_MAX - page bytes per call anyway).
+constexpr int64_t kNetMaxRunBytes = int64_t{1} << 30;
+
+void close_fd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+}  // namespace
+
+NetExchange::NetExchange() {
+  NEREUS_CHECK(::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) == 0,
+               "could not make the exchange's wake pipe (errno " << errno << ")");
+}
+
+NetExchange::~NetExchange() {
+  cancel();
+  close_fd(wake_[0]);
+  close_fd(wake_[1]);
+}
+
+void NetExchange::add(int fd, bool send, const int64_t* table, int64_t num_regions) {
+  NEREUS_CHECK(!started_, "jobs are added before start()");
+  NEREUS_CHECK(fd >= 0, "fd=" << fd << "; pass a connected socket's descriptor");
+  NEREUS_CHECK(num_regions >= 0, "num_regions=" << num_regions);
+  Job job;
+  job.fd = fd;
+  job.send = send;
+  for (int64_t i = 0; i < num_regions; ++i) {
+    const int64_t* r = table + i * kNetTableColumns;
+    const int64_t addr = r[0], rows = r[1], row_bytes = r[2], stride = r[3];
+    NEREUS_CHECK(rows >= 0 && row_bytes >= 0 && (rows <= 1 || stride >= row_bytes),
+                 "net table row " << i << ": num_rows=" << rows << " row_bytes=" << row_bytes
+                                  << " stride=" << stride
+                                  << "; rows must not overlap and sizes must be >= 0");
+    if (rows == 0 || row_bytes == 0) continue;
+    int64_t span = 0, end = 0;
+    NEREUS_CHECK(addr > 0 && !__builtin_mul_overflow(rows - 1, stride, &span) &&
+                     !__builtin_add_overflow(addr, span, &end) &&
+                     !__builtin_add_overflow(end, row_bytes, &end),
+                 "net table row " << i << " needs a positive address and an end that fits");
+    // Whole regions whose rows follow each other are one run (cut at kNetMaxRunBytes).
+    const bool contiguous = rows == 1 || stride == row_bytes;
+    const int64_t pieces = contiguous ? 1 : rows;
+    const int64_t piece_bytes = contiguous ? rows * row_bytes : row_bytes;
+    for (int64_t p = 0; p < pieces; ++p) {
+      int64_t at = addr + p * stride;
+      for (int64_t left = piece_bytes; left > 0;) {
+        const int64_t n = std::min(left, kNetMaxRunBytes);
+        if (!job.runs.empty()) {
+          iovec& last = job.runs.back();
+          auto last_end =
+              reinterpret_cast<int64_t>(last.iov_base) + static_cast<int64_t>(last.iov_len);
+          if (last_end == at && static_cast<int64_t>(last.iov_len) + n <= kNetMaxRunBytes) {
+            last.iov_len += static_cast<size_t>(n);
+            at += n;
+            left -= n;
+            continue;
+          }
+        }
+        job.runs.push_back({reinterpret_cast<void*>(at), static_cast<size_t>(n)});
+        at += n;
+        left -= n;
+      }
+    }
+    job.total += rows * row_bytes;
+  }
+  jobs_.push_back(std::move(job));
+}
+
+void NetExchange::start() {
+  if (started_) return;
+  started_ = true;
+  thread_ = std::thread([this] { run(); });
+}
+
+bool NetExchange::wait(int timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!started_) return true;
+  return ended_cv_.wait_for(lock, std::chrono::milliseconds(std::max(timeout_ms, 0)),
+                            [this] { return ended_; });
+}
+
+void NetExchange::cancel() {
+  if (thread_.joinable()) {
+    stop_.store(true);
+    char byte = 1;
+    // A full pipe already holds a wake-up: the loop sees stop_ at its next wake.
+    ssize_t ignored = ::write(wake_[1], &byte, 1);
+    (void)ignored;
+    thread_.join();
+  }
+}
+
+std::vector<NetJobResult> NetExchange::results() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  // The run's thread writes the jobs without a lock: read them once it has ended.
+  NEREUS_CHECK(ended_ || !started_ || !thread_.joinable(),
+               "results() are read after wait() returned true or cancel()");
+  std::vector<NetJobResult> out;
+  out.reserve(jobs_.size());
+  for (const Job& j : jobs_) out.push_back({j.bytes, j.total, j.error, j.eof});
+  return out;
+}
+
+size_t NetExchange::bounce_runs(Job& job, size_t bytes, bool pack) {
+  size_t pos = 0;
+  while (pos < bytes && job.next < job.runs.size() &&
+         static_cast<int64_t>(job.runs[job.next].iov_len) < kNetBounceRunBytes) {
+    const iovec& run = job.runs[job.next];
+    const size_t n = std::min(run.iov_len - job.offset, bytes - pos);
+    char* at = static_cast<char*>(run.iov_base) + job.offset;
+    if (pack)
+      std::memcpy(job.bounce.data() + pos, at, n);
+    else
+      std::memcpy(at, job.bounce.data() + pos, n);
+    pos += n;
+    job.offset += n;
+    if (job.offset == run.iov_len) {
+      job.offset = 0;
+      ++job.next;
+    }
+  }
+  return pos;
+}
+
+size_t NetExchange::short_bytes(const Job& job) {
+  size_t bytes = 0, offset = job.offset;
+  for (size_t i = job.next; i < job.runs.size() && bytes < static_cast<size_t>(kNetBounceBytes);
+       ++i, offset = 0) {
+    if (static_cast<int64_t>(job.runs[i].iov_len) >= kNetBounceRunBytes) break;
+    bytes += job.runs[i].iov_len - offset;
+  }
+  return std::min(bytes, static_cast<size_t>(kNetBounceBytes));
+}
+
+int64_t NetExchange::step(Job& job) {
+  const bool short_run = job.next < job.runs.size() &&
+                         static_cast<int64_t>(job.runs[job.next].iov_len) < kNetBounceRunBytes;
+  if (job.bounce_len == 0 && short_run) {
+    if (job.bounce.empty()) job.bounce.resize(kNetBounceBytes);
+    // Short runs from here go through the bounce buffer: packed now for a send; a
+    // receive reads that many bytes into it and scatters them once they are all in.
+    job.bounce_len = job.send ? bounce_runs(job, kNetBounceBytes, true) : short_bytes(job);
+    job.bounce_at = 0;
+  }
+  iovec one;
+  msghdr msg{};
+  iovec* first = nullptr;
+  iovec saved{};
+  if (job.bounce_len > 0) {
+    one = {job.bounce.data() + job.bounce_at, job.bounce_len - job.bounce_at};
+    msg.msg_iov = &one;
+    msg.msg_iovlen = 1;
+  } else {
+    // Long runs straight from or into the shards, up to the next short one.
+    size_t count = 0;
+    while (job.next + count < job.runs.size() && count < static_cast<size_t>(kNetMaxIovecs) &&
+           static_cast<int64_t>(job.runs[job.next + count].iov_len) >= kNetBounceRunBytes)
+      ++count;
+    first = &job.runs[job.next];
+    // The first run may be partly moved: point it at what is left for this call.
+    saved = *first;
+    first->iov_base = static_cast<char*>(first->iov_base) + job.offset;
+    first->iov_len -= job.offset;
+    msg.msg_iov = first;
+    msg.msg_iovlen = count;
+  }
+  ssize_t got;
+  do {
+    got = job.send ? ::sendmsg(job.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
+                   : ::recvmsg(job.fd, &msg, MSG_DONTWAIT);
+  } while (got < 0 && errno == EINTR);
+  const int err = errno;
+  if (first != nullptr) *first = saved;
+  if (got < 0) {
+    if (err == EAGAIN || err == EWOULDBLOCK) return 0;
+    job.error = err;
+    return -1;
+  }
+  if (got == 0) {  // only a receive returns 0: the peer closed its end
+    job.eof = true;
+    return -1;
+  }
+  job.bytes += got;
+  if (job.bounce_len > 0) {
+    job.bounce_at += static_cast<size_t>(got);
+    if (job.bounce_at == job.bounce_len) {
+      if (!job.send) bounce_runs(job, job.bounce_len, false);
+      job.bounce_len = job.bounce_at = 0;
+    }
+    return got;
+  }
+  auto left = static_cast<size_t>(got);
+  while (left > 0) {
+    const size_t in_run = job.runs[job.next].iov_len - job.offset;
+    if (left < in_run) {
+      job.offset += left;
+      break;
+    }
+    left -= in_run;
+    job.offset = 0;
+    ++job.next;
+  }
+  return got;
+}
+
+void NetExchange::run() {
+  std::vector<pollfd> fds;
+  std::vector<Job*> polled;
+  bool failed = false;
+  while (!failed && !stop_.load()) {
+    bool progressed = false, pending = false;
+    for (Job& job : jobs_) {
+      if (job.done()) continue;
+      const int64_t got = step(job);
+      if (got < 0) {
+        failed = true;
+        break;
+      }
+      progressed |= got > 0;
+      pending |= !job.done();
+    }
+    if (failed || !pending) break;
+    if (progressed) continue;
+    // Every pending job would block: sleep until one of them can move, or a wake-up.
+    fds.clear();
+    polled.clear();
+    for (Job& job : jobs_) {
+      if (job.done()) continue;
+      fds.push_back({job.fd, static_cast<short>(job.send ? POLLOUT : POLLIN), 0});
+      polled.push_back(&job);
+    }
+    fds.push_back({wake_[0], POLLIN, 0});
+    int ready;
+    do {
+      ready = ::poll(fds.data(), fds.size(), -1);
+    } while (ready < 0 && errno == EINTR);
+    if (ready < 0) {
+      polled.front()->error = errno;
+      break;
+    }
+    // POLLERR/POLLHUP: the next step of that job returns the error or the end.
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ended_ = true;
+  ended_cv_.notify_all();
+}
+
+}  // namespace nereus

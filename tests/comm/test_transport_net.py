@@ -1,0 +1,282 @@
+"""The socket route: nereus_comm._C.NetExchange on its own, and NetRoute between ranks.
+
+NetExchange moves region tables over TCP loopback in one process; every received
+byte must equal, byte for byte, the slice the test cuts itself from the source
+tensor (the regions are written out here, not derived by the code under test).
+The shapes cover rows that go as iovecs (>= 4 KiB) and rows that go through the
+64 KiB bounce buffer, with rows that straddle its end, and different row layouts on
+the two ends of one stream. A peer that closes early ends the exchange with an
+error, and cancel() ends one that waits for bytes that never come.
+
+NetRoute between LocalWorkers: a stranger that connects to the listener without the
+nonce the control transport carried is turned away while the real peer gets in;
+a peer that goes away mid-exchange fails the call with TransportError (not a hang)
+and breaks the route for later calls.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nereus_comm import _C
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        a = socket.create_connection(ls.getsockname())
+        b, _ = ls.accept()
+    for s in (a, b):
+        s.setblocking(False)
+    return a, b
+
+
+def _row(t: torch.Tensor, offset: int, rows: int, row: int, stride: int) -> list[int]:
+    """A table row in bytes for a uint8 tensor (written out here, not by pack.py)."""
+    return [t.data_ptr() + offset, rows, row, stride]
+
+
+def _run(sender, receiver, send_rows, recv_rows, owner, timeout_s: float = 30.0):
+    ex = _C.NetExchange()
+    ex.add(sender.fileno(), True, np.array(send_rows, dtype=np.int64).reshape(-1, 4), owner)
+    ex.add(receiver.fileno(), False, np.array(recv_rows, dtype=np.int64).reshape(-1, 4), owner)
+    ex.start()
+    deadline = time.monotonic() + timeout_s
+    while not ex.wait(50):
+        assert time.monotonic() < deadline, "the exchange did not end"
+    return ex.results()
+
+
+@pytest.mark.parametrize("row", [100, 768, 4095, 4096, 20000])
+def test_strided_rows_arrive_exactly(row: int) -> None:
+    a, b = _pair()
+    try:
+        g = torch.Generator().manual_seed(row)
+        rows = 600
+        width = 3 * row
+        src = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=g)
+        big = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+        dst = torch.zeros(rows, width, dtype=torch.uint8)
+        flat = torch.zeros(rows * row + big.numel() + 7 * width, dtype=torch.uint8)
+        # Send: a column block (strided), a large contiguous buffer, 7 whole rows.
+        send = [
+            _row(src, row, rows, row, width),
+            _row(big, 0, 1, big.numel(), big.numel()),
+            _row(src, 11 * width, 7, width, width),
+        ]
+        # Receive the same byte stream cut differently: the column block into another
+        # column of dst, the rest into one contiguous buffer.
+        recv = [
+            _row(dst, 2 * row, rows, row, width),
+            _row(flat, 0, 1, big.numel() + 7 * width, 0),
+        ]
+        results = _run(a, b, send, recv, (src, big, dst, flat))
+        total = rows * row + big.numel() + 7 * width
+        assert results == [(total, total, 0, False), (total, total, 0, False)]
+        assert torch.equal(dst[:, 2 * row : 3 * row], src[:, row : 2 * row])
+        assert torch.equal(dst[:, : 2 * row], torch.zeros(rows, 2 * row, dtype=torch.uint8))
+        assert torch.equal(flat[: big.numel()], big)
+        assert torch.equal(flat[big.numel() : big.numel() + 7 * width], src[11:18].reshape(-1))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_both_directions_on_one_stream() -> None:
+    a, b = _pair()
+    try:
+        x = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
+        y = torch.arange(1 << 19, dtype=torch.int64).view(torch.uint8)
+        x_in, y_in = torch.zeros_like(x), torch.zeros_like(y)
+        # One exchange per process side: a sends x and receives y, b the reverse.
+        ex_a, ex_b = _C.NetExchange(), _C.NetExchange()
+        ex_a.add(a.fileno(), True, np.array([_row(x, 0, 1, x.numel(), 0)]), x)
+        ex_a.add(a.fileno(), False, np.array([_row(y_in, 0, 1, y.numel(), 0)]), y_in)
+        ex_b.add(b.fileno(), True, np.array([_row(y, 0, 1, y.numel(), 0)]), y)
+        ex_b.add(b.fileno(), False, np.array([_row(x_in, 0, 1, x.numel(), 0)]), x_in)
+        ex_a.start()
+        ex_b.start()
+        assert ex_a.wait(20_000) and ex_b.wait(20_000)
+        assert torch.equal(x_in, x) and torch.equal(y_in, y)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_closes_ends_the_exchange_with_an_error() -> None:
+    a, b = _pair()
+    got = torch.zeros(1 << 20, dtype=torch.uint8)
+    ex = _C.NetExchange()
+    ex.add(b.fileno(), False, np.array([_row(got, 0, 1, got.numel(), 0)]), got)
+    ex.start()
+    a.sendall(b"x" * 1000)
+    a.close()
+    assert ex.wait(10_000)
+    ((done, total, err, eof),) = ex.results()
+    assert (done, total) == (1000, got.numel()) and (eof or err), (done, err, eof)
+    b.close()
+
+
+def test_cancel_ends_a_wait_for_bytes_that_never_come() -> None:
+    a, b = _pair()
+    got = torch.zeros(4096, dtype=torch.uint8)
+    ex = _C.NetExchange()
+    ex.add(b.fileno(), False, np.array([_row(got, 0, 1, got.numel(), 0)]), got)
+    ex.start()
+    assert not ex.wait(100)
+    started = time.monotonic()
+    ex.cancel()
+    assert time.monotonic() - started < 5
+    assert ex.results() == [(0, 4096, 0, False)]
+    a.close()
+    b.close()
+
+
+def test_bad_tables_are_refused_before_anything_moves() -> None:
+    a, b = _pair()
+    t = torch.zeros(64, dtype=torch.uint8)
+    ex = _C.NetExchange()
+    with pytest.raises(ValueError, match="int64"):
+        ex.add(a.fileno(), True, np.zeros((1, 4), dtype=np.int32), t)
+    with pytest.raises(ValueError, match="shape"):
+        ex.add(a.fileno(), True, np.zeros((1, 6), dtype=np.int64), t)
+    with pytest.raises(ValueError, match="num_rows"):
+        ex.add(a.fileno(), True, np.array([[t.data_ptr(), -1, 8, 8]], dtype=np.int64), t)
+    with pytest.raises(ValueError, match="overlap"):
+        ex.add(a.fileno(), True, np.array([[t.data_ptr(), 4, 8, 4]], dtype=np.int64), t)
+    with pytest.raises(ValueError, match="fits"):
+        ex.add(a.fileno(), True, np.array([[2**62, 3, 2**61, 2**61]], dtype=np.int64), t)
+    with pytest.raises(ValueError, match="fd"):
+        ex.add(-1, True, np.array([[t.data_ptr(), 1, 8, 8]], dtype=np.int64), t)
+    a.close()
+    b.close()
+
+
+# ---- NetRoute between ranks -------------------------------------------------------
+
+
+def _stranger_then_accept(route, original, seen: dict):
+    """Wrap route._accept: two strangers knock on the listener before the real peer
+    (which waits a second before it dials) and are turned away."""
+
+    def accept(listener, expect, nonces, theirs, deadline, timeout, liveness):
+        where = listener.getsockname()
+        strangers = [socket.create_connection(where) for _ in range(2)]
+        strangers[0].sendall(b"\0" * 32 + (1).to_bytes(8, "little"))  # rank 1, wrong nonce
+        strangers[1].sendall(b"\1" * 32 + (7).to_bytes(8, "little"))  # not a peer at all
+        try:
+            return original(listener, expect, nonces, theirs, deadline, timeout, liveness)
+        finally:
+            for s in strangers:
+                s.settimeout(5)
+                try:
+                    seen.setdefault("answers", []).append(s.recv(64))  # b"": closed, told nothing
+                except ConnectionResetError:
+                    seen.setdefault("answers", []).append(b"")
+                s.close()
+
+    return accept
+
+
+def _slow_dial(original):
+    def dial(*args, **kw):
+        time.sleep(1.0)
+        return original(*args, **kw)
+
+    return dial
+
+
+def _strangers_are_turned_away(ctx) -> dict:
+    from nereus_comm.transport import GlooTransport
+    from nereus_comm.transport_net import NetRoute
+
+    transport = GlooTransport()
+    route = NetRoute(transport, address="127.0.0.1")
+    seen: dict = {}
+    if ctx.rank == 0:
+        route._accept = _stranger_then_accept(route, route._accept, seen)
+    else:
+        route._dial = _slow_dial(route._dial)
+    peers = route.prepare([1 - ctx.rank], timeout=30)
+    g = torch.Generator().manual_seed(5)
+    full = torch.randint(0, 256, (300, 700), dtype=torch.uint8, generator=g)
+    from nereus_comm.pack import Region, region_table
+
+    out = torch.zeros(300, 350, dtype=torch.uint8)
+    # Rank 0 sends its left column block, rank 1 its right one; each lands in `out`.
+    mine = Region(full, 0 if ctx.rank == 0 else 350, 300, 350, 700)
+    theirs = Region(out, 0, 300, 350, 350)
+    peer = 1 - ctx.rank
+    pending = route.start(
+        {peer: region_table([mine])},
+        {peer: region_table([theirs])},
+        owners=(full, out),
+        deadline=time.monotonic() + 30,
+        timeout=30,
+    )
+    pending.wait()
+    other = full[:, 350:] if ctx.rank == 0 else full[:, :350]
+    return {
+        "peers": sorted(peers),
+        "equal": bool(torch.equal(out, other)),
+        "stranger_answers": seen.get("answers"),
+        "rejected": route.rejected,
+        "bytes": (route.bytes_sent, route.bytes_received),
+    }
+
+
+def _peer_goes_away(ctx) -> dict:
+    from nereus_comm.errors import TransportArgumentError, TransportError
+    from nereus_comm.pack import Region, region_table
+    from nereus_comm.transport import GlooTransport
+    from nereus_comm.transport_net import NetRoute
+
+    transport = GlooTransport()
+    route = NetRoute(transport, address="127.0.0.1")
+    route.prepare([1 - ctx.rank], timeout=30)
+    if ctx.rank == 1:
+        route.close()  # as a process that dies would: its streams close
+        return {}
+    got = torch.zeros(1 << 20, dtype=torch.uint8)
+    out = {}
+    started = time.monotonic()
+    try:
+        route.start(
+            {}, {1: region_table([Region(got, 0, 1, got.numel(), 0)])}, owners=(got,),
+            deadline=time.monotonic() + 60, timeout=60,
+        ).wait()  # fmt: skip
+        out["error"] = None
+    except TransportError as e:
+        out["error"] = str(e)
+    out["seconds"] = time.monotonic() - started
+    try:
+        route.prepare([1], timeout=5)
+        out["later"] = None
+    except TransportArgumentError as e:
+        out["later"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_net_route_between_ranks() -> None:
+    from nereus_comm.testing import LocalWorkers
+
+    with LocalWorkers(2, timeout=60) as pool:
+        first, second = pool.run(_strangers_are_turned_away)
+        assert first["peers"] == [1] and second["peers"] == [0]
+        assert first["equal"] and second["equal"]
+        # Both strangers closed at once; rank 1 never listened (it dials rank 0).
+        assert first["rejected"] == 2 and second["rejected"] == 0
+        assert first["stranger_answers"] == [b"", b""]
+        assert first["bytes"] == second["bytes"] == (300 * 350, 300 * 350)
+
+        lost, _ = pool.run(_peer_goes_away)
+        assert lost["error"] and "recv from 1" in lost["error"], lost
+        assert lost["seconds"] < 30, lost
+        assert lost["later"] and "broke earlier" in lost["later"], lost
