@@ -328,6 +328,7 @@ class Primitives:
             extra={"messages": total["messages_sent"], "buffers": total["buffers_sent"],
                    "bytes_cma": sum(r.get("bytes_cma", 0) for r in res.values()),
                    "bytes_shm": sum(r.get("bytes_shm", 0) for r in res.values()),
+                   "bytes_net": sum(r.get("bytes_net", 0) for r in res.values()),
                    # rank -> {peer: why cross-memory attach could not serve it}
                    "cma_fallback": {k: r["cma_fallback"] for k, r in res.items()
                                     if r.get("cma_fallback")},

@@ -424,10 +424,12 @@ def _reshard(
         "bytes_local": result.bytes_local,
         "messages_sent": result.messages_sent,
         "buffers_sent": result.buffers_sent,
-        # of bytes_sent, those peers read straight from this rank (cross-memory attach)
-        # and those sent through shared memory (the rest went through gloo)
+        # of bytes_sent, those peers read straight from this rank (cross-memory attach),
+        # those sent through shared memory and those over the socket route's streams
+        # (to other hosts); the rest went through gloo
         "bytes_cma": result.cma_bytes_sent,
         "bytes_shm": result.shm_bytes_sent,
+        "bytes_net": result.net_bytes_sent,
         # per peer cross-memory attach could not serve, why not (empty: it served all)
         "cma_fallback": dict(result.fallback_reasons),
         "reshard_s": result.seconds,

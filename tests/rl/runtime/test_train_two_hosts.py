@@ -4,8 +4,9 @@ The driver runs in the first namespace (its store and liveness listener on that
 namespace's address) and spawns two local workers there; two more join from the
 second namespace as an operator starts them on another machine (``nereus-rl worker
 --store ADDR:PORT --secret-file PATH``). gloo binds each namespace's veth end (see
-tests/support/netns.py), and between the namespaces nereus_comm sees two hosts, so
-every byte between them goes through the gloo transport.
+tests/support/netns.py), and between the namespaces nereus_comm sees two hosts: the
+models' collectives run over gloo, the weight sync's reshard over the socket route's
+TCP streams (route "auto"), no shared memory or cross-memory attach.
 
 A fixed plan over the four devices, its stages across both hosts, no adaptation:
 the run must match, step for step, a local run with the same seed (training on CPU
