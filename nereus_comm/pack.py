@@ -38,6 +38,7 @@ __all__ = [
     "columns_table",
     "copy_regions",
     "copy_table",
+    "copy_tables",
     "is_contiguous_region",
     "pack",
     "pack_reference",
@@ -611,6 +612,27 @@ def copy_regions(
         )
     src = region_table(src_regions, "source region")
     dst = region_table(dst_regions, "destination region")
+    copy_tables(src, dst, num_threads=num_threads, backend=backend)
+
+
+def copy_tables(
+    src: RegionTable,
+    dst: RegionTable,
+    *,
+    num_threads: int | None = None,
+    backend: str | None = None,
+) -> None:
+    """:func:`copy_regions` for validated tables (:func:`region_table`, :func:`columns_table`).
+
+    Raises:
+        PackError: the tables differ in length or device, a pair differs in bytes, or
+            as for pack().
+    """
+    if len(src.addr) != len(dst.addr):
+        raise PackError(
+            f"{len(src.addr)} source regions but {len(dst.addr)} destination regions; "
+            "pass one destination per source"
+        )
     if src.device is not None and src.device != dst.device:
         raise PackError(f"source regions are on {src.device} but destinations on {dst.device}")
     differ = src.nbytes != dst.nbytes

@@ -69,12 +69,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from nereus_comm.errors import PeerTimeoutError, PlanError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
-from nereus_comm.pack import Region, RegionTable, columns_table, copy_regions, pack, unpack
+from nereus_comm.pack import Region, RegionTable, columns_table, copy_tables, pack, unpack
 from nereus_comm.plan import ReshardPlan
 from nereus_comm.reshard_program import (
     DIRECT_MIN_BYTES,
@@ -86,6 +85,7 @@ from nereus_comm.reshard_program import (
     program,
     rebind_destinations,
     rebind_sources,
+    slot_columns,
     wire_groups,
 )
 from nereus_comm.transport import Liveness, Transport, TransportArgumentError
@@ -247,17 +247,22 @@ def _bind(buffers, tensors, stage: torch.Tensor):
 
 
 def _slot_tables(
-    slots_by_peer: Mapping[int, Sequence[Slot]], tensors: Mapping[str, torch.Tensor], what: str
+    prog: RankProgram,
+    kind: str,
+    slots_by_peer: Mapping[int, Sequence[Slot]],
+    tensors: Mapping[str, torch.Tensor],
+    what: str,
 ) -> dict[int, RegionTable]:
     """Each peer's slots bound to ``tensors`` as one validated region table (no Region
     tuple per piece: a message holds hundreds of pieces of a few tensors)."""
-    out = {}
-    for peer, slots in slots_by_peer.items():
-        index: dict[str, int] = {}
-        which = [index.setdefault(sl[0], len(index)) for sl in slots]
-        sizes = np.array([sl[1:] for sl in slots], dtype=np.int64).reshape(len(slots), 4)
-        out[peer] = columns_table([tensors[n] for n in index], np.array(which), sizes, what)
-    return out
+    return {
+        peer: _bound(prog.columns((kind, peer), slots), tensors, what)
+        for peer, slots in slots_by_peer.items()
+    }
+
+
+def _bound(cols, tensors: Mapping[str, torch.Tensor], what: str) -> RegionTable:
+    return columns_table([tensors[n] for n in cols.names], cols.which, cols.sizes, what)
 
 
 def _staged_nbytes(buffers) -> int:
@@ -766,8 +771,8 @@ def reshard(
     net_pending = None
     if net_send_slots or net_recv_slots:
         net_pending = net.start(
-            _slot_tables(net_send_slots, src_tensors, "send region"),
-            _slot_tables(net_recv_slots, dst_bound, "receive region"),
+            _slot_tables(prog, "net send", net_send_slots, src_tensors, "send region"),
+            _slot_tables(prog, "net recv", net_recv_slots, dst_bound, "receive region"),
             owners=(src_tensors, dst_bound),
             deadline=deadline,
             timeout=timeout,
@@ -795,9 +800,15 @@ def reshard(
     # rank's CMA_THREADS reads already fill the cores.
     local = [i for i in range(len(local_src)) if i not in local_done]
     if local:
-        copy_regions(
-            [_region(local_src[i], src_tensors) for i in local],
-            [_region(local_dst[i], dst_bound) for i in local],
+        if len(local) == len(local_src):  # all of them: the same columns every call
+            src_cols = prog.columns("local src", local_src)
+            dst_cols = prog.columns("local dst", local_dst)
+        else:
+            src_cols = slot_columns([local_src[i] for i in local])
+            dst_cols = slot_columns([local_dst[i] for i in local])
+        copy_tables(
+            _bound(src_cols, src_tensors, "source region"),
+            _bound(dst_cols, dst_bound, "destination region"),
         )
     copied_at = time.perf_counter()
     if shm_recv_slots:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from nereus_comm.errors import TensorMismatchError
@@ -388,6 +389,24 @@ def wire_groups(plan, message, min_bytes: int = DIRECT_MIN_BYTES) -> list[tuple[
 Slot = tuple[str, int, int, int, int]
 
 
+class SlotColumns(NamedTuple):
+    """Slots as columns (for :func:`nereus_comm.pack.columns_table`): the distinct
+    tensor names, each slot's index into them, and its four sizes."""
+
+    names: tuple[str, ...]
+    which: np.ndarray
+    sizes: np.ndarray
+    slots: tuple[Slot, ...]
+
+
+def slot_columns(slots: Sequence[Slot]) -> SlotColumns:
+    """The columns of ``slots`` (a call binds them to tensors by name)."""
+    index: dict[str, int] = {}
+    which = [index.setdefault(sl[0], len(index)) for sl in slots]
+    sizes = np.array([sl[1:] for sl in slots], dtype=np.int64).reshape(len(slots), 4)
+    return SlotColumns(tuple(index), np.array(which, dtype=np.int64), sizes, tuple(slots))
+
+
 @dataclass(frozen=True)
 class WireBuffer:
     """One wire buffer: straight from/into a shard (direct) or a staging slice."""
@@ -431,6 +450,16 @@ class RankProgram:
     #: per peer, a digest of the wire buffers between the two ranks (both directions,
     #: the lower rank's sends first): the peer computes the same from its own plan.
     pair_digests: dict[int, bytes] = field(default_factory=dict)
+    #: SlotColumns of slot lists that calls bind again and again (local copies, a
+    #: peer's socket-route message), by what they are: filled by :meth:`columns`.
+    _columns: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def columns(self, key: object, slots: Sequence[Slot]) -> SlotColumns:
+        """``slot_columns(slots)``, kept under ``key`` while the same slots come back."""
+        got = self._columns.get(key)
+        if got is None or got.slots != tuple(slots):
+            got = self._columns[key] = slot_columns(slots)
+        return got
 
 
 def _slot(spec: TensorSpec, layout: Layout, rank: int, piece) -> Slot:

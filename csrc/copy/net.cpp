@@ -19,10 +19,6 @@
 namespace nereus {
 namespace {
 
-// A run longer than this is cut into several iovecs (iov_len is a size_t, but the
-// kernel moves at most INT_MAX - page bytes per call anyway).
-constexpr int64_t kNetMaxRunBytes = int64_t{1} << 30;
-
 void close_fd(int& fd) {
   if (fd >= 0) ::close(fd);
   fd = -1;
@@ -48,6 +44,7 @@ void NetExchange::add(int fd, bool send, const int64_t* table, int64_t num_regio
   Job job;
   job.fd = fd;
   job.send = send;
+  job.regions.reserve(static_cast<size_t>(num_regions));
   for (int64_t i = 0; i < num_regions; ++i) {
     const int64_t* r = table + i * kNetTableColumns;
     const int64_t addr = r[0], rows = r[1], row_bytes = r[2], stride = r[3];
@@ -56,38 +53,29 @@ void NetExchange::add(int fd, bool send, const int64_t* table, int64_t num_regio
                                   << " stride=" << stride
                                   << "; rows must not overlap and sizes must be >= 0");
     if (rows == 0 || row_bytes == 0) continue;
-    int64_t span = 0, end = 0;
+    int64_t span = 0, end = 0, nbytes = 0;
     NEREUS_CHECK(addr > 0 && !__builtin_mul_overflow(rows - 1, stride, &span) &&
                      !__builtin_add_overflow(addr, span, &end) &&
-                     !__builtin_add_overflow(end, row_bytes, &end),
+                     !__builtin_add_overflow(end, row_bytes, &end) &&
+                     !__builtin_mul_overflow(rows, row_bytes, &nbytes),
                  "net table row " << i << " needs a positive address and an end that fits");
-    // Whole regions whose rows follow each other are one run (cut at kNetMaxRunBytes).
-    const bool contiguous = rows == 1 || stride == row_bytes;
-    const int64_t pieces = contiguous ? 1 : rows;
-    const int64_t piece_bytes = contiguous ? rows * row_bytes : row_bytes;
-    for (int64_t p = 0; p < pieces; ++p) {
-      int64_t at = addr + p * stride;
-      for (int64_t left = piece_bytes; left > 0;) {
-        const int64_t n = std::min(left, kNetMaxRunBytes);
-        if (!job.runs.empty()) {
-          iovec& last = job.runs.back();
-          auto last_end =
-              reinterpret_cast<int64_t>(last.iov_base) + static_cast<int64_t>(last.iov_len);
-          if (last_end == at && static_cast<int64_t>(last.iov_len) + n <= kNetMaxRunBytes) {
-            last.iov_len += static_cast<size_t>(n);
-            at += n;
-            left -= n;
-            continue;
-          }
-        }
-        job.runs.push_back({reinterpret_cast<void*>(at), static_cast<size_t>(n)});
-        at += n;
-        left -= n;
-      }
-    }
-    job.total += rows * row_bytes;
+    // A contiguous region is one row: the longest runs, the fewest iovecs.
+    if (rows == 1 || stride == row_bytes)
+      job.regions.push_back({addr, 1, nbytes, nbytes});
+    else
+      job.regions.push_back({addr, rows, row_bytes, stride});
+    job.total += nbytes;
   }
   jobs_.push_back(std::move(job));
+}
+
+void NetExchange::Job::advance(int64_t n) {
+  col += n;
+  if (col < regions[region].row_bytes) return;
+  col = 0;
+  if (++row < regions[region].rows) return;
+  row = 0;
+  ++region;
 }
 
 void NetExchange::start() {
@@ -125,67 +113,65 @@ std::vector<NetJobResult> NetExchange::results() const {
   return out;
 }
 
-size_t NetExchange::bounce_runs(Job& job, size_t bytes, bool pack) {
+size_t NetExchange::bounce_rows(Job& job, size_t bytes, bool pack) {
   size_t pos = 0;
-  while (pos < bytes && job.next < job.runs.size() &&
-         static_cast<int64_t>(job.runs[job.next].iov_len) < kNetBounceRunBytes) {
-    const iovec& run = job.runs[job.next];
-    const size_t n = std::min(run.iov_len - job.offset, bytes - pos);
-    char* at = static_cast<char*>(run.iov_base) + job.offset;
+  while (pos < bytes && job.region < job.regions.size() && job.regions[job.region].short_rows()) {
+    const auto n = static_cast<size_t>(
+        std::min<int64_t>(job.left_in_row(), static_cast<int64_t>(bytes - pos)));
     if (pack)
-      std::memcpy(job.bounce.data() + pos, at, n);
+      std::memcpy(job.bounce.data() + pos, job.here(), n);
     else
-      std::memcpy(at, job.bounce.data() + pos, n);
+      std::memcpy(job.here(), job.bounce.data() + pos, n);
     pos += n;
-    job.offset += n;
-    if (job.offset == run.iov_len) {
-      job.offset = 0;
-      ++job.next;
-    }
+    job.advance(static_cast<int64_t>(n));
   }
   return pos;
 }
 
 size_t NetExchange::short_bytes(const Job& job) {
-  size_t bytes = 0, offset = job.offset;
-  for (size_t i = job.next; i < job.runs.size() && bytes < static_cast<size_t>(kNetBounceBytes);
-       ++i, offset = 0) {
-    if (static_cast<int64_t>(job.runs[i].iov_len) >= kNetBounceRunBytes) break;
-    bytes += job.runs[i].iov_len - offset;
+  int64_t bytes = 0;
+  size_t region = job.region;
+  int64_t row = job.row, col = job.col;
+  while (bytes < kNetBounceBytes && region < job.regions.size() &&
+         job.regions[region].short_rows()) {
+    const Rows& r = job.regions[region];
+    bytes += (r.rows - row) * r.row_bytes - col;  // the rest of this region
+    ++region;
+    row = col = 0;
   }
-  return std::min(bytes, static_cast<size_t>(kNetBounceBytes));
+  return static_cast<size_t>(std::min(bytes, kNetBounceBytes));
 }
 
 int64_t NetExchange::step(Job& job) {
-  const bool short_run = job.next < job.runs.size() &&
-                         static_cast<int64_t>(job.runs[job.next].iov_len) < kNetBounceRunBytes;
-  if (job.bounce_len == 0 && short_run) {
-    if (job.bounce.empty()) job.bounce.resize(kNetBounceBytes);
-    // Short runs from here go through the bounce buffer: packed now for a send; a
+  if (job.bounce_len == 0 && job.regions[job.region].short_rows()) {
+    // Short rows from here go through the bounce buffer: packed now for a send; a
     // receive reads that many bytes into it and scatters them once they are all in.
-    job.bounce_len = job.send ? bounce_runs(job, kNetBounceBytes, true) : short_bytes(job);
+    if (job.bounce.empty()) job.bounce.resize(kNetBounceBytes);
+    job.bounce_len = job.send ? bounce_rows(job, kNetBounceBytes, true) : short_bytes(job);
     job.bounce_at = 0;
   }
-  iovec one;
+  iovec iov[kNetMaxIovecs];
   msghdr msg{};
-  iovec* first = nullptr;
-  iovec saved{};
+  msg.msg_iov = iov;
   if (job.bounce_len > 0) {
-    one = {job.bounce.data() + job.bounce_at, job.bounce_len - job.bounce_at};
-    msg.msg_iov = &one;
+    iov[0] = {job.bounce.data() + job.bounce_at, job.bounce_len - job.bounce_at};
     msg.msg_iovlen = 1;
   } else {
-    // Long runs straight from or into the shards, up to the next short one.
+    // Long rows straight from or into the shards, up to the next short region.
     size_t count = 0;
-    while (job.next + count < job.runs.size() && count < static_cast<size_t>(kNetMaxIovecs) &&
-           static_cast<int64_t>(job.runs[job.next + count].iov_len) >= kNetBounceRunBytes)
-      ++count;
-    first = &job.runs[job.next];
-    // The first run may be partly moved: point it at what is left for this call.
-    saved = *first;
-    first->iov_base = static_cast<char*>(first->iov_base) + job.offset;
-    first->iov_len -= job.offset;
-    msg.msg_iov = first;
+    size_t region = job.region;
+    int64_t row = job.row, col = job.col;
+    while (count < static_cast<size_t>(kNetMaxIovecs) && region < job.regions.size() &&
+           !job.regions[region].short_rows()) {
+      const Rows& r = job.regions[region];
+      iov[count++] = {reinterpret_cast<char*>(r.addr + row * r.stride + col),
+                      static_cast<size_t>(r.row_bytes - col)};
+      col = 0;
+      if (++row == r.rows) {
+        row = 0;
+        ++region;
+      }
+    }
     msg.msg_iovlen = count;
   }
   ssize_t got;
@@ -193,11 +179,9 @@ int64_t NetExchange::step(Job& job) {
     got = job.send ? ::sendmsg(job.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
                    : ::recvmsg(job.fd, &msg, MSG_DONTWAIT);
   } while (got < 0 && errno == EINTR);
-  const int err = errno;
-  if (first != nullptr) *first = saved;
   if (got < 0) {
-    if (err == EAGAIN || err == EWOULDBLOCK) return 0;
-    job.error = err;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    job.error = errno;
     return -1;
   }
   if (got == 0) {  // only a receive returns 0: the peer closed its end
@@ -208,21 +192,15 @@ int64_t NetExchange::step(Job& job) {
   if (job.bounce_len > 0) {
     job.bounce_at += static_cast<size_t>(got);
     if (job.bounce_at == job.bounce_len) {
-      if (!job.send) bounce_runs(job, job.bounce_len, false);
+      if (!job.send) bounce_rows(job, job.bounce_len, false);
       job.bounce_len = job.bounce_at = 0;
     }
     return got;
   }
-  auto left = static_cast<size_t>(got);
-  while (left > 0) {
-    const size_t in_run = job.runs[job.next].iov_len - job.offset;
-    if (left < in_run) {
-      job.offset += left;
-      break;
-    }
-    left -= in_run;
-    job.offset = 0;
-    ++job.next;
+  for (int64_t left = got; left > 0;) {
+    const int64_t n = std::min(left, job.left_in_row());
+    job.advance(n);
+    left -= n;
   }
   return got;
 }

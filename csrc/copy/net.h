@@ -61,15 +61,27 @@ class NetExchange {
   std::vector<NetJobResult> results() const;
 
  private:
+  // A table row: rows of row_bytes, row r at addr + r * stride (a contiguous region
+  // is one row of all its bytes).
+  struct Rows {
+    int64_t addr;
+    int64_t rows;
+    int64_t row_bytes;
+    int64_t stride;
+    bool short_rows() const { return row_bytes < kNetBounceRunBytes; }
+  };
   struct Job {
     int fd;
     bool send;
-    std::vector<iovec> runs;  // the table's bytes as runs, adjacent ones merged
-    size_t next = 0;          // the first run not fully moved
-    size_t offset = 0;        // bytes of runs[next] already moved
+    std::vector<Rows> regions;  // non-empty ones, in order
+    // The cursor: the first byte not yet moved is byte `col` of row `row` of
+    // regions[region] (region == regions.size(): all moved).
+    size_t region = 0;
+    int64_t row = 0;
+    int64_t col = 0;
     int64_t bytes = 0;
     int64_t total = 0;
-    // Bounce buffer: a send packs short runs into it and writes [bounce_at,
+    // Bounce buffer: a send packs short rows into it and writes [bounce_at,
     // bounce_len); a receive reads bounce_len bytes into it, then scatters them.
     // bounce_len is 0 between two uses.
     std::vector<char> bounce;
@@ -77,12 +89,20 @@ class NetExchange {
     size_t bounce_at = 0;
     int error = 0;
     bool eof = false;
-    bool done() const { return next == runs.size() && bounce_len == 0; }
+    bool done() const { return region == regions.size() && bounce_len == 0; }
+    // The rest of the cursor's row.
+    char* here() const {
+      const Rows& r = regions[region];
+      return reinterpret_cast<char*>(r.addr + row * r.stride + col);
+    }
+    int64_t left_in_row() const { return regions[region].row_bytes - col; }
+    // Moves the cursor n bytes on (n <= left_in_row()).
+    void advance(int64_t n);
   };
-  // Copies short runs from the cursor between the bounce buffer and the shards (pack
+  // Copies short rows from the cursor between the bounce buffer and the shards (pack
   // for a send, scatter for a receive), at most bytes of them; advances the cursor.
-  static size_t bounce_runs(Job& job, size_t bytes, bool pack);
-  // The bytes of short runs from the cursor that fit the bounce buffer.
+  static size_t bounce_rows(Job& job, size_t bytes, bool pack);
+  // The bytes of short rows from the cursor that fit the bounce buffer.
   static size_t short_bytes(const Job& job);
 
   void run();
