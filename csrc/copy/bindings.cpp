@@ -13,17 +13,24 @@ namespace py = pybind11;
 namespace nereus {
 namespace {
 
+// The rows of an int64 table of `columns` columns (what: "region", "swap", "net"), after
+// checking its dtype, shape and layout.
+const int64_t* table_rows(const py::array& table, int columns, const char* what) {
+  NEREUS_CHECK(table.dtype().is(py::dtype::of<int64_t>()),
+               "the " << what << " table must be int64, got dtype "
+                      << py::str(table.dtype()).cast<std::string>());
+  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == columns,
+               "the " << what << " table must have shape (num_rows, " << columns << "), got ndim "
+                      << table.ndim());
+  NEREUS_CHECK(
+      table.flags() & py::array::c_style,
+      "the " << what << " table must be C-contiguous; pass numpy.ascontiguousarray(table)");
+  return static_cast<const int64_t*>(table.data());
+}
+
 // The region table's rows, after checking its dtype, shape and layout.
 const CopyRegion* table_regions(const py::array& table) {
-  NEREUS_CHECK(
-      table.dtype().is(py::dtype::of<int64_t>()),
-      "the region table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
-  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kCopyTableColumns,
-               "the region table must have shape (num_regions, " << kCopyTableColumns
-                                                                 << "), got ndim " << table.ndim());
-  NEREUS_CHECK(table.flags() & py::array::c_style,
-               "the region table must be C-contiguous; pass numpy.ascontiguousarray(table)");
-  return static_cast<const CopyRegion*>(table.data());
+  return reinterpret_cast<const CopyRegion*>(table_rows(table, kCopyTableColumns, "region"));
 }
 
 int copy_regions_py(const py::array& table, int num_threads) {
@@ -45,15 +52,7 @@ py::tuple cma_read_py(int pid, const py::array& table, int num_threads) {
 }
 
 py::tuple swap_pages_py(const py::array& table) {
-  NEREUS_CHECK(
-      table.dtype().is(py::dtype::of<int64_t>()),
-      "the swap table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
-  NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kSwapTableColumns,
-               "the swap table must have shape (num_rows, " << kSwapTableColumns << "), got ndim "
-                                                            << table.ndim());
-  NEREUS_CHECK(table.flags() & py::array::c_style,
-               "the swap table must be C-contiguous; pass numpy.ascontiguousarray(table)");
-  const auto* rows = static_cast<const SwapRow*>(table.data());
+  const auto* rows = reinterpret_cast<const SwapRow*>(table_rows(table, kSwapTableColumns, "swap"));
   for (int64_t i = 0; i < table.shape(0); ++i) {
     const SwapRow& r = rows[i];
     int64_t a_end = 0, b_end = 0;
@@ -79,15 +78,8 @@ py::tuple swap_pages_py(const py::array& table) {
 class PyNetExchange {
  public:
   void add(int fd, bool send, const py::array& table, py::object owner) {
-    NEREUS_CHECK(
-        table.dtype().is(py::dtype::of<int64_t>()),
-        "the net table must be int64, got dtype " << py::str(table.dtype()).cast<std::string>());
-    NEREUS_CHECK(table.ndim() == 2 && table.shape(1) == kNetTableColumns,
-                 "the net table must have shape (num_regions, " << kNetTableColumns
-                                                                << "), got ndim " << table.ndim());
-    NEREUS_CHECK(table.flags() & py::array::c_style,
-                 "the net table must be C-contiguous; pass numpy.ascontiguousarray(table)");
-    exchange_.add(fd, send, static_cast<const int64_t*>(table.data()), table.shape(0));
+    const int64_t* rows = table_rows(table, kNetTableColumns, "net");
+    exchange_.add(fd, send, rows, table.shape(0));
     owners_.push_back(std::move(owner));
   }
   void start() { exchange_.start(); }

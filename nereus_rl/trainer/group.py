@@ -109,10 +109,12 @@ def sync_weights(group: WorkerGroup, plan: GlobalPlan) -> dict[str, float]:
     gather on one rank.
 
     Returns:
-        ``sync_s`` (seconds) and ``sync_bytes_sent`` (bytes sent between workers).
+        ``sync_s`` (seconds), ``sync_bytes_sent`` (bytes sent between workers) and
+        ``sync_bytes_net`` (of those, the bytes sent to workers on other hosts, over
+        the socket route).
     """
     t0 = time.perf_counter()
-    sent = 0.0
+    sent = net = 0.0
     names = plan.stage_names
     for src, dst in SYNC_PAIRS:
         if src in names and dst in names:
@@ -124,4 +126,5 @@ def sync_weights(group: WorkerGroup, plan: GlobalPlan) -> dict[str, float]:
                 replace=False,
             )
             sent += sum(r["bytes_sent"] for r in rep.values())
-    return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent}
+            net += sum(r.get("bytes_net", 0.0) for r in rep.values())
+    return {"sync_s": time.perf_counter() - t0, "sync_bytes_sent": sent, "sync_bytes_net": net}

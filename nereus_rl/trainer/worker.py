@@ -300,6 +300,8 @@ def move(
         "bytes_sent": float(result.bytes_sent),
         "bytes_received": float(result.bytes_received),
         "bytes_local": float(result.bytes_local),
+        # of bytes_sent, those over the socket route's streams (peers on other hosts)
+        "bytes_net": float(result.net_bytes_sent),
     }
 
 

@@ -50,6 +50,8 @@ def _summary(res, device_worker: dict[int, int] | None = None) -> dict:
         "rewards": res.rewards,
         "loss": [m["loss"] for m in res.metrics],
         "kl": [m["kl"] for m in res.metrics],
+        # per step that ran a weight sync (the last one runs none)
+        "sync_net": [m["sync_bytes_net"] for m in res.metrics if "sync_bytes_net" in m],
         "plan": repr(res.plans[-1][1]) if res.plans else None,
         "devices": sorted(res.plans[-1][1].devices) if res.plans else [],
         "device_worker": {str(k): v for k, v in (device_worker or {}).items()},
@@ -138,6 +140,10 @@ def test_trainer_runs_with_workers_on_two_hosts_and_matches_the_local_run():
     assert remote["rewards"] == local["rewards"]
     assert remote["loss"] == local["loss"]
     assert remote["kl"] == local["kl"]
+    # The weight sync crosses the hosts (actor_train on 0 and 2, rollout on 2 and 3):
+    # those bytes took the socket route there; on one host none did.
+    assert remote["sync_net"] and all(n > 0 for n in remote["sync_net"]), remote["sync_net"]
+    assert local["sync_net"] and not any(local["sync_net"]), local["sync_net"]
 
 
 def main() -> None:
