@@ -280,3 +280,53 @@ def test_net_route_between_ranks() -> None:
         assert lost["error"] and "recv from 1" in lost["error"], lost
         assert lost["seconds"] < 30, lost
         assert lost["later"] and "broke earlier" in lost["later"], lost
+
+
+def _random_regions(rng: np.random.Generator, t: torch.Tensor, total: int) -> list[list[int]]:
+    """Regions over uint8 tensor ``t`` holding ``total`` bytes in all, disjoint, in
+    storage order: a mix of contiguous runs and strided rows of 1 B to 20 KB."""
+    out, at, left = [], 0, total
+    while left:
+        row = int(min(left, rng.choice([1, 7, 300, 4095, 4096, 5000, 20000])))
+        rows = int(min(left // row, rng.integers(1, 40)))
+        gap = int(rng.choice([0, 0, 1, 64, 3000]))
+        stride = row + gap
+        out.append([t.data_ptr() + at, rows, row, stride])
+        at += (rows - 1) * stride + row + int(rng.integers(0, 50))
+        left -= rows * row
+    assert at <= t.numel(), "the test's tensor is too small for its regions"
+    return out
+
+
+def _gather(t: torch.Tensor, regions: list[list[int]]) -> torch.Tensor:
+    """The bytes of ``regions`` in order, cut out with slicing (the reference)."""
+    base = t.data_ptr()
+    parts = []
+    for addr, rows, row, stride in regions:
+        off = addr - base
+        parts += [t[off + r * stride : off + r * stride + row] for r in range(rows)]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_tables_on_both_ends_move_every_byte_in_order(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(1, 3 << 20))
+    src = torch.from_numpy(rng.integers(0, 256, 8 * total + 4096, dtype=np.uint8))
+    dst = torch.zeros(8 * total + 4096, dtype=torch.uint8)
+    send, recv = _random_regions(rng, src, total), _random_regions(rng, dst, total)
+    a, b = _pair()
+    try:
+        results = _run(a, b, send, recv, (src, dst))
+    finally:
+        a.close()
+        b.close()
+    assert results == [(total, total, 0, False), (total, total, 0, False)]
+    assert torch.equal(_gather(dst, recv), _gather(src, send))
+    # Nothing outside the receive regions was written.
+    outside = torch.ones_like(dst, dtype=torch.bool)
+    for addr, rows, row, stride in recv:
+        off = addr - dst.data_ptr()
+        for r in range(rows):
+            outside[off + r * stride : off + r * stride + row] = False
+    assert not dst[outside].any()
