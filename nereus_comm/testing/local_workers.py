@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import queue
 import time
 import traceback
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nereus_comm.environment import worker_environ
+from nereus_comm.transport_net import NET_ADDRESS_ENV
 from nereus_comm.world import listen_store
 
 __all__ = ["LocalWorkers", "WorkerContext", "WorkerError"]
@@ -53,6 +55,9 @@ def _worker_main(
     rank: int, world_size: int, port: int, inbox: mp.Queue, outbox: mp.Queue, timeout: float
 ) -> None:
     torch.set_num_threads(1)
+    # Every worker is on this host: the socket route (reshard's route="net") listens on
+    # loopback, as the store does, whatever the hostname resolves to.
+    os.environ.setdefault(NET_ADDRESS_ENV, "127.0.0.1")
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
     )

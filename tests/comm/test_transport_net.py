@@ -226,6 +226,8 @@ def _strangers_are_turned_away(ctx) -> dict:
         "peers": sorted(peers),
         "equal": bool(torch.equal(out, other)),
         "stranger_answers": seen.get("answers"),
+        # LocalWorkers are on this host: the default address is loopback.
+        "default_address": NetRoute(transport).address,
         "rejected": route.rejected,
         "bytes": (route.bytes_sent, route.bytes_received),
     }
@@ -274,6 +276,7 @@ def test_net_route_between_ranks() -> None:
         # Both strangers closed at once; rank 1 never listened (it dials rank 0).
         assert first["rejected"] == 2 and second["rejected"] == 0
         assert first["stranger_answers"] == [b"", b""]
+        assert first["default_address"] == second["default_address"] == "127.0.0.1"
         assert first["bytes"] == second["bytes"] == (300 * 350, 300 * 350)
 
         lost, _ = pool.run(_peer_goes_away)
