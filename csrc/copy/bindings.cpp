@@ -82,7 +82,7 @@ class PyNetExchange {
     exchange_.add(fd, send, rows, table.shape(0));
     owners_.push_back(std::move(owner));
   }
-  void start() { exchange_.start(); }
+  void start(bool split) { exchange_.start(split); }
   bool wait(int timeout_ms) {
     py::gil_scoped_release release;
     return exchange_.wait(timeout_ms);
@@ -159,8 +159,9 @@ Raises:
   py::class_<PyNetExchange>(m, "NetExchange", R"doc(Moves region tables over connected sockets.
 
 Each job's rows are written to (send) or read from (receive) a non-blocking stream
-socket with sendmsg/recvmsg, straight from or into the tensors' storage; one thread of
-the exchange's own runs every job until all are done, one fails, or cancel().)doc")
+socket with sendmsg/recvmsg, straight from or into the tensors' storage (rows under
+4 KiB through a 64 KiB bounce buffer); the exchange's own threads (one for the sends,
+one for the receives) run every job until all are done, one fails, or cancel().)doc")
       .def(py::init<>())
       .def("add", &PyNetExchange::add, py::arg("fd"), py::arg("send"), py::arg("table"),
            py::arg("owner"),
@@ -173,7 +174,8 @@ Arguments:
         host addresses validated by the caller (pack.region_table).
     owner: an object that keeps the addressed memory alive; held until the exchange
         is destroyed.)doc")
-      .def("start", &PyNetExchange::start, "Start moving bytes on the exchange's thread.")
+      .def("start", &PyNetExchange::start, py::arg("split") = true,
+           "Start moving bytes: sends and receives on a thread each (split), or one thread.")
       .def("wait", &PyNetExchange::wait, py::arg("timeout_ms"),
            "Wait up to timeout_ms, GIL released; True once the run has ended.")
       .def("cancel", &PyNetExchange::cancel, "End the run now and join its thread.")

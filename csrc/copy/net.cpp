@@ -78,10 +78,18 @@ void NetExchange::Job::advance(int64_t n) {
   ++region;
 }
 
-void NetExchange::start() {
+void NetExchange::start(bool split) {
   if (started_) return;
   started_ = true;
-  thread_ = std::thread([this] { run(); });
+  using Which = bool (*)(const Job&);
+  std::vector<Which> loops;
+  if (split) {
+    loops = {[](const Job& j) { return j.send; }, [](const Job& j) { return !j.send; }};
+  } else {
+    loops = {[](const Job&) { return true; }};
+  }
+  running_ = static_cast<int>(loops.size());
+  for (Which which : loops) threads_.emplace_back([this, which] { run(which); });
 }
 
 bool NetExchange::wait(int timeout_ms) {
@@ -92,21 +100,20 @@ bool NetExchange::wait(int timeout_ms) {
 }
 
 void NetExchange::cancel() {
-  if (thread_.joinable()) {
-    stop_.store(true);
-    char byte = 1;
-    // A full pipe already holds a wake-up: the loop sees stop_ at its next wake.
-    ssize_t ignored = ::write(wake_[1], &byte, 1);
-    (void)ignored;
-    thread_.join();
-  }
+  if (threads_.empty()) return;
+  stop_.store(true);
+  char byte = 1;
+  // A full pipe already holds a wake-up: each loop sees stop_ at its next wake.
+  ssize_t ignored = ::write(wake_[1], &byte, 1);
+  (void)ignored;
+  for (auto& t : threads_) t.join();
+  threads_.clear();
 }
 
 std::vector<NetJobResult> NetExchange::results() const {
   std::lock_guard<std::mutex> lock(mu_);
   // The run's thread writes the jobs without a lock: read them once it has ended.
-  NEREUS_CHECK(ended_ || !started_ || !thread_.joinable(),
-               "results() are read after wait() returned true or cancel()");
+  NEREUS_CHECK(ended_ || !started_, "results() are read after wait() returned true or cancel()");
   std::vector<NetJobResult> out;
   out.reserve(jobs_.size());
   for (const Job& j : jobs_) out.push_back({j.bytes, j.total, j.error, j.eof});
@@ -205,31 +212,34 @@ int64_t NetExchange::step(Job& job) {
   return got;
 }
 
-void NetExchange::run() {
+void NetExchange::run(bool (*which)(const Job&)) {
+  std::vector<Job*> mine;
+  for (Job& job : jobs_)
+    if (which(job)) mine.push_back(&job);
   std::vector<pollfd> fds;
   std::vector<Job*> polled;
   bool failed = false;
   while (!failed && !stop_.load()) {
     bool progressed = false, pending = false;
-    for (Job& job : jobs_) {
-      if (job.done()) continue;
-      const int64_t got = step(job);
+    for (Job* job : mine) {
+      if (job->done()) continue;
+      const int64_t got = step(*job);
       if (got < 0) {
         failed = true;
         break;
       }
       progressed |= got > 0;
-      pending |= !job.done();
+      pending |= !job->done();
     }
     if (failed || !pending) break;
     if (progressed) continue;
     // Every pending job would block: sleep until one of them can move, or a wake-up.
     fds.clear();
     polled.clear();
-    for (Job& job : jobs_) {
-      if (job.done()) continue;
-      fds.push_back({job.fd, static_cast<short>(job.send ? POLLOUT : POLLIN), 0});
-      polled.push_back(&job);
+    for (Job* job : mine) {
+      if (job->done()) continue;
+      fds.push_back({job->fd, static_cast<short>(job->send ? POLLOUT : POLLIN), 0});
+      polled.push_back(job);
     }
     fds.push_back({wake_[0], POLLIN, 0});
     int ready;
@@ -238,13 +248,22 @@ void NetExchange::run() {
     } while (ready < 0 && errno == EINTR);
     if (ready < 0) {
       polled.front()->error = errno;
-      break;
+      failed = true;
     }
     // POLLERR/POLLHUP: the next step of that job returns the error or the end.
   }
+  if (failed) {
+    // The exchange cannot complete: the other loop stops too (its peer may wait on us).
+    stop_.store(true);
+    char byte = 1;
+    ssize_t ignored = ::write(wake_[1], &byte, 1);
+    (void)ignored;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  ended_ = true;
-  ended_cv_.notify_all();
+  if (--running_ == 0) {
+    ended_ = true;
+    ended_cv_.notify_all();
+  }
 }
 
 }  // namespace nereus

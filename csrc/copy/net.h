@@ -37,8 +37,8 @@ struct NetJobResult {
   bool eof;
 };
 
-// One exchange: jobs added, then run on a thread of its own until every job is done,
-// one fails, or cancel() is called. The fds must be connected, non-blocking stream
+// One exchange: jobs added, then run on threads of its own (see start()) until every
+// job is done, one fails, or cancel() is called. The fds must be connected, non-blocking stream
 // sockets; a send job and a receive job may share one. The tables' addresses must
 // stay valid until the run has ended (wait() returned true, or cancel()).
 class NetExchange {
@@ -51,8 +51,10 @@ class NetExchange {
   // Adds a job: the table's rows (kNetTableColumns int64 each) are written to fd in
   // order (send) or read from it in order (receive). Only before start().
   void add(int fd, bool send, const int64_t* table, int64_t num_regions);
-  // Starts the run on its thread (a second call does nothing).
-  void start();
+  // Starts the run (a second call does nothing): with split, sends and receives on a
+  // thread each, so the kernel's copies of the two directions run on two cores; else
+  // every job on one thread.
+  void start(bool split = true);
   // Waits up to timeout_ms for the run to end; true when it has.
   bool wait(int timeout_ms);
   // Ends the run (its thread exits at its next wake) and joins it.
@@ -105,12 +107,15 @@ class NetExchange {
   // The bytes of short rows from the cursor that fit the bounce buffer.
   static size_t short_bytes(const Job& job);
 
-  void run();
+  // Runs the jobs of which(job) until they are done, one fails (which stops the
+  // others too) or stop_.
+  void run(bool (*which)(const Job&));
   // One sendmsg/recvmsg from the job's cursor: >0 bytes moved, 0 would block, <0 failed.
   int64_t step(Job& job);
 
   std::vector<Job> jobs_;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
+  int running_ = 0;  // loops not ended yet (under mu_)
   int wake_[2] = {-1, -1};
   std::atomic<bool> stop_{false};
   mutable std::mutex mu_;
