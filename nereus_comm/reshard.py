@@ -23,7 +23,7 @@ same plan. Each rank:
    the same buffers from the plan alone: no extra communication;
 3. posts every buffer in one batched transport call and, while the bytes
    travel, copies the bytes it already holds and needs (the plan's local
-   copies) with one :func:`~nereus_comm.pack.copy_regions` call;
+   copies) with one :func:`~nereus_comm.pack.copy_tables` call;
 4. drains the receive staging buffer with a single
    :func:`~nereus_comm.pack.unpack` call.
 
@@ -778,56 +778,62 @@ def reshard(
             timeout=timeout,
             liveness=liveness,
         )
-    for peer, slots in shm_send_slots.items():
-        # The pack is the send: straight from the shards into the peer's segment.
-        regions = [_region(sl, src_tensors) for sl in slots]
-        shm.send(
-            peer,
-            shm_send_bytes[peer],
-            lambda view, regions=regions: pack(regions, out=view),
-            deadline=deadline,
-            timeout=timeout,
-            liveness=liveness,
-        )
-    read = {}
-    for peer, slots in cma_recv_slots.items():
-        # The read is the whole transfer: from the peer's shards into ours.
-        regions = [_region(sl, dst_bound) for sl in slots]
-        read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
-    read_at = time.perf_counter()
-    # After this rank's reads, while its peers may still read from it (cma.finish waits
-    # for them): the copies fill that wait. Not on a helper thread beside the reads: each
-    # rank's CMA_THREADS reads already fill the cores.
-    local = [i for i in range(len(local_src)) if i not in local_done]
-    if local:
-        if len(local) == len(local_src):  # all of them: the same columns every call
-            src_cols = prog.columns("local src", local_src)
-            dst_cols = prog.columns("local dst", local_dst)
-        else:
-            src_cols = slot_columns([local_src[i] for i in local])
-            dst_cols = slot_columns([local_dst[i] for i in local])
-        copy_tables(
-            _bound(src_cols, src_tensors, "source region"),
-            _bound(dst_cols, dst_bound, "destination region"),
-        )
-    copied_at = time.perf_counter()
-    if shm_recv_slots:
-        shm.receive(
-            shm_recv_bytes,
-            lambda p, view: unpack(view, [_region(sl, dst_bound) for sl in shm_recv_slots[p]]),
-            deadline=deadline,
-            timeout=timeout,
-            liveness=liveness,
-        )
-    if cma_send_slots or cma_recv_slots:
-        # Our sources must stay untouched until every peer reading them is done.
-        cma.finish(
-            read,
-            list(cma_send_slots),
-            timeout=max(deadline - time.monotonic(), 1.0),
-            control=transport,
-            liveness=liveness,
-        )
+    try:
+        for peer, slots in shm_send_slots.items():
+            # The pack is the send: straight from the shards into the peer's segment.
+            regions = [_region(sl, src_tensors) for sl in slots]
+            shm.send(
+                peer,
+                shm_send_bytes[peer],
+                lambda view, regions=regions: pack(regions, out=view),
+                deadline=deadline,
+                timeout=timeout,
+                liveness=liveness,
+            )
+        read = {}
+        for peer, slots in cma_recv_slots.items():
+            # The read is the whole transfer: from the peer's shards into ours.
+            regions = [_region(sl, dst_bound) for sl in slots]
+            read[peer] = cma.read(peer, tables[peer], regions, cma_recv_bytes[peer])
+        read_at = time.perf_counter()
+        # After this rank's reads, while its peers may still read from it (cma.finish waits
+        # for them): the copies fill that wait. Not on a helper thread beside the reads: each
+        # rank's CMA_THREADS reads already fill the cores.
+        local = [i for i in range(len(local_src)) if i not in local_done]
+        if local:
+            if len(local) == len(local_src):  # all of them: the same columns every call
+                src_cols = prog.columns("local src", local_src)
+                dst_cols = prog.columns("local dst", local_dst)
+            else:
+                src_cols = slot_columns([local_src[i] for i in local])
+                dst_cols = slot_columns([local_dst[i] for i in local])
+            copy_tables(
+                _bound(src_cols, src_tensors, "source region"),
+                _bound(dst_cols, dst_bound, "destination region"),
+            )
+        copied_at = time.perf_counter()
+        if shm_recv_slots:
+            shm.receive(
+                shm_recv_bytes,
+                lambda p, view: unpack(view, [_region(sl, dst_bound) for sl in shm_recv_slots[p]]),
+                deadline=deadline,
+                timeout=timeout,
+                liveness=liveness,
+            )
+        if cma_send_slots or cma_recv_slots:
+            # Our sources must stay untouched until every peer reading them is done.
+            cma.finish(
+                read,
+                list(cma_send_slots),
+                timeout=max(deadline - time.monotonic(), 1.0),
+                control=transport,
+                liveness=liveness,
+            )
+    except BaseException:
+        # The streams may hold part of this call's bytes: no later call may use them.
+        if net_pending is not None:
+            net_pending.abort("the call failed while its socket transfers were under way")
+        raise
     if net_pending is not None:
         net_pending.wait()
     pending.wait()

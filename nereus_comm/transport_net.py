@@ -221,6 +221,14 @@ class NetPending:
             ex.cancel()  # joins the exchange's thread: it touches no shard after this
             self._exchange = None
 
+    def abort(self, reason: str) -> None:
+        """End the transfers now and break the route (its streams may hold part of a
+        message); for a caller that fails before :meth:`wait`."""
+        if self._exchange is not None:
+            self._exchange.cancel()
+            self._exchange = None
+        self._route._break(reason)
+
     def _pending(self, results) -> list[tuple[str, int]]:
         return [kp for kp, (done, total, _, _) in zip(self._jobs, results, strict=True)
                 if done < total]  # fmt: skip

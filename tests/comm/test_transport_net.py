@@ -265,6 +265,31 @@ def _peer_goes_away(ctx) -> dict:
     return out
 
 
+def _abort_breaks_the_route(ctx) -> dict:
+    from nereus_comm.errors import TransportArgumentError
+    from nereus_comm.pack import Region, region_table
+    from nereus_comm.transport import GlooTransport
+    from nereus_comm.transport_net import NetRoute
+
+    transport = GlooTransport()
+    route = NetRoute(transport, address="127.0.0.1")
+    peer = 1 - ctx.rank
+    route.prepare([peer], timeout=30)
+    buf = torch.full((1024,), ctx.rank, dtype=torch.uint8)
+    table = {peer: region_table([Region(buf, 0, 1, 1024, 1024)])}
+    sends, recvs = (table, {}) if ctx.rank == 1 else ({}, table)
+    pending = route.start(sends, recvs, owners=(buf,), deadline=time.monotonic() + 30, timeout=30)
+    if ctx.rank == 1:
+        pending.wait()  # 1 KiB fits the socket's buffer whatever rank 0 does
+        return {}
+    pending.abort("the caller failed")  # as reshard does when a later step raises
+    try:
+        route.prepare([peer], timeout=5)
+        return {"later": None}
+    except TransportArgumentError as e:
+        return {"later": str(e)}
+
+
 @pytest.mark.slow
 def test_net_route_between_ranks() -> None:
     from nereus_comm.testing import LocalWorkers
@@ -283,6 +308,9 @@ def test_net_route_between_ranks() -> None:
         assert lost["error"] and "recv from 1" in lost["error"], lost
         assert lost["seconds"] < 30, lost
         assert lost["later"] and "broke earlier" in lost["later"], lost
+
+        aborted, _ = pool.run(_abort_breaks_the_route)
+        assert aborted["later"] and "the caller failed" in aborted["later"], aborted
 
 
 def _random_regions(rng: np.random.Generator, t: torch.Tensor, total: int) -> list[list[int]]:
