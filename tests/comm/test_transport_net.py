@@ -11,7 +11,8 @@ error, and cancel() ends one that waits for bytes that never come.
 NetRoute between LocalWorkers: a stranger that connects to the listener without the
 nonce the control transport carried is turned away while the real peer gets in;
 a peer that goes away mid-exchange fails the call with TransportError (not a hang)
-and breaks the route for later calls.
+and breaks the route for later calls; liveness that reports a peer dead ends a wait
+on it within a poll; an exchange aborted by its caller breaks the route too.
 """
 
 from __future__ import annotations
@@ -290,6 +291,34 @@ def _abort_breaks_the_route(ctx) -> dict:
         return {"later": str(e)}
 
 
+def _liveness_ends_the_wait(ctx) -> dict:
+    from nereus_comm.errors import PeerLostError
+    from nereus_comm.pack import Region, region_table
+    from nereus_comm.transport import GlooTransport
+    from nereus_comm.transport_net import NetRoute
+
+    transport = GlooTransport()
+    route = NetRoute(transport, address="127.0.0.1")
+    route.prepare([1 - ctx.rank], timeout=30)
+    if ctx.rank == 1:
+        time.sleep(2.0)  # alive, stream open, sends nothing: only liveness can end it
+        return {}
+    got = torch.zeros(4096, dtype=torch.uint8)
+    started = time.monotonic()
+
+    def dead() -> set[int]:
+        return {1} if time.monotonic() - started > 0.3 else set()
+
+    try:
+        route.start(
+            {}, {1: region_table([Region(got, 0, 1, 4096, 4096)])}, owners=(got,),
+            deadline=started + 60, timeout=60, liveness=dead,
+        ).wait()  # fmt: skip
+        return {"error": None}
+    except PeerLostError as e:
+        return {"error": str(e), "ranks": sorted(e.ranks), "s": time.monotonic() - started}
+
+
 @pytest.mark.slow
 def test_net_route_between_ranks() -> None:
     from nereus_comm.testing import LocalWorkers
@@ -308,6 +337,9 @@ def test_net_route_between_ranks() -> None:
         assert lost["error"] and "recv from 1" in lost["error"], lost
         assert lost["seconds"] < 30, lost
         assert lost["later"] and "broke earlier" in lost["later"], lost
+
+        told, _ = pool.run(_liveness_ends_the_wait)
+        assert told["error"] and told["ranks"] == [1] and told["s"] < 1.5, told
 
         aborted, _ = pool.run(_abort_breaks_the_route)
         assert aborted["later"] and "the caller failed" in aborted["later"], aborted
