@@ -36,6 +36,25 @@ def _thp_usable() -> bool:
     return "[never]" not in mode
 
 
+def _span(addr: int, nbytes: int) -> tuple[int, int]:
+    """(addr, nbytes) widened to the whole mappings that overlap it now.
+
+    The kernel merges an arena's mapping with an adjacent anonymous one of the same
+    flags (an earlier test's arena, say), and a swap's mremap splits them again: a
+    count over the mappings overlapping the window alone would lose the neighbour's
+    huge pages after the swap. Counting over the span taken before keeps them in both.
+    """
+    lo_all, hi_all = addr, addr + nbytes
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if lo < addr + nbytes and hi > addr:
+                    lo_all, hi_all = min(lo_all, lo), max(hi_all, hi)
+    return lo_all, hi_all - lo_all
+
+
 def _huge_bytes(addr: int, nbytes: int) -> int:
     """AnonHugePages of this process's mappings that overlap [addr, addr + nbytes) (an
     arena segment's own mapping, split by the swaps; its slack is never touched)."""
@@ -142,7 +161,7 @@ def test_a_swap_of_2mib_aligned_ranges_keeps_huge_pages_and_the_bytes():
     a.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
     b.fill_(9)
     want_a, want_b = a.clone(), b.clone()
-    window = (arena._segments[0].buf.data_ptr(), 3 * n)
+    window = _span(arena._segments[0].buf.data_ptr(), 3 * n)
     before = _huge_bytes(*window)
     if before < 2 * n:
         pytest.skip(f"the kernel gave only {before >> 20} MiB of huge pages here")
