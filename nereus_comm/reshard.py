@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nereus_comm.errors import PeerTimeoutError, PlanError, TensorMismatchError
+from nereus_comm.errors import PeerLostError, PeerTimeoutError, PlanError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
 from nereus_comm.pack import Region, RegionTable, columns_table, copy_tables, pack, unpack
 from nereus_comm.plan import ReshardPlan
@@ -91,7 +91,7 @@ from nereus_comm.reshard_program import (
 from nereus_comm.transport import Liveness, Transport, TransportArgumentError
 from nereus_comm.transport_cma import CmaRoute
 from nereus_comm.transport_net import NetRoute
-from nereus_comm.transport_shm import ShmTransport, sweep_orphans
+from nereus_comm.transport_shm import ShmTransport, peers_lost, sweep_orphans
 
 __all__ = [
     "CMA_MIN_RUN_BYTES",
@@ -672,10 +672,14 @@ def reshard(
             verify_bytes = _verify_plan(
                 plan, prog, rank, transport, device, route, direct_min_bytes, timeout, extra
             )
-        except PeerTimeoutError:
+        except PeerTimeoutError as e:
             # As the shared-memory route does on its own timeouts: a dead peer's segment
-            # files (created, never mapped) are orphans now; remove them.
+            # files (created, never mapped) are orphans now; remove them, and this
+            # process's own segments to the dead, which they may never have mapped (an
+            # earlier call's, over another group, that ended before they died).
             if device_type == "cpu" and route in ("auto", "shm"):
+                if isinstance(e, PeerLostError):
+                    peers_lost(e.ranks)
                 sweep_orphans()
             raise
     verified_at = time.perf_counter()

@@ -66,7 +66,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -107,6 +107,10 @@ def _pid_namespace() -> int:
 
 #: This process's pid namespace: pids in segment names are only compared within it.
 _PIDNS = _pid_namespace()
+
+
+#: Every ShmTransport of this process (for :func:`peers_lost`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def owner_prefix(pid: int, pidns: int = _PIDNS) -> str:
@@ -290,6 +294,19 @@ def _parse(rec: torch.Tensor, peer: int) -> tuple[bytes, int, str, tuple[int, in
     return raw[8:40], int.from_bytes(raw[40:48], "little"), raw[64:].rstrip(b"\0").decode(), owner
 
 
+def peers_lost(ranks: Iterable[int]) -> None:
+    """Ranks died, learnt outside the shared-memory waits (a plan check, another route):
+    every ShmTransport of this process whose group holds one of them is broken (as its
+    group is), unmaps its segments, unlinks the files it created (a peer that died before
+    mapping one never will) and removes the files the dead left behind."""
+    dead = set(ranks)
+    for shm in list(_LIVE):
+        lost = dead & set(shm.ranks)
+        if lost:
+            shm._break(f"ranks {sorted(lost)} died")
+            shm._lost(lost)
+
+
 class ShmTransport(Transport):
     """Exchange through /dev/shm segments with peers on this host (see the module doc).
 
@@ -335,6 +352,7 @@ class ShmTransport(Transport):
         self.setup_bytes = 0  # sent through the control transport for setup
         self._barrier = threading.Lock()
         self._finalizer = weakref.finalize(self, _release, self._out, self._in)
+        _LIVE.add(self)
 
     def __repr__(self) -> str:
         return (

@@ -245,6 +245,39 @@ def test_unmapped_segments_are_removed_on_close_and_exit(tmp_path) -> None:
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
+_LOST_ELSEWHERE = """
+import os, sys, torch.distributed as dist
+from nereus_comm.transport import GlooTransport
+from nereus_comm.transport_shm import SHM_DIR, ShmTransport, _Segment, peers_lost
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+# Two groups' transports, as if over ranks (0, 1) and (0, 2): each created a segment for
+# its peer, which has not mapped it yet.
+a, b = ShmTransport(GlooTransport()), ShmTransport(GlooTransport())
+a.ranks, b.ranks = (0, 1), (0, 2)
+a._out[1] = _Segment(sys.argv[1], 4096, create=True)
+b._out[2] = _Segment(sys.argv[2], 4096, create=True)
+peers_lost([1])  # learnt from a plan check over a third group, say
+print(os.path.exists(os.path.join(SHM_DIR, sys.argv[1])),
+      os.path.exists(os.path.join(SHM_DIR, sys.argv[2])), a._broken, b._broken, flush=True)
+b.close()
+"""
+
+
+def test_a_death_learnt_elsewhere_removes_this_process_segments_to_the_dead(tmp_path) -> None:
+    names = [f"{NAME_PREFIX}{os.getpid()}-lost{i}" for i in range(2)]
+    script = tmp_path / "shm_lost.py"
+    script.write_text(_LOST_ELSEWHERE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, str(script), *names], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    # The dead peer's segment is gone, its group's transport broken; the other group's
+    # segment and transport are untouched until it closes.
+    assert out.stdout.split() == ["False", "True", "ranks", "[1]", "died", "None"], out.stdout
+    assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
 def test_orphans_of_dead_processes_are_swept_and_no_others() -> None:
     from nereus_comm.transport_shm import _PIDNS, sweep_orphans
 
