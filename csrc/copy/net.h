@@ -22,9 +22,10 @@ constexpr int kNetMaxIovecs = 1024;
 
 // Runs shorter than this travel through a bounce buffer instead of as one iovec
 // each: the kernel's cost per iovec outweighs a copy that stays in cache. 16 MiB as
-// 768-byte rows over TCP loopback, both ends in one process: 8.4-10 ms as iovecs,
-// 4.6-5.4 ms through a 32-64 KiB bounce buffer, 5.7 ms through 16 KiB and 8.6 ms
-// through 128 KiB (out of cache); contiguous, 2.9 ms.
+// 768-byte rows over TCP loopback, both ends in one process (medians of runs on a
+// noisy 2-core VM): 8.4-10 ms as iovecs; through a bounce buffer of 16 KiB 5.7 ms,
+// 32 KiB 4.5-4.7 ms, 64 KiB 4.3-6.6 ms, 128 KiB 7.0-8.6 ms, 512 KiB 10-13 ms;
+// contiguous 2.9 ms (6 ms in some runs).
 constexpr int64_t kNetBounceRunBytes = 4096;
 constexpr int64_t kNetBounceBytes = 64 * 1024;
 
