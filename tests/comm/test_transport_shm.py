@@ -233,14 +233,21 @@ print("closed", flush=True)
 """
 
 
-def test_unmapped_segments_are_removed_on_close_and_exit(tmp_path) -> None:
-    names = [f"{NAME_PREFIX}{os.getpid()}-test{i}" for i in range(2)]
-    script = tmp_path / "shm_exit.py"
-    script.write_text(_EXIT_WITHOUT_CLOSE)
+def _segment_script(tmp_path, source: str, tag: str):
+    """Run ``source`` in a fresh process with two segment names of this test's own as
+    its arguments; (the finished process, the names)."""
+    names = [f"{NAME_PREFIX}{os.getpid()}-{tag}{i}" for i in range(2)]
+    script = tmp_path / f"shm_{tag}.py"
+    script.write_text(source)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
         [sys.executable, str(script), *names], capture_output=True, text=True, env=env, timeout=120
     )
+    return out, names
+
+
+def test_unmapped_segments_are_removed_on_close_and_exit(tmp_path) -> None:
+    out, names = _segment_script(tmp_path, _EXIT_WITHOUT_CLOSE, "test")
     assert out.returncode == 0 and "closed" in out.stdout, out.stderr
     assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
 
@@ -264,13 +271,7 @@ b.close()
 
 
 def test_a_death_learnt_elsewhere_removes_this_process_segments_to_the_dead(tmp_path) -> None:
-    names = [f"{NAME_PREFIX}{os.getpid()}-lost{i}" for i in range(2)]
-    script = tmp_path / "shm_lost.py"
-    script.write_text(_LOST_ELSEWHERE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, str(script), *names], capture_output=True, text=True, env=env, timeout=120
-    )
+    out, names = _segment_script(tmp_path, _LOST_ELSEWHERE, "lost")
     assert out.returncode == 0, out.stderr
     # The dead peer's segment is gone, its group's transport broken; the other group's
     # segment and transport are untouched until it closes.
