@@ -82,7 +82,7 @@ class PyNetExchange {
     exchange_.add(fd, send, rows, table.shape(0));
     owners_.push_back(std::move(owner));
   }
-  void start(bool split) { exchange_.start(split); }
+  void start() { exchange_.start(); }
   bool wait(int timeout_ms) {
     py::gil_scoped_release release;
     return exchange_.wait(timeout_ms);
@@ -174,8 +174,8 @@ Arguments:
         host addresses validated by the caller (pack.region_table).
     owner: an object that keeps the addressed memory alive; held until the exchange
         is destroyed.)doc")
-      .def("start", &PyNetExchange::start, py::arg("split") = true,
-           "Start moving bytes: sends and receives on a thread each (split), or one thread.")
+      .def("start", &PyNetExchange::start,
+           "Start moving bytes: sends and receives on a thread each.")
       .def("wait", &PyNetExchange::wait, py::arg("timeout_ms"),
            "Wait up to timeout_ms, GIL released; True once the run has ended.")
       .def("cancel", &PyNetExchange::cancel, "End the run now and join its thread.")

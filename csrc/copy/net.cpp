@@ -78,18 +78,11 @@ void NetExchange::Job::advance(int64_t n) {
   ++region;
 }
 
-void NetExchange::start(bool split) {
+void NetExchange::start() {
   if (started_) return;
   started_ = true;
-  using Which = bool (*)(const Job&);
-  std::vector<Which> loops;
-  if (split) {
-    loops = {[](const Job& j) { return j.send; }, [](const Job& j) { return !j.send; }};
-  } else {
-    loops = {[](const Job&) { return true; }};
-  }
-  running_ = static_cast<int>(loops.size());
-  for (Which which : loops) threads_.emplace_back([this, which] { run(which); });
+  running_ = 2;
+  for (bool send : {true, false}) threads_.emplace_back([this, send] { run(send); });
 }
 
 bool NetExchange::wait(int timeout_ms) {
@@ -99,13 +92,17 @@ bool NetExchange::wait(int timeout_ms) {
                             [this] { return ended_; });
 }
 
-void NetExchange::cancel() {
-  if (threads_.empty()) return;
+void NetExchange::stop() {
   stop_.store(true);
   char byte = 1;
   // A full pipe already holds a wake-up: each loop sees stop_ at its next wake.
   ssize_t ignored = ::write(wake_[1], &byte, 1);
   (void)ignored;
+}
+
+void NetExchange::cancel() {
+  if (threads_.empty()) return;
+  stop();
   for (auto& t : threads_) t.join();
   threads_.clear();
 }
@@ -212,12 +209,12 @@ int64_t NetExchange::step(Job& job) {
   return got;
 }
 
-void NetExchange::run(bool (*which)(const Job&)) {
+void NetExchange::run(bool send) {
   std::vector<Job*> mine;
   for (Job& job : jobs_)
-    if (which(job)) mine.push_back(&job);
+    if (job.send == send) mine.push_back(&job);
   std::vector<pollfd> fds;
-  std::vector<Job*> polled;
+  Job* first_pending = nullptr;
   bool failed = false;
   while (!failed && !stop_.load()) {
     bool progressed = false, pending = false;
@@ -235,11 +232,11 @@ void NetExchange::run(bool (*which)(const Job&)) {
     if (progressed) continue;
     // Every pending job would block: sleep until one of them can move, or a wake-up.
     fds.clear();
-    polled.clear();
+    first_pending = nullptr;
     for (Job* job : mine) {
       if (job->done()) continue;
-      fds.push_back({job->fd, static_cast<short>(job->send ? POLLOUT : POLLIN), 0});
-      polled.push_back(job);
+      fds.push_back({job->fd, static_cast<short>(send ? POLLOUT : POLLIN), 0});
+      if (first_pending == nullptr) first_pending = job;
     }
     fds.push_back({wake_[0], POLLIN, 0});
     int ready;
@@ -247,18 +244,13 @@ void NetExchange::run(bool (*which)(const Job&)) {
       ready = ::poll(fds.data(), fds.size(), -1);
     } while (ready < 0 && errno == EINTR);
     if (ready < 0) {
-      polled.front()->error = errno;
+      first_pending->error = errno;
       failed = true;
     }
     // POLLERR/POLLHUP: the next step of that job returns the error or the end.
   }
-  if (failed) {
-    // The exchange cannot complete: the other loop stops too (its peer may wait on us).
-    stop_.store(true);
-    char byte = 1;
-    ssize_t ignored = ::write(wake_[1], &byte, 1);
-    (void)ignored;
-  }
+  // The exchange cannot complete: the other loop stops too (its peer may wait on us).
+  if (failed) stop();
   std::lock_guard<std::mutex> lock(mu_);
   if (--running_ == 0) {
     ended_ = true;

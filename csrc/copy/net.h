@@ -52,10 +52,9 @@ class NetExchange {
   // Adds a job: the table's rows (kNetTableColumns int64 each) are written to fd in
   // order (send) or read from it in order (receive). Only before start().
   void add(int fd, bool send, const int64_t* table, int64_t num_regions);
-  // Starts the run (a second call does nothing): with split, sends and receives on a
-  // thread each, so the kernel's copies of the two directions run on two cores; else
-  // every job on one thread.
-  void start(bool split = true);
+  // Starts the run (a second call does nothing): sends and receives on a thread each,
+  // so the kernel's copies of the two directions can run on two cores.
+  void start();
   // Waits up to timeout_ms for the run to end; true when it has.
   bool wait(int timeout_ms);
   // Ends the run (its thread exits at its next wake) and joins it.
@@ -108,9 +107,11 @@ class NetExchange {
   // The bytes of short rows from the cursor that fit the bounce buffer.
   static size_t short_bytes(const Job& job);
 
-  // Runs the jobs of which(job) until they are done, one fails (which stops the
-  // others too) or stop_.
-  void run(bool (*which)(const Job&));
+  // Runs the send jobs (send) or the receive jobs until they are done, one fails (which
+  // stops the other loop too) or stop_.
+  void run(bool send);
+  // Sets stop_ and wakes both loops.
+  void stop();
   // One sendmsg/recvmsg from the job's cursor: >0 bytes moved, 0 would block, <0 failed.
   int64_t step(Job& job);
 
