@@ -275,13 +275,9 @@ class NetRoute:
     def __repr__(self) -> str:
         return f"NetRoute(rank={self.rank}, address={self.address}, peers={sorted(self._streams)})"
 
-    @property
-    def peers(self) -> frozenset[int]:
-        """The peers this rank has a stream with."""
-        return frozenset(self._streams)
-
     def _break(self, reason: str) -> None:
-        self._broken = reason
+        if self._broken is None:  # the first failure is the one to name
+            self._broken = reason
         self.close()
 
     def _check_usable(self) -> None:
