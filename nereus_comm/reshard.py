@@ -666,123 +666,119 @@ def reshard(
     # Passed only when given: a Transport of another framework's may predate liveness.
     extra = {} if liveness is None else {"liveness": liveness}
     start = time.perf_counter()
-    verify_bytes = 0
-    if verify_plan:
-        try:
+    net_pending = None
+    try:
+        verify_bytes = 0
+        if verify_plan:
             verify_bytes = _verify_plan(
                 plan, prog, rank, transport, device, route, direct_min_bytes, timeout, extra
             )
-        except PeerTimeoutError as e:
-            # As the shared-memory route does on its own timeouts: a dead peer's segment
-            # files (created, never mapped) are orphans now; remove them, and this
-            # process's own segments to the dead, which they may never have mapped (an
-            # earlier call's, over another group, that ended before they died).
-            if device_type == "cpu" and route in ("auto", "shm"):
-                if isinstance(e, PeerLostError):
-                    peers_lost(e.ranks)
-                sweep_orphans()
-            raise
-    verified_at = time.perf_counter()
-    deadline = time.monotonic() + timeout
-    send_totals = {p: n for p, n in prog.send_totals.items() if n}
-    recv_totals = {p: n for p, n in prog.recv_totals.items() if n}
-    cma, cma_sends, cma_recvs, fallback = None, frozenset(), frozenset(), {}
-    if route in ("auto", "cma") and device_type == "cpu" and prog.peers:
-        cma = _cma_for(transport)
-        cma_sends, cma_recvs = cma.prepare(
-            send_totals, recv_totals, timeout=timeout, control=transport, liveness=liveness
-        )
-        fallback = {p: r for p, r in cma.reasons.items() if p in prog.peers}
-        missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
-        if route == "cma" and missing:
-            raise TransportArgumentError(
-                f"rank {rank} cannot reach peers {sorted(missing)} by cross-memory attach "
-                f"({'; '.join(fallback.get(p, '?') for p in sorted(missing))}); use "
-                "route='auto' to let those go through shared memory or the transport"
+        verified_at = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        send_totals = {p: n for p, n in prog.send_totals.items() if n}
+        recv_totals = {p: n for p, n in prog.recv_totals.items() if n}
+        cma, cma_sends, cma_recvs, fallback = None, frozenset(), frozenset(), {}
+        if route in ("auto", "cma") and device_type == "cpu" and prog.peers:
+            cma = _cma_for(transport)
+            cma_sends, cma_recvs = cma.prepare(
+                send_totals, recv_totals, timeout=timeout, control=transport, liveness=liveness
             )
-    # Route "auto" chooses per peer pair (both ends alike, from the plan): all of a pair's
-    # bytes by cross-memory attach when they flow one way only and its message's runs
-    # are long (see CMA_MIN_RUN_BYTES), else all through shared memory. One route per
-    # pair: a pair split over both paid both routes' handshakes (bench_reshard, resize
-    # on 2 workers, 64 MiB: 22 ms split against 16 ms all shm, 18 ms all cma). One way
-    # only: where a pair exchanges both ways both processes copy whichever the route,
-    # and packing and unpacking in user space ran 1.08-1.19x faster than the kernel's
-    # cross-memory reads (bench_reshard's resize cases); where the bytes flow one way,
-    # the receiver's single read beat the two copies (1.3-1.4x, sync on 2 workers).
-    if route == "cma":
-        long_send, long_recv = set(cma_sends), set(cma_recvs)
-    else:
-        both = set(send_totals) & set(recv_totals)
-        long_send = {
-            p for p in cma_sends if p not in both and _long_runs(send_totals[p], prog.send_runs[p])
-        }
-        long_recv = {
-            p for p in cma_recvs if p not in both and _long_runs(recv_totals[p], prog.recv_runs[p])
-        }
-    sends, cma_send_slots, cma_send_bytes = _take(prog_sends, lambda b: b.peer in long_send)
-    recvs, cma_recv_slots, cma_recv_bytes = _take(prog_recvs, lambda b: b.peer in long_recv)
-    shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
-    if route in ("auto", "shm") and device_type == "cpu" and prog.peers:
-        shm_send, shm_recv = _totals(sends), _totals(recvs)
-        if shm_send or shm_recv or route == "shm":
-            shm = _shm_for(transport)
-            shm_sends, shm_recvs = shm.prepare(
-                shm_send,
-                shm_recv,
+            fallback = {p: r for p, r in cma.reasons.items() if p in prog.peers}
+            missing = (set(send_totals) - cma_sends) | (set(recv_totals) - cma_recvs)
+            if route == "cma" and missing:
+                raise TransportArgumentError(
+                    f"rank {rank} cannot reach peers {sorted(missing)} by cross-memory attach "
+                    f"({'; '.join(fallback.get(p, '?') for p in sorted(missing))}); use "
+                    "route='auto' to let those go through shared memory or the transport"
+                )
+        # Route "auto" chooses per peer pair (both ends alike, from the plan): all of a pair's
+        # bytes by cross-memory attach when they flow one way only and its message's runs
+        # are long (see CMA_MIN_RUN_BYTES), else all through shared memory. One route per
+        # pair: a pair split over both paid both routes' handshakes (bench_reshard, resize
+        # on 2 workers, 64 MiB: 22 ms split against 16 ms all shm, 18 ms all cma). One way
+        # only: where a pair exchanges both ways both processes copy whichever the route,
+        # and packing and unpacking in user space ran 1.08-1.19x faster than the kernel's
+        # cross-memory reads (bench_reshard's resize cases); where the bytes flow one way,
+        # the receiver's single read beat the two copies (1.3-1.4x, sync on 2 workers).
+        if route == "cma":
+            long_send, long_recv = set(cma_sends), set(cma_recvs)
+        else:
+            both = set(send_totals) & set(recv_totals)
+            long_send = {
+                p
+                for p in cma_sends
+                if p not in both and _long_runs(send_totals[p], prog.send_runs[p])
+            }
+            long_recv = {
+                p
+                for p in cma_recvs
+                if p not in both and _long_runs(recv_totals[p], prog.recv_runs[p])
+            }
+        sends, cma_send_slots, cma_send_bytes = _take(prog_sends, lambda b: b.peer in long_send)
+        recvs, cma_recv_slots, cma_recv_bytes = _take(prog_recvs, lambda b: b.peer in long_recv)
+        shm, shm_sends, shm_recvs = None, frozenset(), frozenset()
+        if route in ("auto", "shm") and device_type == "cpu" and prog.peers:
+            shm_send, shm_recv = _totals(sends), _totals(recvs)
+            if shm_send or shm_recv or route == "shm":
+                shm = _shm_for(transport)
+                shm_sends, shm_recvs = shm.prepare(
+                    shm_send,
+                    shm_recv,
+                    timeout=timeout,
+                    require=route == "shm",
+                    control=transport,
+                    liveness=liveness,
+                )
+        sends, shm_send_slots, shm_send_bytes = _take(sends, lambda b: b.peer in shm_sends)
+        recvs, shm_recv_slots, shm_recv_bytes = _take(recvs, lambda b: b.peer in shm_recvs)
+        # What is left (peers on other hosts, for "auto") goes over the socket route's
+        # streams: rows straight from and into the shards, no staging on either side.
+        net, net_peers = None, frozenset()
+        left = set(_totals(sends)) | set(_totals(recvs))
+        if route in ("auto", "net") and device_type == "cpu" and left:
+            net = _net_for(transport)
+            net_peers = net.prepare(left, timeout=timeout, control=transport, liveness=liveness)
+            if route == "net" and left - net_peers:
+                raise TransportArgumentError(
+                    f"rank {rank} cannot reach peers {sorted(left - net_peers)} by the socket "
+                    "route (no IPv4 address to listen on here or there: set GLOO_SOCKET_IFNAME "
+                    "or NEREUS_NET_ADDRESS); use route='auto' to let those take the transport"
+                )
+        sends, net_send_slots, net_send_bytes = _take(sends, lambda b: b.peer in net_peers)
+        recvs, net_recv_slots, net_recv_bytes = _take(recvs, lambda b: b.peer in net_peers)
+        tables = {}
+        if cma_send_slots or cma_recv_slots:
+            # Before the transport's batch is posted, so both ends of a pair post their
+            # records and their data in the same order.
+            tables = cma.publish(
+                {
+                    p: [_region(sl, src_tensors) for sl in slots]
+                    for p, slots in cma_send_slots.items()
+                },
+                {p: len(slots) for p, slots in cma_recv_slots.items()},
                 timeout=timeout,
-                require=route == "shm",
                 control=transport,
                 liveness=liveness,
             )
-    sends, shm_send_slots, shm_send_bytes = _take(sends, lambda b: b.peer in shm_sends)
-    recvs, shm_recv_slots, shm_recv_bytes = _take(recvs, lambda b: b.peer in shm_recvs)
-    # What is left (peers on other hosts, for "auto") goes over the socket route's
-    # streams: rows straight from and into the shards, no staging on either side.
-    net, net_peers = None, frozenset()
-    left = set(_totals(sends)) | set(_totals(recvs))
-    if route in ("auto", "net") and device_type == "cpu" and left:
-        net = _net_for(transport)
-        net_peers = net.prepare(left, timeout=timeout, control=transport, liveness=liveness)
-        if route == "net" and left - net_peers:
-            raise TransportArgumentError(
-                f"rank {rank} cannot reach peers {sorted(left - net_peers)} by the socket "
-                "route (no IPv4 address to listen on here or there: set GLOO_SOCKET_IFNAME "
-                "or NEREUS_NET_ADDRESS); use route='auto' to let those take the transport"
-            )
-    sends, net_send_slots, net_send_bytes = _take(sends, lambda b: b.peer in net_peers)
-    recvs, net_recv_slots, net_recv_bytes = _take(recvs, lambda b: b.peer in net_peers)
-    tables = {}
-    if cma_send_slots or cma_recv_slots:
-        # Before the transport's batch is posted, so both ends of a pair post their
-        # records and their data in the same order.
-        tables = cma.publish(
-            {p: [_region(sl, src_tensors) for sl in slots] for p, slots in cma_send_slots.items()},
-            {p: len(slots) for p, slots in cma_recv_slots.items()},
-            timeout=timeout,
-            control=transport,
-            liveness=liveness,
-        )
-    send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
-    recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
-    send_bufs, send_staged = _bind(sends, src_tensors, send_stage)
-    recv_bufs, recv_staged = _bind(recvs, dst_bound, recv_stage)
-    if send_staged:
-        pack(send_staged, out=send_stage)
-    packed_at = time.perf_counter()
+        send_stage = _stage(_staged_nbytes(sends), workspace, "send", device)
+        recv_stage = _stage(_staged_nbytes(recvs), workspace, "recv", device)
+        send_bufs, send_staged = _bind(sends, src_tensors, send_stage)
+        recv_bufs, recv_staged = _bind(recvs, dst_bound, recv_stage)
+        if send_staged:
+            pack(send_staged, out=send_stage)
+        packed_at = time.perf_counter()
 
-    # The local copies and the shared-memory messages run while the bytes are on the wire.
-    pending = transport.start(send_bufs, recv_bufs, timeout=timeout, **extra)
-    net_pending = None
-    if net_send_slots or net_recv_slots:
-        net_pending = net.start(
-            _slot_tables(prog, "net send", net_send_slots, src_tensors, "send region"),
-            _slot_tables(prog, "net recv", net_recv_slots, dst_bound, "receive region"),
-            owners=(src_tensors, dst_bound),
-            deadline=deadline,
-            timeout=timeout,
-            liveness=liveness,
-        )
-    try:
+        # The local copies and the shared-memory messages run while the bytes are on the wire.
+        pending = transport.start(send_bufs, recv_bufs, timeout=timeout, **extra)
+        if net_send_slots or net_recv_slots:
+            net_pending = net.start(
+                _slot_tables(prog, "net send", net_send_slots, src_tensors, "send region"),
+                _slot_tables(prog, "net recv", net_recv_slots, dst_bound, "receive region"),
+                owners=(src_tensors, dst_bound),
+                deadline=deadline,
+                timeout=timeout,
+                liveness=liveness,
+            )
         for peer, slots in shm_send_slots.items():
             # The pack is the send: straight from the shards into the peer's segment.
             regions = [_region(sl, src_tensors) for sl in slots]
@@ -833,14 +829,22 @@ def reshard(
                 control=transport,
                 liveness=liveness,
             )
-    except BaseException:
-        # The streams may hold part of this call's bytes: no later call may use them.
         if net_pending is not None:
+            net_pending.wait()
+        pending.wait()
+    except BaseException as e:
+        if net_pending is not None:
+            # The streams may hold part of this call's bytes: no later call may use them.
             net_pending.abort("the call failed while its socket transfers were under way")
+        if device_type == "cpu" and isinstance(e, PeerTimeoutError):
+            # As the shared-memory route does on its own timeouts: a dead peer's segment
+            # files (created, never mapped) are orphans now; remove them, and this
+            # process's own segments to the dead, which they may never map (an earlier
+            # call's, over another group, that ended before they died).
+            if isinstance(e, PeerLostError):
+                peers_lost(e.ranks)
+            sweep_orphans()
         raise
-    if net_pending is not None:
-        net_pending.wait()
-    pending.wait()
     exchanged_at = time.perf_counter()
     if recv_staged:
         unpack(recv_stage, recv_staged)
