@@ -15,6 +15,11 @@ ways to carry on, each run here, one after another, in this process:
                 set: new worker processes, the stages built again, the last checkpoint
                 loaded (written by this run, read back from disk), and the steps since
                 it run again. Process start, model build and load are measured.
+
+Every job (each way's first, and each restarted one) starts its workers from nothing,
+as a launched job does: a new forkserver imports torch and the worker's modules once
+and forks the job's workers (the wall of one process start, as a cluster's nodes start
+theirs side by side). The arrivals fork from the running job's forkserver.
     fixed       live recovery as nereus, the arrivals left unused (the survivors only).
 
 Every run uses the same options (adaptive planner, fixed response length, the
@@ -29,12 +34,14 @@ side by side (restart / nereus, fixed / nereus).
 
 What an arrival adds on one 2-core machine: with ``--core-share C`` (default 0.25, where
 this process may make cgroups: root with the cgroup v1 cpu controller or cgroup v2),
-every worker process runs in a cgroup of its own whose CPU quota is C of a core, and the
-trainer prices each worker at C cores (``worker_cores``). Six workers then hold 1.5 of
-the two cores, the four survivors 1.0 and the eight after the arrivals 2.0: an arriving
-node brings half a core, as a node of a cluster brings its devices. ``--core-share 0``
-lets every worker share both cores instead; an arrival then adds worker processes and
-their memory budget, no cores.
+every worker process runs in a cgroup of its own whose CPU quota is C of a core per
+``--cfs-period-ms`` (default 10: short enough that a worker runs at about its share all
+the time, as a slower device would; see :class:`CoreShares`), and the trainer prices
+each worker at C cores (``worker_cores``). Six workers then hold 1.5 of the two cores,
+the four survivors 1.0 and the eight after the arrivals 2.0: an arriving node brings
+half a core, as a node of a cluster brings its devices. ``--core-share 0`` lets every
+worker share both cores instead; an arrival then adds worker processes and their memory
+budget, no cores.
 
     python benchmarks/bench_elastic.py --quick --json /tmp/bench_elastic.json
     python benchmarks/bench_elastic.py --json /tmp/bench_elastic.json   # 30 steps, 6 devices
@@ -49,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing.forkserver
 import os
 import statistics
 import sys
@@ -119,16 +127,24 @@ FULL = Scenario(
 class CoreShares:
     """A CPU quota of its own for each worker process: one cgroup per worker (the cgroup
     v1 cpu controller, else cgroup v2's cpu.max) whose CFS quota is ``share`` of a core
-    per 100 ms period. :meth:`close` removes every cgroup it made.
+    per ``period_us``. :meth:`close` removes every cgroup it made.
+
+    The period sets how much a worker that idled can burst: it runs at full speed until
+    its quota for the period is spent. With 100 ms (the kernel's default) a stage of up
+    to 25 ms of CPU on a worker that idled runs at full speed, so two stages on one
+    worker in one step draw on one quota while two on different workers get one each: a
+    step's time then depends on which stages share a worker beyond what a device of a
+    quarter core's speed would make of it. With a period of a few ms a worker runs at
+    about its share all the time, as a slower device does; that is what the cost model
+    prices (``worker_cores``).
 
     Raises:
         OSError: the cgroups cannot be made here (not root, no cpu controller).
     """
 
-    PERIOD_US = 100_000
-
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, period_us: int = 10_000) -> None:
         self.share = share
+        self.period_us = period_us
         v1 = Path("/sys/fs/cgroup/cpu")
         if (v1 / "cpu.cfs_quota_us").exists():
             root, self.v2 = v1, False
@@ -148,11 +164,11 @@ class CoreShares:
         group = self.base / f"pid{pid}"
         group.mkdir()
         self._groups.append(group)
-        quota = max(1000, round(self.share * self.PERIOD_US))
+        quota = round(self.share * self.period_us)  # main() keeps it >= the kernel's 1 ms
         if self.v2:
-            (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+            (group / "cpu.max").write_text(f"{quota} {self.period_us}")
         else:
-            (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (group / "cpu.cfs_period_us").write_text(str(self.period_us))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         (group / "cgroup.procs").write_text(str(pid))
 
@@ -175,13 +191,34 @@ class CoreShares:
 SHARES: CoreShares | None = None
 
 
-def _spawn(driver: Driver, n: int) -> tuple[list[int], float]:
+def _spawn(driver: Driver, n: int, new_job: bool) -> tuple[list[int], float]:
+    """Start ``n`` workers; returns their ranks and the seconds it took.
+
+    ``new_job``: the workers are a new job's, which starts from nothing: the
+    forkserver the workers fork from is stopped first, so this spawn starts a new one
+    (a fresh interpreter importing torch and the worker's modules, about 1.7 s here)
+    and forks the workers from it. That is the wall time of one process start, which
+    is what a cluster's job start takes with each node starting its processes side by
+    side (started as separate interpreters here, ``n`` imports would share two cores).
+    Otherwise (a node arriving at a running job) the running forkserver forks them.
+    """
     t0 = time.perf_counter()
+    if new_job:
+        # The stdlib has no public way to restart the forkserver; _stop() is what its
+        # own tests use, and the next spawn starts a new one.
+        multiprocessing.forkserver._forkserver._stop()
     ranks = driver.spawn_local(n, method="forkserver")
     if SHARES is not None:
         for r in ranks:
             SHARES.place(driver.pid(r))
     return ranks, time.perf_counter() - t0
+
+
+def _parent_pid(pid: int) -> int:
+    """Process ``pid``'s parent (field 4 of /proc/PID/stat; the name before it may hold
+    spaces, so it is split after the name's closing parenthesis)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def _pause(ends: list[float], step: int, before: list[float], extra: float = 0.0) -> float:
@@ -202,7 +239,7 @@ def run_live(sc: Scenario, arrivals: bool, seed: int) -> dict[str, Any]:
     side: dict[int, float] = {}  # step -> the benchmark's own seconds inside it
     t_start = time.perf_counter()
     try:
-        _, spawn_s = _spawn(driver, sc.devices)
+        _, spawn_s = _spawn(driver, sc.devices, new_job=True)
         tr = Trainer(cfg, driver=driver)
         try:
             tr.start()
@@ -217,7 +254,7 @@ def run_live(sc: Scenario, arrivals: bool, seed: int) -> dict[str, Any]:
                 elif step == sc.arrive_at - 1 and arrivals and "arrived" not in side:
                     side["arrived"] = 1
                     t0 = time.perf_counter()
-                    _spawn(driver, sc.arrivals * sc.per_node)
+                    _spawn(driver, sc.arrivals * sc.per_node, new_job=False)
                     # A node's process start runs outside the job on a cluster.
                     side[sc.arrive_at] = time.perf_counter() - t0
 
@@ -303,7 +340,8 @@ def _segment(
     driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
     ends: list[float] = []
     try:
-        _, spawn_s = _spawn(driver, devices)
+        ranks, spawn_s = _spawn(driver, devices, new_job=True)
+        parents = {_parent_pid(driver.pid(r)) for r in ranks}
         tr = _Restarted(cfg, driver=driver)
         tr.checkpoint = resume
         t_build = time.perf_counter()
@@ -341,6 +379,7 @@ def _segment(
         "step_s": steps_s,
         "checkpoint": kept,
         "version": version,
+        "parent_pids": sorted(parents),
     }
 
 
@@ -390,6 +429,8 @@ def run_restart(sc: Scenario, seed: int) -> dict[str, Any]:
         "restart_spawn_s": [j["spawn_s"] for j in jobs[1:]],
         "restart_build_s": [j["build_s"] for j in jobs[1:]],
         "restart_load_s": [j["load_s"] for j in jobs[1:]],
+        # each job's workers' parent: the forkserver that job started
+        "job_forkserver_pids": [j["parent_pids"] for j in jobs],
         "step_after_arrivals_s": statistics.mean(after) if after else None,
         "devices_at_end": sc.max_devices,
     }
@@ -398,8 +439,8 @@ def run_restart(sc: Scenario, seed: int) -> dict[str, Any]:
 def prime(sc: Scenario, seed: int) -> None:
     """Warm-start the policy once, before any clock starts: every way then finds it in
     the trainer's in-process cache (a restarted job of a real run reloads it too). And
-    start the forkserver the local workers fork from, which the first way would pay
-    alone."""
+    start a forkserver once, so that the files it loads are in the page cache for every
+    way alike (each job then starts a forkserver of its own; see :func:`_spawn`)."""
     driver = Driver()
     try:
         driver.spawn_local(1, method="forkserver")
@@ -424,14 +465,25 @@ def main(argv: list[str] | None = None) -> int:
         "--core-share", type=float, default=0.25, metavar="C",
         help="CPU quota of each worker, in cores (a cgroup each; 0: share the machine's)",
     )  # fmt: skip
+    ap.add_argument(
+        "--cfs-period-ms", type=float, default=10.0, metavar="MS",
+        help="the quota's CFS period (1-1000 ms; see CoreShares for what it changes)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     sc = QUICK if args.quick else FULL
     global SHARES
     if args.core_share:
         if not 0 < args.core_share <= 1:
             ap.error(f"--core-share {args.core_share} must be in (0, 1], or 0 to share cores")
+        if not 1 <= args.cfs_period_ms <= 1000:
+            ap.error(f"--cfs-period-ms {args.cfs_period_ms} must be in [1, 1000] ms")
+        if args.core_share * args.cfs_period_ms < 1:
+            ap.error(
+                f"--core-share {args.core_share} of a {args.cfs_period_ms} ms period is under "
+                "the kernel's 1 ms minimum quota: raise --cfs-period-ms"
+            )
         try:
-            SHARES = CoreShares(args.core_share)
+            SHARES = CoreShares(args.core_share, round(args.cfs_period_ms * 1000))
         except OSError as e:
             ap.error(f"--core-share needs cgroups this process can make ({e}); pass 0")
         sc = dataclasses.replace(sc, options={**sc.options, "worker_cores": args.core_share})
@@ -473,6 +525,7 @@ def _run(sc: Scenario, args: argparse.Namespace) -> int:
     out = {
         "benchmark": "bench_elastic",
         "core_share": None if SHARES is None else SHARES.share,
+        "cfs_period_ms": None if SHARES is None else SHARES.period_us / 1000,
         "scenario": {k: v for k, v in sc.__dict__.items() if k != "options"},
         "options": {k: v for k, v in sc.options.items() if k != "snapshot_budget"},
         "rows": rows,
