@@ -741,8 +741,9 @@ def reshard(
             if route == "net" and left - net_peers:
                 raise TransportArgumentError(
                     f"rank {rank} cannot reach peers {sorted(left - net_peers)} by the socket "
-                    "route (no IPv4 address to listen on here or there: set GLOO_SOCKET_IFNAME "
-                    "or NEREUS_NET_ADDRESS); use route='auto' to let those take the transport"
+                    "route (no address to listen on here or there, or an IPv4 one on one side "
+                    "and an IPv6 one on the other: set GLOO_SOCKET_IFNAME or "
+                    "NEREUS_NET_ADDRESS); use route='auto' to let those take the transport"
                 )
         sends, net_send_slots, net_send_bytes = _take(sends, lambda b: b.peer in net_peers)
         recvs, net_recv_slots, net_recv_bytes = _take(recvs, lambda b: b.peer in net_peers)

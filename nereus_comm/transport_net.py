@@ -29,11 +29,14 @@ Setup (collective with each new peer, over the control transport reshard was giv
     can reach the port but not the job's group cannot get in, and b knows that it
     reached a. The listening socket lives only during the setup round.
 
-    The address is the one gloo binds on this host: the IPv4 address of the
-    interface named by ``GLOO_SOCKET_IFNAME`` (its first name), else the address the
-    hostname resolves to, as gloo does; ``NEREUS_NET_ADDRESS`` overrides both. A rank
-    without one (the hostname does not resolve) records that it does not take part,
-    and its pairs keep the control transport.
+    The address is the one gloo binds on this host: the address of the interface
+    named by ``GLOO_SOCKET_IFNAME`` (its first name; IPv4 if it has one, else a
+    global IPv6 one), else the first address the hostname resolves to, as gloo does;
+    ``NEREUS_NET_ADDRESS`` overrides both. IPv4 and IPv6 both work; a pair whose
+    records name different families keeps the control transport (one side may have
+    no route to the other's family), as does a rank without an address (the
+    hostname does not resolve, or only an IPv6 link-local address, which needs a
+    scope this record does not carry), which records that it does not take part.
 
 Failures
     Streams belong to (control group, peer pair) and serve every later exchange. A
@@ -75,29 +78,71 @@ __all__ = ["NET_ADDRESS_ENV", "NetRoute", "local_address"]
 #: Overrides the address the route listens on (default: the one gloo binds).
 NET_ADDRESS_ENV = "NEREUS_NET_ADDRESS"
 
+# The setup record: magic [0:4], takes part [4], address family [5] (4 or 6), port
+# [6:8], the address [8:24] (IPv4 in its first 4 bytes), the nonce [24:56].
 _RECORD = 64
 _MAGIC = b"NRNT"
 _NONCE = 32
 _HELLO = _NONCE + 8  # the connecting side's nonce answer and its rank
 _SIOCGIFADDR = 0x8915
+_FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
 def _interface_address(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` (None: no such interface or no IPv4)."""
+    """The address of interface ``name``: its IPv4 one, else its first global IPv6 one
+    (as gloo takes an interface's IPv4 address before its IPv6 ones). None: no such
+    interface, or neither."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            return socket.inet_ntoa(raw[20:24])
         except OSError:
-            return None
-    return socket.inet_ntoa(raw[20:24])
+            pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            return _ipv6_of(name, f.read())
+    except OSError:
+        return None
+
+
+def _ipv6_of(name: str, if_inet6: str) -> str | None:
+    """The first IPv6 address of interface ``name`` that is not link-local, from the
+    text of /proc/net/if_inet6 (a line per address: "address ifindex prefixlen scope
+    flags name", the address as 32 hex digits)."""
+    for line in if_inet6.splitlines():
+        fields = line.split()
+        if len(fields) != 6 or fields[5] != name or len(fields[0]) != 32:
+            continue
+        try:
+            address = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
+        except ValueError:
+            continue
+        if not address.is_link_local:
+            return str(address)
+    return None
+
+
+def _usable(address: str | None) -> str | None:
+    """``address`` in canonical form if the route can listen on and record it: an IPv4
+    or IPv6 address, not IPv6 link-local (its scope would not reach the peer)."""
+    if address is None:
+        return None
+    try:
+        parsed = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return None
+    if parsed.version == 6 and parsed.is_link_local:
+        return None
+    return str(parsed)
 
 
 def local_address() -> str | None:
-    """The IPv4 address peers reach this process at, as gloo chooses it.
+    """The address peers reach this process at, as gloo chooses it.
 
     ``NEREUS_NET_ADDRESS`` if set; else the address of the first interface named by
-    ``GLOO_SOCKET_IFNAME``; else the address the hostname resolves to. None when
-    there is none (the route then leaves this rank's pairs to the control transport).
+    ``GLOO_SOCKET_IFNAME`` (IPv4, else global IPv6); else the first address the
+    hostname resolves to. None when there is none (the route then leaves this rank's
+    pairs to the control transport).
     """
     given = os.environ.get(NET_ADDRESS_ENV)
     if given:
@@ -106,35 +151,40 @@ def local_address() -> str | None:
     if names:
         return _interface_address(names.split(",")[0].strip())
     try:
-        return socket.gethostbyname(socket.gethostname())
+        found = socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)
     except OSError:
         return None
+    for family, _, _, _, sockaddr in found:
+        if family in (socket.AF_INET, socket.AF_INET6) and _usable(sockaddr[0]):
+            return _usable(sockaddr[0])
+    return None
 
 
 def _record(address: str | None, port: int, nonce: bytes) -> torch.Tensor:
     out = bytearray(_RECORD)
     out[0:4] = _MAGIC
     if address is not None:
+        parsed = ipaddress.ip_address(address)
         out[4] = 1
+        out[5] = parsed.version
         out[6:8] = port.to_bytes(2, "big")
-        out[8:12] = socket.inet_aton(address)
+        out[8 : 8 + len(parsed.packed)] = parsed.packed
     out[24 : 24 + _NONCE] = nonce
     return torch.frombuffer(out, dtype=torch.uint8).clone()
 
 
-def _parse(t: torch.Tensor, peer: int) -> tuple[bool, str, int, bytes]:
+def _parse(t: torch.Tensor, peer: int) -> tuple[bool, str, int, bytes, int]:
+    """A peer's record: (takes part, address, port, nonce, address family 4 or 6)."""
     raw = bytes(t.numpy().tobytes())
-    if raw[0:4] != _MAGIC:
+    if raw[0:4] != _MAGIC or (raw[4] == 1 and raw[5] not in _FAMILIES):
         raise TransportError(
             f"peer {peer} answered the socket route's setup with something else; every "
             "rank must run the same nereus_comm and pass the same route"
         )
-    return (
-        raw[4] == 1,
-        socket.inet_ntoa(raw[8:12]),
-        int.from_bytes(raw[6:8], "big"),
-        raw[24 : 24 + _NONCE],
-    )
+    version = raw[5] if raw[4] == 1 else 0
+    size = 16 if version == 6 else 4
+    address = str(ipaddress.ip_address(raw[8 : 8 + size])) if version else ""
+    return raw[4] == 1, address, int.from_bytes(raw[6:8], "big"), raw[24 : 24 + _NONCE], version
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -243,19 +293,15 @@ class NetRoute:
 
     Arguments:
         control: a transport over the group (sets up streams with new peers).
-        address: the IPv4 address to listen on (default: :func:`local_address`).
+        address: the IPv4 or IPv6 address to listen on (default: :func:`local_address`;
+            one the route cannot use, such as a host name or an IPv6 link-local
+            address, leaves this rank out: its pairs keep the control transport).
     """
 
     def __init__(self, control: Transport, address: str | None = None) -> None:
         self.rank = control.rank
         self.ranks = tuple(control.ranks)
-        self.address = address if address is not None else local_address()
-        if self.address is not None:
-            try:
-                if ipaddress.ip_address(self.address).version != 4:
-                    self.address = None
-            except ValueError:
-                self.address = None
+        self.address = _usable(address if address is not None else local_address())
         self._control = weakref.ref(control)
         self._streams: dict[int, socket.socket] = {}
         #: peers that answered that they do not take part (their pairs keep the transport)
@@ -344,8 +390,9 @@ class NetRoute:
         higher = [p for p in new if p > self.rank]
         address = self.address
         port = 0
+        mine = ipaddress.ip_address(address).version if address is not None else 0
         if address is not None and higher:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener = socket.socket(_FAMILIES[mine], socket.SOCK_STREAM)
             try:
                 listener.bind((address, 0))
                 listener.listen(len(higher) + 8)
@@ -365,8 +412,10 @@ class NetRoute:
             self.setup_rounds += 1
             self.setup_bytes += _RECORD * len(new)
             theirs = {p: _parse(got[p], p) for p in new}
+            # Both take part, with addresses of one family: a host with an IPv6 address
+            # may have no route to an IPv4 one, and the other way round.
             mine_in = address is not None
-            joined = [p for p in new if mine_in and theirs[p][0]]
+            joined = [p for p in new if mine_in and theirs[p][0] and theirs[p][4] == mine]
             self._without.update(p for p in new if p not in joined)
             # Lower ranks first: a peer that both accepts and connects does its accepts
             # on the kernel's backlog, so the order cannot deadlock.
@@ -380,7 +429,7 @@ class NetRoute:
                 listener.close()
 
     def _dial(self, peer: int, record, mine: bytes, deadline: float, liveness) -> socket.socket:
-        _, host, port, theirs = record
+        _, host, port, theirs, _ = record
         left = max(deadline - time.monotonic(), 0.001)
         try:
             sock = socket.create_connection((host, port), timeout=left)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from support.net import ipv6_loopback
 
 from nereus_comm.errors import PeerTimeoutError, TensorMismatchError
 from nereus_comm.layout import Layout, TensorSpec
@@ -32,6 +33,7 @@ from nereus_comm.reshard import (
     CMA_MIN_RUN_BYTES,
     DIRECT_MIN_BYTES,
     Workspace,
+    _net_for,
     reshard,
     shards_from_full,
 )
@@ -143,7 +145,9 @@ def _transport(ctx: WorkerContext) -> GlooTransport:
     return ctx.scratch["transport"]
 
 
-def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> list[dict]:
+def _run_cases(
+    ctx: WorkerContext, cases, seed: int, cma_ok: bool = True, routes: tuple[str, ...] | None = None
+) -> list[dict]:
     transport = _transport(ctx)
     rank = ctx.rank
     out = []
@@ -158,7 +162,8 @@ def _run_cases(ctx: WorkerContext, cases, seed: int, cma_ok: bool = True) -> lis
         # Every third case sends every non-empty piece as its own buffer (direct
         # where contiguous), as the default does for pieces of >= 512 KiB.
         direct = {"direct_min_bytes": 1} if k % 3 == 0 else {}
-        route = ("auto", "transport", "shm", "cma" if cma_ok else "shm", "net")[k % 5]
+        routes_ = routes or ("auto", "transport", "shm", "cma" if cma_ok else "shm", "net")
+        route = routes_[k % len(routes_)]
         res = reshard(plan, rank, mine, transport, timeout=20, workspace=ws, route=route, **direct)
         after = _moved_so_far(transport)
         want = shards_from_full(full, dst_specs, plan.dst, rank)
@@ -300,6 +305,31 @@ def cma_ok(pool) -> bool:
 def test_fixed_layout_changes(pool) -> None:
     cases = _fixed_cases()
     _check(pool.run(_run_cases, cases, 7, cma_ok(pool)), cases, cma_ok(pool))
+
+
+def _over_ipv6(ctx: WorkerContext, cases, seed: int) -> list[dict]:
+    """The cases over the socket route on a new group whose streams use IPv6 loopback."""
+    import os
+
+    from nereus_comm.transport_net import NET_ADDRESS_ENV
+
+    before = os.environ.get(NET_ADDRESS_ENV), ctx.scratch.get("transport")
+    os.environ[NET_ADDRESS_ENV] = "::1"  # read when the group's route is first used
+    ctx.scratch["transport"] = GlooTransport(dist.new_group(list(range(ctx.world_size))))
+    try:
+        rows = _run_cases(ctx, cases, seed, routes=("net",))
+        return [{**row, "net_address": _net_for(ctx.scratch["transport"]).address} for row in rows]
+    finally:
+        os.environ[NET_ADDRESS_ENV] = before[0] or "127.0.0.1"
+        ctx.scratch["transport"] = before[1]
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_fixed_layout_changes_over_ipv6_streams(pool) -> None:
+    cases = _fixed_cases()
+    results = pool.run(_over_ipv6, cases, 9)
+    _check(results, cases, cma_ok(pool))
+    assert {row["net_address"] for rows in results for row in rows} == {"::1"}
 
 
 @pytest.mark.parametrize("seed", [1, 2])

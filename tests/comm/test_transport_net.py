@@ -23,6 +23,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from support.net import ipv6_loopback
 
 from nereus_comm import _C
 
@@ -393,3 +394,79 @@ def test_random_tables_on_both_ends_move_every_byte_in_order(seed: int) -> None:
         for r in range(rows):
             outside[off + r * stride : off + r * stride + row] = False
     assert not dst[outside].any()
+
+
+def test_setup_records_carry_ipv4_and_ipv6_addresses() -> None:
+    from nereus_comm.errors import TransportError
+    from nereus_comm.transport_net import _parse, _record
+
+    nonce = bytes(range(32))
+    assert _parse(_record("10.1.2.3", 4242, nonce), 1) == (True, "10.1.2.3", 4242, nonce, 4)
+    got = _parse(_record("2001:db8::7", 65535, nonce), 1)
+    assert got == (True, "2001:db8::7", 65535, nonce, 6)
+    assert _parse(_record(None, 0, nonce), 1) == (False, "", 0, nonce, 0)
+    bad = _record("10.1.2.3", 1, nonce)
+    bad[5] = 5  # neither family
+    with pytest.raises(TransportError, match="something else"):
+        _parse(bad, 3)
+
+
+def test_addresses_the_route_can_and_cannot_use() -> None:
+    from nereus_comm.transport_net import _interface_address, _ipv6_of, _usable
+
+    assert _usable("127.0.0.1") == "127.0.0.1"
+    assert _usable("[::1]") == "::1" and _usable("2001:DB8:0::1") == "2001:db8::1"
+    # a link-local address needs its interface's scope, which the record does not carry
+    assert _usable("fe80::1") is None
+    assert _usable("node-7.cluster") is None and _usable(None) is None
+    table = (
+        "fe800000000000000000000000000001 02 40 20 80     eth0\n"
+        "20010db8000000000000000000000042 02 40 00 80     eth0\n"
+        "00000000000000000000000000000001 01 80 10 80       lo\n"
+    )
+    assert _ipv6_of("eth0", table) == "2001:db8::42"  # the link-local one is skipped
+    assert _ipv6_of("lo", table) == "::1"
+    assert _ipv6_of("eth1", table) is None
+    assert _ipv6_of("eth0", "garbage\nzz 1 2 3 4 eth0\n") is None
+    assert _interface_address("lo") == "127.0.0.1"  # IPv4 before IPv6, as gloo takes it
+    assert _interface_address("no-such-interface0") is None
+
+
+def _over_addresses(ctx, addresses: list[str]) -> dict:
+    from nereus_comm.pack import Region, region_table
+    from nereus_comm.transport import GlooTransport
+    from nereus_comm.transport_net import NetRoute
+
+    transport = GlooTransport()
+    route = NetRoute(transport, address=addresses[ctx.rank])
+    peer = 1 - ctx.rank
+    peers = route.prepare([peer], timeout=30)
+    if not peers:
+        return {"peers": [], "address": route.address}
+    g = torch.Generator().manual_seed(11)
+    full = torch.randint(0, 256, (200, 900), dtype=torch.uint8, generator=g)
+    out = torch.zeros(200, 450, dtype=torch.uint8)
+    mine = Region(full, 0 if ctx.rank == 0 else 450, 200, 450, 900)
+    route.start(
+        {peer: region_table([mine])}, {peer: region_table([Region(out, 0, 200, 450, 450)])},
+        owners=(full, out), deadline=time.monotonic() + 30, timeout=30,
+    ).wait()  # fmt: skip
+    other = full[:, 450:] if ctx.rank == 0 else full[:, :450]
+    equal = bool(torch.equal(out, other))
+    return {"peers": sorted(peers), "equal": equal, "address": route.address}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_net_route_over_ipv6_and_mixed_families() -> None:
+    from nereus_comm.testing import LocalWorkers
+
+    with LocalWorkers(2, timeout=60) as pool:
+        first, second = pool.run(_over_addresses, ["::1", "::1"])
+        assert first["peers"] == [1] and second["peers"] == [0], (first, second)
+        assert first["equal"] and second["equal"]
+        assert first["address"] == "::1"
+        # One side IPv4, the other IPv6: neither may reach the other's family, so the
+        # pair keeps the control transport, on both sides alike.
+        first, second = pool.run(_over_addresses, ["127.0.0.1", "::1"])
+        assert first["peers"] == [] and second["peers"] == [], (first, second)
