@@ -43,6 +43,13 @@ half a core, as a node of a cluster brings its devices. ``--core-share 0`` lets 
 worker share both cores instead; an arrival then adds worker processes and their memory
 budget, no cores.
 
+What an arrival's memory adds: each worker's memory budget (what the planner may place
+on it) is by default the trainer's, just above the start plan's peak; on the tiny model
+no plan over more workers then runs faster, as a step is mostly per-call overhead that a
+wider stage does not share out. ``--memory-budget-mib M`` sets it instead: at 1.3 the
+survivors of the full scenario can hold the three stages only with the rollout split two
+ways beside the reference, which the arrivals' memory lets spread out again.
+
     python benchmarks/bench_elastic.py --quick --json /tmp/bench_elastic.json
     python benchmarks/bench_elastic.py --json /tmp/bench_elastic.json   # 30 steps, 6 devices
 
@@ -466,11 +473,21 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU quota of each worker, in cores (a cgroup each; 0: share the machine's)",
     )  # fmt: skip
     ap.add_argument(
+        "--memory-budget-mib", type=float, default=None, metavar="M",
+        help="each worker's memory budget for the planner (default: the trainer's, just above "
+        "the start plan's peak; too small a one fails the run at the loss, naming what fits)",
+    )  # fmt: skip
+    ap.add_argument(
         "--cfs-period-ms", type=float, default=10.0, metavar="MS",
         help="the quota's CFS period (1-1000 ms; see CoreShares for what it changes)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     sc = QUICK if args.quick else FULL
+    if args.memory_budget_mib is not None:
+        if not args.memory_budget_mib > 0:
+            ap.error(f"--memory-budget-mib {args.memory_budget_mib} must be positive")
+        budget = round(args.memory_budget_mib * 2**20)
+        sc = dataclasses.replace(sc, options={**sc.options, "memory_budget": budget})
     global SHARES
     if args.core_share:
         if not 0 < args.core_share <= 1:
