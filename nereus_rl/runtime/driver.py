@@ -74,6 +74,44 @@ class PendingCall:
     sent_at: float
 
 
+#: Seconds between liveness checks of a loop that waits for replies.
+LIVENESS_CHECK_S = 0.2
+
+
+class LivenessCadence:
+    """When a loop waiting for replies checks which workers died: every
+    :data:`LIVENESS_CHECK_S`, and at once after the liveness listener saw a death (not
+    at the next period)."""
+
+    def __init__(self, listener: LivenessListener | None) -> None:
+        self._listener = listener
+        self._deaths = listener.deaths if listener is not None else 0
+        self._next = time.monotonic() + LIVENESS_CHECK_S
+
+    def due(self, now: float) -> bool:
+        """Whether to check now (the next check is then a period away)."""
+        if self._listener is not None and self._listener.deaths != self._deaths:
+            self._deaths = self._listener.deaths
+            self._next = now
+        if now < self._next:
+            return False
+        self._next = now + LIVENESS_CHECK_S
+        return True
+
+
+def reply_values(fn: str, replies: dict[int, P.Reply]) -> dict[int, Any]:
+    """rank -> the value each reply carries, in rank order.
+
+    Raises:
+        RemoteError: a command raised on a worker (the lowest such rank).
+    """
+    for rank in sorted(replies):
+        r = replies[rank]
+        if not r.ok:
+            raise P.RemoteError(rank, fn, r.error_type, r.error, r.traceback)
+    return {rank: replies[rank].value for rank in sorted(replies)}
+
+
 class Driver:
     """Hosts the job's store and World, and sends commands to workers.
 
@@ -519,10 +557,7 @@ class Driver:
         waiting = dict(pending.seqs)
         replies: dict[int, P.Reply] = {}
         sleep = 0.0002
-        next_liveness = time.monotonic() + 0.2
-        # A death the liveness listener saw is checked at once, not at the next period.
-        listener = self._liveness
-        deaths = listener.deaths if listener is not None else 0
+        liveness = LivenessCadence(self._liveness)
         keys = {rank: P.reply_key(rank, seq) for rank, seq in waiting.items()}
 
         def take(rank: int) -> None:
@@ -547,18 +582,15 @@ class Driver:
                 if not waiting:
                     break
             now = time.monotonic()
-            if listener is not None and listener.deaths != deaths:
-                deaths = listener.deaths
-                next_liveness = now
-            if now >= next_liveness or now > deadline:
+            check = liveness.due(now)
+            if check or now > deadline:
                 # Replies first: a worker that answered and then died owes nothing.
                 for rank in list(waiting):
                     if self.store.check([keys[rank]]):
                         take(rank)
                 if not waiting:
                     break
-            if now >= next_liveness:
-                next_liveness = now + 0.2
+            if check:
                 lost = [r for r in waiting if r in self.check_liveness()]
                 if lost:
                     raise P.WorkerLostError(
@@ -575,11 +607,7 @@ class Driver:
             # hundreds of ms (a 1 GB Split: ~0.15 s): poll finely at first, so a reply is
             # not left waiting for a long sleep (a 10 ms sleep costs 5 ms on average).
             sleep = min(sleep * 2, 0.002 if now - pending.sent_at < 0.5 else 0.01)
-        for rank in sorted(replies):
-            r = replies[rank]
-            if not r.ok:
-                raise P.RemoteError(rank, pending.fn, r.error_type, r.error, r.traceback)
-        return {rank: replies[rank].value for rank in sorted(replies)}
+        return reply_values(pending.fn, replies)
 
     def call(
         self,

@@ -53,7 +53,7 @@ from typing import Any
 
 from nereus_rl.runtime import protocol as P
 from nereus_rl.runtime.abort import socket_inodes
-from nereus_rl.runtime.driver import Driver, PendingCall
+from nereus_rl.runtime.driver import Driver, LivenessCadence, PendingCall, reply_values
 
 #: Environment a Ray this module starts (and its actors) runs with: loopback-safe
 #: address resolution, no usage reporting.
@@ -663,9 +663,7 @@ class RayDriver(Driver):
         rank_of = {ref: rank for rank, ref in pending.refs.items()}
         waiting = list(pending.refs.values())
         replies: dict[int, P.Reply] = {}
-        next_liveness = time.monotonic() + 0.2
-        listener = self._liveness
-        deaths = listener.deaths if listener is not None else 0
+        liveness = LivenessCadence(self._liveness)
         while waiting:
             now = time.monotonic()
             # Short slices: a death the liveness listener saw is acted on within one.
@@ -692,11 +690,7 @@ class RayDriver(Driver):
             if not waiting:
                 break
             now = time.monotonic()
-            if listener is not None and listener.deaths != deaths:
-                deaths = listener.deaths
-                next_liveness = now
-            if now >= next_liveness:
-                next_liveness = now + 0.2
+            if liveness.due(now):
                 lost = set(self.check_liveness())
                 owing = sorted(rank_of[r] for r in waiting if rank_of[r] in lost)
                 if owing:
@@ -709,11 +703,7 @@ class RayDriver(Driver):
                     f"worker(s) {late} did not answer {pending.fn!r} within {timeout:g} s",
                     tuple(late),
                 )
-        for rank in sorted(replies):
-            r = replies[rank]
-            if not r.ok:
-                raise P.RemoteError(rank, pending.fn, r.error_type, r.error, r.traceback)
-        return {rank: replies[rank].value for rank in sorted(replies)}
+        return reply_values(pending.fn, replies)
 
     # ---------------------------------------------------------------- shutdown
 
