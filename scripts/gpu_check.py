@@ -18,6 +18,11 @@ exits 0. Well under 3 minutes on an H200.
    workers as there are GPUs (at most 2; NCCL puts one rank on each), and the same
    run on CPU workers beside it: every step's loss and reward finite, and the GPU
    run's seconds per step over the CPU run's (``--skip-trainer`` leaves it out).
+   Where Ray is installed, the GPU run once more with ``launcher="ray"``: one actor
+   per GPU on a new Ray on loopback, placed by ``{"GPU": 1}`` bundles, NCCL among the
+   actors; its steps finite, and whether its rewards equal the local run's (same seed;
+   reported, not required: GPU kernels may sum in another order). ``--skip-ray``
+   leaves it out.
 """
 
 from __future__ import annotations
@@ -226,8 +231,9 @@ def nccl_checks() -> dict:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
-def trainer_check(steps: int = 3) -> dict:
-    """A short GRPO run on GPU workers and the same run on CPU workers, side by side."""
+def trainer_check(steps: int = 3, ray: bool = True) -> dict:
+    """A short GRPO run on GPU workers and the same run on CPU workers, side by side;
+    with ``ray`` (and Ray installed) the GPU run again on Ray actors."""
     try:
         import nereus_rl
     except ImportError as e:
@@ -235,10 +241,20 @@ def trainer_check(steps: int = 3) -> dict:
     devices = min(2, torch.cuda.device_count())
     out: dict = {"devices": devices, "steps": steps}
     opts = {"warm_steps": 30, "batch": 4, "group_size": 2, "calibration_probes": 0}
-    for kind in ("cuda", "cpu"):
+    runs = {"cuda": {"device": "cuda"}, "cpu": {"device": "cpu"}}
+    if not ray:
+        out["ray"] = {"skipped": "--skip-ray"}
+    else:
+        try:
+            import ray as _  # noqa: F401
+        except ImportError as e:
+            out["ray"] = {"skipped": f"ray not importable: {e}"}
+        else:
+            runs["ray"] = {"device": "cuda", "launcher": "ray"}
+    for kind, how in runs.items():
         t0 = time.perf_counter()
         try:
-            res = nereus_rl.train(devices=devices, steps=steps, device=kind, **opts)
+            res = nereus_rl.train(devices=devices, steps=steps, **how, **opts)
         except Exception as e:
             out[kind] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             continue
@@ -253,9 +269,13 @@ def trainer_check(steps: int = 3) -> dict:
             "finite": all(math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"]) for m in ms),
         }
     gpu, cpu = out.get("cuda", {}), out.get("cpu", {})
-    out["ok"] = bool(
-        gpu.get("error") is None and gpu.get("steps_done") == steps and gpu.get("finite")
-    )
+
+    def done(run: dict) -> bool:
+        return run.get("error") is None and run.get("steps_done") == steps and run.get("finite")
+
+    out["ok"] = bool(done(gpu) and ("ray" not in runs or done(out["ray"])))
+    if "ray" in runs and done(out["ray"]) and done(gpu):
+        out["ray_rewards_equal_local"] = out["ray"]["reward"] == gpu["reward"]
     if out["ok"] and cpu.get("step_s"):
         out["gpu_over_cpu_step_x"] = round(
             statistics.median(gpu["step_s"]) / statistics.median(cpu["step_s"]), 3
@@ -271,6 +291,7 @@ def main() -> int:
     )
     parser.add_argument("--skip-nccl", action="store_true", help="skip the NCCL one-rank checks")
     parser.add_argument("--skip-trainer", action="store_true", help="skip the GPU trainer run")
+    parser.add_argument("--skip-ray", action="store_true", help="skip the trainer run on Ray")
     args = parser.parse_args()
     report: dict = {"benchmark": "gpu_check", "rows": []}
 
@@ -310,13 +331,15 @@ def main() -> int:
     report["rows"] = speed(device, (64 if args.quick else 256) * MIB)
     report["nccl"] = {"skipped": "--skip-nccl"} if args.skip_nccl else nccl_checks()
     print("nccl:", json.dumps(report["nccl"], default=str)[:4000])
-    report["trainer"] = {"skipped": "--skip-trainer"} if args.skip_trainer else trainer_check()
+    report["trainer"] = (
+        {"skipped": "--skip-trainer"} if args.skip_trainer else trainer_check(ray=not args.skip_ray)
+    )
     print("trainer:", json.dumps(report["trainer"], default=str)[:4000])
     report["seconds"] = round(time.perf_counter() - t0, 1)
     failed = [c["case"] for c in report["correctness"] if not c["ok"]]
     failed += [f"speed {r['region_bytes']}" for r in report["rows"] if not r["bytes_ok"]]
     if not args.skip_trainer and not report["trainer"].get("ok"):
-        failed.append("trainer on cuda")
+        failed.append("trainer on cuda (local or Ray)")
     verdict = "FAILED: " + ", ".join(failed) if failed else "all bytes equal"
     print(f"done in {report['seconds']} s; {verdict}")
     return finish(1 if failed or "error" in report["nccl"] else 0)
