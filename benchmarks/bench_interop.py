@@ -390,7 +390,8 @@ def plan_bytes(case: str, target_bytes: int) -> tuple[int, int]:
     """(bytes the nereus plan sends, its own lower bound), planned as reshard_dtensors plans."""
     from nereus_comm.dtensor import from_torch_placements
     from nereus_comm.layout import TensorSpec
-    from nereus_comm.placement import RankMesh, Replicate, Sharding, plan_sharded
+    from nereus_comm.placement import plan_sharded
+    from nereus_comm.sharding import RankMesh, Replicate, Sharding
 
     src = RankMesh.of([[0, 1], [2, 3]])
     dst = {"a": RankMesh.of([0, 1, 2, 3]), "b": RankMesh.of([[0], [1], [2], [3]])}.get(

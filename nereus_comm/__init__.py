@@ -42,18 +42,7 @@ from nereus_comm.layout import Box, Layout, TensorSpec, box_shape, local_region
 from nereus_comm.nccl import load_nccl
 from nereus_comm.optim_state import TrainingState, flatten_state, param_name, unflatten_state
 from nereus_comm.pack import Region, copy_regions, pack, unpack
-from nereus_comm.placement import (
-    RankMesh,
-    Replicate,
-    Shard,
-    ShardedPlan,
-    ShardedResult,
-    Sharding,
-    StridedShard,
-    plan_sharded,
-    reshard_sharded,
-    sharding_from_layout,
-)
+from nereus_comm.placement import ShardedPlan, ShardedResult, plan_sharded, reshard_sharded
 from nereus_comm.plan import ReshardPlan, plan_reshard
 from nereus_comm.pool import (
     CommPool,
@@ -78,6 +67,14 @@ from nereus_comm.reshard import (
     prepare_reshard,
     reshard,
     shards_from_full,
+)
+from nereus_comm.sharding import (
+    RankMesh,
+    Replicate,
+    Shard,
+    Sharding,
+    StridedShard,
+    sharding_from_layout,
 )
 from nereus_comm.specs import transformer_state_specs
 from nereus_comm.transport import GlooTransport, Liveness, NcclTransport, Transport

@@ -5,7 +5,7 @@ values, e.g. an optimizer's step counters and hyperparameters), a destination
 DeviceMesh and placements, and returns the state as DTensors there. The destination
 mesh may have any shape, rank count and rank set (growing, shrinking, moving to other
 ranks), where ``DTensor.redistribute`` needs the same mesh. Each DTensor's placements
-become a :class:`~nereus_comm.placement.Sharding` (``Shard``, ``Replicate``,
+become a :class:`~nereus_comm.sharding.Sharding` (``Shard``, ``Replicate``,
 ``_StridedShard`` and a non-default ``shard_order``), and one
 :func:`~nereus_comm.placement.plan_sharded` plan moves every tensor at once, the
 bytes sent equal to what the destination ranks lack.
@@ -52,16 +52,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from nereus_comm.errors import LayoutError, NereusCommError, PlanError
 from nereus_comm.layout import TensorSpec
-from nereus_comm.placement import (
+from nereus_comm.placement import ShardedPlan, plan_sharded, reshard_sharded
+from nereus_comm.sharding import (
     MeshPlacement,
     RankMesh,
     Replicate,
     Shard,
-    ShardedPlan,
     Sharding,
     StridedShard,
-    plan_sharded,
-    reshard_sharded,
 )
 from nereus_comm.transport import Transport
 from nereus_comm.transport_pg import ProcessGroupTransport

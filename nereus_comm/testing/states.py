@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from nereus_comm.layout import TensorSpec
-from nereus_comm.placement import RankMesh, Replicate, Shard, Sharding, StridedShard
+from nereus_comm.sharding import RankMesh, Replicate, Shard, Sharding, StridedShard
 from nereus_comm.specs import LLAMA_PRESETS
 
 #: Each parameter's copies in an AdamW training state with fp32 masters: name prefix, dtype.
