@@ -152,7 +152,7 @@ def _train(args: argparse.Namespace) -> int:
     for name in (
         "steps", "batch", "group_size", "lr", "trace", "plan", "admission", "device", "nodes",
         "max_devices", "worker_cores",
-        "checkpoint_every", "heartbeat_timeout", "data", "tokenizer", "save_every",
+        "checkpoint_every", "resume", "heartbeat_timeout", "data", "tokenizer", "save_every",
         "prompt_field", "answer_field",
     ):  # fmt: skip
         v = getattr(args, name)
@@ -320,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--checkpoint-every", type=int, default=None, metavar="N",
         help="also write the in-memory snapshot to the run folder every N steps",
+    )  # fmt: skip
+    t.add_argument(
+        "--resume", default=None, metavar="PATH",
+        help="start from a checkpoint.pt a run wrote (its states and the step after its own; "
+        "the same options continue that run exactly)",
     )  # fmt: skip
     t.add_argument(
         "--no-mirror", action="store_true",

@@ -19,9 +19,10 @@ from nereus_rl.trainer.config import (
     UnknownAlgorithmError,
 )
 from nereus_rl.trainer.recover import RecoveryStateLostError
-from nereus_rl.trainer.trainer import Trainer, train
+from nereus_rl.trainer.trainer import CapacityLostError, Trainer, train
 
 __all__ = [
+    "CapacityLostError",
     "NotEnoughDevicesError",
     "RecoveryStateLostError",
     "TrainConfig",

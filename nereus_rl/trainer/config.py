@@ -99,6 +99,11 @@ class TrainConfig:
     # checkpoint_dir, else the run folder's checkpoint.pt.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    # Start from a disk checkpoint (a checkpoint.pt that checkpoint_every, or a run whose
+    # survivors could not hold it, wrote): its trained states and the step after its
+    # own; ``steps`` still counts from step 0. The same options as the run that wrote it
+    # continue it exactly as that run would have gone on.
+    resume: str | None = None
     # The share of a step the snapshot may take on average: a dearer one (priced by the
     # cost model, then measured) is taken every few steps, and a death rolls back to it.
     # float("inf"): every step, whatever it costs.
@@ -363,6 +368,11 @@ def check_config(cfg: TrainConfig) -> ModelConfig:
         raise TrainConfigError(
             f"worker_cores={cfg.worker_cores!r} must be a share of a core in (0, 1] (a worker "
             "runs one thread); None: the workers share this machine's cores"
+        )
+    if cfg.resume is not None and not Path(cfg.resume).is_file():
+        raise TrainConfigError(
+            f"resume={cfg.resume!r} is not a file: pass the checkpoint.pt a run wrote "
+            "(checkpoint_every, or the one a run writes when its survivors cannot hold it)"
         )
     if cfg.max_devices is not None and not (
         isinstance(cfg.max_devices, int) and cfg.max_devices >= cfg.devices

@@ -159,7 +159,8 @@ class Snapshots:
 
     Attributes:
         version: the step whose update the committed snapshot holds (-1: the initial
-            states, before any step).
+            states, before any step; a resumed run's initial states are its
+            checkpoint's, and its version that checkpoint's step).
         held: stage -> :class:`Held` of the committed version.
     """
 
@@ -319,7 +320,7 @@ class Snapshots:
             SnapshotLostError: a shard has neither copy left (say which and what to do).
         """
         out = dict(initial)
-        if self.version < 0:
+        if not self.held:  # nothing taken yet: the initial states are the version
             return out
         for h in self.held.values():
             whole = [u for u in (h.holders, *h.others) if not set(u) & lost]
@@ -421,3 +422,50 @@ class DiskCheckpoint:
         """Every model's full state at the checkpoint's step (the reference: initial)."""
         saved = torch.load(self.path, map_location="cpu", weights_only=True)
         return {**initial, **saved["states"]}
+
+
+def read_checkpoint(
+    path: str | Path, models: set[str], steps: int
+) -> tuple[int, dict[str, dict[str, torch.Tensor]]]:
+    """A disk checkpoint's step and trained states, checked for a run that resumes from it.
+
+    Arguments:
+        path: the checkpoint.pt (:class:`DiskCheckpoint`).
+        models: the models the run trains (``"actor"``, and PPO's ``"critic"``).
+        steps: the run's steps (the checkpoint's step must leave some to run).
+
+    Returns:
+        (the step whose update it holds, model -> its full training state).
+
+    Raises:
+        ValueError: not a checkpoint of a run like this one (say what differs).
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and torch errors alike: not a checkpoint
+        raise ValueError(
+            f"{path} is not a checkpoint torch can read ({type(e).__name__}: {e})"
+        ) from None
+    version = saved.get("version") if isinstance(saved, dict) else None
+    states = saved.get("states") if isinstance(saved, dict) else None
+    if not isinstance(version, int) or version < 0 or not isinstance(states, dict):
+        raise ValueError(
+            f"{path} holds no step and trained states ({{'version': int >= 0, 'states': "
+            "{...}}): pass a checkpoint.pt a run wrote"
+        )
+    if set(states) != models:
+        raise ValueError(
+            f"{path} holds the states of {sorted(states)}, and this run trains "
+            f"{sorted(models)}: resume with the algorithm that wrote it"
+        )
+    for model, state in states.items():
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise ValueError(f"{path}: the state of {model!r} is not a dict of named tensors")
+    if version + 1 >= steps:
+        raise ValueError(
+            f"{path} holds step {version}, and steps={steps} runs steps 0..{steps - 1}: "
+            f"nothing is left to run; pass steps > {version + 1}"
+        )
+    return version, states

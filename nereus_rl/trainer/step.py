@@ -65,9 +65,8 @@ class StepWork:
     padding is never attended to and never scored: losses, advantages and KL read the
     response columns only, under the response mask."""
 
-    def _rollout_submit(self, step: int, rlen: int | None = None):
-        """Sample a step's prompts and send them to the rollout units (not waiting);
-        ``rlen`` overrides the step's response limit (the startup calibration's probes)."""
+    def _draw(self, step: int, rlen: int | None = None) -> tuple[int, list]:
+        """The step's task level and prompts (problems), drawn once per step."""
         cfg = self.cfg
         rlen = self.response_len(step) if rlen is None else rlen
         # The response limit follows the length schedule; the task level stays at the
@@ -80,7 +79,14 @@ class StepWork:
             drawn = self.drawn[step] = (level, self.task.sample(cfg.batch, level, self.rng))
             for old in [s for s in self.drawn if s < step - 2]:
                 del self.drawn[old]
-        problems = drawn[1]
+        return drawn
+
+    def _rollout_submit(self, step: int, rlen: int | None = None):
+        """Sample a step's prompts and send them to the rollout units (not waiting);
+        ``rlen`` overrides the step's response limit (the startup calibration's probes)."""
+        cfg = self.cfg
+        rlen = self.response_len(step) if rlen is None else rlen
+        level, problems = self._draw(step, rlen)
         if cfg.algo == "grpo":
             problems = [p for p in problems for _ in range(cfg.group_size)]
         prompts, prompt_mask = self.prompts.encode(problems)

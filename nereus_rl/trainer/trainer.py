@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +80,12 @@ from nereus_rl.trainer.recover import grow as grow_run
 from nereus_rl.trainer.recover import recover as recover_run
 from nereus_rl.trainer.recover import restore as restore_run
 from nereus_rl.trainer.report import RunLog
-from nereus_rl.trainer.snapshot import DiskCheckpoint, SnapshotLostError, Snapshots
+from nereus_rl.trainer.snapshot import (
+    DiskCheckpoint,
+    SnapshotLostError,
+    Snapshots,
+    read_checkpoint,
+)
 from nereus_rl.trainer.step import StepWork, head_start
 from nereus_rl.trainer.units import TrainerUnits
 from nereus_rl.transition import KINDS, TransitionExecutionError
@@ -87,6 +93,7 @@ from nereus_rl.transition import KINDS, TransitionExecutionError
 __all__ = [
     "ALGOS",
     "MODES",
+    "CapacityLostError",
     "NotEnoughDevicesError",
     "TrainConfig",
     "TrainConfigError",
@@ -101,6 +108,13 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("nereus_rl.trainer.trainer")
+
+
+class CapacityLostError(RuntimeError):
+    """The devices left after a loss cannot hold the run (no plan fits them). The run
+    stops; its committed state is written to disk first, and the message says where and
+    how to go on from it (``resume``) on enough devices."""
+
 
 # Warm-started initial states by (critic, model, task, seed, warm steps): runs in one
 # process (tests, benchmarks) that differ only in plan or algorithm share the warm start.
@@ -194,6 +208,21 @@ class Trainer(StepWork):
         # the run's prompt generator, and each step's draw (kept for a step run again)
         self.rng = random.Random(cfg.seed)
         self.drawn: dict[int, tuple[int, list]] = {}
+        # A resumed run: its checkpoint read and checked before any process starts, and
+        # the prompts of the steps before it drawn again from the run's generator, so
+        # that every later step draws what the run that wrote it would have drawn.
+        self.start_step = 0
+        self._resumed: dict[str, dict[str, torch.Tensor]] | None = None
+        if cfg.resume is not None:
+            trained = {model for _, model, trains in stage_names(cfg.algo) if trains}
+            try:
+                version, self._resumed = read_checkpoint(cfg.resume, trained, cfg.steps)
+            except ValueError as e:
+                raise TrainConfigError(f"resume: {e}") from None
+            self.start_step = version + 1
+            for done in range(self.start_step):
+                self._draw(done)
+            self.drawn.clear()
         # no workers yet: the adapter plans over every configured device until they join
         self.group = WorkerGroup(driver, device=cfg.device)
         # Planned before any process starts, so that too few devices or too little
@@ -273,7 +302,7 @@ class Trainer(StepWork):
                 f"{cfg.devices} devices asked but only {len(workers)} workers joined"
             )
         self.group.attach(workers)
-        self._log_workers(0)
+        self._log_workers(self.start_step)
         # The stages' shards will be EMU units' tensors (no copy is made).
         live = KINDS if cfg.transitions == "emu" else ()
 
@@ -285,6 +314,8 @@ class Trainer(StepWork):
             per = cfg.devices // cfg.nodes
             nodes = -(-cfg.device_cap // per)
             self.snapshots = Snapshots(self.group, self.mc, per * nodes, nodes)
+            # a resumed run's initial states are its checkpoint's step
+            self.snapshots.version = self.start_step - 1
         self._dirty = True  # nothing is set up yet: a loss now restores the initial states
         try:
             self.driver.import_module("nereus_rl.trainer.worker")
@@ -297,7 +328,7 @@ class Trainer(StepWork):
             if cfg.adapt:
                 # After calibration: the model (and budget) the run's decisions start from.
                 self.adapter.prepare_buckets(self.response_len(0))
-            self._set_plan(0, plan or self.first_plan)
+            self._set_plan(self.start_step, plan or self.first_plan)
             self._setup(self.plan, self._initial)
             self.units.adopt(self.plan)
             self.result.timings["setup_s"] = time.perf_counter() - t0
@@ -308,7 +339,7 @@ class Trainer(StepWork):
             self.driver.import_module("nereus_rl.trainer.worker")
             if self.units is None:
                 self.units = units()
-            self.recover(0, e)
+            self.recover(self.start_step, e)
         self._dirty = False
 
     def _setup(self, plan: GlobalPlan, full: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -368,7 +399,31 @@ class Trainer(StepWork):
                 _WARM_CACHE.clear()
             _WARM_CACHE[key] = self._warm_start()
         self.result.timings["warm_start_s"] = time.perf_counter() - t0
-        return _WARM_CACHE[key]
+        return self._resume_over(_WARM_CACHE[key])
+
+    def _resume_over(self, initial: dict[str, Any]) -> dict[str, Any]:
+        """``initial`` with a resumed run's trained states in place of their models'
+        (the reference stays the initial weights), each checked against the model's.
+
+        Raises:
+            TrainConfigError: the checkpoint is of another model (a weight missing or of
+                another shape).
+        """
+        if self._resumed is None:
+            return initial
+        for model, state in self._resumed.items():
+            if not isinstance(initial.get(model), dict):
+                continue  # a Hugging Face folder's lazy weights: checked as workers load
+            for name, weight in initial[model].items():
+                got = state.get(name)
+                if got is None or got.shape != weight.shape or got.dtype != weight.dtype:
+                    have = "missing" if got is None else f"{tuple(got.shape)} {got.dtype}"
+                    raise TrainConfigError(
+                        f"resume: {self.cfg.resume} is not a checkpoint of this model: "
+                        f"{model} weight {name!r} is {have}, the model's is "
+                        f"{tuple(weight.shape)} {weight.dtype}"
+                    )
+        return {**initial, **self._resumed}
 
     def _warm_start(self) -> dict[str, dict[str, torch.Tensor]]:
         cfg = self.cfg
@@ -552,7 +607,10 @@ class Trainer(StepWork):
                 snaps.abandon()
 
         def plan_for(devices: list[int]) -> GlobalPlan:
-            return self.adapter.best_plan(self.response_len(step), devices=devices)[0]
+            try:
+                return self.adapter.best_plan(self.response_len(step), devices=devices)[0]
+            except NotEnoughDevicesError as e:
+                raise self._capacity_lost(e) from None
 
         why, noticed = None, False
         if snaps is not None and self._dirty:
@@ -606,6 +664,35 @@ class Trainer(StepWork):
                 return self.recover(resume, e)
         return resume
 
+    def _capacity_lost(self, error: NotEnoughDevicesError) -> CapacityLostError:
+        """The error that stops a run whose survivors cannot hold it, once its committed
+        snapshot is on disk (checkpoint_dir, else the run folder, else a new temporary
+        folder), where a run with ``resume`` goes on from it."""
+        snaps = self.snapshots
+        if snaps is None or not snaps.held:
+            kept = (
+                f"the state is still that of {self.cfg.resume}"
+                if self.cfg.resume is not None
+                else "no step's state is kept (no snapshot was taken yet); the run starts over"
+            )
+            return CapacityLostError(f"{error} The run stops: {kept} on enough devices.")
+        where = self.cfg.checkpoint_dir or (self.log.dir if self.log is not None else None)
+        folder = Path(where) if where is not None else Path(tempfile.mkdtemp(prefix="nereus-"))
+        disk = DiskCheckpoint(folder / "checkpoint.pt")
+        try:
+            disk.write(snaps, self._initial)
+        except (SnapshotLostError, WorkerLostError, WorkerTimeoutError, RemoteError, OSError) as e:
+            return CapacityLostError(
+                f"{error} The run stops, and its state could not be saved "
+                f"({type(e).__name__}: {e})."
+            )
+        return CapacityLostError(
+            f"{error} The run stops; its state after step {snaps.version} is saved in "
+            f"{disk.path}: on enough devices, run again with resume={str(disk.path)!r} "
+            f"(nereus-rl train --resume {disk.path}) and the same options to go on from "
+            f"step {snaps.version + 1}."
+        )
+
     # ------------------------------------------------------------------ loop
 
     def run(self) -> TrainResult:
@@ -613,7 +700,7 @@ class Trainer(StepWork):
         cfg = self.cfg
         self._ahead = []
         self._synced_for = None
-        step = 0
+        step = self.start_step
         while step < cfg.steps:
             try:
                 self._step(step)
