@@ -463,7 +463,14 @@ class Trainer(StepWork):
         v = snaps.version
         # no step at or before a committed one runs again
         self.drawn = {s: d for s, d in self.drawn.items() if s > v}
-        if self.cfg.checkpoint_every and (v + 1) % self.cfg.checkpoint_every == 0:
+        every = self.cfg.checkpoint_every
+        # Due when the committed step crossed a multiple of checkpoint_every since the
+        # last one written: snapshots taken every few steps (snapshot_budget) need not
+        # land on a multiple.
+        disk = self._disk_checkpoint
+        last = disk.version if disk is not None and disk.version is not None else None
+        last = self.start_step - 1 if last is None else last
+        if every and (v + 1) // every > (last + 1) // every:
             t_disk = time.perf_counter()
             try:
                 out["checkpoint_bytes"] = self._disk().write(snaps, self._initial)

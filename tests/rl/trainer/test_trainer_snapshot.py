@@ -366,6 +366,35 @@ def test_with_a_snapshot_every_third_step_a_death_rolls_back_and_runs_the_steps_
 
 
 @pytest.mark.slow
+def test_a_disk_checkpoint_is_written_each_time_a_snapshot_passes_a_multiple_of_the_interval(
+    tmp_path,
+):
+    # Snapshots every third step commit steps 2 and 5 (each recorded with the next
+    # step); checkpoint_every=2 writes both, though 2 + 1 is no multiple of 2.
+    plan = _plan((0,), (1,), (2,))
+    every = {"checkpoint_every": 2, "checkpoint_dir": str(tmp_path)}
+    cfg = TrainConfig(steps=7, adapt=False, plan=plan, devices=3, seed=5, **FAST, **every)
+    with _workers(3) as driver:
+        tr = Trainer(cfg, driver=driver)
+        try:
+            tr.start()
+            snaps = tr.snapshots
+
+            def every_third(plan, cluster, step_s, budget):
+                snaps.interval, snaps.predicted_s = 3, 0.0
+                return 3
+
+            snaps.price = every_third
+            res = tr.run()
+        finally:
+            tr.close()
+    assert res.error is None, res.error
+    written = [m for m in res.metrics if "checkpoint_bytes" in m]
+    assert len(written) == 2 and all(m["checkpoint_bytes"] > 0 for m in written), written
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["version"] == 5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [True, False], ids=["disk", "none"])
 def test_a_shard_that_lost_its_holder_and_its_mirror_comes_back_from_the_disk_checkpoint(
     tmp_path, checkpoint
