@@ -13,8 +13,10 @@ ways to carry on, each run here, one after another, in this process:
                 actor's weights, Adam moments and step); at each event the job stops
                 (every worker process exits) and a new job starts on the new device
                 set: new worker processes, the stages built again, the last checkpoint
-                loaded (written by this run, read back from disk), and the steps since
-                it run again. Process start, model build and load are measured.
+                loaded (written by this run, read back from disk: ``TrainConfig.resume``,
+                which goes on from the step after it with that step's prompts), and the
+                steps since it run again. Process start, model build and load are
+                measured.
 
 Every job (each way's first, and each restarted one) starts its workers from nothing,
 as a launched job does: a new forkserver imports torch and the worker's modules once
@@ -72,8 +74,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from nereus_rl.runtime import Driver
 from nereus_rl.trainer.trainer import TrainConfig, Trainer
@@ -315,33 +315,18 @@ def run_live(sc: Scenario, arrivals: bool, seed: int) -> dict[str, Any]:
     }
 
 
-class _Restarted(Trainer):
-    """A trainer whose job starts from a disk checkpoint written by an earlier job: the
-    actor's weights, Adam moments and step (the reference: the initial weights)."""
-
-    checkpoint: Path | None = None
-    load_s: float = 0.0
-
-    def _initial_states(self):
-        initial = super()._initial_states()
-        if self.checkpoint is None:
-            return initial
-        t0 = time.perf_counter()
-        saved = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-        self.load_s = time.perf_counter() - t0
-        return {**initial, **saved["states"]}
-
-
 def _segment(
-    sc: Scenario, devices: int, steps: int, seed: int, ckpt_dir: Path, resume: Path | None
+    sc: Scenario, devices: int, end: int, seed: int, ckpt_dir: Path, resume: Path | None
 ) -> dict[str, Any]:
     """One job of the restart baseline: start ``devices`` workers, build the stages
-    (from ``resume``'s checkpoint), run ``steps`` steps writing a checkpoint every
+    (from ``resume``'s checkpoint, ``TrainConfig.resume``: its states, and the steps from
+    the one after its own), run until step ``end`` writing a checkpoint every
     ``sc.every``, stop every worker. Returns its timings and the last checkpoint."""
     nodes = max(1, devices // sc.per_node)
     cfg = TrainConfig(
-        steps=steps, devices=devices, nodes=nodes, seed=seed, checkpoint_every=sc.every,
-        checkpoint_dir=str(ckpt_dir), **sc.options,
+        steps=end, devices=devices, nodes=nodes, seed=seed, checkpoint_every=sc.every,
+        checkpoint_dir=str(ckpt_dir), resume=None if resume is None else str(resume),
+        **sc.options,
     )  # fmt: skip
     t0 = time.perf_counter()
     driver = Driver(heartbeat_timeout=60.0, call_timeout=600.0)
@@ -349,12 +334,12 @@ def _segment(
     try:
         ranks, spawn_s = _spawn(driver, devices, new_job=True)
         parents = {_parent_pid(driver.pid(r)) for r in ranks}
-        tr = _Restarted(cfg, driver=driver)
-        tr.checkpoint = resume
         t_build = time.perf_counter()
+        tr = Trainer(cfg, driver=driver)  # reads and checks the checkpoint
         try:
             tr.start()
-            build_s = time.perf_counter() - t_build - tr.load_s
+            load_s = tr.result.timings.get("resume_s", 0.0)
+            build_s = time.perf_counter() - t_build - load_s
             t_run = time.perf_counter()
             tr.progress = lambda step, m: ends.append(time.perf_counter())
             res = tr.run()
@@ -380,7 +365,7 @@ def _segment(
         "wall_s": time.perf_counter() - t0,
         "spawn_s": spawn_s,
         "build_s": build_s,
-        "load_s": tr.load_s,
+        "load_s": load_s,
         "stop_s": stop_s,
         "run_s": run_s,
         "step_s": steps_s,
@@ -401,12 +386,12 @@ def run_restart(sc: Scenario, seed: int) -> dict[str, Any]:
     lost1 = sc.loss_at - done1
     # job 2 on the survivors, from that checkpoint, until the arrivals; a scale-up also
     # restarts from the last checkpoint (the arrivals are used only by a new job)
-    j2 = _segment(sc, sc.survivors, sc.arrive_at - done1, seed + 1, ckpt_dir, j1["checkpoint"])
-    done2 = done1 + (0 if j2["version"] is None else j2["version"] + 1)
+    j2 = _segment(sc, sc.survivors, sc.arrive_at, seed, ckpt_dir, j1["checkpoint"])
+    done2 = done1 if j2["version"] is None else j2["version"] + 1
     if j2["checkpoint"] is None:
         j2["checkpoint"] = j1["checkpoint"]
     lost2 = sc.arrive_at - done2
-    j3 = _segment(sc, sc.max_devices, sc.steps - done2, seed + 2, ckpt_dir, j2["checkpoint"])
+    j3 = _segment(sc, sc.max_devices, sc.steps, seed, ckpt_dir, j2["checkpoint"])
     jobs = [j1, j2, j3]
     total = time.perf_counter() - t_start
     for p in ckpt_dir.iterdir():
@@ -453,13 +438,12 @@ def prime(sc: Scenario, seed: int) -> None:
         driver.spawn_local(1, method="forkserver")
     finally:
         driver.shutdown()
-    for s in (seed, seed + 1, seed + 2):
-        cfg = TrainConfig(steps=sc.steps, devices=sc.devices, seed=s, **sc.options)
-        driver = Driver()
-        try:
-            Trainer(cfg, driver=driver)._initial_states()
-        finally:
-            driver.shutdown()
+    cfg = TrainConfig(steps=sc.steps, devices=sc.devices, seed=seed, **sc.options)
+    driver = Driver()
+    try:
+        Trainer(cfg, driver=driver)._initial_states()
+    finally:
+        driver.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

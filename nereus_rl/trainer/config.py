@@ -167,7 +167,7 @@ class TrainResult:
         run_dir: the run folder (None when not written).
         error: the message of the error that ended the run early, else None.
         timings: seconds of the start-up parts (spawn_s, warm_start_s, calibration_s,
-            setup_s).
+            setup_s; resume_s: reading and checking ``resume``'s checkpoint).
         calibration: the startup calibration's record (probes, measured stage seconds,
             predictions before and after), or None when it did not run.
         saves: one dict per Hugging Face save (``saved``: "final" or "step-N", ``path``:

@@ -215,10 +215,12 @@ class Trainer(StepWork):
         self._resumed: dict[str, dict[str, torch.Tensor]] | None = None
         if cfg.resume is not None:
             trained = {model for _, model, trains in stage_names(cfg.algo) if trains}
+            t0 = time.perf_counter()
             try:
                 version, self._resumed = read_checkpoint(cfg.resume, trained, cfg.steps)
             except ValueError as e:
                 raise TrainConfigError(f"resume: {e}") from None
+            self.result.timings["resume_s"] = time.perf_counter() - t0
             self.start_step = version + 1
             for done in range(self.start_step):
                 self._draw(done)
