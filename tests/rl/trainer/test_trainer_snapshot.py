@@ -330,6 +330,17 @@ def test_a_death_during_start_up_is_recovered_from_the_initial_states(fn, when):
     assert rec["step"] == 0 and rec["recovery"] == "snapshot", rec
 
 
+def _snapshot_every_third_step(tr: Trainer) -> None:
+    """Snapshots every third step, whatever they would cost (as a dear one is spaced)."""
+    snaps = tr.snapshots
+
+    def every_third(plan, cluster, step_s, budget):
+        snaps.interval, snaps.predicted_s = 3, 0.0
+        return 3
+
+    snaps.price = every_third
+
+
 @pytest.mark.slow
 def test_with_a_snapshot_every_third_step_a_death_rolls_back_and_runs_the_steps_again():
     plan = _plan((0,), (1,), (2,))
@@ -338,13 +349,7 @@ def test_with_a_snapshot_every_third_step_a_death_rolls_back_and_runs_the_steps_
         tr = Trainer(cfg, driver=driver)
         try:
             tr.start()
-            snaps = tr.snapshots
-
-            def every_third(plan, cluster, step_s, budget):
-                snaps.interval, snaps.predicted_s = 3, 0.0
-                return 3
-
-            snaps.price = every_third
+            _snapshot_every_third_step(tr)
 
             def progress(step, m):
                 if step == 3 and 2 in tr.device_worker:  # after step 3; committed: step 2
@@ -378,13 +383,7 @@ def test_a_disk_checkpoint_is_written_each_time_a_snapshot_passes_a_multiple_of_
         tr = Trainer(cfg, driver=driver)
         try:
             tr.start()
-            snaps = tr.snapshots
-
-            def every_third(plan, cluster, step_s, budget):
-                snaps.interval, snaps.predicted_s = 3, 0.0
-                return 3
-
-            snaps.price = every_third
+            _snapshot_every_third_step(tr)
             res = tr.run()
         finally:
             tr.close()
