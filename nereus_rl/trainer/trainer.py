@@ -394,7 +394,7 @@ class Trainer(StepWork):
             if cfg.algo == "ppo":
                 out["critic"] = HFWeights(src.path, seed=cfg.seed + 1)
             self.result.timings["warm_start_s"] = time.perf_counter() - t0
-            return out
+            return self._resume_over(out)
         key = (cfg.algo == "ppo", cfg.model, cfg.task, cfg.data, cfg.seed, cfg.warm_steps)
         if key not in _WARM_CACHE:
             if len(_WARM_CACHE) > 8:

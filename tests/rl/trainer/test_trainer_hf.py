@@ -427,3 +427,19 @@ def test_critic_saved_as_token_classification(tmp_path, pp):
 def test_save_every_needs_a_folder(tiny_folder):
     with pytest.raises(TrainConfigError, match="save_every needs save_dir"):
         _train(tiny_folder, save_every=1)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_run_resumes_from_its_checkpoint(folders, tmp_path):
+    opts = dict(
+        algo="grpo", model=folders["llama"], data=ARITH_WORD, reward_fn=_reward, devices=2,
+        plan=simple_plan("grpo", 2, "colocated"), steps=4, batch=4, group_size=2,
+        length_start=6, length_end=6, calibration_probes=0, adapt=False,
+        snapshot_budget=float("inf"),
+    )  # fmt: skip
+    whole = nereus_rl.train(checkpoint_every=3, checkpoint_dir=str(tmp_path), **opts)
+    resumed = nereus_rl.train(resume=str(tmp_path / "checkpoint.pt"), **opts)
+    assert whole.error is None and resumed.error is None, (whole.error, resumed.error)
+    (want,) = [(m["reward_mean"], m["loss"], m["kl"]) for m in whole.metrics if m["step"] == 3]
+    got = [(m["step"], m["reward_mean"], m["loss"], m["kl"]) for m in resumed.metrics]
+    assert got == [(3, *want)]
