@@ -47,6 +47,14 @@ def test_bad_algorithm_is_a_clear_message(capsys):
     assert out == ""  # checked before the banner
 
 
+def test_resume_from_what_is_not_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    missing = tmp_path / "checkpoint.pt"
+    assert main(["train", "--resume", str(missing), "--steps", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"resume={str(missing)!r} is not a file" in err and "Traceback" not in err
+
+
 def test_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
     path = tmp_path / "a_file"
     path.write_text("x")
