@@ -17,15 +17,15 @@ ways to carry on, each run here, one after another, in this process:
                 which goes on from the step after it with that step's prompts), and the
                 steps since it run again. Process start, model build and load are
                 measured.
+    fixed       live recovery as nereus, the arrivals left unused (the survivors only).
+
+Every run uses the same options (adaptive planner, fixed response length, the
+in-memory snapshot every step); only the events' handling differs.
 
 Every job (each way's first, and each restarted one) starts its workers from nothing,
 as a launched job does: a new forkserver imports torch and the worker's modules once
 and forks the job's workers (the wall of one process start, as a cluster's nodes start
 theirs side by side). The arrivals fork from the running job's forkserver.
-    fixed       live recovery as nereus, the arrivals left unused (the survivors only).
-
-Every run uses the same options (adaptive planner, fixed response length, the
-in-memory snapshot every step); only the events' handling differs.
 
 Reported per run: total wall time to finish (from the first worker's start to the last
 step's end, less the arrivals' own process start, which on a cluster runs on the new
