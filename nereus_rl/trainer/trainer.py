@@ -470,8 +470,8 @@ class Trainer(StepWork):
         # last one written: snapshots taken every few steps (snapshot_budget) need not
         # land on a multiple.
         disk = self._disk_checkpoint
-        last = disk.version if disk is not None and disk.version is not None else None
-        last = self.start_step - 1 if last is None else last
+        written = disk is not None and disk.version is not None
+        last = disk.version if written else self.start_step - 1
         if every and (v + 1) // every > (last + 1) // every:
             t_disk = time.perf_counter()
             try:
@@ -481,16 +481,20 @@ class Trainer(StepWork):
             out["checkpoint_s"] = time.perf_counter() - t_disk
         return out
 
+    def _checkpoint_dir(self) -> Path | None:
+        """Where disk checkpoints go: checkpoint_dir, else the run folder (None: neither)."""
+        if self.cfg.checkpoint_dir is not None:
+            return Path(self.cfg.checkpoint_dir)
+        return None if self.log is None else Path(self.log.dir)
+
     def _disk(self) -> DiskCheckpoint:
         if self._disk_checkpoint is None:
-            where = self.cfg.checkpoint_dir
-            if where is None and self.log is not None:
-                where = self.log.dir
+            where = self._checkpoint_dir()
             if where is None:
                 raise TrainConfigError(
                     "checkpoint_every needs checkpoint_dir, or a run folder to write to"
                 )
-            self._disk_checkpoint = DiskCheckpoint(Path(where) / "checkpoint.pt")
+            self._disk_checkpoint = DiskCheckpoint(where / "checkpoint.pt")
         return self._disk_checkpoint
 
     def _price_snapshot(self, step: int) -> float:
@@ -676,31 +680,37 @@ class Trainer(StepWork):
     def _capacity_lost(self, error: NotEnoughDevicesError) -> CapacityLostError:
         """The error that stops a run whose survivors cannot hold it, once its committed
         snapshot is on disk (checkpoint_dir, else the run folder, else a new temporary
-        folder), where a run with ``resume`` goes on from it."""
+        folder), where a run with ``resume`` goes on from it. If the snapshot cannot be
+        written (a shard lost both copies), an older disk checkpoint, else the resumed
+        one, is where the run goes on from."""
         snaps = self.snapshots
-        if snaps is None or not snaps.held:
-            kept = (
-                f"the state is still that of {self.cfg.resume}"
-                if self.cfg.resume is not None
-                else "no step's state is kept (no snapshot was taken yet); the run starts over"
+        saved, why = None, "no snapshot was taken yet"
+        if snaps is not None and snaps.held:
+            disk = DiskCheckpoint(
+                (self._checkpoint_dir() or Path(tempfile.mkdtemp(prefix="nereus-")))
+                / "checkpoint.pt"
             )
-            return CapacityLostError(f"{error} The run stops: {kept} on enough devices.")
-        where = self.cfg.checkpoint_dir or (self.log.dir if self.log is not None else None)
-        folder = Path(where) if where is not None else Path(tempfile.mkdtemp(prefix="nereus-"))
-        disk = DiskCheckpoint(folder / "checkpoint.pt")
-        try:
-            disk.write(snaps, self._initial)
-        except (SnapshotLostError, WorkerLostError, WorkerTimeoutError, RemoteError, OSError) as e:
+            try:
+                disk.write(snaps, self._initial)
+                saved = disk
+            except (SnapshotLostError, WorkerLostError, WorkerTimeoutError, RemoteError,
+                    OSError) as e:  # fmt: skip
+                why = f"its last snapshot could not be saved ({type(e).__name__}: {e})"
+        older = self._disk_checkpoint
+        if saved is None and older is not None and older.exists():
+            saved = older
+        if saved is not None:
             return CapacityLostError(
-                f"{error} The run stops, and its state could not be saved "
-                f"({type(e).__name__}: {e})."
+                f"{error} The run stops; its state after step {saved.version} is saved in "
+                f"{saved.path}: on enough devices, run again with resume={str(saved.path)!r} "
+                f"(nereus-rl train --resume {saved.path}) and the same options to go on from "
+                f"step {saved.version + 1}."
             )
-        return CapacityLostError(
-            f"{error} The run stops; its state after step {snaps.version} is saved in "
-            f"{disk.path}: on enough devices, run again with resume={str(disk.path)!r} "
-            f"(nereus-rl train --resume {disk.path}) and the same options to go on from "
-            f"step {snaps.version + 1}."
-        )
+        if self.cfg.resume is not None:
+            kept = f"{why}; its state is still that of {self.cfg.resume}"
+        else:
+            kept = f"{why}, and nothing is on disk: the run starts over"
+        return CapacityLostError(f"{error} The run stops: {kept} on enough devices.")
 
     # ------------------------------------------------------------------ loop
 

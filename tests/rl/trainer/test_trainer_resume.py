@@ -9,11 +9,14 @@ for the steps before the checkpoint's.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_trainer_recovery import FAST, _plan, _workers
 
 import nereus_rl
+from nereus_rl.trainer.snapshot import DiskCheckpoint, SnapshotLostError
 from nereus_rl.trainer.trainer import (
     CapacityLostError,
     NotEnoughDevicesError,
@@ -112,3 +115,38 @@ def test_survivors_that_cannot_hold_the_run_stop_it_with_its_state_on_disk(tmp_p
     resumed = nereus_rl.train(devices=4, steps=5, plan=plan, nodes=2, resume=str(path), **OPTS)
     assert whole.error is None and resumed.error is None, (whole.error, resumed.error)
     assert {s: v for s, v in _steps(whole).items() if s >= 3} == _steps(resumed)
+
+
+def test_when_the_snapshot_cannot_be_saved_the_run_points_at_what_is_on_disk(tmp_path):
+    """What the stop names when the survivors' snapshot cannot be written: the last disk
+    checkpoint, else the checkpoint the run resumed from, else nothing (the trainer's
+    state stands in for a run here: only what _capacity_lost reads)."""
+
+    def lost(lost, initial):  # the holder and the mirror of a shard both died
+        raise SnapshotLostError("shard 0 of 'actor_train' lost both copies")
+
+    driver = SimpleNamespace(check_liveness=lambda: ())
+    snaps = SimpleNamespace(held={"actor_train": object()}, full_states=lost,
+                            group=SimpleNamespace(driver=driver))  # fmt: skip
+    older = DiskCheckpoint(tmp_path / "checkpoint.pt")
+    torch.save({"version": 4, "states": {}}, older.path)
+    older.version = 4
+    cfg = SimpleNamespace(checkpoint_dir=str(tmp_path / "new"), resume=None)
+    run = SimpleNamespace(snapshots=snaps, _disk_checkpoint=older, cfg=cfg, log=None,
+                          _initial={})  # fmt: skip
+    run._checkpoint_dir = lambda: Trainer._checkpoint_dir(run)
+    err = NotEnoughDevicesError("2 devices cannot hold grpo on tiny.")
+
+    said = str(Trainer._capacity_lost(run, err))
+    assert "after step 4 is saved in" in said and f"resume={str(older.path)!r}" in said
+    assert not (tmp_path / "new" / "checkpoint.pt").exists()  # nothing half written
+    run._disk_checkpoint = None
+    cfg.resume = "/runs/a/checkpoint.pt"
+    said = str(Trainer._capacity_lost(run, err))
+    assert "could not be saved (SnapshotLostError" in said
+    assert "still that of /runs/a/checkpoint.pt" in said
+    cfg.resume = None
+    said = str(Trainer._capacity_lost(run, err))
+    assert "nothing is on disk: the run starts over" in said
+    run.snapshots = None
+    assert "no snapshot was taken yet" in str(Trainer._capacity_lost(run, err))
