@@ -154,10 +154,8 @@ def local_address() -> str | None:
         found = socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)
     except OSError:
         return None
-    for family, _, _, _, sockaddr in found:
-        if family in (socket.AF_INET, socket.AF_INET6) and _usable(sockaddr[0]):
-            return _usable(sockaddr[0])
-    return None
+    usable = (_usable(a[4][0]) for a in found if a[0] in (socket.AF_INET, socket.AF_INET6))
+    return next((u for u in usable if u is not None), None)
 
 
 def _record(address: str | None, port: int, nonce: bytes) -> torch.Tensor:

@@ -28,6 +28,7 @@ exits 0. Well under 3 minutes on an H200.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -245,10 +246,8 @@ def trainer_check(steps: int = 3, ray: bool = True) -> dict:
     if not ray:
         out["ray"] = {"skipped": "--skip-ray"}
     else:
-        try:
-            import ray as _  # noqa: F401
-        except ImportError as e:
-            out["ray"] = {"skipped": f"ray not importable: {e}"}
+        if importlib.util.find_spec("ray") is None:
+            out["ray"] = {"skipped": "ray is not installed"}
         else:
             runs["ray"] = {"device": "cuda", "launcher": "ray"}
     for kind, how in runs.items():

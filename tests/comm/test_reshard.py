@@ -320,7 +320,10 @@ def _over_ipv6(ctx: WorkerContext, cases, seed: int) -> list[dict]:
         rows = _run_cases(ctx, cases, seed, routes=("net",))
         return [{**row, "net_address": _net_for(ctx.scratch["transport"]).address} for row in rows]
     finally:
-        os.environ[NET_ADDRESS_ENV] = before[0] or "127.0.0.1"
+        if before[0] is None:
+            os.environ.pop(NET_ADDRESS_ENV)
+        else:
+            os.environ[NET_ADDRESS_ENV] = before[0]
         ctx.scratch["transport"] = before[1]
 
 
